@@ -1,0 +1,28 @@
+"""How the one fitted constant of the A100 description was chosen.
+
+Scans matmul_efficiency (the achievable fraction of the 312 TFLOP/s fp16 peak on large GEMMs) on a
+0.01 grid and prints mean and max |error| of the planner against Narayanan et al. SC'21 Table 1, all
+ten rows together. Every other number of the system file comes from a datasheet or nccl-tests-class
+measurement. Run: python bench/plan_fit_a100.py
+"""
+import dataclasses
+
+from podscale.plan import validate
+from podscale.plan.hardware import load_system
+
+
+def main():
+    base = load_system("dgx-a100-80g")
+    print(f"{'matmul_eff':>10} {'mean|err|':>10} {'max|err|':>9}  per-row error %")
+    for i in range(60, 81):
+        e = i / 100
+        system = dataclasses.replace(base, device=dataclasses.replace(base.device, matmul_efficiency=e))
+        rows = validate.table1(system)
+        mean, worst = validate.summary(rows)
+        mark = "  <- catalog" if abs(e - base.device.matmul_efficiency) < 1e-9 else ""
+        print(f"{e:>10.2f} {100 * mean:>9.2f}% {100 * worst:>8.2f}%  "
+              + " ".join(f"{100 * r.error:+.1f}" for r in rows) + mark)
+
+
+if __name__ == "__main__":
+    main()

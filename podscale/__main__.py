@@ -1,0 +1,5 @@
+import sys
+
+from podscale.cli import main
+
+sys.exit(main())

@@ -1,0 +1,173 @@
+"""The ``podscale`` command: train, launch, report, export, plan."""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+from pathlib import Path
+
+from podscale.config import Config, ConfigError, load_config
+from podscale.runtime.env import under_launcher
+
+
+def _fail(message: str, code: int = 2) -> int:
+    print(f"podscale: error: {message}", file=sys.stderr)
+    return code
+
+
+def _train_entry(config_json: str, resume: bool) -> dict:
+    """What each spawned worker runs (module level, so the elastic agent can start it by spawn)."""
+    from podscale.train.loop import run_worker
+    return run_worker(Config.model_validate_json(config_json), resume)
+
+
+def cmd_train(args) -> int:
+    overrides = list(args.set or [])
+    if args.nproc is not None:
+        overrides.append(f"parallel.nproc={args.nproc}")
+    if args.steps is not None:
+        overrides.append(f"run.steps={args.steps}")
+    if args.name is not None:
+        overrides.append(f"run.name='{args.name}'")
+    if args.out_dir is not None:
+        overrides.append(f"run.out_dir='{args.out_dir}'")
+    if args.max_restarts < 0:
+        return _fail(f"--max-restarts={args.max_restarts} must be >= 0")
+    try:
+        cfg = load_config(args.config, overrides)
+        cfg.check_layout(int(os.environ["WORLD_SIZE"]) if under_launcher() else cfg.parallel.nproc)
+    except ConfigError as err:
+        return _fail(str(err))
+
+    from podscale.train import checkpoint
+    ckpts = cfg.run_dir / "checkpoints"
+    if args.fresh and args.resume:
+        return _fail("--fresh and --resume contradict each other: pass one of them")
+    if checkpoint.completed(ckpts) and not (args.resume or args.fresh):
+        return _fail(f"run directory '{cfg.run_dir}' already has checkpoints: pass --resume to continue it, "
+                     f"--fresh to start over, or choose another run.name")
+
+    if under_launcher():  # already a torchrun worker: join the job instead of spawning
+        from podscale.train.loop import run_worker
+        run_worker(cfg, args.resume)
+        return 0
+
+    if args.fresh and cfg.run_dir.exists():
+        shutil.rmtree(cfg.run_dir)
+    cfg.run_dir.mkdir(parents=True, exist_ok=True)
+    (cfg.run_dir / "config.json").write_text(cfg.model_dump_json(indent=1))
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from podscale.runtime.launcher import launch
+    try:
+        results = launch(_train_entry, (cfg.model_dump_json(), args.resume), nproc=cfg.parallel.nproc,
+                         max_restarts=args.max_restarts, host=args.host, port=args.port)
+    except ChildFailedError as err:
+        failures = "; ".join(f"rank {r}: exit {f.exitcode}" for r, f in err.failures.items())
+        return _fail(f"training failed ({failures}); logs above. Resume with --resume", code=1)
+    summary = results[0]
+    print(f"podscale: done: {summary['steps']} steps, final loss {summary['final_loss']:.4f}"
+          + (f", val loss {summary['val_loss']:.4f}" if summary.get("val_loss") is not None else "")
+          + f"; metrics and checkpoints in {summary['run_dir']}")
+    return 0
+
+
+def cmd_launch(args) -> int:
+    script = Path(args.script)
+    if not script.is_file():
+        return _fail(f"script '{script}' does not exist: give the path of a Python file")
+    if args.nproc < 1:
+        return _fail(f"-n {args.nproc} must be at least 1")
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from podscale.runtime.launcher import launch
+    try:
+        launch(sys.executable, (str(script), *args.script_args), nproc=args.nproc,
+               max_restarts=args.max_restarts, host=args.host, port=args.port)
+    except ChildFailedError as err:
+        failures = "; ".join(f"rank {r}: exit {f.exitcode}" for r, f in err.failures.items())
+        return _fail(f"{script} failed ({failures})", code=1)
+    return 0
+
+
+def cmd_report(args) -> int:
+    from podscale.train.report import write_report
+    try:
+        paths = write_report(Path(args.run_dir), Path(args.out) if args.out else None)
+    except (FileNotFoundError, ValueError) as err:
+        return _fail(str(err))
+    for p in paths:
+        print(p)
+    return 0
+
+
+def cmd_export(args) -> int:
+    from podscale.train import checkpoint
+    path = Path(args.checkpoint)
+    if (path / "checkpoints").is_dir():
+        path = path / "checkpoints"
+    if not (path / "meta.json").is_file():
+        found = checkpoint.latest(path)
+        if found is None:
+            return _fail(f"no checkpoint in '{args.checkpoint}': give a run directory or a step_XXXXXXXX folder")
+        path = found
+    out = checkpoint.export(path, Path(args.out))
+    print(f"podscale: exported {path} to {out}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="podscale", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    t = sub.add_parser("train", help="train the GPT of a TOML config on local worker processes")
+    t.add_argument("config", nargs="?", help="TOML config (default: the bundled examples/gpt-small.toml)")
+    t.add_argument("--nproc", type=int, help="local worker processes (overrides parallel.nproc)")
+    t.add_argument("--steps", type=int, help="training steps (overrides run.steps)")
+    t.add_argument("--name", help="run name (overrides run.name)")
+    t.add_argument("--out-dir", help="folder of run directories (overrides run.out_dir)")
+    t.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE", help="override any config key")
+    t.add_argument("--resume", action="store_true", help="continue from the run's latest checkpoint")
+    t.add_argument("--fresh", action="store_true", help="delete the run directory and start over")
+    t.add_argument("--max-restarts", type=int, default=0, help="restarts of the worker group on failure")
+    t.add_argument("--host", default="127.0.0.1", help="rendezvous address (default: loopback only)")
+    t.add_argument("--port", type=int, default=None, help="rendezvous port (default: a free one)")
+    t.set_defaults(func=cmd_train)
+
+    la = sub.add_parser("launch", help="run a Python script on N local workers (like torchrun)")
+    la.add_argument("-n", "--nproc", type=int, default=2)
+    la.add_argument("--max-restarts", type=int, default=0)
+    la.add_argument("--host", default="127.0.0.1")
+    la.add_argument("--port", type=int, default=None)
+    la.add_argument("script")
+    la.add_argument("script_args", nargs=argparse.REMAINDER)
+    la.set_defaults(func=cmd_launch)
+
+    r = sub.add_parser("report", help="write PNG plots of a run's loss and throughput")
+    r.add_argument("run_dir")
+    r.add_argument("--out", help="folder for the plots (default: the run directory)")
+    r.set_defaults(func=cmd_report)
+
+    e = sub.add_parser("export", help="consolidate a checkpoint's model into one plain torch file")
+    e.add_argument("checkpoint", help="a run directory or one of its checkpoints/step_XXXXXXXX folders")
+    e.add_argument("out", help="output file, e.g. model.pt")
+    e.set_defaults(func=cmd_export)
+
+    try:
+        from podscale.plan.cli import add_plan_parser
+    except ImportError:
+        add_plan_parser = None
+    if add_plan_parser is not None:
+        add_plan_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "plan_func", None) is not None and args.command == "plan":
+        return args.plan_func(args)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

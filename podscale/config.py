@@ -1,0 +1,228 @@
+"""The run configuration: TOML validated by pydantic, with one-line errors that name the key and the fix.
+
+Every check that can be made before workers start is made here: unknown keys, types and ranges, layouts
+that do not fit the number of processes, batches that do not divide, data paths that do not exist.
+``load_config`` raises :class:`ConfigError`; the CLI prints its one line and exits with code 2.
+"""
+from __future__ import annotations
+
+import math
+import os
+import tomllib
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+Precision = Literal["fp32", "bf16", "fp16"]
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot run; the message is one line that names the key and the fix."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class RunSection(_Section):
+    name: str = Field("gpt-small", min_length=1, pattern=r"^[A-Za-z0-9_.-]+$")
+    out_dir: str = "runs"
+    steps: int = Field(200, ge=1)
+    seed: int = Field(1337, ge=0)
+    log_every: int = Field(10, ge=1)
+    eval_every: int = Field(0, ge=0, description="0 disables periodic validation")
+    eval_batches: int = Field(4, ge=1)
+    sample_tokens: int = Field(0, ge=0, description="bytes of text sampled at the end of the run")
+
+
+class ModelSection(_Section):
+    n_layer: int = Field(4, ge=1)
+    n_head: int = Field(4, ge=1)
+    n_embd: int = Field(128, ge=1)
+    block_size: int = Field(128, ge=2)
+    vocab_size: int = Field(256, ge=2)
+    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    bias: bool = True
+
+    @model_validator(mode="after")
+    def _heads_divide(self):
+        if self.n_embd % self.n_head:
+            raise ValueError(f"model.n_embd={self.n_embd} is not divisible by model.n_head={self.n_head}: "
+                             "choose n_embd as a multiple of n_head")
+        return self
+
+
+class DataSection(_Section):
+    path: str | None = Field(None, description="UTF-8/bytes corpus; none = the Python standard library's source")
+    val_fraction: float = Field(0.1, gt=0.0, lt=0.5)
+
+
+class ParallelSection(_Section):
+    nproc: int = Field(2, ge=1, le=4096, description="local worker processes spawned by `podscale train`")
+    dp: int | None = Field(None, ge=1, description="data-parallel size; default: what pp, ep and tp leave")
+    tp: int = Field(1, ge=1)
+    pp: int = Field(1, ge=1)
+    ep: int = Field(1, ge=1)
+    bucket_mb: float = Field(25.0, gt=0.0)
+
+
+class TrainSection(_Section):
+    global_batch: int = Field(16, ge=1, description="sequences per optimizer step, over all dp ranks")
+    micro_batch: int = Field(8, ge=1, description="sequences per forward/backward on one rank")
+    lr: float = Field(1e-3, gt=0.0, lt=1.0)
+    min_lr: float = Field(1e-4, ge=0.0)
+    warmup_steps: int = Field(10, ge=0)
+    decay_steps: int | None = Field(None, ge=1, description="cosine decay length; default run.steps")
+    weight_decay: float = Field(0.1, ge=0.0)
+    beta1: float = Field(0.9, ge=0.0, lt=1.0)
+    beta2: float = Field(0.95, ge=0.0, lt=1.0)
+    eps: float = Field(1e-8, gt=0.0)
+    grad_clip: float = Field(1.0, ge=0.0, description="global-norm clipping; 0 disables")
+    precision: Precision = "fp32"
+    reduce_dtype: Literal["fp32", "bf16", "fp16"] | None = None
+    loss_scale_init: float = Field(2.0**16, gt=0.0)
+    loss_scale_window: int = Field(1000, ge=1)
+
+    @model_validator(mode="after")
+    def _lr_range(self):
+        if self.min_lr > self.lr:
+            raise ValueError(f"train.min_lr={self.min_lr} exceeds train.lr={self.lr}: set min_lr <= lr")
+        return self
+
+
+class CheckpointSection(_Section):
+    every: int = Field(0, ge=0, description="save every N steps; 0 = only at the end")
+    keep: int = Field(3, ge=1)
+    at_end: bool = True
+
+
+class Config(_Section):
+    run: RunSection = RunSection()
+    model: ModelSection = ModelSection()
+    data: DataSection = DataSection()
+    parallel: ParallelSection = ParallelSection()
+    train: TrainSection = TrainSection()
+    checkpoint: CheckpointSection = CheckpointSection()
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.run.out_dir) / self.run.name
+
+    @property
+    def dp(self) -> int:
+        p = self.parallel
+        return p.dp if p.dp is not None else p.nproc // (p.pp * p.ep * p.tp)
+
+    @property
+    def grad_accum(self) -> int:
+        return self.train.global_batch // (self.dp * self.train.micro_batch)
+
+    def mesh_sizes(self) -> dict[str, int]:
+        p = self.parallel
+        return {"pp": p.pp, "dp": self.dp, "ep": p.ep, "tp": p.tp}
+
+    def check_layout(self, world_size: int) -> None:
+        """Raise ConfigError unless the layout and batch fit ``world_size`` processes."""
+        p, t = self.parallel, self.train
+        inner = p.pp * p.ep * p.tp
+        if p.dp is None and world_size % inner:
+            raise ConfigError(f"parallel: pp*ep*tp={inner} does not divide {world_size} processes: "
+                              f"use a process count that is a multiple of {inner}")
+        if math.prod(self.mesh_sizes().values()) != world_size:
+            raise ConfigError(f"parallel: pp*dp*ep*tp={math.prod(self.mesh_sizes().values())} but there are "
+                              f"{world_size} processes: set parallel.dp={world_size // inner} or "
+                              f"parallel.nproc={math.prod(self.mesh_sizes().values())}")
+        if t.global_batch % (self.dp * t.micro_batch):
+            raise ConfigError(f"train.global_batch={t.global_batch} is not divisible by dp*micro_batch="
+                              f"{self.dp}*{t.micro_batch}: make global_batch a multiple of "
+                              f"{self.dp * t.micro_batch}")
+        if p.tp > 1 or p.pp > 1 or p.ep > 1:
+            raise ConfigError("parallel.tp/pp/ep > 1 are not available in this version: set them to 1 "
+                              "(data parallelism over all processes)")
+
+
+def _where(loc: tuple) -> str:
+    return ".".join(str(x) for x in loc if not str(x).startswith("function-after"))
+
+
+def _one_line(err: ValidationError) -> str:
+    e = err.errors()[0]
+    key = _where(e["loc"])
+    if e["type"] == "extra_forbidden":
+        section = ".".join(str(x) for x in e["loc"][:-1])
+        valid = _known_keys(section)
+        return f"unknown key '{key}': valid keys{' in [' + section + ']' if section else ''} are {valid}"
+    msg = e["msg"].removeprefix("Value error, ")
+    if key:
+        return f"{key}: {msg} (got {e.get('input')!r})" if "input" in e and not isinstance(
+            e.get("input"), dict) else f"{key}: {msg}"
+    return msg
+
+
+def _known_keys(section: str) -> str:
+    model = Config
+    for part in filter(None, section.split(".")):
+        model = model.model_fields[part].annotation
+    return ", ".join(model.model_fields)
+
+
+def parse_config(data: dict, base_dir: Path | None = None) -> Config:
+    """Validate a config mapping; relative data paths resolve against ``base_dir``."""
+    try:
+        cfg = Config.model_validate(data)
+    except ValidationError as err:
+        raise ConfigError(_one_line(err)) from None
+    if cfg.data.path is not None:
+        path = Path(os.path.expanduser(cfg.data.path))
+        if not path.is_absolute() and base_dir is not None and not path.exists():
+            path = base_dir / path
+        if not path.is_file():
+            raise ConfigError(f"data.path: file '{cfg.data.path}' does not exist: point it at a text corpus, "
+                              "or remove data.path to train on the Python standard library's source")
+        if path.stat().st_size < 2 * (cfg.model.block_size + 1) * 10:
+            raise ConfigError(f"data.path: '{cfg.data.path}' is too small for block_size "
+                              f"{cfg.model.block_size}: use a larger corpus or a smaller model.block_size")
+        cfg.data.path = str(path.resolve())
+    if cfg.train.decay_steps is None:
+        cfg.train.decay_steps = cfg.run.steps
+    return cfg
+
+
+def load_config(path: str | os.PathLike | None, overrides: list[str] = ()) -> Config:
+    """Read and validate a TOML config (``None``: the bundled example), then apply ``key=value`` overrides."""
+    if path is None:
+        from importlib import resources
+        text = resources.files("podscale").joinpath("examples/gpt-small.toml").read_text()
+        data, base = tomllib.loads(text), None
+    else:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file '{path}' does not exist: give the path of a TOML config "
+                              "(see examples/gpt-small.toml)")
+        try:
+            data = tomllib.loads(p.read_text())
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as err:
+            raise ConfigError(f"config file '{path}' is not valid TOML ({err}): fix the syntax") from None
+        base = p.parent
+    for item in overrides:
+        apply_override(data, item)
+    return parse_config(data, base)
+
+
+def apply_override(data: dict, item: str) -> None:
+    """Apply ``section.key=value`` (value parsed as TOML, else taken as a string) to ``data`` in place."""
+    if "=" not in item:
+        raise ConfigError(f"override '{item}' must look like section.key=value, e.g. train.lr=3e-4")
+    key, raw = item.split("=", 1)
+    parts = key.strip().split(".")
+    if len(parts) != 2 or not all(parts):
+        raise ConfigError(f"override key '{key}' must be section.key, e.g. run.steps=50")
+    try:
+        value = tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw
+    section = data.setdefault(parts[0], {})
+    if not isinstance(section, dict):
+        raise ConfigError(f"override '{item}': '{parts[0]}' is not a section")
+    section[parts[1]] = value

@@ -1,0 +1,30 @@
+"""``predict``: one layout of one model on one system -> Prediction (memory, step time, throughput)."""
+from __future__ import annotations
+
+from .dlrm_cost import predict_dlrm
+from .gpt_cost import predict_gpt
+from .hardware import System, load_system
+from .layout import Layout, layout_from_dict
+from .models import DLRM, GPT, get_model, model_from_dict
+from .prediction import Prediction
+
+
+def predict(system: System | str, devices: int, model, layout: Layout | dict, batch: int) -> Prediction:
+    """Predict one layout. ``system`` is a System or a catalog name, ``model`` a GPT/DLRM, a preset
+    name or a dict, ``layout`` a Layout or a dict in the trainer's vocabulary."""
+    if isinstance(system, str):
+        system = load_system(system)
+    if isinstance(model, str):
+        model = get_model(model)
+    elif isinstance(model, dict):
+        model = model_from_dict(model)
+    if isinstance(layout, dict):
+        layout = layout_from_dict(layout)
+    system.check_devices(devices)
+    if batch < 1:
+        raise ValueError(f"--batch must be >= 1, got {batch}")
+    if isinstance(model, DLRM):
+        return predict_dlrm(system, devices, model, layout, batch)
+    if isinstance(model, GPT):
+        return predict_gpt(system, devices, model, layout, batch)
+    raise TypeError(f"cannot predict a {type(model).__name__}")

@@ -1,0 +1,248 @@
+"""Step time and memory of a (dense or MoE) GPT under a tp x pp x dp x ep layout.
+
+The step of one pipeline rank is built from per-micro-batch pieces (Narayanan et al. SC'21, Sec. 2-3):
+
+    t_mb   = forward + backward (+ recompute) of its layers, tensor-parallel all-reduces, MoE
+             all-to-alls, pipeline sends              (the slowest stage sets the pace)
+    step   = t_mb * (m + (p - 1)/v)                   (bubble (p-1)/(v m) of 1F1B / interleaved / GPipe)
+           + exposed data-parallel gradient reduction + optimizer step + offload traffic
+
+FLOPs per layer and micro-batch of b sequences (forward; backward = 2 x forward):
+    24 b s h^2 (ffn = 4h, dense) + 4 b s^2 h (attention scores and values)
+and the vocabulary projection 2 b s h V on the last stage; with full recompute one more forward,
+which yields Narayanan's 96 B s l h^2 (1 + s/6h + V/16lh) per iteration.
+
+Memory-bound work per layer, forward, in bytes (fp16 activations), counted kernel by kernel as
+Megatron-LM runs them (read inputs + write outputs):
+    2 layer norms (4 sbh each) + 2 fused bias-dropout-add (7 sbh each)  = 22 sbh  (replicated over tp
+                                                                                   without seq. par.)
+    bias + GeLU (4 sb ffn), layout copies of Q/K/V/context (8 sbh)      / t
+    fused scale-mask-softmax (4 a s^2 b) + attention dropout (5 a s^2 b) / t
+backward moves about twice the forward bytes. These counts are fixed, not fitted.
+"""
+from __future__ import annotations
+
+import math
+
+from . import network as net
+from .compute import gemm_time, stream_time
+from .hardware import System
+from .layout import Layout, LayoutError
+from .memory import activation_bytes_per_layer, pipeline_inflight_layers, zero_model_state_bytes
+from .models import GPT
+from .prediction import Prediction
+
+ADAM_BYTES_PER_PARAM = 30      # fp32 master r/w, m r/w, v r/w, grad read, fp16 param write
+CROSS_ENTROPY_BYTES = 36       # per logit, fwd + bwd: fp16 -> fp32 cast, max, exp, sum, grad
+BWD_OVER_FWD = 2.0             # backward = two GEMMs per forward GEMM, ~2x element-wise traffic
+
+
+def check_gpt_layout(system: System, devices: int, model: GPT, layout: Layout, batch: int) -> int:
+    """Validate the layout against model and system; return the number of micro-batches."""
+    if layout.devices != devices:
+        raise LayoutError(f"tp*pp*dp*ep = {layout.tp}*{layout.pp}*{layout.dp}*{layout.ep} = {layout.devices} "
+                          f"but --devices is {devices}; make the product equal the device count")
+    if model.heads % layout.tp:
+        raise LayoutError(f"tp={layout.tp} does not divide the {model.heads} attention heads; "
+                          f"choose tp among {[d for d in range(1, model.heads + 1) if model.heads % d == 0][:12]}")
+    if model.ffn % layout.tp:
+        raise LayoutError(f"tp={layout.tp} does not divide ffn={model.ffn}")
+    if model.layers % (layout.pp * layout.interleave):
+        raise LayoutError(f"pp*interleave = {layout.pp * layout.interleave} does not divide the "
+                          f"{model.layers} layers; each virtual stage needs a whole number of layers")
+    if layout.ep > 1 and (model.experts == 1 or model.experts % layout.ep):
+        raise LayoutError(f"ep={layout.ep} needs an MoE model whose experts ({model.experts}) it divides")
+    if system.data_parallel_only and (layout.tp, layout.pp, layout.ep) != (1, 1, 1):
+        raise LayoutError(f"system {system.name} runs data parallelism only (weight streaming); "
+                          "use tp=1, pp=1, ep=1")
+    m = layout.num_microbatches(batch)
+    if layout.pp > 1 and layout.schedule == "interleaved" and m % layout.pp:
+        raise LayoutError(f"the interleaved schedule needs the number of micro-batches ({m}) to be a "
+                          f"multiple of pp ({layout.pp})")
+    return m
+
+
+def _layer_times(system: System, model: GPT, lay: Layout, moe: bool) -> dict:
+    """Per-device seconds of one layer for one micro-batch: forward GEMMs, attention part,
+    element-wise, tensor-parallel and expert-parallel communication per pass."""
+    dev = system.device
+    b, s, h, a, f, t = lay.microbatch, model.seq, model.hidden, model.heads, model.ffn, lay.tp
+    tokens = b * s
+    scale = model.top_k * model.capacity_factor if moe else 1.0
+    dense = gemm_time(dev, tokens, 3 * h / t, h) + gemm_time(dev, tokens, h, h / t)
+    if moe:
+        local_experts = model.experts / lay.ep
+        m_exp = tokens * scale * lay.ep / model.experts      # tokens each local expert receives
+        dense += gemm_time(dev, m_exp, f / t, h, batch=local_experts)
+        dense += gemm_time(dev, m_exp, h, f / t, batch=local_experts)
+        dense += gemm_time(dev, tokens, model.experts, h)     # router
+    else:
+        dense += gemm_time(dev, tokens, f / t, h) + gemm_time(dev, tokens, h, f / t)
+    heads_local = b * a / t
+    attn = gemm_time(dev, s, s, h / a, batch=heads_local) + gemm_time(dev, s, h / a, s, batch=heads_local)
+    sbh = tokens * h
+    replicated = 22 * sbh / (t if lay.sequence_parallel else 1)
+    sharded = (4 * f / h * scale + 8) * sbh / t
+    softmax = 9 * a * s * s * b / t
+    ew = stream_time(dev, replicated + sharded)
+    ew_attn = stream_time(dev, softmax)
+    act_bytes = 2 * sbh                                       # fp16 [s, b, h] tensor
+    tp_ar = net.all_reduce_time(system, act_bytes, t, 1) if t > 1 else 0.0
+    a2a = net.all_to_all_time(system, act_bytes * scale, lay.ep, t) if moe and lay.ep > 1 else 0.0
+    return {"gemm": dense, "attn": attn + ew_attn, "ew": ew, "tp_ar": tp_ar, "a2a": a2a}
+
+
+def predict_gpt(system: System, devices: int, model: GPT, lay: Layout, batch: int) -> Prediction:
+    m = check_gpt_layout(system, devices, model, lay, batch)
+    dev = system.device
+    b, s, h, V, t, p, v = lay.microbatch, model.seq, model.hidden, model.vocab, lay.tp, lay.pp, lay.interleave
+    L = model.layers
+    per_dev_layers = L // p
+    moe_frac = model.moe_layers / L
+    dense_t = _layer_times(system, model, lay, moe=False)
+    moe_t = _layer_times(system, model, lay, moe=True) if model.moe_layers else dense_t
+
+    def per_layer(key):  # average over dense and MoE layers of this stage
+        return (1 - moe_frac) * dense_t[key] + moe_frac * moe_t[key]
+
+    gemm, attn, ew = per_layer("gemm"), per_layer("attn"), per_layer("ew")
+    fwd = gemm + attn + ew
+    recompute = {"none": 0.0, "selective": attn, "full": fwd}[lay.recompute]
+    n_tp = 4 + (2 if lay.recompute == "full" else 0)      # all-reduces (or AG+RS pairs) per layer
+    tp_comm = n_tp * per_layer("tp_ar")
+    ep_comm = n_tp * moe_frac * moe_t["a2a"]
+    # Last stage: vocabulary projection and cross-entropy (Megatron places them there).
+    logits_elems = b * s * V / t
+    head = 3 * gemm_time(dev, b * s, V / t, h) + stream_time(dev, CROSS_ENTROPY_BYTES * logits_elems)
+    head += 2 * net.all_reduce_time(system, 4 * b * s, t, 1) if t > 1 else 0.0   # vocab-parallel CE
+    act_msg = 2 * b * s * h / t            # scatter-gather send of one micro-batch boundary (Sec. 4.1)
+    stride_pp = lay.dp * lay.ep * t
+    p2p = 2 * v * net.p2p_time(system, act_msg, stride_pp) if p > 1 else 0.0
+
+    comp_fwd = per_dev_layers * fwd
+    comp_bwd = per_dev_layers * BWD_OVER_FWD * fwd
+    comp_rec = per_dev_layers * recompute
+    comm_tp = per_dev_layers * (tp_comm + ep_comm)
+    t_mb = comp_fwd + comp_bwd + comp_rec + comm_tp + head + p2p
+    bubble = t_mb * (p - 1) / v
+
+    # Parameters held by the heaviest device (first/last stage also hold the embedding).
+    dense_layer = model.layer_params(moe=False)
+    moe_layer = model.layer_params(moe=True) if model.moe_layers else dense_layer
+    expert_params = (moe_layer - dense_layer) if model.moe_layers else 0
+    stage_dense = per_dev_layers * ((1 - moe_frac) * dense_layer + moe_frac * (moe_layer - expert_params)) / t
+    stage_dense += model.embedding_params / t if p == 1 else model.vocab * h / t
+    stage_expert = per_dev_layers * moe_frac * expert_params / t / lay.ep
+    dpe, dp_stride = lay.data_parallel, t
+    grad_bytes = 2 * stage_dense
+    expert_grad_bytes = 2 * stage_expert
+
+    # Data-parallel gradient reduction: all-reduce (ZeRO 0), reduce-scatter + all-gather (1, 2),
+    # reduce-scatter + per-micro-batch parameter all-gathers (3). Overlapped with the backward of
+    # the last micro-batch when buckets are reduced as they fill.
+    dp_red = net.all_reduce_time(system, grad_bytes, dpe, dp_stride)
+    if stage_expert and lay.dp > 1:
+        dp_red += net.all_reduce_time(system, expert_grad_bytes, lay.dp, lay.ep * t)
+    zero3_gather = 0.0
+    if lay.zero_stage == 3:
+        gathers = 2 + (1 if lay.recompute == "full" else 0)
+        per_gather = net.all_gather_time(system, grad_bytes, dpe, dp_stride)
+        # Prefetching hides a gather behind the compute of the same pass.
+        zero3_gather = m * gathers * max(0.0, per_gather - (comp_fwd + comp_bwd) / gathers)
+    if p > 1:   # tied input/output embedding gradients between first and last stage
+        dp_red += net.all_reduce_time(system, 2 * model.vocab * h / t, 2, (p - 1) * stride_pp)
+    window = comp_bwd if lay.overlap_grad_reduce else 0.0
+    last_bucket = dp_red / max(per_dev_layers, 1)
+    dp_exposed = max(dp_red - window, last_bucket if lay.overlap_grad_reduce else dp_red) + zero3_gather
+
+    shard = 1 if lay.zero_stage == 0 else dpe
+    local_params = (stage_dense + stage_expert) / shard
+    optimizer = 0.0 if lay.offload_optimizer != "none" else stream_time(dev, ADAM_BYTES_PER_PARAM * local_params)
+    offload = _offload_time(system, lay, local_params, stage_dense + stage_expert, m, comp_fwd + comp_bwd)
+
+    breakdown = {
+        "forward": m * comp_fwd, "backward": m * comp_bwd, "recompute": m * comp_rec,
+        "tp_communication": m * per_dev_layers * tp_comm, "ep_communication": m * per_dev_layers * ep_comm,
+        "output_layer": m * head, "pp_p2p": m * p2p, "pipeline_bubble": bubble,
+        "dp_communication": dp_exposed, "optimizer": optimizer, "offload": offload,
+    }
+    step = sum(breakdown.values())
+
+    # Memory: first stage (most activations in flight) vs last stage (logits buffer).
+    mlp_scale = model.top_k * model.capacity_factor if model.moe_layers else 1.0
+    act_kw = dict(seq=s, microbatch=b, hidden=h, heads=model.heads, tp=t,
+                  sequence_parallel=lay.sequence_parallel, ffn=model.ffn)
+    act_layer = ((1 - moe_frac) * activation_bytes_per_layer(recompute=lay.recompute, **act_kw)
+                 + moe_frac * activation_bytes_per_layer(recompute=lay.recompute, mlp_scale=mlp_scale, **act_kw))
+    inflight = pipeline_inflight_layers(per_dev_layers, p, m, lay.schedule, v)
+    working = 0.0
+    if lay.recompute == "full":   # one layer re-materialised during its backward
+        working = activation_bytes_per_layer(recompute="none", mlp_scale=mlp_scale, **act_kw)
+    states = zero_model_state_bytes(stage_dense, dpe, lay.zero_stage, lay.offload_optimizer, lay.offload_param)
+    if stage_expert:
+        es = zero_model_state_bytes(stage_expert, lay.dp, lay.zero_stage, lay.offload_optimizer, lay.offload_param)
+        states = type(states)(states.device + es.device, states.host + es.host, states.nvme + es.nvme)
+    gathered = 2 * 2 * moe_layer / t if lay.zero_stage == 3 else 0.0    # current + prefetched layer
+    logits_buf = 6 * logits_elems          # fp16 logits + fp32 softmax of the vocab-parallel loss
+    first = act_layer * inflight + working
+    last = act_layer * (per_dev_layers if p > 1 else inflight) + working + logits_buf
+    activations = max(first, last)
+    memory = {"model_states": states.device, "activations": activations - (logits_buf if last >= first else 0),
+              "logits": logits_buf if last >= first else 0.0, "zero3_gathered": gathered,
+              "reserved": dev.reserved_bytes}
+    total_mem = sum(memory.values())
+
+    if system.data_parallel_only:
+        _weight_streaming(system, model, breakdown, memory, m, comp_fwd + comp_bwd + comp_rec)
+        step, total_mem = sum(breakdown.values()), sum(memory.values())
+        states = type(states)(memory["model_states"], 0.0, 0.0)
+
+    tokens = batch * s
+    # 8 T h^2 (QKV, output), 4 T s h (scores, values), 4 T h ffn (MLP; top_k experts per token in MoE)
+    mlp_fwd = 4 * tokens * h * model.ffn * (1 - moe_frac + moe_frac * model.top_k)
+    layer_fwd_flops = 8 * tokens * h * h + 4 * tokens * s * h + mlp_fwd
+    head_flops = 6 * tokens * h * V
+    model_flops = 3 * L * layer_fwd_flops + head_flops
+    extra = {"none": 0.0, "selective": L * 4 * tokens * s * h, "full": L * layer_fwd_flops}[lay.recompute]
+    notes = []
+    if total_mem > dev.memory_bytes:
+        notes.append(f"does not fit: needs {total_mem / 2**30:.1f} GiB of {dev.memory_bytes / 2**30:.1f} GiB")
+    return Prediction(
+        system=system.name, devices=devices, batch=batch, model=model.name, layout=lay.to_dict(),
+        step_time_s=step, time_breakdown_s=breakdown, memory_per_device_bytes=total_mem,
+        memory_breakdown_bytes=memory, memory_capacity_bytes=dev.memory_bytes,
+        host_memory_per_device_bytes=states.host, hardware_flops_per_step=model_flops + extra,
+        model_flops_per_step=model_flops, tokens_per_step=tokens, peak_flops_per_device=dev.peak_flops,
+        notes=notes)
+
+
+def _offload_time(system: System, lay: Layout, local_params: float, stage_params: float, m: int,
+                  compute_per_mb: float) -> float:
+    """ZeRO-Offload / ZeRO-Infinity traffic that the step waits for (Ren et al. 2021; Rajbhandari et al.
+    2021): the optimizer partition's gradients go down and parameters come back over PCIe, CPU Adam
+    streams its state through host memory (shared by the node's devices), NVMe adds a read and a write
+    of the 12-byte state; offloaded parameters are fetched every pass, hidden behind compute if fast."""
+    host, per_node = system.host, system.devices_per_node
+    t = 0.0
+    if lay.offload_optimizer != "none":
+        t += 4 * local_params / max(host.pcie_bw, 1.0)
+        t += ADAM_BYTES_PER_PARAM * local_params / max(host.memory_bw / per_node, 1.0)
+        if lay.offload_optimizer == "nvme":
+            t += 2 * 12 * local_params / max(host.nvme_bw / per_node, 1.0)
+    if lay.offload_param != "none":
+        bw = host.pcie_bw if lay.offload_param == "cpu" else min(host.pcie_bw, host.nvme_bw / per_node)
+        fetch = 2 * 2 * stage_params / lay.data_parallel / max(bw, 1.0)
+        t += m * max(0.0, fetch - compute_per_mb)
+    return t
+
+
+def _weight_streaming(system: System, model: GPT, breakdown: dict, memory: dict, m: int,
+                      compute_per_mb: float) -> None:
+    """Cerebras weight streaming (Hot Chips 33): per micro-batch every layer's fp16 weights stream in
+    for the forward and again for the backward, and fp16 gradients stream out to SwarmX/MemoryX,
+    which reduces them across wafers and runs the optimizer. Streaming overlaps compute layer by layer,
+    so only the excess is exposed; the wafer holds activations plus the layer in flight."""
+    stream = 6 * model.params / system.stream.effective
+    breakdown["dp_communication"] = m * max(0.0, stream - compute_per_mb) + system.stream.latency * model.layers
+    breakdown["optimizer"] = 0.0
+    memory["model_states"] = 2 * 2 * model.layer_params(moe=model.moe_layers > 0)

@@ -1,0 +1,197 @@
+"""Hardware catalog: accelerators, nodes, networks and the systems built from them.
+
+Every built-in system is a TOML file in ``podscale/plan/systems/`` whose numbers carry their source
+in a comment. Users add their own systems as TOML files with the same keys, either passed by path
+(``--system my-cluster.toml``) or dropped into ``$PODSCALE_CACHE/systems/`` (default
+``~/.cache/podscale/systems/``). The special name ``local`` reads the file written by
+``podscale plan calibrate`` (``$PODSCALE_CACHE/local.toml``).
+
+Units inside TOML are the ones datasheets use (TFLOP/s, GiB, GB/s, microseconds); the dataclasses
+below hold SI units (FLOP/s, bytes, bytes/s, seconds) so the cost model never converts.
+"""
+from __future__ import annotations
+
+import os
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+GiB = 1024**3
+GB = 1e9
+
+BUILTIN_DIR = Path(__file__).with_name("systems")
+TOPOLOGIES = ("switch", "fat-tree", "torus", "weight-streaming", "host")
+
+
+class CatalogError(ValueError):
+    """A system name or file that cannot be used; the message says how to fix it."""
+
+
+def cache_dir() -> Path:
+    """Where calibration results and user systems live: ``$PODSCALE_CACHE`` or ``~/.cache/podscale``."""
+    return Path(os.environ.get("PODSCALE_CACHE", Path.home() / ".cache" / "podscale"))
+
+
+@dataclass(frozen=True)
+class Device:
+    name: str
+    peak_flops: float            # dense 16-bit matmul peak, FLOP/s
+    memory_bytes: float
+    memory_bw: float             # bytes/s
+    matmul_efficiency: float     # achievable fraction of peak on large GEMMs
+    memory_efficiency: float     # achievable fraction of memory bandwidth on streaming kernels
+    reserved_bytes: float        # runtime overhead never available to the model
+    # Measured matmul throughput by shape (local calibration only): tuples (m, n, k, flop/s).
+    matmul_table: tuple = ()
+
+
+@dataclass(frozen=True)
+class Link:
+    """One class of link as seen by one device: bandwidth per direction, achievable fraction, latency."""
+
+    bandwidth: float             # bytes/s per device per direction
+    efficiency: float
+    latency: float               # seconds per message (per ring step)
+
+    @property
+    def effective(self) -> float:
+        return self.bandwidth * self.efficiency
+
+
+@dataclass(frozen=True)
+class Host:
+    memory_bytes: float
+    memory_bw: float
+    pcie_bw: float               # bytes/s per device, host <-> device
+    nvme_bw: float               # bytes/s per node
+
+
+@dataclass(frozen=True)
+class System:
+    name: str
+    description: str
+    topology: str
+    device: Device
+    devices_per_node: int
+    max_devices: int             # 0: unbounded (nodes on a switched fabric)
+    host: Host
+    intra: Link | None = None    # inside a node (NVLink/NVSwitch, shared memory)
+    inter: Link | None = None    # across nodes, per device's share of the node's NICs
+    torus: tuple = ()            # torus dimensions, fastest-varying first (TPU)
+    ici: Link | None = None      # one torus link (TPU); a ring uses both directions
+    stream: Link | None = None   # weight-streaming I/O per wafer (Cerebras)
+    source: str = ""             # file the description came from
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def data_parallel_only(self) -> bool:
+        return self.topology == "weight-streaming"
+
+    def check_devices(self, devices: int) -> None:
+        """Raise CatalogError when ``devices`` cannot be built from this system."""
+        if devices < 1:
+            raise CatalogError(f"--devices must be >= 1, got {devices}")
+        if self.max_devices and devices > self.max_devices:
+            raise CatalogError(
+                f"system {self.name} has at most {self.max_devices} devices, asked for {devices}; "
+                "use a larger system or fewer devices")
+        if self.topology in ("switch", "fat-tree") and devices > self.devices_per_node \
+                and devices % self.devices_per_node:
+            raise CatalogError(
+                f"{devices} devices of {self.name} is not a whole number of {self.devices_per_node}-device "
+                f"nodes; use a multiple of {self.devices_per_node}")
+
+
+def _link(table: dict, key: str = "bandwidth_gbps") -> Link:
+    return Link(bandwidth=float(table[key]) * GB, efficiency=float(table.get("efficiency", 1.0)),
+                latency=float(table.get("latency_us", 0.0)) * 1e-6)
+
+
+def system_from_dict(data: dict, source: str = "") -> System:
+    """Build a System from the parsed TOML schema used by the files in ``plan/systems``."""
+    try:
+        dev = data["device"]
+        topology = data.get("topology", "switch")
+        if topology not in TOPOLOGIES:
+            raise CatalogError(f"{source}: topology must be one of {', '.join(TOPOLOGIES)}, got {topology!r}")
+        table = tuple(tuple(float(x) for x in row) for row in dev.get("matmul_table", ()))
+        device = Device(
+            name=str(dev.get("name", data["name"])),
+            peak_flops=float(dev["peak_tflops"]) * 1e12,
+            memory_bytes=float(dev["memory_gib"]) * GiB,
+            memory_bw=float(dev["memory_bw_gbps"]) * GB,
+            matmul_efficiency=float(dev.get("matmul_efficiency", 1.0)),
+            memory_efficiency=float(dev.get("memory_efficiency", 1.0)),
+            reserved_bytes=float(dev.get("reserved_gib", 0.0)) * GiB,
+            matmul_table=table,
+        )
+        h = data.get("host", {})
+        host = Host(memory_bytes=float(h.get("memory_gib", 0)) * GiB,
+                    memory_bw=float(h.get("memory_bw_gbps", 0)) * GB,
+                    pcie_bw=float(h.get("pcie_gbps", 0)) * GB, nvme_bw=float(h.get("nvme_gbps", 0)) * GB)
+        system = System(
+            name=str(data["name"]), description=str(data.get("description", "")), topology=topology,
+            device=device, devices_per_node=int(data.get("devices_per_node", 1)),
+            max_devices=int(data.get("max_devices", 0)), host=host,
+            intra=_link(data["intra_node"]) if "intra_node" in data else None,
+            inter=_link(data["inter_node"]) if "inter_node" in data else None,
+            torus=tuple(int(x) for x in data.get("torus", ())),
+            ici=_link(data["ici"], "link_gbps") if "ici" in data else None,
+            stream=_link(data["stream"], "io_gbps") if "stream" in data else None,
+            source=source, extra={k: v for k, v in data.items() if k == "calibration"},
+        )
+    except KeyError as e:
+        raise CatalogError(f"system file {source or '<dict>'} lacks key {e.args[0]!r}") from None
+    if system.topology in ("switch", "fat-tree", "host") and (system.intra is None or system.inter is None):
+        raise CatalogError(f"system {system.name}: topology {system.topology} needs [intra_node] and [inter_node]")
+    if system.topology == "torus" and (not system.torus or system.ici is None):
+        raise CatalogError(f"system {system.name}: topology torus needs torus = [..] and [ici]")
+    if system.topology == "weight-streaming" and system.stream is None:
+        raise CatalogError(f"system {system.name}: topology weight-streaming needs [stream]")
+    return system
+
+
+def load_system_file(path: str | os.PathLike) -> System:
+    path = Path(path)
+    try:
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+    except FileNotFoundError:
+        raise CatalogError(f"system file {path} does not exist") from None
+    except tomllib.TOMLDecodeError as e:
+        raise CatalogError(f"system file {path} is not valid TOML: {e}") from None
+    return system_from_dict(data, str(path))
+
+
+def _user_dir() -> Path:
+    return cache_dir() / "systems"
+
+
+def system_names() -> list[str]:
+    """Built-in names, then user systems, then ``local``."""
+    names = sorted(p.stem for p in BUILTIN_DIR.glob("*.toml"))
+    if _user_dir().is_dir():
+        names += sorted(p.stem for p in _user_dir().glob("*.toml") if p.stem not in names)
+    return names + ["local"]
+
+
+def local_system_path() -> Path:
+    return cache_dir() / "local.toml"
+
+
+def load_system(name: str) -> System:
+    """Resolve a system by name (built-in, user, ``local``) or by a path to a TOML file."""
+    if name.endswith(".toml") or os.sep in name:
+        return load_system_file(name)
+    if name == "local":
+        path = local_system_path()
+        if not path.exists():
+            raise CatalogError(f"system 'local' is not calibrated yet ({path} missing); "
+                               "run `podscale plan calibrate` first")
+        return load_system_file(path)
+    for folder in (BUILTIN_DIR, _user_dir()):
+        path = folder / f"{name}.toml"
+        if path.exists():
+            return load_system_file(path)
+    raise CatalogError(f"unknown system {name!r}; known systems: {', '.join(system_names())} "
+                       "(or pass a path to a TOML system file)")

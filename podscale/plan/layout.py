@@ -1,0 +1,106 @@
+"""A parallel layout, in the trainer's vocabulary.
+
+Mesh axes ``pp, dp, ep, tp`` (outermost to innermost), so devices = pp * dp * ep * tp. Expert
+parallelism splits the batch like data parallelism for the dense layers (they are replicated over
+dp * ep) and shards the experts over ep. ``microbatch`` is the micro-batch size per pipeline
+micro-step, and the global batch = dp * ep * microbatch * num_microbatches.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+
+RECOMPUTE = ("none", "selective", "full")
+OFFLOAD = ("none", "cpu", "nvme")
+SCHEDULES = ("gpipe", "1f1b", "interleaved")
+
+
+class LayoutError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class Layout:
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    ep: int = 1
+    microbatch: int = 1
+    interleave: int = 1
+    schedule: str = ""            # "" -> 1f1b, or interleaved when interleave > 1
+    recompute: str = "none"
+    sequence_parallel: bool = False
+    zero_stage: int = 0
+    offload_optimizer: str = "none"
+    offload_param: str = "none"
+    overlap_grad_reduce: bool = True
+
+    def __post_init__(self):
+        for f in ("tp", "pp", "dp", "ep", "microbatch", "interleave"):
+            v = getattr(self, f)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise LayoutError(f"layout {f!r} must be a positive integer, got {v!r}")
+        sched = self.schedule or ("interleaved" if self.interleave > 1 else "1f1b")
+        object.__setattr__(self, "schedule", sched)
+        if sched not in SCHEDULES:
+            raise LayoutError(f"schedule must be one of {SCHEDULES}, got {sched!r}")
+        if (sched == "interleaved") != (self.interleave > 1):
+            raise LayoutError("schedule 'interleaved' needs interleave > 1 and interleave > 1 needs it")
+        if self.recompute not in RECOMPUTE:
+            raise LayoutError(f"recompute must be one of {RECOMPUTE}, got {self.recompute!r}")
+        if self.zero_stage not in (0, 1, 2, 3):
+            raise LayoutError(f"zero_stage must be 0, 1, 2 or 3, got {self.zero_stage!r}")
+        for f in ("offload_optimizer", "offload_param"):
+            if getattr(self, f) not in OFFLOAD:
+                raise LayoutError(f"{f} must be one of {OFFLOAD}, got {getattr(self, f)!r}")
+        if self.offload_param != "none" and self.zero_stage != 3:
+            raise LayoutError("offload_param needs zero_stage 3 (only ZeRO-3 partitions parameters)")
+        if self.offload_optimizer != "none" and self.zero_stage == 0:
+            raise LayoutError("offload_optimizer needs zero_stage >= 1")
+        if self.sequence_parallel and self.tp == 1:
+            raise LayoutError("sequence_parallel needs tp > 1")
+
+    @property
+    def devices(self) -> int:
+        return self.tp * self.pp * self.dp * self.ep
+
+    @property
+    def data_parallel(self) -> int:
+        """Replicas of the dense weights: the batch is split dp * ep ways."""
+        return self.dp * self.ep
+
+    def num_microbatches(self, batch: int) -> int:
+        per = self.data_parallel * self.microbatch
+        if batch % per:
+            raise LayoutError(f"global batch {batch} is not a multiple of dp*ep*microbatch = {per}")
+        return batch // per
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def short(self) -> str:
+        s = f"tp{self.tp} pp{self.pp} dp{self.dp}"
+        if self.ep > 1:
+            s += f" ep{self.ep}"
+        s += f" mb{self.microbatch}"
+        if self.interleave > 1:
+            s += f" v{self.interleave}"
+        if self.schedule == "gpipe":
+            s += " gpipe"
+        if self.zero_stage:
+            s += f" z{self.zero_stage}"
+        if self.recompute != "none":
+            s += f" rc-{self.recompute}"
+        if self.sequence_parallel:
+            s += " sp"
+        return s
+
+
+def layout_from_dict(data: dict) -> Layout:
+    known = {f.name for f in fields(Layout)}
+    unknown = set(data) - known
+    if unknown:
+        raise LayoutError(f"unknown layout keys {sorted(unknown)}; allowed: {sorted(known)}")
+    missing = {"tp", "pp", "dp", "microbatch"} - set(data)
+    if missing:
+        raise LayoutError(f"layout lacks keys {sorted(missing)} (need tp, pp, dp, microbatch)")
+    return Layout(**data)

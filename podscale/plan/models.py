@@ -1,0 +1,190 @@
+"""Model descriptions for the planner: dense and MoE GPT by dimensions, DLRM by tables and MLPs.
+
+Parameter counts follow Narayanan et al., "Efficient Large-Scale Language Model Training on GPU
+Clusters Using Megatron-LM" (SC'21), Sec. 5.1: P = 12 l h^2 (1 + 13/(12h) + (V + s)/(12 l h)) for a
+GPT with ffn = 4h; with a general ffn the per-layer weight count is 4h^2 + 2 h ffn (+ biases and
+layer norms, 9h + ffn).
+"""
+from __future__ import annotations
+
+import json
+import tomllib
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+
+
+class ModelError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class GPT:
+    """Decoder-only transformer. ``experts > 1`` makes every ``moe_every``-th MLP a GShard MoE layer
+    (Lepikhin et al. 2020) with ``top_k`` routing and ``capacity_factor`` padding."""
+
+    layers: int
+    hidden: int
+    heads: int
+    seq: int
+    vocab: int
+    ffn: int = 0                  # 0 -> 4 * hidden
+    experts: int = 1
+    top_k: int = 1
+    capacity_factor: float = 1.0
+    moe_every: int = 1
+    name: str = "custom"
+    kind: str = "gpt"
+
+    def __post_init__(self):
+        for f in ("layers", "hidden", "heads", "seq", "vocab"):
+            v = getattr(self, f)
+            if not isinstance(v, int) or v < 1:
+                raise ModelError(f"model field {f!r} must be a positive integer, got {v!r}")
+        if self.hidden % self.heads:
+            raise ModelError(f"hidden {self.hidden} is not divisible by heads {self.heads}")
+        if self.ffn == 0:
+            object.__setattr__(self, "ffn", 4 * self.hidden)
+
+    @property
+    def moe_layers(self) -> int:
+        return self.layers // self.moe_every if self.experts > 1 else 0
+
+    def layer_params(self, moe: bool = False) -> int:
+        h, f = self.hidden, self.ffn
+        attn = 4 * h * h + 4 * h              # QKV + output projection with biases
+        mlp = 2 * h * f + f + h
+        norms = 4 * h
+        if moe:
+            return attn + norms + self.experts * mlp + h * self.experts  # + router
+        return attn + mlp + norms
+
+    @property
+    def embedding_params(self) -> int:
+        return self.vocab * self.hidden + self.seq * self.hidden   # tied output layer
+
+    @property
+    def params(self) -> int:
+        dense_layers = self.layers - self.moe_layers
+        return (dense_layers * self.layer_params() + self.moe_layers * self.layer_params(moe=True)
+                + self.embedding_params + 2 * self.hidden)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class DLRM:
+    """Deep Learning Recommendation Model (Naumov et al. 2019): sparse features looked up in embedding
+    tables (rows x dim), a bottom MLP on dense features, pairwise dot interactions, a top MLP."""
+
+    tables: tuple                 # ((rows, dim), ...)
+    bottom_mlp: tuple             # layer widths, first = number of dense features
+    top_mlp: tuple                # layer widths after the interaction, last = 1
+    lookups_per_table: int = 1    # pooling factor (ids per sample per table)
+    name: str = "dlrm"
+    kind: str = "dlrm"
+
+    @property
+    def embedding_params(self) -> int:
+        return sum(r * d for r, d in self.tables)
+
+    @property
+    def mlp_params(self) -> int:
+        total = 0
+        for widths in (self.bottom_mlp, self.interaction_mlp_widths):
+            total += sum(a * b + b for a, b in zip(widths[:-1], widths[1:]))
+        return total
+
+    @property
+    def interaction_mlp_widths(self) -> tuple:
+        dim = self.bottom_mlp[-1]
+        f = len(self.tables) + 1
+        return (dim + f * (f - 1) // 2,) + tuple(self.top_mlp)
+
+    @property
+    def params(self) -> int:
+        return self.embedding_params + self.mlp_params
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _gpt(name, layers, hidden, heads, seq=2048, vocab=51200, **kw) -> GPT:
+    return GPT(layers=layers, hidden=hidden, heads=heads, seq=seq, vocab=vocab, name=name, **kw)
+
+
+# Narayanan et al. SC'21 Table 1 (seq 2048, vocab 51,200): name -> (heads, hidden, layers).
+MEGATRON_TABLE1 = {
+    "megatron-1.7b": (24, 2304, 24), "megatron-3.6b": (32, 3072, 30), "megatron-7.5b": (32, 4096, 36),
+    "megatron-18b": (48, 6144, 40), "megatron-39b": (64, 8192, 48), "megatron-76b": (80, 10240, 60),
+    "megatron-146b": (96, 12288, 80), "megatron-310b": (128, 16384, 96),
+    "megatron-530b": (128, 20480, 105), "megatron-1t": (160, 25600, 128),
+}
+
+PRESETS: dict = {name: _gpt(name, l, h, a) for name, (a, h, l) in MEGATRON_TABLE1.items()}
+PRESETS.update({
+    # GPT-3 175B (Brown et al. 2020, Table 2.1): 96 layers, d_model 12288, 96 heads, context 2048;
+    # Megatron trains it with the padded 51,200-token GPT-2 vocabulary (50,257 real tokens).
+    "gpt-175b": _gpt("gpt-175b", 96, 12288, 96),
+    "gpt-13b": _gpt("gpt-13b", 40, 5120, 40),
+    "gpt-1.3b": _gpt("gpt-1.3b", 24, 2048, 16),
+    # LLaMA (Touvron et al. 2023): SwiGLU MLP has 3 matrices of h x ffn; ffn = 3/2 * listed size gives
+    # the same weights and FLOPs in our 2-matrix form (7B: 11008 -> 16512; 70B: 28672 -> 43008).
+    "llama-7b": _gpt("llama-7b", 32, 4096, 32, seq=4096, vocab=32000, ffn=16512),
+    "llama-13b": _gpt("llama-13b", 40, 5120, 40, seq=4096, vocab=32000, ffn=20736),
+    "llama-70b": _gpt("llama-70b", 80, 8192, 64, seq=4096, vocab=32000, ffn=43008),
+    # GShard-style MoE: a 1.3B dense trunk with 64 experts in every other layer, top-2, capacity 1.25.
+    "moe-1.3b-64e": _gpt("moe-1.3b-64e", 24, 2048, 16, experts=64, top_k=2, capacity_factor=1.25,
+                         moe_every=2),
+    # DLRM as in the MLPerf Training recommendation benchmark (Criteo 1TB): 26 tables of dim 128,
+    # bottom MLP 13-512-256-128, top MLP 1024-1024-512-256-1. Row counts are the MLPerf (capped at
+    # 40M) table sizes, rounded.
+    "dlrm-mlperf": DLRM(
+        tables=tuple((r, 128) for r in (
+            39884406, 39043, 17289, 7420, 20263, 3, 7120, 1543, 63, 38532951, 2953546, 403346, 10,
+            2208, 11938, 155, 4, 976, 14, 39979771, 25641295, 39664984, 585935, 12972, 108, 36)),
+        bottom_mlp=(13, 512, 256, 128), top_mlp=(1024, 1024, 512, 256, 1), name="dlrm-mlperf"),
+})
+
+
+def model_from_dict(data: dict, name: str = "custom"):
+    """Build a model from a JSON/TOML mapping; ``kind`` selects gpt (default) or dlrm."""
+    data = dict(data)
+    kind = data.pop("kind", "gpt")
+    data.setdefault("name", name)
+    cls = {"gpt": GPT, "dlrm": DLRM}.get(kind)
+    if cls is None:
+        raise ModelError(f"model kind must be 'gpt' or 'dlrm', got {kind!r}")
+    known = {f.name for f in fields(cls)} - {"kind"}
+    unknown = set(data) - known
+    if unknown:
+        raise ModelError(f"unknown model keys {sorted(unknown)}; allowed: {sorted(known)}")
+    if cls is GPT:
+        missing = {"layers", "hidden", "heads", "seq", "vocab"} - set(data)
+        if missing:
+            raise ModelError(f"model lacks keys {sorted(missing)} (need layers, hidden, heads, seq, vocab)")
+    else:
+        data["tables"] = tuple(tuple(t) for t in data["tables"])
+        data["bottom_mlp"], data["top_mlp"] = tuple(data["bottom_mlp"]), tuple(data["top_mlp"])
+    try:
+        return cls(**data)
+    except TypeError as e:
+        raise ModelError(str(e)) from None
+
+
+def get_model(spec: str):
+    """A preset name, a JSON object literal, or a path to a .json/.toml model file."""
+    spec = spec.strip()
+    if spec in PRESETS:
+        return PRESETS[spec]
+    if spec.startswith("{"):
+        try:
+            return model_from_dict(json.loads(spec))
+        except json.JSONDecodeError as e:
+            raise ModelError(f"--model is not valid JSON: {e}") from None
+    path = Path(spec)
+    if path.suffix in (".json", ".toml") and path.exists():
+        data = json.loads(path.read_text()) if path.suffix == ".json" else tomllib.loads(path.read_text())
+        return model_from_dict(data.get("model", data), path.stem)
+    raise ModelError(f"unknown model {spec!r}; presets: {', '.join(PRESETS)} "
+                     "(or a JSON object / .json / .toml file with layers, hidden, heads, seq, vocab)")

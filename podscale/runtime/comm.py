@@ -1,0 +1,205 @@
+"""Instrumented collectives: every byte podscale moves between ranks goes through here.
+
+Each call names the mesh axis (or axes) it runs on and records, per ``(axis, op)``, the number of calls,
+the bytes each rank puts on the wire by the ring algorithm's count (all-reduce ``2(n-1)/n * size``,
+all-gather and reduce-scatter ``(n-1)/n * full size``, all-to-all ``(n-1)/n * size``), the time
+from launch to completion ("busy") and the time the caller was blocked waiting ("exposed").  Exposed time
+is what overlap did not hide; busy time is what the planner's cost model is calibrated against.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class OpStats:
+    calls: int = 0
+    bytes: int = 0
+    busy_s: float = 0.0
+    exposed_s: float = 0.0
+
+
+@dataclass
+class CommStats:
+    """Per-(axis, op) communication counters; ``snapshot`` then ``reset`` once per step."""
+
+    ops: dict[tuple[str, str], OpStats] = field(default_factory=lambda: defaultdict(OpStats))
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def record(self, axis: str, op: str, nbytes: int, busy: float = 0.0, exposed: float = 0.0) -> None:
+        with self._lock:
+            s = self.ops[(axis, op)]
+            s.calls += 1
+            s.bytes += int(nbytes)
+            s.busy_s += busy
+            s.exposed_s += exposed
+
+    def add_time(self, axis: str, op: str, busy: float = 0.0, exposed: float = 0.0) -> None:
+        with self._lock:
+            s = self.ops[(axis, op)]
+            s.busy_s += busy
+            s.exposed_s += exposed
+
+    def snapshot(self) -> dict[str, dict[str, float]]:
+        """``{"dp/all_reduce": {"calls", "bytes", "busy_s", "exposed_s"}, ...}``."""
+        with self._lock:
+            return {f"{a}/{o}": vars(s).copy() for (a, o), s in sorted(self.ops.items())}
+
+    def totals(self) -> dict[str, float]:
+        with self._lock:
+            return {
+                "bytes": sum(s.bytes for s in self.ops.values()),
+                "busy_s": sum(s.busy_s for s in self.ops.values()),
+                "exposed_s": sum(s.exposed_s for s in self.ops.values()),
+            }
+
+    def per_axis(self) -> dict[str, dict[str, float]]:
+        out: dict[str, dict[str, float]] = {}
+        with self._lock:
+            for (axis, _), s in self.ops.items():
+                a = out.setdefault(axis, {"bytes": 0, "busy_s": 0.0, "exposed_s": 0.0})
+                a["bytes"] += s.bytes
+                a["busy_s"] += s.busy_s
+                a["exposed_s"] += s.exposed_s
+        return out
+
+    def reset(self) -> None:
+        with self._lock:
+            self.ops.clear()
+
+
+class Handle:
+    """An in-flight collective; ``wait()`` blocks and books the blocked time as exposed."""
+
+    def __init__(self, work, stats: CommStats, axis: str, op: str, start: float, after=None):
+        self._work, self._stats, self._axis, self._op = work, stats, axis, op
+        self._start, self._after, self._done, self._timed = start, after, False, False
+        if work is not None:
+            try:
+                fut = work.get_future()
+            except RuntimeError:  # some gloo collectives have no future; busy time is then taken at wait()
+                fut = None
+            if fut is not None:
+                # Completion is timed on the communication thread, so busy time excludes overlap gaps.
+                self._timed = True
+                fut.add_done_callback(lambda _f: stats.add_time(axis, op, busy=time.perf_counter() - start))
+
+    def wait(self):
+        if self._done:
+            return
+        t0 = time.perf_counter()
+        if self._work is not None:
+            self._work.wait()
+        now = time.perf_counter()
+        busy = 0.0 if self._timed or self._work is None else now - self._start
+        self._stats.add_time(self._axis, self._op, busy=busy, exposed=now - t0)
+        self._done = True
+        if self._after is not None:
+            self._after()
+
+
+def _axis_name(axes) -> str:
+    return axes if isinstance(axes, str) else "+".join(axes)
+
+
+def _group(mesh, axes):
+    return mesh.group(*((axes,) if isinstance(axes, str) else axes))
+
+
+def _size(mesh, axes) -> int:
+    return mesh.size(*((axes,) if isinstance(axes, str) else axes))
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _issue(mesh, axes, op, nbytes, fn, async_op):
+    name = _axis_name(axes)
+    start = time.perf_counter()
+    work = fn()
+    mesh.stats.record(name, op, nbytes)
+    h = Handle(work, mesh.stats, name, op, start)
+    if async_op:
+        return h
+    h.wait()
+    return None
+
+
+def all_reduce(t: torch.Tensor, mesh, axes, op=dist.ReduceOp.SUM, async_op: bool = False):
+    """In-place all-reduce of ``t`` over ``axes``; returns a Handle when ``async_op``."""
+    n = _size(mesh, axes)
+    if n == 1:
+        return Handle(None, mesh.stats, _axis_name(axes), "all_reduce", 0.0) if async_op else None
+    g = _group(mesh, axes)
+    return _issue(mesh, axes, "all_reduce", 2 * (n - 1) * _nbytes(t) // n,
+                  lambda: dist.all_reduce(t, op=op, group=g, async_op=True), async_op)
+
+
+def all_gather(out: torch.Tensor, shard: torch.Tensor, mesh, axes, async_op: bool = False):
+    """Gather equal ``shard``s of every rank on ``axes`` into the flat ``out`` (rank-major)."""
+    n = _size(mesh, axes)
+    if n == 1:
+        out.copy_(shard.reshape(out.shape))
+        return Handle(None, mesh.stats, _axis_name(axes), "all_gather", 0.0) if async_op else None
+    g = _group(mesh, axes)
+    return _issue(mesh, axes, "all_gather", (n - 1) * _nbytes(out) // n,
+                  lambda: dist.all_gather_single(out, shard, group=g, async_op=True), async_op)
+
+
+def reduce_scatter(out: torch.Tensor, full: torch.Tensor, mesh, axes, op=dist.ReduceOp.SUM,
+                   async_op: bool = False):
+    """Reduce ``full`` over ``axes`` and leave this rank's equal slice (rank-major) in ``out``."""
+    n = _size(mesh, axes)
+    if n == 1:
+        out.copy_(full.reshape(out.shape))
+        return Handle(None, mesh.stats, _axis_name(axes), "reduce_scatter", 0.0) if async_op else None
+    g = _group(mesh, axes)
+    return _issue(mesh, axes, "reduce_scatter", (n - 1) * _nbytes(full) // n,
+                  lambda: dist.reduce_scatter_single(out, full, op=op, group=g, async_op=True), async_op)
+
+
+def all_to_all(out: torch.Tensor, inp: torch.Tensor, mesh, axes, out_splits=None, in_splits=None,
+               async_op: bool = False):
+    """All-to-all over ``axes`` with optional uneven split sizes (``all_to_all_single``: works on gloo)."""
+    n = _size(mesh, axes)
+    if n == 1:
+        out.copy_(inp)
+        return Handle(None, mesh.stats, _axis_name(axes), "all_to_all", 0.0) if async_op else None
+    g = _group(mesh, axes)
+    return _issue(mesh, axes, "all_to_all", (n - 1) * _nbytes(inp) // n,
+                  lambda: dist.all_to_all_single(out, inp, out_splits, in_splits, group=g, async_op=True),
+                  async_op)
+
+
+def broadcast(t: torch.Tensor, src_local: int, mesh, axes, async_op: bool = False):
+    """Broadcast from the rank with index ``src_local`` inside this rank's group over ``axes``."""
+    n = _size(mesh, axes)
+    if n == 1:
+        return Handle(None, mesh.stats, _axis_name(axes), "broadcast", 0.0) if async_op else None
+    key = (axes,) if isinstance(axes, str) else tuple(axes)
+    src = mesh.group_ranks(*key)[src_local]
+    g = _group(mesh, axes)
+    return _issue(mesh, axes, "broadcast", _nbytes(t),
+                  lambda: dist.broadcast(t, src=src, group=g, async_op=True), async_op)
+
+
+def send(t: torch.Tensor, dst: int, mesh, axis: str = "pp", async_op: bool = False):
+    """Point-to-point send to global rank ``dst`` (pipeline activations and gradients)."""
+    return _issue(mesh, axis, "send", _nbytes(t), lambda: dist.isend(t, dst), async_op)
+
+
+def recv(t: torch.Tensor, src: int, mesh, axis: str = "pp", async_op: bool = False):
+    """Point-to-point receive from global rank ``src`` into ``t``."""
+    return _issue(mesh, axis, "recv", _nbytes(t), lambda: dist.irecv(t, src), async_op)
+
+
+def barrier(mesh) -> None:
+    if mesh.world_size > 1:
+        dist.barrier()

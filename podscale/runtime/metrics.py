@@ -1,0 +1,102 @@
+"""Measured machine peak, per-rank memory, and the JSONL metrics log.
+
+Model FLOP/s utilisation (MFU, Chowdhery et al. 2022, Appendix B) is the model's training FLOPs per second
+divided by the device's peak.  On a CPU there is no datasheet peak worth quoting, so podscale measures the
+best sustained matmul rate once per (device, dtype, thread count) and caches it.
+"""
+from __future__ import annotations
+
+import json
+import os
+import resource
+import time
+from pathlib import Path
+
+import torch
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def cache_dir() -> Path:
+    """Where measurements are cached: ``$PODSCALE_CACHE`` or ``~/.cache/podscale``."""
+    return Path(os.environ.get("PODSCALE_CACHE", Path.home() / ".cache" / "podscale"))
+
+
+def _device_key(device: torch.device, dtype: str) -> str:
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device).replace(" ", "_")
+    else:
+        name = f"cpu{os.cpu_count()}"
+    return f"{name}-{dtype}-threads{torch.get_num_threads()}"
+
+
+def measure_matmul_peak(device: torch.device, dtype: str = "fp32", n: int = 1024, seconds: float = 0.5) -> float:
+    """Best FLOP/s of square ``n``-matmuls over ``seconds`` (2·n³ FLOPs each)."""
+    a = torch.randn(n, n, device=device, dtype=_DTYPES[dtype])
+    b = torch.randn(n, n, device=device, dtype=_DTYPES[dtype])
+    for _ in range(2):
+        a @ b
+    best, end = 0.0, time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        for _ in range(4):
+            a @ b
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        best = max(best, 4 * 2 * n**3 / (time.perf_counter() - t0))
+    return best
+
+
+def matmul_peak(device: torch.device, dtype: str = "fp32") -> float:
+    """The cached peak for this device, dtype and thread count, measuring it on first use."""
+    path = cache_dir() / "peak_flops.json"
+    key = _device_key(device, dtype)
+    try:
+        table = json.loads(path.read_text())
+    except (OSError, ValueError):
+        table = {}
+    if key not in table:
+        table[key] = measure_matmul_peak(device, dtype)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(f".tmp{os.getpid()}")
+            tmp.write_text(json.dumps(table, indent=1))
+            os.replace(tmp, path)
+        except OSError:
+            pass  # a read-only home only costs a re-measurement next time
+    return float(table[key])
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """Peak memory of this rank: the allocator's peak on CUDA, the process's peak RSS on CPU."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+class MetricsLog:
+    """Appends one JSON object per line to ``path``; written by one rank."""
+
+    def __init__(self, path: Path, truncate_from_step: int | None = None):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        if truncate_from_step is not None and self.path.exists():
+            # On resume, drop records the interrupted run wrote after its last checkpoint.
+            kept = [line for line in self.path.read_text().splitlines()
+                    if line.strip() and json.loads(line).get("step", 0) <= truncate_from_step]
+            tmp = self.path.with_suffix(".tmp")
+            tmp.write_text("".join(k + "\n" for k in kept))
+            os.replace(tmp, self.path)
+        self._f = open(self.path, "a", buffering=1)
+
+    def write(self, record: dict) -> None:
+        self._f.write(json.dumps(record) + "\n")
+
+    def close(self) -> None:
+        self._f.close()
+
+
+def read_metrics(path: Path) -> list[dict]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]

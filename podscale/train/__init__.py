@@ -1,0 +1,1 @@
+"""Training: the engine, the loop, data loading, checkpoints, mixed precision and reports."""

@@ -1,0 +1,119 @@
+"""Byte-level corpora and a deterministic, resumable loader sharded by data-parallel rank.
+
+The loader cuts the token stream into non-overlapping windows of ``block_size + 1`` bytes and visits
+them in a fresh random permutation each epoch (seeded by ``seed`` and the epoch number).  Optimizer step
+``s`` consumes global samples ``[s * B, (s + 1) * B)``; inside that global batch, micro-step ``k`` of dp
+rank ``r`` takes samples ``k * dp * m + r * m ... + m``.  The set of samples in a step therefore does not
+depend on the layout, so every (dp, accumulation) split sees the same global batch as one process, and the
+loader's whole state is the number of samples consumed.
+"""
+from __future__ import annotations
+
+import sysconfig
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+DEFAULT_CORPUS_BYTES = 4 << 20
+
+
+def stdlib_corpus(max_bytes: int = DEFAULT_CORPUS_BYTES) -> bytes:
+    """Real text present wherever Python is: the standard library's own ``.py`` files, in name order."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    chunks, total = [], 0
+    for path in sorted(root.glob("*.py")):
+        data = path.read_bytes()
+        chunks.append(data)
+        total += len(data)
+        if total >= max_bytes:
+            break
+    return b"".join(chunks)[:max_bytes]
+
+
+def load_tokens(path: str | None) -> torch.Tensor:
+    """Bytes of the corpus at ``path`` (or of the standard library) as a uint8 tensor; vocab size 256."""
+    raw = Path(path).read_bytes() if path else stdlib_corpus()
+    return torch.from_numpy(np.frombuffer(raw, dtype=np.uint8).copy())
+
+
+def split_tokens(tokens: torch.Tensor, val_fraction: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first ``1 - val_fraction`` of the stream for training, the rest for validation."""
+    n_val = int(len(tokens) * val_fraction)
+    return tokens[: len(tokens) - n_val], tokens[len(tokens) - n_val:]
+
+
+@dataclass
+class ShardedLoader:
+    """Micro-batches of (inputs, targets) for one dp rank; ``consumed`` is its entire state."""
+
+    tokens: torch.Tensor
+    block_size: int
+    global_batch: int
+    micro_batch: int
+    dp_rank: int = 0
+    dp_size: int = 1
+    seed: int = 0
+    consumed: int = 0
+
+    def __post_init__(self):
+        self.num_windows = (len(self.tokens) - 1) // self.block_size
+        if self.num_windows < self.global_batch:
+            raise ValueError(f"corpus has {self.num_windows} windows of {self.block_size} tokens, fewer than "
+                             f"global_batch={self.global_batch}: use a larger corpus or smaller batch")
+        if self.global_batch % (self.dp_size * self.micro_batch):
+            raise ValueError("global_batch must be divisible by dp_size * micro_batch")
+        self._perm_epoch, self._perm = -1, None
+
+    @property
+    def grad_accum(self) -> int:
+        return self.global_batch // (self.dp_size * self.micro_batch)
+
+    def _window(self, sample: int) -> int:
+        epoch, i = divmod(sample, self.num_windows)
+        if epoch != self._perm_epoch:
+            g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+            self._perm, self._perm_epoch = torch.randperm(self.num_windows, generator=g), epoch
+        return int(self._perm[i])
+
+    def _batch(self, samples: range) -> tuple[torch.Tensor, torch.Tensor]:
+        starts = [self._window(s) * self.block_size for s in samples]
+        rows = torch.stack([self.tokens[s: s + self.block_size + 1] for s in starts]).long()
+        return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
+
+    def next_step(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """This rank's micro-batches for the next optimizer step, and advance by one global batch."""
+        base, m, dp = self.consumed, self.micro_batch, self.dp_size
+        out = []
+        for k in range(self.grad_accum):
+            first = base + k * dp * m + self.dp_rank * m
+            out.append(self._batch(range(first, first + m)))
+        self.consumed += self.global_batch
+        return out
+
+    def state_dict(self) -> dict:
+        return {"consumed": self.consumed, "seed": self.seed, "global_batch": self.global_batch,
+                "block_size": self.block_size}
+
+    def load_state_dict(self, state: dict) -> None:
+        for key in ("seed", "block_size"):
+            if state[key] != getattr(self, key):
+                raise ValueError(f"checkpoint's data loader has {key}={state[key]} but this run has "
+                                 f"{getattr(self, key)}: resume with the same run.seed and model.block_size")
+        self.consumed = int(state["consumed"])
+
+
+def eval_batches(tokens: torch.Tensor, block_size: int, batch: int, n_batches: int, dp_rank: int,
+                 dp_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """A fixed validation set (evenly spaced windows) with this rank's share of each batch."""
+    n_windows = (len(tokens) - 1) // block_size
+    total = batch * n_batches
+    idx = torch.linspace(0, n_windows - 1, total).long()
+    out = []
+    per = batch // dp_size
+    for b in range(n_batches):
+        sel = idx[b * batch + dp_rank * per: b * batch + (dp_rank + 1) * per]
+        rows = torch.stack([tokens[int(i) * block_size: int(i) * block_size + block_size + 1] for i in sel]).long()
+        out.append((rows[:, :-1].contiguous(), rows[:, 1:].contiguous()))
+    return out

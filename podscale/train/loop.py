@@ -1,0 +1,147 @@
+"""The training run a worker executes: build mesh, model, data and engine; train; validate; checkpoint;
+sample.  ``podscale train`` runs ``run_worker`` in every worker process."""
+from __future__ import annotations
+
+import os
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from podscale.config import Config
+from podscale.models.gpt import GPT, GPTConfig
+from podscale.runtime import comm
+from podscale.runtime.mesh import AXES, Mesh
+from podscale.runtime.metrics import MetricsLog, matmul_peak, peak_memory_bytes
+from podscale.runtime.process import init_process
+from podscale.train import checkpoint, faults
+from podscale.train.data import ShardedLoader, eval_batches, load_tokens, split_tokens
+from podscale.train.engine import Engine
+from podscale.train.progress import Progress
+
+
+def gpt_config(cfg: Config) -> GPTConfig:
+    m = cfg.model
+    return GPTConfig(vocab_size=m.vocab_size, block_size=m.block_size, n_layer=m.n_layer, n_head=m.n_head,
+                     n_embd=m.n_embd, dropout=m.dropout, bias=m.bias)
+
+
+def _set_cpu_threads(device: torch.device) -> None:
+    """Local workers on a CPU share its cores instead of each spawning a thread per core."""
+    if device.type != "cpu" or "OMP_NUM_THREADS" in os.environ:
+        return
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("PODSCALE_LOCAL_WORLD", "1")))
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, local_world)))
+
+
+def _gather_max(value: float, mesh: Mesh) -> list[float]:
+    """``value`` of every rank (world order), for per-rank memory reporting."""
+    t = torch.tensor([float(value)], dtype=torch.float64, device=mesh.device)
+    out = torch.empty(mesh.world_size, dtype=torch.float64, device=mesh.device)
+    comm.all_gather(out, t, mesh, AXES)
+    return out.tolist()
+
+
+def run_worker(cfg: Config, resume: bool = False) -> dict:
+    """Train as one rank of the job described by ``cfg``; returns a summary (rank 0's is complete)."""
+    info = init_process()
+    _set_cpu_threads(info.device)
+    cfg.check_layout(info.world_size)
+    mesh = Mesh.build(info.device, **cfg.mesh_sizes())
+    rank, dp_rank, dp = info.rank, mesh.local_rank("dp"), mesh.size("dp")
+    run_dir = cfg.run_dir
+    ckpt_root = run_dir / "checkpoints"
+
+    torch.manual_seed(cfg.run.seed)
+    gcfg = gpt_config(cfg)
+    model = GPT(gcfg)
+    engine = Engine(model, mesh, cfg.train, bucket_mb=cfg.parallel.bucket_mb)
+    train_tokens, val_tokens = split_tokens(load_tokens(cfg.data.path), cfg.data.val_fraction)
+    loader = ShardedLoader(train_tokens, gcfg.block_size, cfg.train.global_batch, cfg.train.micro_batch,
+                           dp_rank, dp, seed=cfg.run.seed)
+    val = eval_batches(val_tokens, gcfg.block_size, dp * cfg.train.micro_batch, cfg.run.eval_batches, dp_rank, dp)
+    # Dropout masks differ per rank, as they do per sample in one process.
+    torch.manual_seed(cfg.run.seed + 1 + rank)
+
+    start_step = 0
+    restored = checkpoint.latest(ckpt_root) if resume or info.restart_count > 0 else None
+    if restored is not None:
+        template = {"model": engine.model_state(), "optim": engine.optim_template()}
+        meta, rank_state = checkpoint.load(restored, template, rank)
+        engine.model.load_state_dict(template["model"])
+        engine.load_optim_state(template["optim"])
+        engine.step_count = start_step = int(meta["step"])
+        loader.load_state_dict(meta["loader"])
+        if engine.scaler is not None and meta.get("scaler"):
+            engine.scaler.load_state_dict(meta["scaler"])
+        if rank_state is not None and meta.get("world_size") == info.world_size:
+            torch.set_rng_state(rank_state["torch_rng"])
+
+    tokens_per_step = cfg.train.global_batch * gcfg.block_size
+    flops_per_step = gcfg.flops_per_token() * tokens_per_step
+    peak = matmul_peak(info.device, "fp32" if cfg.train.precision == "fp32" else cfg.train.precision)
+    log = MetricsLog(run_dir / "metrics.jsonl", truncate_from_step=start_step) if rank == 0 else None
+    progress = Progress(cfg.run.steps, start_step, enabled=rank == 0)
+    if rank == 0:
+        progress.print(f"podscale: {cfg.run.name}: {gcfg.num_params() / 1e6:.2f}M params, mesh "
+                       f"{mesh.describe()}, global batch {cfg.train.global_batch} x {gcfg.block_size} tokens, "
+                       f"accumulation {loader.grad_accum}, {cfg.train.precision}, device {info.device}"
+                       + (f", resumed from {restored.name}" if restored is not None else ""))
+
+    def save(step: int) -> None:
+        meta = {"step": step, "loader": loader.state_dict(), "world_size": info.world_size,
+                "mesh": mesh.sizes, "model_config": asdict(gcfg),
+                "scaler": engine.scaler.state_dict() if engine.scaler else None, "time": time.time()}
+        checkpoint.save(ckpt_root, step, {"model": engine.model_state(), "optim": engine.optim_state()},
+                        meta, {"torch_rng": torch.get_rng_state()}, rank, cfg.checkpoint.keep)
+
+    last = {}
+    mesh.stats.reset()
+    for step in range(start_step, cfg.run.steps):
+        faults.maybe_kill(step, rank)
+        res = engine.step(loader.next_step())
+        comm_totals, comm_axes = mesh.stats.totals(), mesh.stats.per_axis()
+        mesh.stats.reset()
+        s = res.step
+        record = {
+            "step": s, "loss": res.loss, "lr": res.lr, "grad_norm": res.grad_norm, "skipped": res.skipped,
+            "step_time_s": res.step_time_s, "tokens_per_s": tokens_per_step / res.step_time_s,
+            "tflops_per_rank": flops_per_step / res.step_time_s / info.world_size / 1e12,
+            "mfu": flops_per_step / res.step_time_s / info.world_size / peak,
+            "comm_share": comm_totals["exposed_s"] / res.step_time_s,
+            "comm": {a: {k: round(v, 6) for k, v in d.items()} for a, d in comm_axes.items()},
+        }
+        if res.loss_scale is not None:
+            record["loss_scale"] = res.loss_scale
+        if cfg.run.eval_every and (s % cfg.run.eval_every == 0 or s == cfg.run.steps):
+            record["val_loss"] = engine.evaluate(val)
+        if s % cfg.run.log_every == 0 or s == cfg.run.steps:
+            record["peak_mem_bytes"] = _gather_max(peak_memory_bytes(info.device), mesh)
+        mesh.stats.reset()
+        if log is not None:
+            log.write(record)
+        progress.update(record)
+        last = record
+        if cfg.checkpoint.every and s % cfg.checkpoint.every == 0 and s < cfg.run.steps:
+            save(s)
+    if cfg.checkpoint.at_end and cfg.run.steps > start_step:
+        save(cfg.run.steps)
+    progress.close()
+
+    summary = {"rank": rank, "steps": cfg.run.steps, "final_loss": last.get("loss"),
+               "val_loss": last.get("val_loss"), "run_dir": str(run_dir)}
+    if rank == 0 and cfg.run.sample_tokens:
+        g = torch.Generator().manual_seed(cfg.run.seed)
+        engine.model.eval()
+        out = engine.model.generate(torch.tensor([[10]], device=info.device), cfg.run.sample_tokens,
+                                    temperature=0.8, top_k=50, generator=g)
+        text = bytes(out[0, 1:].tolist()).decode("utf-8", errors="replace")
+        (run_dir / "sample.txt").write_text(text)
+        progress.print("sample:\n" + text)
+        summary["sample"] = text
+    if log is not None:
+        log.close()
+    sys.stdout.flush()
+    return summary
