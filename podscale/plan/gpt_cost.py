@@ -69,24 +69,27 @@ def _layer_times(system: System, model: GPT, lay: Layout, moe: bool) -> dict:
     b, s, h, a, f, t = lay.microbatch, model.seq, model.hidden, model.heads, model.ffn, lay.tp
     tokens = b * s
     scale = model.top_k * model.capacity_factor if moe else 1.0
-    dense = gemm_time(dev, tokens, 3 * h / t, h) + gemm_time(dev, tokens, h, h / t)
+    e = dev.dtype_bytes
+    dense = gemm_time(dev, tokens, 3 * h / t, h, bytes_per_element=e) + gemm_time(dev, tokens, h, h / t, bytes_per_element=e)
     if moe:
         local_experts = model.experts / lay.ep
         m_exp = tokens * scale * lay.ep / model.experts      # tokens each local expert receives
-        dense += gemm_time(dev, m_exp, f / t, h, batch=local_experts)
-        dense += gemm_time(dev, m_exp, h, f / t, batch=local_experts)
-        dense += gemm_time(dev, tokens, model.experts, h)     # router
+        dense += gemm_time(dev, m_exp, f / t, h, batch=local_experts, bytes_per_element=e)
+        dense += gemm_time(dev, m_exp, h, f / t, batch=local_experts, bytes_per_element=e)
+        dense += gemm_time(dev, tokens, model.experts, h, bytes_per_element=e)     # router
     else:
-        dense += gemm_time(dev, tokens, f / t, h) + gemm_time(dev, tokens, h, f / t)
+        dense += gemm_time(dev, tokens, f / t, h, bytes_per_element=e) + gemm_time(dev, tokens, h, f / t, bytes_per_element=e)
     heads_local = b * a / t
-    attn = gemm_time(dev, s, s, h / a, batch=heads_local) + gemm_time(dev, s, h / a, s, batch=heads_local)
+    attn = (gemm_time(dev, s, s, h / a, batch=heads_local, bytes_per_element=e)
+            + gemm_time(dev, s, h / a, s, batch=heads_local, bytes_per_element=e))
     sbh = tokens * h
+    # Byte counts of the module docstring are for 16-bit elements; e / 2 rescales them (fp32 on CPU).
     replicated = 22 * sbh / (t if lay.sequence_parallel else 1)
     sharded = (4 * f / h * scale + 8) * sbh / t
     softmax = 9 * a * s * s * b / t
-    ew = stream_time(dev, replicated + sharded)
-    ew_attn = stream_time(dev, softmax)
-    act_bytes = 2 * sbh                                       # fp16 [s, b, h] tensor
+    ew = stream_time(dev, (replicated + sharded) * e / 2)
+    ew_attn = stream_time(dev, softmax * e / 2)
+    act_bytes = e * sbh                                       # one [s, b, h] activation tensor
     tp_ar = net.all_reduce_time(system, act_bytes, t, 1) if t > 1 else 0.0
     a2a = net.all_to_all_time(system, act_bytes * scale, lay.ep, t) if moe and lay.ep > 1 else 0.0
     return {"gemm": dense, "attn": attn + ew_attn, "ew": ew, "tp_ar": tp_ar, "a2a": a2a}
@@ -113,9 +116,10 @@ def predict_gpt(system: System, devices: int, model: GPT, lay: Layout, batch: in
     ep_comm = n_tp * moe_frac * moe_t["a2a"]
     # Last stage: vocabulary projection and cross-entropy (Megatron places them there).
     logits_elems = b * s * V / t
-    head = 3 * gemm_time(dev, b * s, V / t, h) + stream_time(dev, CROSS_ENTROPY_BYTES * logits_elems)
+    head = (3 * gemm_time(dev, b * s, V / t, h, bytes_per_element=dev.dtype_bytes)
+            + stream_time(dev, CROSS_ENTROPY_BYTES * logits_elems))
     head += 2 * net.all_reduce_time(system, 4 * b * s, t, 1) if t > 1 else 0.0   # vocab-parallel CE
-    act_msg = 2 * b * s * h / t            # scatter-gather send of one micro-batch boundary (Sec. 4.1)
+    act_msg = dev.dtype_bytes * b * s * h / t            # scatter-gather send of one micro-batch boundary (Sec. 4.1)
     stride_pp = lay.dp * lay.ep * t
     p2p = 2 * v * net.p2p_time(system, act_msg, stride_pp) if p > 1 else 0.0
 
@@ -131,11 +135,12 @@ def predict_gpt(system: System, devices: int, model: GPT, lay: Layout, batch: in
     moe_layer = model.layer_params(moe=True) if model.moe_layers else dense_layer
     expert_params = (moe_layer - dense_layer) if model.moe_layers else 0
     stage_dense = per_dev_layers * ((1 - moe_frac) * dense_layer + moe_frac * (moe_layer - expert_params)) / t
-    stage_dense += model.embedding_params / t if p == 1 else model.vocab * h / t
+    # pp = 1: embeddings and the final layer norm; pp > 1: the (tied) word embedding of an end stage.
+    stage_dense += (model.embedding_params + 2 * h) / t if p == 1 else model.vocab * h / t
     stage_expert = per_dev_layers * moe_frac * expert_params / t / lay.ep
     dpe, dp_stride = lay.data_parallel, t
-    grad_bytes = 2 * stage_dense
-    expert_grad_bytes = 2 * stage_expert
+    grad_bytes = dev.dtype_bytes * stage_dense
+    expert_grad_bytes = dev.dtype_bytes * stage_expert
 
     # Data-parallel gradient reduction: all-reduce (ZeRO 0), reduce-scatter + all-gather (1, 2),
     # reduce-scatter + per-micro-batch parameter all-gathers (3). Overlapped with the backward of
@@ -145,10 +150,14 @@ def predict_gpt(system: System, devices: int, model: GPT, lay: Layout, batch: in
         dp_red += net.all_reduce_time(system, expert_grad_bytes, lay.dp, lay.ep * t)
     zero3_gather = 0.0
     if lay.zero_stage == 3:
+        # Partitioned parameters are all-gathered for every pass of every micro-batch and gradients
+        # reduce-scattered after every backward (ZeRO paper, Sec. 7.2.3: 1.5x the all-reduce volume
+        # per step when m = 1). Prefetching overlaps them with compute; what exceeds it is exposed.
         gathers = 2 + (1 if lay.recompute == "full" else 0)
-        per_gather = net.all_gather_time(system, grad_bytes, dpe, dp_stride)
-        # Prefetching hides a gather behind the compute of the same pass.
-        zero3_gather = m * gathers * max(0.0, per_gather - (comp_fwd + comp_bwd) / gathers)
+        per_mb = gathers * net.all_gather_time(system, grad_bytes, dpe, dp_stride)
+        per_mb += net.reduce_scatter_time(system, grad_bytes, dpe, dp_stride)
+        zero3_gather = m * max(0.0, per_mb - (comp_fwd + comp_bwd + comp_rec))
+        dp_red -= net.all_reduce_time(system, grad_bytes, dpe, dp_stride)   # replaced by the above
     if p > 1:   # tied input/output embedding gradients between first and last stage
         dp_red += net.all_reduce_time(system, 2 * model.vocab * h / t, 2, (p - 1) * stride_pp)
     window = comp_bwd if lay.overlap_grad_reduce else 0.0

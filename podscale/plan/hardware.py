@@ -41,6 +41,7 @@ class Device:
     matmul_efficiency: float     # achievable fraction of peak on large GEMMs
     memory_efficiency: float     # achievable fraction of memory bandwidth on streaming kernels
     reserved_bytes: float        # runtime overhead never available to the model
+    dtype_bytes: int = 2         # bytes per activation/weight element in training (16-bit; 4 on CPU)
     # Measured matmul throughput by shape (local calibration only): tuples (m, n, k, flop/s).
     matmul_table: tuple = ()
 
@@ -123,6 +124,7 @@ def system_from_dict(data: dict, source: str = "") -> System:
             matmul_efficiency=float(dev.get("matmul_efficiency", 1.0)),
             memory_efficiency=float(dev.get("memory_efficiency", 1.0)),
             reserved_bytes=float(dev.get("reserved_gib", 0.0)) * GiB,
+            dtype_bytes=int(dev.get("dtype_bytes", 2)),
             matmul_table=table,
         )
         h = data.get("host", {})

@@ -88,6 +88,10 @@ class Layout:
             s += " gpipe"
         if self.zero_stage:
             s += f" z{self.zero_stage}"
+        if self.offload_optimizer != "none":
+            s += f" opt->{self.offload_optimizer}"
+        if self.offload_param != "none":
+            s += f" param->{self.offload_param}"
         if self.recompute != "none":
             s += f" rc-{self.recompute}"
         if self.sequence_parallel:

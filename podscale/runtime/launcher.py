@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
 from torch.distributed.elastic.rendezvous import RendezvousParameters, rendezvous_handler_registry
 from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
-from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler, RendezvousTimeout
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 LOOPBACK = "127.0.0.1"
@@ -45,14 +45,28 @@ class _LoopbackBackend(C10dRendezvousBackend):
         return _LOOPBACK_BACKEND
 
 
-def _loopback_handler(params: RendezvousParameters):
-    """torch's dynamic c10d rendezvous, with both of its stores (rendezvous and the workers' bootstrap
-    store) listening on loopback only."""
+class _LoopbackRendezvousHandler(DynamicRendezvousHandler):
+    """torch's dynamic rendezvous with the workers' bootstrap store on loopback, and a new one each round.
+
+    torch keeps the bootstrap store of the first round for later rounds; restarted workers then find the
+    failed attempt's process-group keys in it and dial dead peers.  A fresh store per round avoids that.
+    """
+
+    def _create_tcp_store_server(self, master_addr, master_port) -> dist.TCPStore:
+        return loopback_store(0)
+
+    def next_rendezvous(self):
+        self._bootstrap_store_info = None
+        self._shared_tcp_store_server = None
+        return super().next_rendezvous()
+
+
+def _loopback_handler(params: RendezvousParameters) -> DynamicRendezvousHandler:
     _, _, port = params.endpoint.rpartition(":")
     store = loopback_store(int(port))
-    handler = create_handler(store, _LoopbackBackend(store, params.run_id), params)
-    handler._create_tcp_store_server = lambda _addr, _port: loopback_store(0)
-    return handler
+    return _LoopbackRendezvousHandler.from_backend(
+        params.run_id, store, _LoopbackBackend(store, params.run_id), params.min_nodes, params.max_nodes,
+        params.local_addr, RendezvousTimeout())
 
 
 if _LOOPBACK_BACKEND not in rendezvous_handler_registry._registry:

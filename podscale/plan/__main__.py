@@ -1,0 +1,6 @@
+"""``python -m podscale.plan ...`` is ``podscale plan ...``."""
+import sys
+
+from .cli import main
+
+sys.exit(main())

@@ -1,0 +1,213 @@
+"""``podscale plan calibrate``: measure this machine and write the ``local`` system file.
+
+What is measured, with ``ranks`` worker processes running *at the same time* (as ``podscale train``
+runs them, so they share cores, caches and memory bandwidth), each with cores/ranks torch threads:
+  - matmul FLOP/s by shape (float32, torch on CPU): squares and transformer-like rectangles;
+  - memory bandwidth: a large tensor copy (bytes read + written per second) per rank;
+  - gloo all-reduce time by message size over ``ranks`` processes; a least-squares fit of the ring
+    model t(S) = 2(n-1) alpha + 2(n-1)/n * S / B (Thakur et al. 2005) gives latency alpha and bandwidth B.
+The rendezvous store listens on 127.0.0.1 only and gloo is pinned to the loopback interface.
+"""
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import platform
+import socket
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+from .hardware import GB, GiB, local_system_path
+
+SQUARE = (128, 256, 512, 1024)
+# (m, n, k): tokens x out x in shapes a small GPT on CPU multiplies (b*s = 512-2048, h = 128-512).
+RECT = ((512, 384, 128), (512, 128, 512), (2048, 768, 256), (2048, 256, 1024), (1024, 1536, 512),
+        (1024, 512, 2048), (2048, 64, 2048), (4096, 1024, 256))
+ALLREDUCE_BYTES = (1 << 12, 1 << 14, 1 << 16, 1 << 18, 1 << 20, 1 << 22, 1 << 24)
+
+
+def _timeit(fn, budget: float, min_reps: int = 3) -> float:
+    """Median seconds of ``fn`` over repetitions filling about ``budget`` seconds (after one warm-up)."""
+    fn()
+    times, start = [], time.perf_counter()
+    while len(times) < min_reps or time.perf_counter() - start < budget:
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+        if len(times) > 200:
+            break
+    return statistics.median(times)
+
+
+def _worker(rank: int, ranks: int, port: int, quick: bool, out_path: str) -> None:
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    import torch
+    import torch.distributed as dist
+
+    threads = max(1, (os.cpu_count() or 1) // ranks)
+    torch.set_num_threads(threads)
+    store = dist.TCPStore("127.0.0.1", port, world_size=ranks, is_master=False,
+                          timeout=_dt.timedelta(seconds=60))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=ranks)
+    budget = 0.02 if quick else 0.15
+    shapes = ([(s, s, s) for s in SQUARE[:2]] + list(RECT[:2])) if quick else \
+        [(s, s, s) for s in SQUARE] + list(RECT)
+    table = []
+    for m, n, k in shapes:
+        a, b = torch.randn(m, k), torch.randn(k, n)
+        c = torch.empty(m, n)
+        dist.barrier()
+        sec = _timeit(lambda: torch.mm(a, b, out=c), budget)
+        table.append([m, n, k, 2.0 * m * n * k / sec])
+    n_el = (4 if quick else 16) * 1024 * 1024          # 16 / 64 MiB float32 per buffer
+    src, dst = torch.randn(n_el), torch.empty(n_el)
+    dist.barrier()
+    sec = _timeit(lambda: dst.copy_(src), budget * 2)
+    mem_bw = 2 * 4 * n_el / sec
+    sizes = ALLREDUCE_BYTES[::2] if quick else ALLREDUCE_BYTES
+    ar = []
+    for nbytes in sizes:
+        buf = torch.ones(nbytes // 4)
+        dist.barrier()
+        sec = _timeit(lambda: dist.all_reduce(buf), budget)
+        ar.append([nbytes, sec])
+    if rank == 0:
+        with open(out_path, "w") as f:
+            json.dump({"matmul": table, "memory_bw": mem_bw, "allreduce": ar, "threads": threads}, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def fit_ring(samples, ranks: int) -> tuple[float, float]:
+    """(alpha, bandwidth) of t = 2(n-1) alpha + 2(n-1)/n S / B over (S, t) samples, by least squares
+    on *relative* error (weights 1/t^2), so microsecond-scale small messages weigh as much as the
+    large ones that set the bandwidth."""
+    xs = [2 * (ranks - 1) / ranks * s for s, _ in samples]
+    ys = [t for _, t in samples]
+    ws = [1.0 / (y * y) for y in ys]
+    sw = sum(ws)
+    mx = sum(w * x for w, x in zip(ws, xs)) / sw
+    my = sum(w * y for w, y in zip(ws, ys)) / sw
+    sxx = sum(w * (x - mx) ** 2 for w, x in zip(ws, xs))
+    slope = sum(w * (x - mx) * (y - my) for w, x, y in zip(ws, xs, ys)) / sxx if sxx else 0.0
+    intercept = my - slope * mx
+    bandwidth = 1.0 / slope if slope > 0 else float("inf")
+    alpha = max(intercept, 0.0) / (2 * (ranks - 1))
+    return alpha, bandwidth
+
+
+def _loopback_store():
+    """TCPStore server bound to 127.0.0.1 only (a plain TCPStore binds every interface)."""
+    import torch.distributed as dist
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(64)
+    port = sock.getsockname()[1]
+    return dist.TCPStore("127.0.0.1", port, is_master=True, master_listen_fd=sock.detach(),
+                         wait_for_workers=False), port
+
+
+def measure(ranks: int = 2, quick: bool = False) -> dict:
+    import torch.multiprocessing as mp
+    store, port = _loopback_store()
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "calibration.json")
+        mp.start_processes(_worker, args=(ranks, port, quick, out), nprocs=ranks, start_method="spawn")
+        with open(out) as f:
+            data = json.load(f)
+    del store
+    return data
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _total_memory() -> float:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 8 * GiB
+
+
+def system_toml(data: dict, ranks: int, quick: bool) -> str:
+    """Render the measured numbers in the catalog's TOML schema; one 'device' is one rank."""
+    alpha, bw = fit_ring(data["allreduce"], ranks)
+    peak = max(f for *_, f in data["matmul"])
+    cores = os.cpu_count() or 1
+    when = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    rows = ",\n".join(f"  [{m}, {n}, {k}, {f:.6g}]" for m, n, k, f in data["matmul"])
+    ar = ", ".join(f"[{s}, {t:.6g}]" for s, t in data["allreduce"])
+    mem = _total_memory()
+    return f'''# Written by `podscale plan calibrate` on {when}{" (quick mode)" if quick else ""}.
+# {ranks} concurrent ranks x {data["threads"]} torch threads on {cores} cores of: {_cpu_name()}
+# One device = one rank. Numbers are measured (float32 torch on CPU), not datasheet values.
+name = "local"
+description = "this machine: {ranks} ranks on {cores} CPU cores, measured {when}"
+topology = "host"
+devices_per_node = {max(cores, ranks)}
+max_devices = {max(cores, ranks)}
+
+[device]
+name = "{_cpu_name()} / rank"
+peak_tflops = {peak / 1e12:.6g}           # best measured matmul rate of one rank
+memory_gib = {mem / ranks / GiB:.4g}            # RAM / ranks
+memory_bw_gbps = {data["memory_bw"] / GB:.6g}        # tensor copy, bytes read + written per s, per rank
+matmul_efficiency = 1.0
+memory_efficiency = 1.0
+reserved_gib = 0.5
+dtype_bytes = 4                     # CPU training runs in float32
+# Measured [m, n, k, FLOP/s] of one rank while the others multiply too; the planner uses the nearest shape.
+matmul_table = [
+{rows}
+]
+
+[intra_node]
+# gloo all-reduce over loopback, least-squares fit of the ring model to the samples below.
+bandwidth_gbps = {bw / GB:.6g}
+efficiency = 1.0
+latency_us = {alpha * 1e6:.4g}
+
+[inter_node]
+bandwidth_gbps = {bw / GB:.6g}
+efficiency = 1.0
+latency_us = {alpha * 1e6:.4g}
+
+[host]
+memory_gib = {mem / GiB:.4g}
+memory_bw_gbps = {data["memory_bw"] * ranks / GB:.6g}
+pcie_gbps = {data["memory_bw"] / GB:.6g}
+nvme_gbps = 1
+
+[calibration]
+ranks = {ranks}
+threads_per_rank = {data["threads"]}
+allreduce_bytes_seconds = [{ar}]
+'''
+
+
+def calibrate(out: str | None = None, quick: bool = False, ranks: int = 2, log=print) -> Path:
+    """Measure and write the system file (default ``$PODSCALE_CACHE/local.toml``); return its path."""
+    if ranks < 2:
+        raise ValueError("--ranks must be >= 2 to measure collectives")
+    start = time.perf_counter()
+    data = measure(ranks, quick)
+    path = Path(out) if out else local_system_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(system_toml(data, ranks, quick))
+    alpha, bw = fit_ring(data["allreduce"], ranks)
+    log(f"matmul: best {max(f for *_, f in data['matmul']) / 1e9:.1f} GFLOP/s per rank "
+        f"({len(data['matmul'])} shapes); memory copy {data['memory_bw'] / GB:.2f} GB/s per rank; "
+        f"gloo all-reduce ({ranks} ranks): latency {alpha * 1e6:.0f} us, bandwidth {bw / GB:.2f} GB/s; "
+        f"{time.perf_counter() - start:.1f} s")
+    return path

@@ -1,0 +1,99 @@
+"""Layout search: enumerate tp x pp x dp x ep x ZeRO stage x micro-batch x recompute x schedule x
+interleave (x sequence parallelism x optimizer offload), drop layouts that do not fit in device
+memory, rank the rest by predicted throughput (tokens/s; samples/s for DLRM).
+
+Tensor parallelism is limited to one node's fast domain on switched systems (tp <= devices per node),
+as Narayanan et al. SC'21 (Sec. 3.3, takeaway #1) recommend; every other axis is unrestricted apart
+from divisibility. Each layout costs one pure-Python ``predict`` call (tens of microseconds).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from .cost import predict
+from .hardware import System, load_system
+from .layout import Layout, LayoutError
+from .models import DLRM, GPT, get_model
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+@dataclass
+class SearchResult:
+    ranked: list                 # Predictions that fit, best first
+    evaluated: int               # layouts predicted
+    rejected_memory: int         # predicted but did not fit
+    seconds: float
+    notes: list = field(default_factory=list)
+
+
+def candidate_layouts(system: System, devices: int, model, batch: int, microbatches=(1, 2, 4, 8, 16, 32),
+                      max_interleave: int = 8):
+    """Yield every valid Layout (valid = divisibility rules of the trainer hold)."""
+    if isinstance(model, DLRM):
+        for mb in microbatches:
+            if batch % (devices * mb) == 0:
+                yield Layout(dp=devices, microbatch=mb)
+        return
+    tp_max = system.devices_per_node if system.topology in ("switch", "fat-tree", "host") else 64
+    ws = system.data_parallel_only
+    eps = _divisors(model.experts) if model.experts > 1 else [1]
+    for tp in ([1] if ws else [d for d in _divisors(model.heads) if d <= tp_max and model.ffn % d == 0]):
+        for pp in ([1] if ws else _divisors(model.layers)):
+            for ep in ([1] if ws else eps):
+                if devices % (tp * pp * ep):
+                    continue
+                dp = devices // (tp * pp * ep)
+                for mb in microbatches:
+                    if batch % (dp * ep * mb):
+                        continue
+                    m = batch // (dp * ep * mb)
+                    scheds = [("1f1b", 1)]
+                    if pp > 1:
+                        scheds.append(("gpipe", 1))
+                        scheds += [("interleaved", v) for v in range(2, max_interleave + 1)
+                                   if model.layers % (pp * v) == 0 and m % pp == 0]
+                    for sched, v in scheds:
+                        for rc in ("none", "selective", "full"):
+                            for sp in ((False, True) if tp > 1 else (False,)):
+                                for zero in (0, 1, 2, 3):
+                                    for off in (("none", "cpu") if zero else ("none",)):
+                                        yield Layout(tp=tp, pp=pp, dp=dp, ep=ep, microbatch=mb, interleave=v,
+                                                     schedule=sched, recompute=rc, sequence_parallel=sp,
+                                                     zero_stage=zero, offload_optimizer=off)
+
+
+def search(system: System | str, devices: int, model, batch: int, top: int = 10,
+           include_unfit: bool = False) -> SearchResult:
+    """Predict every candidate layout and rank those that fit by throughput."""
+    if isinstance(system, str):
+        system = load_system(system)
+    if isinstance(model, str):
+        model = get_model(model)
+    system.check_devices(devices)
+    start = time.perf_counter()
+    ranked, evaluated, rejected = [], 0, 0
+    for lay in candidate_layouts(system, devices, model, batch):
+        try:
+            pred = predict(system, devices, model, lay, batch)
+        except LayoutError:
+            continue
+        evaluated += 1
+        if pred.fits or include_unfit:
+            ranked.append(pred)
+        else:
+            rejected += 1
+    ranked.sort(key=lambda p: -p.tokens_per_s)
+    notes = [] if ranked else ["no layout fits in device memory; add devices, or a ZeRO stage / offload"]
+    return SearchResult(ranked=ranked[:top] if top else ranked, evaluated=evaluated, rejected_memory=rejected,
+                        seconds=time.perf_counter() - start, notes=notes)
+
+
+def published_gpt175b_layout() -> Layout:
+    """GPT-3 175B on 1024 A100s, global batch 1536: tp 8, pp 16, micro-batch 1, full recomputation —
+    Megatron-LM's examples/gpt3/train_gpt3_175b_distributed.sh (the layout behind Narayanan et al.
+    SC'21, Sec. 5.1: 140 TFLOP/s per GPU, 34 days for 300B tokens on 1024 GPUs)."""
+    return Layout(tp=8, pp=16, dp=8, microbatch=1, recompute="full", overlap_grad_reduce=False)

@@ -1,0 +1,115 @@
+"""`podscale plan predict ... --json` (the stable interface), its errors, and the other sub-commands."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from podscale.plan.cli import main
+
+MODEL = json.dumps({"layers": 24, "hidden": 2304, "heads": 24, "seq": 2048, "vocab": 51200})
+
+
+def _predict(capsys, layout, system="dgx-a100-80g", devices=32, batch=512, model=MODEL):
+    code = main(["plan", "predict", "--system", system, "--devices", str(devices), "--batch", str(batch),
+                 "--model", model, "--layout", json.dumps(layout) if isinstance(layout, dict) else layout, "--json"])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_predict_json_has_the_stable_keys(capsys):
+    code, out, err = _predict(capsys, {"tp": 1, "pp": 1, "dp": 32, "microbatch": 16, "recompute": "full"})
+    assert code == 0, err
+    d = json.loads(out)
+    for key in ("step_time_s", "tflops_per_device", "mfu", "memory_per_device_bytes", "tokens_per_s",
+                "days_to_train", "time_breakdown_s", "memory_breakdown_bytes"):
+        assert key in d
+    assert sum(d["time_breakdown_s"].values()) == pytest.approx(d["step_time_s"])
+    assert 0 < d["mfu"] < 1 and d["memory_per_device_bytes"] > 0
+    assert d["tokens_per_s"] == pytest.approx(512 * 2048 / d["step_time_s"])
+    # Table 1 row 1 at the published layout: within 8% of 137 TFLOP/s (with recompute).
+    assert d["tflops_per_device"] == pytest.approx(137, rel=0.08)
+
+
+def test_predict_optional_fields_change_the_answer(capsys):
+    base = {"tp": 8, "pp": 4, "dp": 1, "microbatch": 1}
+    model = json.dumps({"layers": 48, "hidden": 8192, "heads": 64, "seq": 2048, "vocab": 51200})
+    runs = {}
+    for name, extra in {"plain": {}, "full": {"recompute": "full"}, "sp": {"sequence_parallel": True},
+                        "v2": {"interleave": 2}, "z1": {"zero_stage": 1}}.items():
+        code, out, err = _predict(capsys, {**base, **extra}, devices=32, batch=64, model=model)
+        assert code == 0, err
+        runs[name] = json.loads(out)
+    assert runs["full"]["step_time_s"] > runs["plain"]["step_time_s"]                 # recompute costs time
+    assert runs["full"]["memory_per_device_bytes"] < runs["plain"]["memory_per_device_bytes"]
+    assert runs["sp"]["memory_per_device_bytes"] < runs["plain"]["memory_per_device_bytes"]
+    assert runs["v2"]["time_breakdown_s"]["pipeline_bubble"] == \
+        pytest.approx(runs["plain"]["time_breakdown_s"]["pipeline_bubble"] / 2, rel=0.05)
+    assert runs["z1"]["memory_per_device_bytes"] == runs["z1"]["memory_per_device_bytes"]
+    assert runs["z1"]["memory_breakdown_bytes"]["model_states"] == \
+        pytest.approx(runs["plain"]["memory_breakdown_bytes"]["model_states"])   # dp = 1: nothing to shard
+
+
+@pytest.mark.parametrize("args,message", [
+    (dict(system="dgx-z9"), "unknown system 'dgx-z9'"),
+    (dict(layout={"tp": 5, "pp": 1, "dp": 32, "microbatch": 16}, devices=160), "does not divide the 24 attention heads"),
+    (dict(layout={"tp": 2, "pp": 1, "dp": 32, "microbatch": 16}), "but --devices is 32"),
+    (dict(layout={"tp": 1, "pp": 5, "dp": 32, "microbatch": 1}, devices=160), "does not divide the 24 layers"),
+    (dict(layout={"tp": 1, "pp": 1, "dp": 32, "microbatch": 3}), "not a multiple of dp\\*ep\\*microbatch"),
+    (dict(layout={"tp": 1, "pp": 1, "dp": 32}), "lacks keys \\['microbatch'\\]"),
+    (dict(layout={"tp": 1, "pp": 1, "dp": 32, "microbatch": 1, "recompute": "some"}), "recompute must be one of"),
+    (dict(layout="{tp: 1}"), "--layout is not valid JSON"),
+    (dict(model='{"layers": 24}'), "model lacks keys"),
+    (dict(devices=1200, layout={"tp": 1, "pp": 1, "dp": 1200, "microbatch": 1}, batch=1200,
+          system="dgx-a100-superpod"), "at most 1120 devices"),
+    (dict(system="cerebras-cs2", devices=4, layout={"tp": 2, "pp": 1, "dp": 2, "microbatch": 1}),
+     "data parallelism only"),
+])
+def test_predict_errors_exit_2_with_one_line(capsys, args, message):
+    layout = args.pop("layout", {"tp": 1, "pp": 1, "dp": args.get("devices", 32), "microbatch": 16})
+    code, out, err = _predict(capsys, layout, **args)
+    assert code == 2
+    assert out == ""
+    assert err.startswith("podscale: error: ") and err.count("\n") == 1
+    import re
+    assert re.search(message, err), err
+
+
+def test_python_dash_m_entry_point():
+    cmd = [sys.executable, "-m", "podscale.plan", "predict", "--system", "dgx-a100-80g", "--devices", "8",
+           "--batch", "8", "--model", MODEL, "--layout", '{"tp":8,"pp":1,"dp":1,"microbatch":1}', "--json"]
+    ok = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert ok.returncode == 0, ok.stderr
+    assert json.loads(ok.stdout)["step_time_s"] > 0
+    bad = subprocess.run(cmd[:5] + ["nope"] + cmd[6:], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and bad.stderr.startswith("podscale: error: unknown system")
+
+
+def test_systems_models_and_search_commands(capsys, tmp_path):
+    assert main(["plan", "systems"]) == 0
+    assert "dgx-a100-superpod" in capsys.readouterr().out
+    assert main(["plan", "models"]) == 0
+    out = capsys.readouterr().out
+    assert "megatron-1t" in out and "gpt-175b" in out and "dlrm-mlperf" in out
+    js, png = tmp_path / "top.json", tmp_path / "chart.png"
+    assert main(["plan", "--model", "megatron-7.5b", "--system", "dgx-a100-80g", "--devices", "64",
+                 "--batch", "512", "--top", "3", "--json", str(js), "--chart", str(png)]) == 0
+    data = json.loads(js.read_text())
+    assert len(data["layouts"]) == 3 and data["evaluated"] > 100
+    assert png.read_bytes()[:4] == b"\x89PNG"
+    assert main(["plan", "--model", "no-such-model", "--system", "dgx-a100-80g", "--devices", "8",
+                 "--batch", "8"]) == 2
+    assert "unknown model 'no-such-model'; presets: megatron-1.7b" in capsys.readouterr().err
+
+
+def test_other_models_and_systems_predict():
+    from podscale.plan import predict
+    moe = predict("dgx-a100-80g", 64, "moe-1.3b-64e", {"tp": 1, "pp": 1, "dp": 8, "ep": 8, "microbatch": 4}, 512)
+    assert moe.time_breakdown_s["ep_communication"] > 0
+    dlrm = predict("dgx-a100-80g", 8, "dlrm-mlperf", {"tp": 1, "pp": 1, "dp": 8, "microbatch": 8192}, 65536)
+    assert dlrm.fits and dlrm.time_breakdown_s["all_to_all"] > 0
+    tpu = predict("tpu-v4-pod", 256, "gpt-13b", {"tp": 4, "pp": 1, "dp": 64, "microbatch": 2,
+                                                 "recompute": "selective"}, 512)
+    assert tpu.step_time_s > 0 and tpu.time_breakdown_s["tp_communication"] > 0
+    cs2 = predict("cerebras-cs2", 4, "gpt-1.3b", {"tp": 1, "pp": 1, "dp": 4, "microbatch": 2}, 256)
+    assert cs2.fits and cs2.time_breakdown_s["tp_communication"] == 0

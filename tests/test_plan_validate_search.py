@@ -1,0 +1,76 @@
+"""Narayanan et al. SC'21 Table 1 within the error goals; the search is fast and beats the published
+GPT-3 175B layout by its own model."""
+import time
+
+import pytest
+
+from podscale.plan import predict, search
+from podscale.plan.cli import main
+from podscale.plan.search import candidate_layouts, published_gpt175b_layout
+from podscale.plan.hardware import load_system
+from podscale.plan.models import PRESETS
+from podscale.plan.validate import TABLE1_LAYOUTS, narayanan_flops, summary, table1
+
+
+def test_table1_within_goals():
+    rows = table1()
+    assert len(rows) == 10
+    mean, worst = summary(rows)
+    assert mean <= 0.03, f"mean |error| {mean:.3f}"
+    assert worst <= 0.08, f"max |error| {worst:.3f}"
+    # one system for all rows: the same matmul efficiency everywhere
+    assert {r.layout.recompute for r in rows} == {"full"}
+
+
+def test_table1_uses_the_published_configuration():
+    for r in table1():
+        tp, pp, gpus, batch, mb, per_virtual, published = TABLE1_LAYOUTS[r.name]
+        assert (r.layout.tp, r.layout.pp, r.gpus, r.batch, r.layout.microbatch) == (tp, pp, gpus, batch, mb)
+        if per_virtual:
+            assert PRESETS[r.name].layers // (pp * r.layout.interleave) == per_virtual
+    # Narayanan's FLOP formula; the parameter counts of Table 1 come out of our GPT description
+    m = PRESETS["megatron-1t"]
+    assert m.params / 1e9 == pytest.approx(1008, rel=0.005)
+    assert PRESETS["megatron-18b"].params / 1e9 == pytest.approx(18.4, rel=0.005)
+    assert narayanan_flops(PRESETS["gpt-175b"], 1) == pytest.approx(
+        96 * 2048 * 96 * 12288**2 * (1 + 2048 / (6 * 12288) + 51200 / (16 * 96 * 12288)))
+
+
+def test_validate_command_prints_the_table(capsys):
+    assert main(["plan", "validate"]) == 0
+    out = capsys.readouterr().out
+    assert "megatron-530b" in out and "mean |error|" in out
+
+
+def test_search_ranks_over_10k_layouts_in_5s_and_beats_the_published_gpt3_layout():
+    start = time.perf_counter()
+    result = search("dgx-a100-superpod", 1024, "gpt-175b", 1536, top=0)
+    elapsed = time.perf_counter() - start
+    assert result.evaluated >= 10_000
+    assert elapsed <= 5.0
+    assert result.ranked and all(p.fits for p in result.ranked)
+    speeds = [p.tokens_per_s for p in result.ranked]
+    assert speeds == sorted(speeds, reverse=True)
+    published = predict("dgx-a100-superpod", 1024, "gpt-175b", published_gpt175b_layout(), 1536)
+    assert published.fits
+    # Narayanan et al. Sec. 5.1: 140 TFLOP/s per GPU, 34 days for 300B tokens at this layout
+    assert published.tflops_per_device == pytest.approx(140, rel=0.08)
+    assert published.days_to_train(300e9) == pytest.approx(34, rel=0.08)
+    assert result.ranked[0].tokens_per_s >= published.tokens_per_s
+
+
+def test_search_rejects_layouts_that_do_not_fit():
+    result = search("dgx-a100-40g", 8, "megatron-7.5b", 64, top=0)
+    assert result.rejected_memory > 0
+    # one GPU's replica without ZeRO cannot hold 7.5B x 16 bytes on a 40 GB GPU
+    assert not any(p.layout["tp"] * p.layout["pp"] == 1 and p.layout["zero_stage"] == 0 for p in result.ranked)
+    assert any(p.layout["tp"] * p.layout["pp"] == 1 for p in result.ranked)   # ... but ZeRO-3 can
+
+
+def test_candidates_respect_divisibility_and_system_rules():
+    s = load_system("dgx-a100-80g")
+    lays = list(candidate_layouts(s, 64, PRESETS["megatron-3.6b"], 512))
+    assert lays and all(l.devices == 64 and 32 % l.tp == 0 and 30 % (l.pp * l.interleave) == 0 for l in lays)
+    assert max(l.tp for l in lays) <= 8
+    cs2 = list(candidate_layouts(load_system("cerebras-cs2"), 4, PRESETS["gpt-1.3b"], 256))
+    assert cs2 and all((l.tp, l.pp) == (1, 1) for l in cs2)
