@@ -65,6 +65,20 @@ class ParallelSection(_Section):
     pp: int = Field(1, ge=1)
     ep: int = Field(1, ge=1)
     bucket_mb: float = Field(25.0, gt=0.0)
+    sequence_parallel: bool = False
+    schedule: Literal["gpipe", "1f1b", "interleaved"] = "1f1b"
+    virtual_stages: int = Field(1, ge=1, description="model chunks per pipeline rank (interleaved 1F1B)")
+    recompute: Literal["none", "selective", "full"] = "none"
+
+
+class ZeroSection(_Section):
+    stage: Literal[0, 1, 2, 3] = 0
+    offload_optimizer: Literal["none", "cpu", "nvme"] = "none"
+    offload_param: Literal["none", "cpu", "nvme"] = "none"
+    nvme_path: str | None = None
+    reduce_bucket_mb: float = Field(25.0, gt=0.0)
+    param_persistence_threshold: int = Field(10_000, ge=0,
+                                             description="parameters with fewer elements stay whole (stage 3)")
 
 
 class TrainSection(_Section):
@@ -104,6 +118,7 @@ class Config(_Section):
     parallel: ParallelSection = ParallelSection()
     train: TrainSection = TrainSection()
     checkpoint: CheckpointSection = CheckpointSection()
+    zero: ZeroSection = ZeroSection()
 
     @property
     def run_dir(self) -> Path:

@@ -44,5 +44,5 @@ def train_podscale(cfg_dicts: list[dict]) -> list[dict]:
             norms.append(r.grad_norm)
         params = {n: p.detach().clone() for n, p in model.named_parameters()}
         out.append({"losses": losses, "grad_norms": norms, "params": params if info.rank == 0 else None,
-                    "buckets": len(engine.dp.buckets), "comm": mesh.stats.snapshot()})
+                    "buckets": len(engine.strategy.buckets), "comm": mesh.stats.snapshot()})
     return out

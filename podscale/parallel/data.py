@@ -36,15 +36,18 @@ class DataParallel:
     """Replicates ``module`` over the mesh axes ``axes`` and averages gradients across them.
 
     Use ``no_sync()`` around all but the last micro-batch of a gradient-accumulation step, and call
-    ``finish_grad_sync()`` after the last backward, before reading gradients.
+    ``finish_grad_sync()`` after the last backward, before reading gradients.  With an ``optimizer`` it is a
+    complete training strategy for the :class:`~podscale.train.engine.Engine` (see ``Strategy`` there):
+    every replica steps the whole model.
     """
 
     def __init__(self, module: nn.Module, mesh, axes: tuple[str, ...] = ("dp",), bucket_mb: float = 25.0,
-                 reduce_dtype: str | None = None):
+                 reduce_dtype: str | None = None, optimizer: torch.optim.Optimizer | None = None):
         self.module, self.mesh, self.axes = module, mesh, axes
         self.size = mesh.size(*axes)
         self.reduce_dtype = _DTYPES[reduce_dtype]
         self.params = [p for p in module.parameters() if p.requires_grad]
+        self.optimizer = optimizer
         self._sync = True
         self._broadcast_parameters()
         self.buckets = self._make_buckets(int(bucket_mb * 2**20))
@@ -139,6 +142,40 @@ class DataParallel:
 
     def grads(self) -> list[torch.Tensor]:
         return [b.buffer for b in self.buckets]
+
+    # optimizer side of the strategy ---------------------------------------------------------------
+    def step(self, lr: float) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.optimizer.step()
+
+    def model_state(self) -> dict[str, torch.Tensor]:
+        return self.module.state_dict()
+
+    def load_model_state(self, state: dict[str, torch.Tensor]) -> None:
+        self.module.load_state_dict(state)
+
+    def optim_state(self) -> dict[str, torch.Tensor]:
+        """Optimizer state as ``"<parameter name>.<key>"`` tensors (only tensors: DCP pickles the rest)."""
+        return {f"{name}.{k}": v for name, p in self._named_optim_params()
+                for k, v in self.optimizer.state.get(p, {}).items()}
+
+    def optim_template(self) -> dict[str, torch.Tensor]:
+        """Tensors shaped like the Adam state, to load a checkpoint into a fresh optimizer."""
+        out = {}
+        for name, p in self._named_optim_params():
+            out[f"{name}.step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+            out[f"{name}.exp_avg"] = torch.zeros_like(p)
+            out[f"{name}.exp_avg_sq"] = torch.zeros_like(p)
+        return out
+
+    def load_optim_state(self, flat: dict[str, torch.Tensor]) -> None:
+        for name, p in self._named_optim_params():
+            self.optimizer.state[p] = {k: flat[f"{name}.{k}"] for k in ("step", "exp_avg", "exp_avg_sq")}
+
+    def _named_optim_params(self):
+        names = {id(p): n for n, p in self.module.named_parameters()}
+        return [(names[id(p)], p) for g in self.optimizer.param_groups for p in g["params"]]
 
     def remove_hooks(self) -> None:
         for h in self._hooks:

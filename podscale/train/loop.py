@@ -70,7 +70,7 @@ def run_worker(cfg: Config, resume: bool = False) -> dict:
     if restored is not None:
         template = {"model": engine.model_state(), "optim": engine.optim_template()}
         meta, rank_state = checkpoint.load(restored, template, rank)
-        engine.model.load_state_dict(template["model"])
+        engine.load_model_state(template["model"])
         engine.load_optim_state(template["optim"])
         engine.step_count = start_step = int(meta["step"])
         loader.load_state_dict(meta["loader"])
