@@ -1,0 +1,76 @@
+"""Worker functions for tests/test_runtime.py (importable by spawned workers)."""
+import torch
+import torch.nn as nn
+
+from podscale.parallel.data import DataParallel
+from podscale.runtime import comm
+from podscale.runtime.mesh import Mesh
+from podscale.runtime.process import init_process
+
+
+def collectives_on_a_2x2_mesh() -> dict:
+    info = init_process()
+    mesh = Mesh.build(info.device, dp=2, tp=2)
+    r = info.rank
+    out = {"coords": mesh.coords(), "tp_ranks": mesh.group_ranks("tp"), "dp_ranks": mesh.group_ranks("dp")}
+    t = torch.tensor([float(r)])
+    comm.all_reduce(t, mesh, "tp")
+    out["tp_sum"] = t.item()
+    t = torch.tensor([float(r)])
+    comm.all_reduce(t, mesh, "dp")
+    out["dp_sum"] = t.item()
+    t = torch.tensor([float(r)])
+    comm.all_reduce(t, mesh, ("dp", "tp"))
+    out["world_sum"] = t.item()
+    full = torch.arange(8, dtype=torch.float32) * (r + 1)
+    shard = torch.empty(4)
+    comm.reduce_scatter(shard, full, mesh, "tp")
+    out["rs"] = shard.tolist()
+    gathered = torch.empty(8)
+    comm.all_gather(gathered, shard, mesh, "tp")
+    out["ag"] = gathered.tolist()
+    splits_in = [1, 3] if mesh.local_rank("tp") == 0 else [2, 2]
+    inp = torch.full((4,), float(r))
+    # rank receives splits: from tp-peer 0 its splits_in[me], from peer 1 theirs
+    out_splits = [1, 2] if mesh.local_rank("tp") == 0 else [3, 2]
+    recv = torch.empty(sum(out_splits))
+    comm.all_to_all(recv, inp, mesh, "tp", out_splits, splits_in)
+    out["a2a"] = recv.tolist()
+    out["stats"] = mesh.stats.snapshot()
+    return out
+
+
+def buckets_launch_during_backward() -> dict:
+    """A 6-layer MLP with tiny buckets: buckets go on the wire before backward ends."""
+    info = init_process()
+    torch.manual_seed(0)
+    mesh = Mesh.build(info.device, dp=info.world_size)
+    model = nn.Sequential(*[nn.Linear(64, 64) for _ in range(6)])
+    dp = DataParallel(model, mesh, bucket_mb=64 * 65 * 4 / 2**20)  # one layer per bucket
+    launched_in_backward = []
+
+    class Probe(torch.autograd.Function):
+        # runs in backward after every layer's gradient exists except the first layer's
+        @staticmethod
+        def forward(ctx, x):
+            return x.view_as(x)
+
+        @staticmethod
+        def backward(ctx, g):
+            launched_in_backward.append(dp._next_launch)
+            return g
+
+    x = torch.randn(8, 64) * (info.rank + 1)
+    h = model[0](x)
+    h = Probe.apply(h)
+    for layer in model[1:]:
+        h = layer(h)
+    h.pow(2).mean().backward()
+    dp.finish_grad_sync()
+    grads = [b.buffer.clone() for b in dp.buckets]
+    # every rank ends with the same, averaged gradient
+    check = torch.cat(grads)
+    ref = check.clone()
+    comm.all_reduce(ref, mesh, "dp")
+    return {"buckets": len(dp.buckets), "launched_before_end": launched_in_backward[0],
+            "same_on_all": torch.allclose(ref / mesh.size("dp"), check, atol=1e-6)}

@@ -1,0 +1,99 @@
+"""Mesh, instrumented collectives, the data-parallel wrapper's overlap, and the launchers."""
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from podscale.runtime.launcher import launch
+from podscale.runtime.mesh import Mesh, MeshError, check_shape
+from runtime_workers import buckets_launch_during_backward, collectives_on_a_2x2_mesh
+
+
+def test_mesh_coordinates_are_row_major_with_tp_innermost():
+    mesh = Mesh(sizes={"pp": 2, "dp": 2, "ep": 1, "tp": 2}, rank=5)
+    assert mesh.coords() == {"pp": 1, "dp": 0, "ep": 0, "tp": 1}
+    assert mesh.group_ranks("tp") == [4, 5]
+    assert mesh.group_ranks("dp") == [5, 7]
+    assert mesh.group_ranks("pp") == [1, 5]
+    assert mesh.group_ranks("dp", "tp") == [4, 5, 6, 7]
+    assert all(mesh.rank_of(**mesh.coords(r)) == r for r in range(8))
+    assert mesh.local_rank("dp", "tp") == 1
+
+
+def test_mesh_shape_errors_state_the_fix():
+    with pytest.raises(MeshError, match=r"make pp\*dp\*ep\*tp equal the number of processes \(4\)"):
+        check_shape({"pp": 1, "dp": 3, "ep": 1, "tp": 1}, 4)
+    with pytest.raises(MeshError, match="unknown mesh axis 'xp'"):
+        check_shape({"xp": 2}, 2)
+
+
+def test_collectives_on_a_2x2_mesh():
+    res = launch(collectives_on_a_2x2_mesh, (), nproc=4)
+    for r, out in res.items():
+        tp0 = r - r % 2
+        assert out["tp_ranks"] == [tp0, tp0 + 1]
+        assert out["tp_sum"] == tp0 + tp0 + 1
+        assert out["dp_sum"] == (r % 2) + (r % 2 + 2)
+        assert out["world_sum"] == 6
+        scale = (tp0 + 1) + (tp0 + 2)  # full tensors of the tp pair were scaled by rank + 1
+        half = (r % 2) * 4
+        assert out["rs"] == [float(i * scale) for i in range(half, half + 4)]
+        assert out["ag"] == [float(i * scale) for i in range(8)]
+        peer = tp0 + 1 - r % 2
+        assert out["a2a"] == ([float(tp0)] * 1 + [float(peer)] * 2 if r % 2 == 0
+                              else [float(peer)] * 3 + [float(r)] * 2)
+        st = out["stats"]
+        # ring all-reduce of 4 bytes over 2 ranks puts 2*(n-1)/n*4 = 4 bytes on the wire per call
+        assert st["tp/all_reduce"] == {**st["tp/all_reduce"], "calls": 1, "bytes": 4}
+        assert st["dp+tp/all_reduce"]["bytes"] == 2 * 3 * 4 // 4
+        assert st["tp/reduce_scatter"]["bytes"] == 16 and st["tp/all_gather"]["bytes"] == 16
+        assert all(s["busy_s"] > 0 for s in st.values())
+
+
+def test_gradient_buckets_go_on_the_wire_during_backward():
+    res = launch(buckets_launch_during_backward, (), nproc=2)
+    for out in res.values():
+        assert out["buckets"] == 6
+        assert out["launched_before_end"] >= 4  # layers 6..2 were reduced while layer 1 computed
+        assert out["same_on_all"]
+
+
+def test_podscale_launch_runs_a_script_with_a_loopback_rendezvous(tmp_path):
+    script = tmp_path / "script.py"
+    script.write_text(textwrap.dedent(f"""
+        import json, os, sys, psutil
+        import torch, torch.distributed as dist
+        dist.init_process_group("gloo")
+        t = torch.ones(1) * (dist.get_rank() + 1)
+        dist.all_reduce(t)
+        agent = psutil.Process(os.getppid())
+        listening = sorted({{c.laddr.ip for p in [agent, psutil.Process()] for c in p.net_connections("tcp")
+                            if c.status == psutil.CONN_LISTEN}})
+        out = {{"rank": dist.get_rank(), "world": dist.get_world_size(), "sum": t.item(), "args": sys.argv[1:],
+               "listening": listening, "master": os.environ["MASTER_ADDR"]}}
+        (open(r"{tmp_path}" + f"/rank{{dist.get_rank()}}.json", "w")).write(json.dumps(out))
+        dist.destroy_process_group()
+    """))
+    out = subprocess.run([sys.executable, "-m", "podscale", "launch", "-n", "2", str(script), "--flag", "x"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    for r in range(2):
+        got = json.loads((tmp_path / f"rank{r}.json").read_text())
+        assert (got["world"], got["sum"], got["args"]) == (2, 3.0, ["--flag", "x"])
+        assert got["master"] == "127.0.0.1"
+        assert got["listening"] and set(got["listening"]) == {"127.0.0.1"}, got["listening"]
+
+
+def test_train_with_no_config_uses_the_standard_library_corpus(tmp_path):
+    out = subprocess.run(
+        [sys.executable, "-m", "podscale", "train", "--steps", "4", "--out-dir", str(tmp_path),
+         "--set", "run.eval_every=0", "--set", "run.sample_tokens=16", "--set", "model.n_layer=1"],
+        capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "podscale: done: 4 steps" in out.stdout
+    rows = [json.loads(x) for x in (tmp_path / "gpt-small" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert (tmp_path / "gpt-small" / "sample.txt").stat().st_size > 0
