@@ -36,15 +36,21 @@ def cmd_train(args) -> int:
         return _fail(f"--max-restarts={args.max_restarts} must be >= 0")
     try:
         cfg = load_config(args.config, overrides)
-        cfg.check_layout(int(os.environ["WORLD_SIZE"]) if under_launcher() else cfg.parallel.nproc)
+        if under_launcher():  # torchrun decides the world; the config's nproc only counts local spawns
+            cfg.parallel.nproc = int(os.environ["WORLD_SIZE"])
+        cfg.check_layout(cfg.parallel.nproc)
     except ConfigError as err:
         return _fail(str(err))
 
     from podscale.train import checkpoint
-    ckpts = cfg.run_dir / "checkpoints"
     if args.fresh and args.resume:
         return _fail("--fresh and --resume contradict each other: pass one of them")
-    if checkpoint.completed(ckpts) and not (args.resume or args.fresh):
+    if args.fresh and under_launcher():
+        return _fail("--fresh cannot delete a run directory from inside torchrun's workers: delete "
+                     f"'{cfg.run_dir}' before launching, or choose another run.name")
+    # A worker restarted by torchrun's agent resumes by itself (see run_worker).
+    restarted = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0"
+    if checkpoint.completed(cfg.run_dir / "checkpoints") and not (args.resume or args.fresh or restarted):
         return _fail(f"run directory '{cfg.run_dir}' already has checkpoints: pass --resume to continue it, "
                      f"--fresh to start over, or choose another run.name")
 

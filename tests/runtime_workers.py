@@ -74,3 +74,18 @@ def buckets_launch_during_backward() -> dict:
     comm.all_reduce(ref, mesh, "dp")
     return {"buckets": len(dp.buckets), "launched_before_end": launched_in_backward[0],
             "same_on_all": torch.allclose(ref / mesh.size("dp"), check, atol=1e-6)}
+
+
+def python_api_trains(data_path: str) -> list[float]:
+    """The README's Python API: load_config, init, parallelize, step."""
+    import podscale
+    from podscale.models.gpt import GPT, GPTConfig
+    from podscale.train.data import ShardedLoader, load_tokens
+
+    cfg = podscale.load_config(None, ["parallel.nproc=2", "train.global_batch=8", "train.micro_batch=4",
+                                      "model.block_size=32", "model.n_embd=32", "model.n_layer=1"])
+    mesh = podscale.init(cfg)
+    torch.manual_seed(0)
+    engine = podscale.parallelize(GPT(GPTConfig(n_layer=1, n_embd=32, block_size=32)), mesh, cfg)
+    loader = ShardedLoader(load_tokens(data_path), 32, 8, 4, mesh.local_rank("dp"), mesh.size("dp"))
+    return [engine.step(loader.next_step()).loss for _ in range(5)]

@@ -97,3 +97,11 @@ def test_train_with_no_config_uses_the_standard_library_corpus(tmp_path):
     rows = [json.loads(x) for x in (tmp_path / "gpt-small" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     assert (tmp_path / "gpt-small" / "sample.txt").stat().st_size > 0
+
+
+def test_python_api(tmp_path):
+    from conftest import shakespeare
+    from runtime_workers import python_api_trains
+    res = launch(python_api_trains, (shakespeare(),), nproc=2)
+    assert res[0] == res[1]
+    assert res[0][-1] < res[0][0]
