@@ -158,12 +158,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("out", help="output file, e.g. model.pt")
     e.set_defaults(func=cmd_export)
 
-    try:
-        from podscale.plan.cli import add_plan_parser
-    except ImportError:
-        add_plan_parser = None
-    if add_plan_parser is not None:
-        add_plan_parser(sub)
+    from podscale.plan.cli import add_plan_parser
+    add_plan_parser(sub)
     return parser
 
 
