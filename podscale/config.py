@@ -69,6 +69,10 @@ class ParallelSection(_Section):
     schedule: Literal["gpipe", "1f1b", "interleaved"] = "1f1b"
     virtual_stages: int = Field(1, ge=1, description="model chunks per pipeline rank (interleaved 1F1B)")
     recompute: Literal["none", "selective", "full"] = "none"
+    pipeline_balance: Literal["params", "time"] = Field(
+        "params", description="split blocks into stages by parameter count or by measured time")
+    pipeline_layers: list[int] | None = Field(
+        None, description="blocks per model chunk (pp * virtual_stages counts), overriding the balance")
 
 
 class ZeroSection(_Section):
@@ -79,6 +83,35 @@ class ZeroSection(_Section):
     reduce_bucket_mb: float = Field(25.0, gt=0.0)
     param_persistence_threshold: int = Field(10_000, ge=0,
                                              description="parameters with fewer elements stay whole (stage 3)")
+    nvme_block_mb: float = Field(8.0, gt=0.0, description="size of one NVMe read/write request")
+    optimizer: Literal["adamw", "lamb", "lars"] = Field(
+        "adamw", description="optimizer over the flat shards (stages 1-3); lamb/lars use per-tensor trust ratios")
+
+    @model_validator(mode="after")
+    def _offload_fits_stage(self):
+        # ZeRO-Offload moves partitioned state; ZeRO-Infinity's parameter offload needs partitioned params
+        if self.offload_param != "none" and self.stage != 3:
+            raise ValueError(f"zero.offload_param={self.offload_param} needs zero.stage=3 (only stage 3 "
+                             f"partitions parameters): set zero.stage=3 or zero.offload_param='none'")
+        if self.offload_optimizer != "none" and self.stage == 0:
+            raise ValueError("zero.offload_optimizer needs zero.stage >= 1 (stage 0 does not partition the "
+                             "optimizer state): set zero.stage=1, 2 or 3")
+        if self.optimizer != "adamw" and self.stage == 0:
+            raise ValueError(f"zero.optimizer={self.optimizer} runs on ZeRO's flat shards: set zero.stage=1, 2 or 3")
+        if self.optimizer != "adamw" and self.offload_optimizer == "nvme":
+            raise ValueError(f"zero.optimizer={self.optimizer} is not available with NVMe offload (it streams "
+                             "AdamW state): use zero.optimizer='adamw' or offload_optimizer='cpu'")
+        if "nvme" in (self.offload_optimizer, self.offload_param):
+            if not self.nvme_path:
+                raise ValueError("zero.nvme_path is required for nvme offload: point it at a folder on a fast disk")
+            path = Path(os.path.expanduser(self.nvme_path))
+            if not path.is_dir():
+                raise ValueError(f"zero.nvme_path '{self.nvme_path}' is not an existing folder: create it "
+                                 "or point at one")
+            if not os.access(path, os.W_OK | os.X_OK):
+                raise ValueError(f"zero.nvme_path '{self.nvme_path}' is not writable: choose a folder you "
+                                 "can write")
+        return self
 
 
 class TrainSection(_Section):
@@ -152,9 +185,60 @@ class Config(_Section):
             raise ConfigError(f"train.global_batch={t.global_batch} is not divisible by dp*micro_batch="
                               f"{self.dp}*{t.micro_batch}: make global_batch a multiple of "
                               f"{self.dp * t.micro_batch}")
-        if p.tp > 1 or p.pp > 1 or p.ep > 1:
-            raise ConfigError("parallel.tp/pp/ep > 1 are not available in this version: set them to 1 "
-                              "(data parallelism over all processes)")
+        if p.ep > 1:
+            raise ConfigError("parallel.ep > 1 is not available in this version: set parallel.ep = 1")
+        self._check_model_parallel()
+
+    def _check_model_parallel(self) -> None:
+        """Tensor, sequence and pipeline parallelism: what the model and batch must satisfy."""
+        p, m, t = self.parallel, self.model, self.train
+        if m.n_head % p.tp:
+            raise ConfigError(f"model.n_head={m.n_head} is not divisible by parallel.tp={p.tp}: use a head "
+                              f"count that is a multiple of {p.tp} or a smaller tp")
+        if m.n_embd % p.tp:
+            raise ConfigError(f"model.n_embd={m.n_embd} is not divisible by parallel.tp={p.tp}: use a hidden "
+                              f"size that is a multiple of {p.tp} or a smaller tp")
+        if p.sequence_parallel and m.block_size % p.tp:
+            raise ConfigError(f"model.block_size={m.block_size} (the sequence length) is not divisible by "
+                              f"parallel.tp={p.tp} with sequence parallelism: use a multiple of {p.tp} or set "
+                              "parallel.sequence_parallel = false")
+        if m.dropout > 0 and p.tp > 1 and not p.sequence_parallel:
+            raise ConfigError("model.dropout > 0 with parallel.tp > 1 needs parallel.sequence_parallel = true "
+                              "(dropout then acts on each rank's own sequence shard): enable it or set dropout = 0")
+        if p.sequence_parallel and p.tp > 1 and self.zero.stage > 1:
+            raise ConfigError(f"parallel.sequence_parallel with zero.stage={self.zero.stage} is not supported "
+                              "(ZeRO-2/3 reduce gradients before the layer-norm gradients are summed over tp): "
+                              "use zero.stage = 1 or sequence_parallel = false")
+        chunks = p.pp * p.virtual_stages
+        if p.virtual_stages > 1 and p.schedule != "interleaved":
+            raise ConfigError(f"parallel.virtual_stages={p.virtual_stages} needs parallel.schedule = "
+                              "'interleaved': set the schedule or virtual_stages = 1")
+        if p.pp > 1 and p.schedule == "interleaved" and p.virtual_stages < 2:
+            raise ConfigError("parallel.schedule = 'interleaved' needs parallel.virtual_stages >= 2 (model "
+                              "chunks per pipeline rank): set it, or use schedule = '1f1b'")
+        if p.pipeline_layers is not None:
+            if len(p.pipeline_layers) != chunks or sum(p.pipeline_layers) != m.n_layer \
+                    or min(p.pipeline_layers) < 1:
+                raise ConfigError(f"parallel.pipeline_layers={p.pipeline_layers} must list {chunks} positive "
+                                  f"block counts (pp * virtual_stages) that sum to model.n_layer={m.n_layer}")
+        elif p.pp > 1 and m.n_layer < chunks:
+            raise ConfigError(f"model.n_layer={m.n_layer} is fewer than the {chunks} pipeline stages "
+                              f"(pp * virtual_stages): use at least {chunks} layers or fewer stages")
+        if p.pp > 1:
+            micro = self.grad_accum
+            if p.schedule == "interleaved" and micro % p.pp:
+                raise ConfigError(f"interleaved 1F1B needs the micro-batches per step (global_batch / (dp * "
+                                  f"micro_batch) = {micro}) to be a multiple of parallel.pp={p.pp}: set "
+                                  f"train.global_batch to a multiple of {p.pp * self.dp * t.micro_batch}")
+            if self.zero.stage > 1:
+                raise ConfigError(f"zero.stage={self.zero.stage} with parallel.pp > 1 is not supported (each "
+                                  "micro-batch would re-reduce the gradients): use zero.stage = 1 with pipelines")
+            if self.run.eval_every or self.run.sample_tokens:
+                raise ConfigError("run.eval_every and run.sample_tokens are not available with parallel.pp > 1 "
+                                  "yet: set them to 0")
+        if p.tp > 1 and self.run.sample_tokens:
+            raise ConfigError("run.sample_tokens is not available with parallel.tp > 1 yet (the logits are "
+                              "vocab-sharded): set it to 0")
 
 
 def _where(loc: tuple) -> str:

@@ -78,3 +78,12 @@ def test_torus_rings_use_both_directions():
     assert t == pytest.approx(2 * 31 / 32 * 1e9 / (2 * link) + 62 * 2e-6)
     t2 = net.all_reduce_time(s, 1e9, 1024, 1)                # 2-D: second dimension on 1/32 of the data
     assert t2 == pytest.approx(t + 2 * 31 / 32 * 1e9 / 32 / (2 * link) + 62 * 2e-6)
+
+
+def test_torus_group_that_does_not_align_uses_one_shared_link():
+    s = load_system("tpu-v4-pod")
+    link = 50e9 * 0.85
+    # 2 members 56 chips apart: 56 is not a multiple of the 16-chip dimension
+    assert net.all_reduce_time(s, 1e9, 2, 56) == pytest.approx(1e9 / link + 2 * 2e-6 * 56)
+    with pytest.raises(ValueError):
+        net.all_reduce_time(s, 1e9, 4096, 2)

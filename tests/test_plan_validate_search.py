@@ -74,3 +74,13 @@ def test_candidates_respect_divisibility_and_system_rules():
     assert max(l.tp for l in lays) <= 8
     cs2 = list(candidate_layouts(load_system("cerebras-cs2"), 4, PRESETS["gpt-1.3b"], 256))
     assert cs2 and all((l.tp, l.pp) == (1, 1) for l in cs2)
+
+
+@pytest.mark.parametrize("system,devices,model,batch", [
+    ("tpu-v3-pod", 64, "gpt-1.3b", 256), ("cerebras-cs2", 4, "gpt-1.3b", 256),
+    ("dgx-a100-80g", 16, "moe-1.3b-64e", 128), ("dgx-a100-80g", 8, "dlrm-mlperf", 65536)])
+def test_search_on_every_kind_of_system_and_model(system, devices, model, batch):
+    result = search(system, devices, model, batch, top=5)
+    assert result.ranked, result.notes
+    best = result.ranked[0]
+    assert best.fits and best.step_time_s > 0 and 0 < best.mfu < 1

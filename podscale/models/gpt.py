@@ -50,15 +50,20 @@ class CausalSelfAttention(nn.Module):
         self.resid_drop = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        B, T, _ = x.shape
         # The number of heads follows from the projection's width, so a tensor-parallel projection
-        # holding n_head / tp heads runs this same code.
-        q, k, v = self.qkv(x).chunk(3, dim=2)
+        # holding n_head / tp heads runs this same code; the sequence length follows from its output, so a
+        # sequence-parallel input (T / tp positions, gathered inside the projection) does too.
+        qkv = self.qkv(x)
+        B, T, _ = qkv.shape
+        q, k, v = qkv.chunk(3, dim=2)
         q, k, v = (t.view(B, T, -1, self.head_dim).transpose(1, 2) for t in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                           dropout_p=self.dropout if self.training else 0.0)
-        y = y.transpose(1, 2).reshape(B, T, -1)
+        y = self.core(q, k, v).transpose(1, 2).reshape(B, T, -1)
         return self.resid_drop(self.proj(y))
+
+    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """softmax(q k^T / sqrt(d)) v with a causal mask (what selective recomputation recomputes)."""
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                              dropout_p=self.dropout if self.training else 0.0)
 
 
 class MLP(nn.Module):
@@ -85,6 +90,13 @@ class Block(nn.Module):
         return x + self.mlp(self.ln_2(x))
 
 
+class CrossEntropy(nn.Module):
+    """Mean cross-entropy over all tokens (tensor parallelism swaps in a vocab-parallel one)."""
+
+    def forward(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.view(-1))
+
+
 class GPT(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
@@ -92,10 +104,12 @@ class GPT(nn.Module):
         self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
         self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd)
         self.drop = nn.Dropout(cfg.dropout)
-        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        # Keyed by layer number, so a pipeline stage that keeps some of them keeps their names.
+        self.blocks = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.n_layer)})
         self.ln_f = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         self.lm_head.weight = self.wte.weight
+        self.loss_fn = CrossEntropy()
         self.apply(self._init_weights)
         for name, p in self.named_parameters():
             if name.endswith("proj.weight"):
@@ -109,19 +123,27 @@ class GPT(nn.Module):
             nn.init.zeros_(m.bias)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
-        """Logits for ``idx`` (B, T); with ``targets``, also the mean cross-entropy over all tokens."""
-        B, T = idx.shape
-        if T > self.cfg.block_size:
-            raise ValueError(f"sequence length {T} exceeds block_size {self.cfg.block_size}")
-        pos = torch.arange(T, device=idx.device)
-        x = self.drop(self.wte(idx) + self.wpe(pos))
-        for block in self.blocks:
+        """Logits for ``idx`` (B, T); with ``targets``, also the mean cross-entropy over all tokens.
+
+        A pipeline stage (``podscale.parallel.pipeline``) keeps only some layers: without ``wte`` it takes
+        the previous stage's activations as ``idx``, without ``lm_head`` it returns its activations.
+        """
+        if self.wte is not None:
+            T = idx.shape[1]
+            if T > self.cfg.block_size:
+                raise ValueError(f"sequence length {T} exceeds block_size {self.cfg.block_size}")
+            pos = torch.arange(T, device=idx.device)
+            x = self.drop(self.wte(idx) + self.wpe(pos))
+        else:
+            x = idx
+        for block in self.blocks.values():
             x = block(x)
+        if self.lm_head is None:
+            return x, None
         logits = self.lm_head(self.ln_f(x))
         if targets is None:
             return logits, None
-        loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.view(-1))
-        return logits, loss
+        return logits, self.loss_fn(logits, targets)
 
     @torch.no_grad()
     def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,

@@ -3,7 +3,9 @@
 What is measured, with ``ranks`` worker processes running *at the same time* (as ``podscale train``
 runs them, so they share cores, caches and memory bandwidth), each with cores/ranks torch threads:
   - matmul FLOP/s by shape (float32, torch on CPU): squares and transformer-like rectangles;
-  - memory bandwidth: a large tensor copy (bytes read + written per second) per rank;
+  - memory bandwidth: a large tensor copy (bytes read + written per second) per rank, and the rate of
+    the element-wise kernels of a transformer layer (on a CPU they are compute-bound, below the copy
+    rate), and the host cost of one small autograd-recorded kernel;
   - gloo all-reduce time by message size over ``ranks`` processes; a least-squares fit of the ring
     model t(S) = 2(n-1) alpha + 2(n-1)/n * S / B (Thakur et al. 2005) gives latency alpha and bandwidth B.
 The rendezvous store listens on 127.0.0.1 only and gloo is pinned to the loopback interface.
@@ -15,22 +17,30 @@ import json
 import os
 import platform
 import socket
-import statistics
 import tempfile
 import time
 from pathlib import Path
 
 from .hardware import GB, GiB, local_system_path
 
-SQUARE = (128, 256, 512, 1024)
-# (m, n, k): tokens x out x in shapes a small GPT on CPU multiplies (b*s = 512-2048, h = 128-512).
-RECT = ((512, 384, 128), (512, 128, 512), (2048, 768, 256), (2048, 256, 1024), (1024, 1536, 512),
-        (1024, 512, 2048), (2048, 64, 2048), (4096, 1024, 256))
+# A log-spaced grid of (m, n, k) covering what a GPT trained on a CPU multiplies: forward (tokens x out x in),
+# input gradients and weight gradients (in x out x tokens), attention (seq x seq x head_dim).
+GRID_M = (64, 256, 1024, 4096)
+GRID_NK = (32, 128, 512, 2048)
+QUICK_M, QUICK_NK = (256, 2048), (128, 1024)
 ALLREDUCE_BYTES = (1 << 12, 1 << 14, 1 << 16, 1 << 18, 1 << 20, 1 << 22, 1 << 24)
 
 
-def _timeit(fn, budget: float, min_reps: int = 3) -> float:
-    """Median seconds of ``fn`` over repetitions filling about ``budget`` seconds (after one warm-up)."""
+def low_percentile(times, q: float = 0.2) -> float:
+    """The q-quantile of repeated timings. On a shared machine other work only ever slows a run down,
+    so a low percentile estimates the uncontended time better than the median or the mean; the bench
+    that compares predictions with `podscale train` uses the same statistic."""
+    ordered = sorted(times)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def _timeit(fn, budget: float, min_reps: int = 5) -> float:
+    """Low-percentile seconds of ``fn`` over repetitions filling about ``budget`` seconds (after a warm-up)."""
     fn()
     times, start = [], time.perf_counter()
     while len(times) < min_reps or time.perf_counter() - start < budget:
@@ -39,7 +49,7 @@ def _timeit(fn, budget: float, min_reps: int = 3) -> float:
         times.append(time.perf_counter() - t0)
         if len(times) > 200:
             break
-    return statistics.median(times)
+    return low_percentile(times)
 
 
 def _worker(rank: int, ranks: int, port: int, quick: bool, out_path: str) -> None:
@@ -51,32 +61,57 @@ def _worker(rank: int, ranks: int, port: int, quick: bool, out_path: str) -> Non
     torch.set_num_threads(threads)
     store = dist.TCPStore("127.0.0.1", port, world_size=ranks, is_master=False,
                           timeout=_dt.timedelta(seconds=60))
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=ranks)
-    budget = 0.02 if quick else 0.15
-    shapes = ([(s, s, s) for s in SQUARE[:2]] + list(RECT[:2])) if quick else \
-        [(s, s, s) for s in SQUARE] + list(RECT)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=ranks,
+                            timeout=_dt.timedelta(seconds=120))   # fail rather than hang
+    budget = 0.01 if quick else 0.04
+    ms, nks = (QUICK_M, QUICK_NK) if quick else (GRID_M, GRID_NK)
     table = []
-    for m, n, k in shapes:
-        a, b = torch.randn(m, k), torch.randn(k, n)
-        c = torch.empty(m, n)
-        dist.barrier()
-        sec = _timeit(lambda: torch.mm(a, b, out=c), budget)
-        table.append([m, n, k, 2.0 * m * n * k / sec])
+    for m in ms:
+        for n in nks:
+            for k in nks:
+                a, b = torch.randn(m, k), torch.randn(k, n)
+                c = torch.empty(m, n)
+                dist.barrier()
+                sec = _timeit(lambda: torch.mm(a, b, out=c), budget)
+                table.append([m, n, k, 2.0 * m * n * k / sec])
     n_el = (4 if quick else 16) * 1024 * 1024          # 16 / 64 MiB float32 per buffer
     src, dst = torch.randn(n_el), torch.empty(n_el)
     dist.barrier()
-    sec = _timeit(lambda: dst.copy_(src), budget * 2)
+    sec = _timeit(lambda: dst.copy_(src), budget * 4)
     mem_bw = 2 * 4 * n_el / sec
+    # Element-wise kernels of a transformer layer, forward, on [tokens, 256] fp32: bytes read + written
+    # per second; their harmonic mean is the rate the planner streams element-wise work at.
+    x = torch.randn(n_el // 256 // 4, 256)
+    rates = []
+    # Dropout is left out: CPU runs train without it, and its RNG (~1 GB/s) would dominate the mean.
+    for fn in (torch.nn.functional.gelu, lambda v: torch.nn.functional.layer_norm(v, (256,)),
+               lambda v: torch.softmax(v, -1)):
+        dist.barrier()
+        rates.append(2 * 4 * x.numel() / _timeit(lambda: fn(x), budget * 2))
+    elementwise_bw = len(rates) / sum(1 / r for r in rates)
+    # Host cost of one small autograd-recorded kernel: what every launch costs when nothing is queued.
+    tiny = torch.randn(8, requires_grad=True)
+    dist.barrier()
+    kernel_overhead = _timeit(lambda: tiny * 2.0, budget)
     sizes = ALLREDUCE_BYTES[::2] if quick else ALLREDUCE_BYTES
     ar = []
     for nbytes in sizes:
         buf = torch.ones(nbytes // 4)
+        # A collective must run the same number of times on every rank, so the repetitions are fixed
+        # by size rather than by each rank's own clock (which would deadlock).
+        reps = 30 if nbytes <= 1 << 16 else 10 if nbytes <= 1 << 20 else 4
+        dist.all_reduce(buf)
         dist.barrier()
-        sec = _timeit(lambda: dist.all_reduce(buf), budget)
-        ar.append([nbytes, sec])
+        times = []
+        for _ in range(reps // (2 if quick else 1)):
+            t0 = time.perf_counter()
+            dist.all_reduce(buf)
+            times.append(time.perf_counter() - t0)
+        ar.append([nbytes, low_percentile(times)])
     if rank == 0:
         with open(out_path, "w") as f:
-            json.dump({"matmul": table, "memory_bw": mem_bw, "allreduce": ar, "threads": threads}, f)
+            json.dump({"matmul": table, "memory_bw": mem_bw, "elementwise_bw": elementwise_bw,
+                       "kernel_overhead": kernel_overhead, "allreduce": ar, "threads": threads}, f)
     dist.barrier()
     dist.destroy_process_group()
 
@@ -163,11 +198,14 @@ name = "{_cpu_name()} / rank"
 peak_tflops = {peak / 1e12:.6g}           # best measured matmul rate of one rank
 memory_gib = {mem / ranks / GiB:.4g}            # RAM / ranks
 memory_bw_gbps = {data["memory_bw"] / GB:.6g}        # tensor copy, bytes read + written per s, per rank
+elementwise_gbps = {data["elementwise_bw"] / GB:.6g}      # GeLU / layer norm / softmax, bytes per s
+kernel_overhead_us = {data["kernel_overhead"] * 1e6:.4g}      # one small autograd-recorded op
 matmul_efficiency = 1.0
 memory_efficiency = 1.0
 reserved_gib = 0.5
 dtype_bytes = 4                     # CPU training runs in float32
-# Measured [m, n, k, FLOP/s] of one rank while the others multiply too; the planner uses the nearest shape.
+# Measured [m, n, k, FLOP/s] of one rank while the others multiply too; the planner interpolates
+# between the nearest measured shapes (log space).
 matmul_table = [
 {rows}
 ]
@@ -207,7 +245,8 @@ def calibrate(out: str | None = None, quick: bool = False, ranks: int = 2, log=p
     path.write_text(system_toml(data, ranks, quick))
     alpha, bw = fit_ring(data["allreduce"], ranks)
     log(f"matmul: best {max(f for *_, f in data['matmul']) / 1e9:.1f} GFLOP/s per rank "
-        f"({len(data['matmul'])} shapes); memory copy {data['memory_bw'] / GB:.2f} GB/s per rank; "
+        f"({len(data['matmul'])} shapes); memory copy {data['memory_bw'] / GB:.2f} GB/s, element-wise "
+        f"{data['elementwise_bw'] / GB:.2f} GB/s per rank; kernel {data['kernel_overhead'] * 1e6:.1f} us; "
         f"gloo all-reduce ({ranks} ranks): latency {alpha * 1e6:.0f} us, bandwidth {bw / GB:.2f} GB/s; "
         f"{time.perf_counter() - start:.1f} s")
     return path

@@ -37,8 +37,8 @@ def _guarded(func):
             return func(args)
         except (CatalogError, LayoutError, ModelError, PlanUsageError) as e:
             return _fail(str(e))
-        except (TypeError, ValueError) as e:   # e.g. a JSON layout with a wrong type
-            return _fail(f"{e}")
+        except ValueError as e:   # e.g. --batch 0, or a torus group that cannot exist
+            return _fail(str(e))
     return run
 
 
@@ -110,10 +110,13 @@ def cmd_predict(args) -> int:
     for flag in ("system", "devices", "batch", "model", "layout"):
         if getattr(args, flag) in (None, ""):
             raise PlanUsageError(f"plan predict needs --{flag}")
+    from .hardware import load_system
+    system = load_system(args.system)          # unknown systems are reported first
+    system.check_devices(args.devices)
     model = (model_from_dict(_parse_json(args.model, "model")) if args.model.lstrip().startswith("{")
              else get_model(args.model))
     layout = layout_from_dict(_parse_json(args.layout, "layout"))
-    pred = predict(args.system, args.devices, model, layout, args.batch)
+    pred = predict(system, args.devices, model, layout, args.batch)
     if args.json:
         print(json.dumps(pred.to_dict(args.tokens), indent=None if args.compact else 2))
         return 0

@@ -21,13 +21,16 @@ from .hardware import Device
 
 
 def _table_flops(device: Device, m: float, n: float, k: float) -> float:
-    best, best_d = None, math.inf
+    """FLOP/s at shape (m, n, k) from the measured table: inverse-distance weighting, in log space, of
+    the seconds-per-FLOP of the 4 nearest measured shapes (an exact match returns its own rate)."""
     lm, ln, lk = math.log(m), math.log(n), math.log(k)
-    for tm, tn, tk, f in device.matmul_table:
-        d = (math.log(tm) - lm) ** 2 + (math.log(tn) - ln) ** 2 + (math.log(tk) - lk) ** 2
-        if d < best_d:
-            best, best_d = f, d
-    return best
+    near = sorted(((math.log(tm) - lm) ** 2 + (math.log(tn) - ln) ** 2 + (math.log(tk) - lk) ** 2, f)
+                  for tm, tn, tk, f in device.matmul_table)[:4]
+    if near[0][0] < 1e-12:
+        return near[0][1]
+    weights = [1.0 / d for d, _ in near]
+    sec_per_flop = sum(w / f for w, (_, f) in zip(weights, near)) / sum(weights)
+    return 1.0 / sec_per_flop
 
 
 def gemm_time(device: Device, m: float, n: float, k: float, batch: float = 1.0,
@@ -46,4 +49,16 @@ def gemm_time(device: Device, m: float, n: float, k: float, batch: float = 1.0,
 
 def stream_time(device: Device, nbytes: float) -> float:
     """Seconds to stream ``nbytes`` through device memory (element-wise kernels, optimizer step)."""
-    return nbytes / (device.memory_bw * device.memory_efficiency)
+    bw = device.elementwise_bw or device.memory_bw * device.memory_efficiency
+    return nbytes / bw
+
+
+def linear_time(device: Device, tokens: float, n_out: float, k_in: float, batch: float = 1.0,
+                bytes_per_element: int = 2) -> tuple[float, float]:
+    """(forward, backward) seconds of a linear layer y = x W on ``tokens`` rows: forward (T x k)(k x n);
+    backward the input gradient (T x n)(n x k) and the weight gradient (k x T)(T x n), whose shapes
+    differ from the forward's (matters on calibrated CPUs; the roofline is symmetric in them)."""
+    e = bytes_per_element
+    fwd = gemm_time(device, tokens, n_out, k_in, batch, e)
+    bwd = gemm_time(device, tokens, k_in, n_out, batch, e) + gemm_time(device, k_in, n_out, tokens, batch, e)
+    return fwd, bwd

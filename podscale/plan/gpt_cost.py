@@ -18,14 +18,15 @@ Megatron-LM runs them (read inputs + write outputs):
                                                                                    without seq. par.)
     bias + GeLU (4 sb ffn), layout copies of Q/K/V/context (8 sbh)      / t
     fused scale-mask-softmax (4 a s^2 b) + attention dropout (5 a s^2 b) / t
-backward moves about twice the forward bytes. These counts are fixed, not fitted.
+backward moves about twice the forward bytes. These counts are fixed, not fitted. Each linear layer's
+backward is costed as its two GEMMs with their own shapes (input and weight gradients), and on
+devices that run kernels synchronously (CPUs) every kernel also pays a measured host overhead.
 """
 from __future__ import annotations
 
-import math
 
 from . import network as net
-from .compute import gemm_time, stream_time
+from .compute import gemm_time, linear_time, stream_time
 from .hardware import System
 from .layout import Layout, LayoutError
 from .memory import activation_bytes_per_layer, pipeline_inflight_layers, zero_model_state_bytes
@@ -34,7 +35,9 @@ from .prediction import Prediction
 
 ADAM_BYTES_PER_PARAM = 30      # fp32 master r/w, m r/w, v r/w, grad read, fp16 param write
 CROSS_ENTROPY_BYTES = 36       # per logit, fwd + bwd: fp16 -> fp32 cast, max, exp, sum, grad
-BWD_OVER_FWD = 2.0             # backward = two GEMMs per forward GEMM, ~2x element-wise traffic
+BWD_OVER_FWD = 2.0             # backward of attention and element-wise work: ~2x the forward
+KERNELS_PER_LAYER = 20         # forward kernels of one layer (2 norms, 4 linears + biases, attention
+                               # core, GeLU, dropouts, residual adds); host overhead counts on CPUs only
 
 
 def check_gpt_layout(system: System, devices: int, model: GPT, layout: Layout, batch: int) -> int:
@@ -70,15 +73,18 @@ def _layer_times(system: System, model: GPT, lay: Layout, moe: bool) -> dict:
     tokens = b * s
     scale = model.top_k * model.capacity_factor if moe else 1.0
     e = dev.dtype_bytes
-    dense = gemm_time(dev, tokens, 3 * h / t, h, bytes_per_element=e) + gemm_time(dev, tokens, h, h / t, bytes_per_element=e)
+    gemms = [linear_time(dev, tokens, 3 * h / t, h, bytes_per_element=e),      # QKV
+             linear_time(dev, tokens, h, h / t, bytes_per_element=e)]          # attention output
     if moe:
         local_experts = model.experts / lay.ep
         m_exp = tokens * scale * lay.ep / model.experts      # tokens each local expert receives
-        dense += gemm_time(dev, m_exp, f / t, h, batch=local_experts, bytes_per_element=e)
-        dense += gemm_time(dev, m_exp, h, f / t, batch=local_experts, bytes_per_element=e)
-        dense += gemm_time(dev, tokens, model.experts, h, bytes_per_element=e)     # router
+        gemms.append(linear_time(dev, m_exp, f / t, h, batch=local_experts, bytes_per_element=e))
+        gemms.append(linear_time(dev, m_exp, h, f / t, batch=local_experts, bytes_per_element=e))
+        gemms.append(linear_time(dev, tokens, model.experts, h, bytes_per_element=e))   # router
     else:
-        dense += gemm_time(dev, tokens, f / t, h, bytes_per_element=e) + gemm_time(dev, tokens, h, f / t, bytes_per_element=e)
+        gemms.append(linear_time(dev, tokens, f / t, h, bytes_per_element=e))
+        gemms.append(linear_time(dev, tokens, h, f / t, bytes_per_element=e))
+    dense, dense_bwd = sum(g[0] for g in gemms), sum(g[1] for g in gemms)
     heads_local = b * a / t
     attn = (gemm_time(dev, s, s, h / a, batch=heads_local, bytes_per_element=e)
             + gemm_time(dev, s, h / a, s, batch=heads_local, bytes_per_element=e))
@@ -92,7 +98,8 @@ def _layer_times(system: System, model: GPT, lay: Layout, moe: bool) -> dict:
     act_bytes = e * sbh                                       # one [s, b, h] activation tensor
     tp_ar = net.all_reduce_time(system, act_bytes, t, 1) if t > 1 else 0.0
     a2a = net.all_to_all_time(system, act_bytes * scale, lay.ep, t) if moe and lay.ep > 1 else 0.0
-    return {"gemm": dense, "attn": attn + ew_attn, "ew": ew, "tp_ar": tp_ar, "a2a": a2a}
+    return {"gemm": dense, "gemm_bwd": dense_bwd, "attn": attn + ew_attn, "ew": ew, "tp_ar": tp_ar, "a2a": a2a,
+            "kernels": KERNELS_PER_LAYER * dev.kernel_overhead}
 
 
 def predict_gpt(system: System, devices: int, model: GPT, lay: Layout, batch: int) -> Prediction:
@@ -109,7 +116,9 @@ def predict_gpt(system: System, devices: int, model: GPT, lay: Layout, batch: in
         return (1 - moe_frac) * dense_t[key] + moe_frac * moe_t[key]
 
     gemm, attn, ew = per_layer("gemm"), per_layer("attn"), per_layer("ew")
-    fwd = gemm + attn + ew
+    launch = per_layer("kernels")
+    fwd = gemm + attn + ew + launch
+    bwd = per_layer("gemm_bwd") + BWD_OVER_FWD * (attn + ew + launch)
     recompute = {"none": 0.0, "selective": attn, "full": fwd}[lay.recompute]
     n_tp = 4 + (2 if lay.recompute == "full" else 0)      # all-reduces (or AG+RS pairs) per layer
     tp_comm = n_tp * per_layer("tp_ar")
@@ -124,7 +133,7 @@ def predict_gpt(system: System, devices: int, model: GPT, lay: Layout, batch: in
     p2p = 2 * v * net.p2p_time(system, act_msg, stride_pp) if p > 1 else 0.0
 
     comp_fwd = per_dev_layers * fwd
-    comp_bwd = per_dev_layers * BWD_OVER_FWD * fwd
+    comp_bwd = per_dev_layers * bwd
     comp_rec = per_dev_layers * recompute
     comm_tp = per_dev_layers * (tp_comm + ep_comm)
     t_mb = comp_fwd + comp_bwd + comp_rec + comm_tp + head + p2p

@@ -42,6 +42,12 @@ class Device:
     memory_efficiency: float     # achievable fraction of memory bandwidth on streaming kernels
     reserved_bytes: float        # runtime overhead never available to the model
     dtype_bytes: int = 2         # bytes per activation/weight element in training (16-bit; 4 on CPU)
+    # Measured (local only): achieved bytes/s of element-wise kernels (GeLU, layer norm, softmax),
+    # which on a CPU are compute-bound well below the copy bandwidth; 0 -> memory_bw * memory_efficiency.
+    elementwise_bw: float = 0.0
+    # Host-side cost per kernel when kernels run synchronously (CPU); GPUs queue kernels asynchronously,
+    # so it is 0 there.
+    kernel_overhead: float = 0.0
     # Measured matmul throughput by shape (local calibration only): tuples (m, n, k, flop/s).
     matmul_table: tuple = ()
 
@@ -125,6 +131,8 @@ def system_from_dict(data: dict, source: str = "") -> System:
             memory_efficiency=float(dev.get("memory_efficiency", 1.0)),
             reserved_bytes=float(dev.get("reserved_gib", 0.0)) * GiB,
             dtype_bytes=int(dev.get("dtype_bytes", 2)),
+            elementwise_bw=float(dev.get("elementwise_gbps", 0.0)) * GB,
+            kernel_overhead=float(dev.get("kernel_overhead_us", 0.0)) * 1e-6,
             matmul_table=table,
         )
         h = data.get("host", {})

@@ -130,6 +130,8 @@ PRESETS.update({
     "gpt-1.3b": _gpt("gpt-1.3b", 24, 2048, 16),
     # LLaMA (Touvron et al. 2023): SwiGLU MLP has 3 matrices of h x ffn; ffn = 3/2 * listed size gives
     # the same weights and FLOPs in our 2-matrix form (7B: 11008 -> 16512; 70B: 28672 -> 43008).
+    # Attention is counted as full multi-head: LLaMA-2 70B's grouped-query attention has ~10% fewer
+    # weights, so the 70B preset over-counts slightly (78B).
     "llama-7b": _gpt("llama-7b", 32, 4096, 32, seq=4096, vocab=32000, ffn=16512),
     "llama-13b": _gpt("llama-13b", 40, 5120, 40, seq=4096, vocab=32000, ffn=20736),
     "llama-70b": _gpt("llama-70b", 80, 8192, 64, seq=4096, vocab=32000, ffn=43008),

@@ -39,24 +39,36 @@ def _switch_levels(system: System, n: int, stride: int) -> list[Level]:
 def _torus_levels(system: System, n: int, stride: int) -> list[Level]:
     """Map the group onto torus dimensions, fastest first; a ring in one dimension uses both
     directions of its links (2 x link bandwidth), shared by the ``hop`` interleaved groups that
-    use the same ring when members are ``hop`` chips apart."""
+    use the same ring when members are ``hop`` chips apart. A group that does not align with the
+    torus (sizes or strides that do not divide its dimensions) is costed as one ring over routes
+    that share links: a single link's one-way bandwidth."""
     levels = []
     link = system.ici
+    size, hop = n, stride
     for dim in system.torus:
-        if n == 1:
+        if size == 1:
             break
-        if stride >= dim:
-            if stride % dim:
-                raise ValueError(f"group stride {stride} does not align with torus dimension {dim}")
-            stride //= dim
+        if hop >= dim:
+            if hop % dim:
+                break
+            hop //= dim
             continue
-        members = min(n, dim // stride)
-        levels.append((members, 2 * link.effective / stride, link.latency * stride))
-        n //= members
-        stride = 1
-    if n > 1:
+        if dim % hop:
+            break
+        members = min(size, dim // hop)
+        if size % members:
+            break
+        levels.append((members, 2 * link.effective / hop, link.latency * hop))
+        size //= members
+        hop = 1
+    if size == 1:
+        return levels
+    total = 1
+    for dim in system.torus:
+        total *= dim
+    if n * stride > total:
         raise ValueError("communication group larger than the torus")
-    return levels
+    return [(n, link.effective, link.latency * max(1, stride))]
 
 
 def levels(system: System, n: int, stride: int = 1) -> list[Level]:

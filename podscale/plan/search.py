@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from .cost import predict
 from .hardware import System, load_system
 from .layout import Layout, LayoutError
-from .models import DLRM, GPT, get_model
+from .models import DLRM, get_model
 
 
 def _divisors(n: int) -> list[int]:
@@ -59,7 +59,8 @@ def candidate_layouts(system: System, devices: int, model, batch: int, microbatc
                     for sched, v in scheds:
                         for rc in ("none", "selective", "full"):
                             for sp in ((False, True) if tp > 1 else (False,)):
-                                for zero in (0, 1, 2, 3):
+                                # Weight streaming keeps weights and optimizer in MemoryX: no ZeRO.
+                                for zero in ((0,) if ws else (0, 1, 2, 3)):
                                     for off in (("none", "cpu") if zero else ("none",)):
                                         yield Layout(tp=tp, pp=pp, dp=dp, ep=ep, microbatch=mb, interleave=v,
                                                      schedule=sched, recompute=rc, sequence_parallel=sp,

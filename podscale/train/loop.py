@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from podscale import parallelize
 from podscale.config import Config
 from podscale.models.gpt import GPT, GPTConfig
 from podscale.runtime import comm
@@ -18,7 +19,6 @@ from podscale.runtime.metrics import MetricsLog, matmul_peak, peak_memory_bytes
 from podscale.runtime.process import init_process
 from podscale.train import checkpoint, faults
 from podscale.train.data import ShardedLoader, eval_batches, load_tokens, split_tokens
-from podscale.train.engine import Engine
 from podscale.train.progress import Progress
 
 
@@ -57,7 +57,7 @@ def run_worker(cfg: Config, resume: bool = False) -> dict:
     torch.manual_seed(cfg.run.seed)
     gcfg = gpt_config(cfg)
     model = GPT(gcfg)
-    engine = Engine(model, mesh, cfg.train, bucket_mb=cfg.parallel.bucket_mb)
+    engine = parallelize(model, mesh, cfg)
     train_tokens, val_tokens = split_tokens(load_tokens(cfg.data.path), cfg.data.val_fraction)
     loader = ShardedLoader(train_tokens, gcfg.block_size, cfg.train.global_batch, cfg.train.micro_batch,
                            dp_rank, dp, seed=cfg.run.seed)

@@ -1,0 +1,211 @@
+"""ZeRO side by side: podscale vs PyTorch FSDP2 (``fully_shard``) vs DeepSpeed (when importable), same GPT,
+same data, fp32, 2 ranks on this CPU (gloo).  Each configuration runs in a fresh launch so its peak RSS is
+its own; step time is the median over the measured steps after warm-up.
+
+    python bench/zero.py [--layers 8 --width 768 --steps 6 --warmup 2 --tokens 64]
+
+Rows: podscale stage 1/2/3, stage 2 + CPU optimizer offload, stage 3 + NVMe offload (optimizer and
+parameters); FSDP2 with reshard_after_forward=False (ZeRO-2-like) and True (ZeRO-3); DeepSpeed stage 1/2/3,
+CPU and NVMe offload if ``import deepspeed`` works (``pip install -e .[peers]``).  Prints step time and
+peak RSS per rank, and the ratios podscale / peer for matching modes.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+SHAKESPEARE = ROOT.parent / "shared" / "data" / "tinyshakespeare" / "input.txt"
+
+
+def _data(n_tokens: int, steps: int, rank: int, world: int, block: int):
+    from podscale.train.data import ShardedLoader, load_tokens, split_tokens
+    path = str(SHAKESPEARE) if SHAKESPEARE.is_file() else None
+    tokens, _ = split_tokens(load_tokens(path), 0.1)
+    micro = max(1, n_tokens // block)
+    loader = ShardedLoader(tokens, block, micro * world, micro, rank, world, seed=0)
+    return [loader.next_step()[0] for _ in range(steps)]
+
+
+def _gpt(layers: int, width: int, block: int, meta: bool = False):
+    from podscale.models.gpt import GPT, GPTConfig
+    cfg = GPTConfig(n_layer=layers, n_embd=width, n_head=max(1, width // 64), block_size=block)
+    torch.manual_seed(0)
+    if meta:
+        with torch.device("meta"):
+            return GPT(cfg), cfg
+    return GPT(cfg), cfg
+
+
+def worker(kind: str, stage: int, offload: str, args: dict) -> dict:
+    """One configuration on this rank: returns step times and peak RSS."""
+    from podscale.runtime.process import init_process
+    info = init_process()
+    torch.set_num_threads(max(1, (os.cpu_count() or 2) // info.world_size))
+    block, steps = args["block"], args["warmup"] + args["steps"]
+    batches = _data(args["tokens"], steps, info.rank, info.world_size, block)
+    times = []
+    if kind == "podscale":
+        from podscale.config import TrainSection, ZeroSection
+        from podscale.parallel.zero import build_strategy
+        from podscale.runtime.mesh import Mesh
+        from podscale.train.engine import Engine
+        mesh = Mesh.build(info.device, dp=info.world_size)
+        train = TrainSection(lr=1e-4, min_lr=1e-5, warmup_steps=0, decay_steps=1000, grad_clip=1.0)
+        z = {"stage": stage}
+        if offload == "cpu":
+            z["offload_optimizer"] = "cpu"
+        if offload == "nvme":
+            z.update(offload_optimizer="nvme", offload_param="nvme", nvme_path=args["nvme_path"], nvme_block_mb=16)
+        zero = ZeroSection(**z)
+        meta = stage == 3
+        model, gcfg = _gpt(args["layers"], args["width"], block, meta=meta)
+        init = None
+        if meta:
+            sys.path.insert(0, str(ROOT / "tests"))
+            from zero_workers import gpt_param_init
+            init = gpt_param_init(args["layers"])
+        strategy = build_strategy(model, mesh, train, zero, param_init=init)
+        engine = Engine(model, mesh, train, strategy=strategy)
+        io0 = None
+        for i, (x, y) in enumerate(batches):
+            if i == args["warmup"] and getattr(strategy, "swap", None) is not None:
+                f = strategy.swap.file
+                io0 = (f.bytes_read, f.bytes_written)
+            t0 = time.perf_counter()
+            engine.step([(x, y)])
+            times.append(time.perf_counter() - t0)
+        io = None
+        if io0 is not None:
+            f = strategy.swap.file
+            io = (f.bytes_read - io0[0] + f.bytes_written - io0[1]) / args["steps"]
+        if hasattr(strategy, "close"):
+            strategy.close()
+    elif kind == "fsdp2":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+        model, gcfg = _gpt(args["layers"], args["width"], block)
+        dmesh = init_device_mesh("cpu", (info.world_size,))
+        reshard = stage == 3
+        for b in model.blocks.values():
+            fully_shard(b, mesh=dmesh, reshard_after_forward=reshard)
+        fully_shard(model, mesh=dmesh, reshard_after_forward=reshard)
+        try:
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, fused=True)
+        except Exception:
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
+        for x, y in batches:
+            t0 = time.perf_counter()
+            _, loss = model(x, y)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad()
+            times.append(time.perf_counter() - t0)
+    elif kind == "deepspeed":
+        import deepspeed
+        model, gcfg = _gpt(args["layers"], args["width"], block)
+        zero = {"stage": stage}
+        if offload == "cpu":
+            zero["offload_optimizer"] = {"device": "cpu"}
+        if offload == "nvme":
+            zero["offload_optimizer"] = {"device": "nvme", "nvme_path": args["nvme_path"]}
+            zero["offload_param"] = {"device": "nvme", "nvme_path": args["nvme_path"]}
+        ds_cfg = {"train_micro_batch_size_per_gpu": max(1, args["tokens"] // block), "gradient_clipping": 1.0,
+                  "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.1}},
+                  "zero_optimization": zero}
+        deepspeed.init_distributed(dist_backend="gloo")
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_cfg)
+        for x, y in batches:
+            t0 = time.perf_counter()
+            _, loss = engine(x, y)
+            engine.backward(loss)
+            engine.step()
+            times.append(time.perf_counter() - t0)
+    measured = times[args["warmup"]:]
+    io_per_step = io if kind == "podscale" else None
+    return {"step_s": statistics.median(measured), "io_bytes_per_step": io_per_step, "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+            "params": gcfg.num_params()}
+
+
+def run(kind, stage, offload, args, nproc):
+    from podscale.runtime.launcher import launch
+    res = launch(worker, (kind, stage, offload, args), nproc=nproc, quiet=True,
+                 log_dir=tempfile.mkdtemp(prefix="podscale-bench-"))
+    io = [r.get("io_bytes_per_step") for r in res.values()]
+    return {"step_s": max(r["step_s"] for r in res.values()), "peak_rss": max(r["peak_rss"] for r in res.values()),
+            "params": res[0]["params"], "io_bytes_per_step": sum(io) if all(x is not None for x in io) else None}
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--width", type=int, default=768)
+    ap.add_argument("--block", type=int, default=64)
+    ap.add_argument("--tokens", type=int, default=64, help="tokens per rank per step")
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--nproc", type=int, default=2)
+    ap.add_argument("--nvme-path", default=None)
+    ap.add_argument("--only", default=None, help="comma list of row names to run")
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="run every row this many times, round robin, and keep each row's fastest run")
+    a = ap.parse_args(argv)
+    nvme = a.nvme_path or tempfile.mkdtemp(prefix="podscale-nvme-")
+    args = {"layers": a.layers, "width": a.width, "block": a.block, "tokens": a.tokens, "steps": a.steps,
+            "warmup": a.warmup, "nvme_path": nvme}
+    rows = [("podscale", 1, "none"), ("podscale", 2, "none"), ("podscale", 3, "none"), ("podscale", 2, "cpu"),
+            ("podscale", 3, "nvme"), ("fsdp2", 2, "none"), ("fsdp2", 3, "none")]
+    try:
+        import deepspeed  # noqa: F401
+        rows += [("deepspeed", 1, "none"), ("deepspeed", 2, "none"), ("deepspeed", 3, "none"),
+                 ("deepspeed", 2, "cpu"), ("deepspeed", 3, "nvme")]
+    except Exception as err:
+        print(f"DeepSpeed not importable ({type(err).__name__}): its rows are skipped")
+    if a.only:
+        keep = set(a.only.split(","))
+        rows = [r for r in rows if f"{r[0]}-{r[1]}-{r[2]}" in keep]
+    out = {}
+    for rep in range(a.repeat):
+        for kind, stage, off in rows:
+            name = f"{kind}-{stage}-{off}"
+            try:
+                r = run(kind, stage, off, args, a.nproc)
+            except Exception as err:
+                print(f"{name:22s} failed: {type(err).__name__}: {str(err).splitlines()[0][:200] if str(err) else ''}")
+                continue
+            extra = ""
+            if r.get("io_bytes_per_step"):
+                extra = f"  NVMe I/O {r['io_bytes_per_step'] / r['step_s'] / 1e9:.2f} GB/s (both ranks)"
+            print(f"[{rep + 1}/{a.repeat}] {name:22s} {r['params'] / 1e6:6.1f}M params  step {r['step_s'] * 1e3:8.1f} ms  "
+                  f"peak RSS/rank {r['peak_rss'] / 2**20:8.0f} MiB{extra}", flush=True)
+            if name not in out or r["step_s"] < out[name]["step_s"]:
+                out[name] = r
+    if any(k.endswith("nvme") for k in out):
+        from podscale.storage.aio import measure_sequential_bandwidth
+        bw = measure_sequential_bandwidth(nvme, 512 << 20)
+        print(f"\nswap folder {nvme}: sequential write (fsync) {bw['write_Bps'] / 1e9:.2f} GB/s, "
+              f"read {bw['read_Bps'] / 1e9:.2f} GB/s (reads of just-written data come from the page cache)")
+    print("\nratios podscale / peer (step time; peak RSS) — below 1 is podscale faster / smaller")
+    for peer in ("fsdp2", "deepspeed"):
+        for stage, off in ((1, "none"), (2, "none"), (3, "none"), (2, "cpu"), (3, "nvme")):
+            ours, theirs = out.get(f"podscale-{stage}-{off}"), out.get(f"{peer}-{stage}-{off}")
+            if ours and theirs:
+                print(f"  stage {stage} offload {off:5s} vs {peer:9s}: step {ours['step_s'] / theirs['step_s']:.2f}x, "
+                      f"peak RSS {ours['peak_rss'] / theirs['peak_rss']:.2f}x")
+    if a.json:
+        Path(a.json).write_text(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()

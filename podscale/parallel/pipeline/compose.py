@@ -1,0 +1,45 @@
+"""Composing the layouts: one function turns a plain GPT and a config into a training engine.
+
+Order of application (each one a function of model and mesh; axis size 1 = off):
+pipeline split on ``pp`` (stages, then virtual chunks) -> tensor/sequence parallelism on ``tp`` inside each
+chunk -> the data-parallel strategy on ``dp`` (replicated, or ZeRO when ``zero.stage`` > 0) -> the
+model-parallel wrapper that adds what tp and pp need on top (sequence-parallel gradient sums, the tied
+embedding across first and last stage, the true global gradient norm, the pipeline schedule).
+"""
+from __future__ import annotations
+
+import torch.nn as nn
+
+from podscale.optim import build_adamw
+from podscale.parallel.data import DataParallel
+from podscale.parallel.tensor import TensorParallelStrategy, apply_recompute, apply_tensor_parallel
+
+
+def _data_parallel(module: nn.Module, mesh, cfg):
+    t = cfg.train
+    if cfg.zero.stage > 0:
+        from podscale.parallel.zero import build_strategy  # ZeRO over dp
+        return build_strategy(module, mesh, t, cfg.zero, bucket_mb=cfg.parallel.bucket_mb)
+    optimizer = build_adamw(module, t.lr, (t.beta1, t.beta2), t.eps, t.weight_decay)
+    return DataParallel(module, mesh, ("dp",), bucket_mb=cfg.parallel.bucket_mb, reduce_dtype=t.reduce_dtype,
+                        optimizer=optimizer)
+
+
+def build_engine(model: nn.Module, mesh, cfg, measure_memory: bool = False):
+    """Apply ``cfg``'s (pp, dp, tp) layout to a single-process ``model`` and return an Engine.
+
+    ``measure_memory``: the pipeline schedule counts the bytes each micro-batch saves for backward.
+    """
+    from podscale.train.engine import Engine
+
+    p = cfg.parallel
+    if mesh.size("pp") > 1:
+        from podscale.parallel.pipeline.schedule import PipelineParallel
+        strategy = PipelineParallel.build(model, mesh, cfg, _data_parallel, measure_memory)
+        return Engine(strategy.module, mesh, cfg.train, strategy=strategy)
+    apply_recompute(model, p.recompute)
+    if mesh.size("tp") == 1 and not p.sequence_parallel:
+        return Engine(model, mesh, cfg.train, strategy=_data_parallel(model, mesh, cfg))
+    apply_tensor_parallel(model, mesh, p.sequence_parallel)
+    strategy = TensorParallelStrategy(_data_parallel(model, mesh, cfg), model, mesh, cfg.train.precision)
+    return Engine(model, mesh, cfg.train, strategy=strategy)

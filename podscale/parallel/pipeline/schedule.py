@@ -1,0 +1,364 @@
+"""Pipeline schedules and the executor that runs them with point-to-point sends on the ``pp`` axis.
+
+A schedule is, for each pipeline rank, the ordered list of ``("F" | "B", virtual stage, micro-batch)``
+actions it runs in one optimizer step:
+
+* **GPipe** (Huang et al. 2019): all forwards, then all backwards.  Bubble ``(p - 1) / m`` of the ideal
+  time, and every rank holds the activations of all ``m`` micro-batches until its backwards start.
+* **1F1B** (Narayanan et al. 2021, section 2.2, Figure 4 top; PipeDream-Flush): rank ``i`` runs
+  ``p - i - 1`` warm-up forwards, then alternates one forward and one backward, then drains.  Same bubble as
+  GPipe, but at most ``p - i`` micro-batches are in flight on rank ``i``: at most ``p`` instead of ``m``.
+* **Interleaved 1F1B** (Narayanan et al. 2021, section 2.2, Figure 4 bottom): each rank holds ``v`` model
+  chunks (virtual stages ``i, i + p, ...``); micro-batches go through the chunks in groups of ``p``, which
+  divides the bubble by ``v``: ``(p - 1) / (v m)``, for ``v`` times more point-to-point messages.
+  Needs ``m`` to be a multiple of ``p``.
+
+The executor receives an activation (or gradient) with a blocking receive right before the action that
+needs it and sends results asynchronously, so a rank waits exactly when the schedule makes it wait; that
+waiting time is the measured bubble.  Messages carry a tag made of (micro-batch, stage, direction), so
+sends and receives between two ranks pair up whatever order two schedules issue them in.
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from podscale.models.gpt import GPT
+from podscale.parallel.pipeline.partition import PipelineError, split_chunk, stage_layers
+from podscale.parallel.tensor import (FullCheckpointState, apply_recompute, apply_tensor_parallel, global_grad_norm,
+                                      grad_pieces, reduce_commutes, sync_sequence_parallel_grads)
+from podscale.runtime import comm
+from podscale.train.precision import autocast
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved")
+
+
+# ------------------------------------------------------------------------------------------------------
+# schedules
+
+
+def check_schedule(schedule: str, p: int, m: int, v: int = 1) -> None:
+    if schedule not in SCHEDULES:
+        raise PipelineError(f"unknown pipeline schedule '{schedule}': use one of {', '.join(SCHEDULES)}")
+    if schedule != "interleaved" and v != 1:
+        raise PipelineError(f"parallel.virtual_stages={v} needs parallel.schedule='interleaved' "
+                            "(or set virtual_stages = 1)")
+    if m < 1:
+        raise PipelineError("a pipeline step needs at least one micro-batch")
+    if schedule == "interleaved" and m % p:
+        raise PipelineError(f"interleaved 1F1B needs the number of micro-batches per step ({m}) to be a "
+                            f"multiple of parallel.pp={p}: set train.global_batch / (dp * micro_batch) "
+                            f"to a multiple of {p}")
+
+
+def schedule_actions(schedule: str, p: int, m: int, v: int = 1) -> list[list[tuple[str, int, int]]]:
+    """Per pipeline rank, the ordered ``(kind, virtual chunk, micro-batch)`` actions of one step."""
+    check_schedule(schedule, p, m, v)
+    out = []
+    for rank in range(p):
+        if schedule == "gpipe":
+            acts = [("F", 0, i) for i in range(m)] + [("B", 0, i) for i in range(m)]
+        elif schedule == "1f1b":
+            warm = min(p - rank - 1, m)
+            acts = [("F", 0, i) for i in range(warm)]
+            for i in range(m - warm):
+                acts += [("F", 0, warm + i), ("B", 0, i)]
+            acts += [("B", 0, i) for i in range(m - warm, m)]
+        else:
+            total = m * v
+
+            def unit(k: int, forward: bool) -> tuple[int, int]:
+                chunk = (k // p) % v
+                return (chunk if forward else v - 1 - chunk), (k // (p * v)) * p + k % p
+
+            warm = min((p - rank - 1) * 2 + (v - 1) * p, total)
+            acts = [("F",) + unit(k, True) for k in range(warm)]
+            for k in range(total - warm):
+                acts += [("F",) + unit(warm + k, True), ("B",) + unit(k, False)]
+            acts += [("B",) + unit(k, False) for k in range(total - warm, total)]
+        out.append(acts)
+    return out
+
+
+def simulate(actions: list[list[tuple[str, int, int]]], v: int, t_f: float = 1.0, t_b: float = 2.0) -> dict:
+    """Run the schedule on an ideal machine (blocking receives, free messages); raises on a deadlock.
+
+    Returns the makespan, the bubble ``(makespan - m (t_f + t_b) v) / (m (t_f + t_b) v)`` and the largest
+    number of micro-batches in flight on each rank.
+    """
+    p = len(actions)
+    stages = p * v
+    done: dict[tuple[str, int, int], float] = {}  # (kind, stage, mb) -> finish time
+    pos, clock = [0] * p, [0.0] * p
+    live, peak = [0] * p, [0] * p
+    remaining = sum(len(a) for a in actions)
+    while remaining:
+        progressed = False
+        for r in range(p):
+            while pos[r] < len(actions[r]):
+                kind, c, mb = actions[r][pos[r]]
+                s = c * p + r
+                dep = ("F", s - 1, mb) if kind == "F" and s > 0 else \
+                    ("B", s + 1, mb) if kind == "B" and s < stages - 1 else None
+                if dep is not None and dep not in done:
+                    break
+                start = max(clock[r], done.get(dep, 0.0))
+                clock[r] = start + (t_f if kind == "F" else t_b)
+                done[(kind, s, mb)] = clock[r]
+                live[r] += 1 if kind == "F" else -1
+                peak[r] = max(peak[r], live[r])
+                pos[r] += 1
+                remaining -= 1
+                progressed = True
+        if not progressed:
+            raise PipelineError(f"pipeline schedule deadlocks at {[a[i] if i < len(a) else None for a, i in zip(actions, pos)]}")
+    m = sum(1 for a in actions[0] if a[0] == "F") // v
+    ideal = m * v * (t_f + t_b)
+    makespan = max(clock)
+    return {"makespan": makespan, "bubble": (makespan - ideal) / ideal, "peak_in_flight": peak}
+
+
+# ------------------------------------------------------------------------------------------------------
+# point-to-point messages
+
+
+def _tag(mb: int, stage: int, backward: bool, stages: int) -> int:
+    return (mb * stages + stage) * 2 + int(backward)
+
+
+def _send(t: torch.Tensor, dst: int, mesh, tag: int):
+    # comm.send without a tag pairs messages in issue order; interleaved schedules need tags, so this
+    # issues the same instrumented send with one (recorded under pp/send like comm.send).
+    return comm._issue(mesh, "pp", "send", t.numel() * t.element_size(),
+                       lambda: dist.isend(t, dst, tag=tag), True)
+
+
+def _recv(t: torch.Tensor, src: int, mesh, tag: int) -> comm.Handle:
+    return comm._issue(mesh, "pp", "recv", t.numel() * t.element_size(), lambda: dist.irecv(t, src, tag=tag),
+                       True)
+
+
+def _completed(h: comm.Handle) -> bool:
+    work = getattr(h, "_work", None)
+    if work is None or not work.is_completed():
+        return False
+    h.wait()  # books the (zero) exposed time and marks it done
+    return True
+
+
+# ------------------------------------------------------------------------------------------------------
+# the strategy
+
+
+class _Chunks(nn.ModuleList):
+    """The model chunks of this pipeline rank.  Calling it runs no layer, only the forward hooks a
+    data-parallel strategy registered on the model (the schedule calls the chunks themselves)."""
+
+    def forward(self) -> None:
+        return None
+
+
+@dataclass
+class StepStats:
+    """Measured on this rank during the last ``forward_backward``."""
+
+    compute_s: float = 0.0          # time in forward and backward of model chunks
+    wait_s: float = 0.0             # time blocked receiving activations or gradients (the bubble)
+    total_s: float = 0.0
+    peak_in_flight: int = 0         # micro-batches whose forward ran and backward has not
+    peak_activation_bytes: int = 0  # bytes saved for backward by those micro-batches (parameters excluded)
+    actions: list = field(default_factory=list)
+    timeline: list = field(default_factory=list)  # (kind, chunk, micro-batch, start, end) from step start
+
+
+class PipelineParallel(FullCheckpointState):
+    """Pipeline-parallel training strategy: model chunks on this pp rank, a schedule, and a data-parallel
+    strategy over dp for the chunks' parameters (replicated or ZeRO).  Provides ``forward_backward``."""
+
+    def __init__(self, chunks: list[GPT], mesh, inner, schedule: str = "1f1b", precision: str = "fp32",
+                 activation_shape: tuple[int, ...] | None = None, measure_memory: bool = False):
+        self.chunks, self.mesh, self.inner, self.schedule = chunks, mesh, inner, schedule
+        self.module = chunks if isinstance(chunks, _Chunks) else _Chunks(chunks)
+        self.p, self.v = mesh.size("pp"), len(chunks)
+        self.stage_rank = mesh.local_rank("pp")
+        self.ranks = mesh.group_ranks("pp")
+        self.precision = precision
+        self.activation_shape = activation_shape
+        self.measure_memory = measure_memory
+        self.params = [q for c in chunks for q in c.parameters() if q.requires_grad]
+        self.stats = StepStats()
+
+    # construction -------------------------------------------------------------------------------------
+    @classmethod
+    def build(cls, model: GPT, mesh, cfg, make_data_parallel, measure_memory: bool = False):
+        """Split ``model`` for this pp rank, apply tp/sp to each chunk, wrap the dp strategy."""
+        p = cfg.parallel
+        pp, v = mesh.size("pp"), p.virtual_stages
+        m = cfg.grad_accum
+        check_schedule(p.schedule, pp, m, v)
+        groups = stage_layers(model, pp * v, p.pipeline_balance, p.pipeline_layers)
+        rank = mesh.local_rank("pp")
+        chunks = []
+        for c in range(v):
+            k = c * pp + rank
+            chunk = split_chunk(model, groups[k], first=k == 0, last=k == pp * v - 1)
+            apply_tensor_parallel(chunk, mesh, p.sequence_parallel)
+            apply_recompute(chunk, p.recompute)
+            chunk.pipeline = {"stage": k, "layers": groups[k]}
+            chunks.append(chunk)
+        tp = mesh.size("tp")
+        T = cfg.model.block_size // tp if p.sequence_parallel else cfg.model.block_size
+        module = _Chunks(chunks)
+        return cls(module, mesh, make_data_parallel(module, mesh, cfg), p.schedule, cfg.train.precision,
+                   (cfg.train.micro_batch, T, cfg.model.n_embd), measure_memory)
+
+    # the strategy interface ---------------------------------------------------------------------------
+    def __getattr__(self, name):  # step, zero_grad, grads, checkpoint state: the dp strategy's
+        if name == "inner":
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+    def no_sync(self):
+        return self.inner.no_sync()
+
+    def named_parameters(self, remove_duplicate: bool = True):
+        """(name in the single-process GPT, parameter) for the chunks on this rank."""
+        for c in self.chunks:
+            yield from c.named_parameters(remove_duplicate=remove_duplicate)
+
+    def finish_grad_sync(self) -> None:
+        # replicated dp: its all-reduce started with each chunk's last backward; the tp and pp sums
+        # commute with it and follow.  ZeRO: the sums first, then the reduce-scatter.
+        overlap = reduce_commutes(self.inner)
+        if overlap:
+            self.inner.finish_grad_sync()
+        sync_sequence_parallel_grads(self.params, self.mesh)
+        self._sync_tied_embedding()
+        if not overlap:
+            self.inner.finish_grad_sync()
+
+    def grad_norm(self) -> torch.Tensor:
+        pieces, dp_sharded = grad_pieces(self.inner, self.params)
+        return global_grad_norm(pieces, self.mesh, dp_sharded)
+
+    def _sync_tied_embedding(self) -> None:
+        """Sum the gradients of the input embedding (first stage) and its copy in the output layer (last
+        stage), so both copies take the same step."""
+        if self.p == 1:
+            return
+        first, last = self.ranks[0], self.ranks[-1]
+        if self.mesh.rank == first:
+            mine, peer = self.chunks[0].wte.weight.grad, last
+        elif self.mesh.rank == last:
+            mine, peer = self.chunks[-1].lm_head.weight.grad, first
+        else:
+            return
+        theirs = torch.empty_like(mine)
+        h = _send(mine.contiguous(), peer, self.mesh, tag=1 << 30)
+        _recv(theirs, peer, self.mesh, tag=1 << 30).wait()
+        h.wait()
+        mine.add_(theirs)
+
+    # the schedule -------------------------------------------------------------------------------------
+    def forward_backward(self, micro_batches, loss_scale: float | None) -> torch.Tensor:
+        m = len(micro_batches)
+        self.module()  # the dp strategy's per-step forward hooks (ZeRO waits for its parameter all-gather)
+        actions = schedule_actions(self.schedule, self.p, m, self.v)[self.stage_rank]
+        stages, p, dev = self.p * self.v, self.p, self.mesh.device
+        stash: dict[tuple[int, int], tuple] = {}
+        live_bytes: dict[tuple[int, int], int] = {}
+        sends = []
+        loss_sum = torch.zeros((), device=dev)
+        st = StepStats(actions=actions)
+        t_start = time.perf_counter()
+        params = {q.data_ptr() for q in self.params}
+        # with the replicated dp strategy, each chunk's last backward launches its dp all-reduce (overlapped
+        # with the rest of the schedule); otherwise gradients accumulate until finish_grad_sync
+        last_b = {c: i for i, (k, c, _) in enumerate(actions) if k == "B"} if reduce_commutes(self.inner) else {}
+
+        posted: dict[int, tuple[torch.Tensor, comm.Handle]] = {}
+        # the residual stream has the dtype the parameters compute in (fp32 under autocast, 16-bit with
+        # ZeRO's 16-bit compute copies)
+        act = dict(size=self.activation_shape, device=dev, dtype=next(self.module.parameters()).dtype)
+
+        def post(i: int) -> None:
+            """Post the receive action ``i`` needs (one action ahead, so it arrives during compute)."""
+            if i >= len(actions) or i in posted:
+                return
+            kind, c, mb = actions[i]
+            s = c * p + self.stage_rank
+            if kind == "F" and s > 0:
+                buf, src, tag = torch.empty(**act), s - 1, _tag(mb, s, False, stages)
+            elif kind == "B" and s < stages - 1:
+                buf, src, tag = torch.empty(**act), s + 1, _tag(mb, s, True, stages)
+            else:
+                return
+            posted[i] = (buf, _recv(buf, self.ranks[src % p], self.mesh, tag))
+
+        def received(i: int) -> torch.Tensor:
+            buf, h = posted.pop(i)
+            t0 = time.perf_counter()
+            h.wait()
+            st.wait_s += time.perf_counter() - t0
+            return buf
+
+        for i, (kind, c, mb) in enumerate(actions):
+            a_start = time.perf_counter() - t_start
+            post(i)
+            post(i + 1)
+            s = c * p + self.stage_rank
+            chunk = self.chunks[c]
+            x, y = micro_batches[mb]
+            if kind == "F":
+                inp = x.to(dev) if s == 0 else received(i).requires_grad_()
+                t0 = time.perf_counter()
+                saved = [0]
+
+                def pack(t, saved=saved):
+                    if t.data_ptr() not in params:
+                        saved[0] += t.numel() * t.element_size()
+                    return t
+
+                hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t) if self.measure_memory \
+                    else contextlib.nullcontext()
+                with hooks, autocast(self.precision, dev):
+                    out, loss = chunk(inp, y.to(dev) if s == stages - 1 else None)
+                st.compute_s += time.perf_counter() - t0
+                if s == stages - 1:
+                    loss_sum += loss.detach().float()
+                    out = loss / m * (loss_scale if loss_scale is not None else 1.0)
+                else:
+                    sends.append(_send(out.detach().contiguous(), self.ranks[(s + 1) % p], self.mesh,
+                                       _tag(mb, s + 1, False, stages)))
+                stash[(c, mb)] = (inp, out)
+                live_bytes[(c, mb)] = saved[0]
+                st.peak_in_flight = max(st.peak_in_flight, len(stash))
+                st.peak_activation_bytes = max(st.peak_activation_bytes, sum(live_bytes.values()))
+            else:
+                inp, out = stash.pop((c, mb))
+                live_bytes.pop((c, mb))
+                grad = received(i) if s < stages - 1 else None
+                t0 = time.perf_counter()
+                with contextlib.nullcontext() if last_b.get(c) == i else self.inner.no_sync():
+                    torch.autograd.backward(out, grad)
+                st.compute_s += time.perf_counter() - t0
+                if s > 0:
+                    sends.append(_send(inp.grad, self.ranks[(s - 1) % p], self.mesh, _tag(mb, s - 1, True, stages)))
+                del inp, out
+            sends = [h for h in sends if not _completed(h)]  # release what has been delivered
+            st.timeline.append((kind, c, mb, a_start, time.perf_counter() - t_start))
+        t0 = time.perf_counter()
+        for h in sends:
+            h.wait()
+        st.wait_s += time.perf_counter() - t0
+        # the loss lives on the last stage; every rank reports it
+        comm.broadcast(loss_sum, p - 1, self.mesh, "pp")
+        st.total_s = time.perf_counter() - t_start
+        self.stats = st
+        return loss_sum
+

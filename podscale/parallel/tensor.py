@@ -1,0 +1,680 @@
+"""Megatron tensor parallelism (Shoeybi et al. 2019) and sequence parallelism (Korthikanti et al. 2022).
+
+Tensor parallelism splits each transformer layer over the ``tp`` axis of the mesh (Shoeybi et al. 2019,
+section 3, Figure 3):
+
+* the MLP's first linear and attention's qkv projection are *column-parallel*: each rank holds a slice of
+  the output features (for qkv: this rank's heads of q, then of k, then of v), so GELU and attention run on
+  local data;
+* the MLP's second linear and attention's output projection are *row-parallel*: each rank holds the input
+  features matching its columns and produces a partial sum;
+* two conjugate autograd operators join them: **f** is the identity forward and an all-reduce backward
+  (before a column-parallel layer), **g** is an all-reduce forward and the identity backward (after a
+  row-parallel layer).  One f and one g per attention and per MLP: 4 all-reduces per layer and step;
+* the input embedding and the output layer are *vocab-parallel* (section 3, "input embedding"): each rank
+  holds ``vocab / tp`` rows of the tied weight; the cross-entropy is computed from the local logits with
+  three all-reduces of (batch x sequence) scalars (max, sum of exponentials, target logit), so the full
+  ``batch x sequence x vocab`` logits never exist on one rank.
+
+The all-reduce of f's backward (the input gradient of a column-parallel layer) is launched asynchronously
+and the weight gradient is computed while it is in flight (as Megatron-LM's "async tensor-model-parallel
+all-reduce").
+
+Sequence parallelism (Korthikanti et al. 2022, section 4.2.2, Figure 5) additionally shards the regions
+between the tensor-parallel blocks (layer norms, dropout, residual adds) along the sequence: **g** becomes an
+all-gather along the sequence (backward: reduce-scatter) in front of the column-parallel layers and **ḡ** a
+reduce-scatter (backward: all-gather) after the row-parallel ones.  Same bytes as the all-reduces, but
+activations between blocks take ``1/tp`` of the memory.  Parameters used on a sequence shard (layer norms,
+position embedding, row-parallel biases) get partial gradients, summed over ``tp`` by the strategy.
+
+``apply_tensor_parallel(model, mesh)`` shards a plain single-process GPT in place, so the same seed gives
+the same model in every layout.  All communication goes through :mod:`podscale.runtime.comm` on axis "tp".
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from podscale.runtime import comm
+
+# ------------------------------------------------------------------------------------------------------
+# collectives along the sequence dimension (dim 1 of B x T x H); comm works on flat rank-major buffers,
+# so the sequence is moved to the front for the collective and back afterwards
+
+
+def _gather_seq(x: torch.Tensor, mesh) -> torch.Tensor:
+    n = mesh.size("tp")
+    if n == 1:
+        return x
+    xt = x.transpose(0, 1).contiguous()
+    out = torch.empty((n * xt.shape[0],) + tuple(xt.shape[1:]), dtype=x.dtype, device=x.device)
+    comm.all_gather(out, xt, mesh, "tp")
+    return out.transpose(0, 1)
+
+
+def _reduce_scatter_seq(x: torch.Tensor, mesh, async_op: bool = False):
+    n = mesh.size("tp")
+    xt = x.transpose(0, 1).contiguous()
+    out = torch.empty((xt.shape[0] // n,) + tuple(xt.shape[1:]), dtype=x.dtype, device=x.device)
+    h = comm.reduce_scatter(out, xt, mesh, "tp", async_op=async_op)
+    return (out.transpose(0, 1), h) if async_op else out.transpose(0, 1)
+
+
+def _split_seq(x: torch.Tensor, mesh) -> torch.Tensor:
+    n = mesh.size("tp")
+    return x if n == 1 else x.chunk(n, dim=1)[mesh.local_rank("tp")].contiguous()
+
+
+# ------------------------------------------------------------------------------------------------------
+# the conjugate operators (Shoeybi et al. 2019, Figure 3; Korthikanti et al. 2022, Figure 5)
+
+
+class CopyToTP(torch.autograd.Function):
+    """f: identity forward, all-reduce of the gradient over tp backward."""
+
+    @staticmethod
+    def forward(ctx, x, mesh):
+        ctx.mesh = mesh
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous().clone()
+        comm.all_reduce(grad, ctx.mesh, "tp")
+        return grad, None
+
+
+class ReduceFromTP(torch.autograd.Function):
+    """g: all-reduce over tp forward, identity backward."""
+
+    @staticmethod
+    def forward(ctx, x, mesh):
+        out = x.contiguous().clone()
+        comm.all_reduce(out, mesh, "tp")
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class GatherFromSP(torch.autograd.Function):
+    """Sequence-parallel g: all-gather along the sequence forward, reduce-scatter backward."""
+
+    @staticmethod
+    def forward(ctx, x, mesh):
+        ctx.mesh = mesh
+        return _gather_seq(x, mesh)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _reduce_scatter_seq(grad, ctx.mesh), None
+
+
+class ReduceScatterToSP(torch.autograd.Function):
+    """Sequence-parallel ḡ: reduce-scatter along the sequence forward, all-gather backward."""
+
+    @staticmethod
+    def forward(ctx, x, mesh):
+        ctx.mesh = mesh
+        return _reduce_scatter_seq(x, mesh)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather_seq(grad, ctx.mesh), None
+
+
+class _ColumnParallelLinearFn(torch.autograd.Function):
+    """``f`` (or sequence-parallel ``g``) fused with the linear layer, so that backward overlaps the
+    input gradient's all-reduce (reduce-scatter) with the weight gradient's matmul."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, mesh, sequence_parallel):
+        ctx.mesh, ctx.sp, ctx.has_bias = mesh, sequence_parallel, bias is not None
+        ctx.save_for_backward(x, weight)  # with sequence parallelism: the shard, gathered again backward
+        total = _gather_seq(x, mesh) if sequence_parallel else x
+        return F.linear(total, weight.to(total.dtype) if total.dtype != weight.dtype else weight,
+                        None if bias is None else bias.to(total.dtype))
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        mesh, n = ctx.mesh, ctx.mesh.size("tp")
+        total = _gather_seq(x, mesh) if ctx.sp else x
+        grad_input = (grad @ weight.to(grad.dtype)).to(x.dtype)
+        handle = None
+        if n > 1:
+            if ctx.sp:
+                grad_input, handle = _reduce_scatter_seq(grad_input, mesh, async_op=True)
+            else:
+                handle = comm.all_reduce(grad_input, mesh, "tp", async_op=True)
+        # weight gradient while the input gradient is on the wire
+        g2 = grad.reshape(-1, grad.shape[-1])
+        grad_weight = (g2.t() @ total.reshape(-1, total.shape[-1]).to(g2.dtype)).to(weight.dtype)
+        grad_bias = g2.sum(0).to(weight.dtype) if ctx.has_bias else None
+        if handle is not None:
+            handle.wait()
+        return grad_input, grad_weight, grad_bias, None, None
+
+
+# ------------------------------------------------------------------------------------------------------
+# layers
+
+
+def _mark(p: nn.Parameter, **flags) -> nn.Parameter:
+    for k, v in flags.items():
+        setattr(p, k, v)
+    return p
+
+
+class ColumnParallelLinear(nn.Module):
+    """Linear layer holding ``out_features / tp`` output features; the output stays sharded.
+
+    Its input passes f (or sequence-parallel g).  ``overlap`` (default) fuses that operator with the
+    layer so the input gradient's collective runs while the weight gradient is computed; without it the
+    plain operator is applied and then the linear layer (same result, no overlap).
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, mesh, sequence_parallel: bool,
+                 overlap: bool = True):
+        super().__init__()
+        self.mesh, self.sequence_parallel, self.overlap = mesh, sequence_parallel, overlap
+        self.weight = weight if isinstance(weight, nn.Parameter) else nn.Parameter(weight)
+        _mark(self.weight, tensor_parallel=True)
+        self.bias = None if bias is None else _mark(nn.Parameter(bias), tensor_parallel=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.overlap:
+            return _ColumnParallelLinearFn.apply(x, self.weight, self.bias, self.mesh, self.sequence_parallel)
+        x = GatherFromSP.apply(x, self.mesh) if self.sequence_parallel else CopyToTP.apply(x, self.mesh)
+        return F.linear(x, self.weight, self.bias)
+
+
+class RowParallelLinear(nn.Module):
+    """Linear layer holding ``in_features / tp`` input features; its partial sums are reduced by g (or ḡ)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, mesh, sequence_parallel: bool):
+        super().__init__()
+        self.mesh, self.sequence_parallel = mesh, sequence_parallel
+        self.weight = _mark(nn.Parameter(weight), tensor_parallel=True)
+        self.bias = None if bias is None else _mark(nn.Parameter(bias), sequence_parallel=sequence_parallel)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight)
+        y = ReduceScatterToSP.apply(y, self.mesh) if self.sequence_parallel else ReduceFromTP.apply(y, self.mesh)
+        return y if self.bias is None else y + self.bias
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding holding rows ``[start, start + rows)`` of the (padded) vocabulary; ids outside give zeros
+    and the partial results are summed by g (or reduce-scattered along the sequence by ḡ)."""
+
+    def __init__(self, weight: torch.Tensor, start: int, mesh, sequence_parallel: bool):
+        super().__init__()
+        self.mesh, self.sequence_parallel, self.start = mesh, sequence_parallel, start
+        self.weight = _mark(nn.Parameter(weight), tensor_parallel=True)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        local = idx - self.start
+        outside = (local < 0) | (local >= self.weight.shape[0])
+        out = F.embedding(local.masked_fill(outside, 0), self.weight) * (~outside).unsqueeze(-1)
+        return ReduceScatterToSP.apply(out, self.mesh) if self.sequence_parallel \
+            else ReduceFromTP.apply(out, self.mesh)
+
+
+class SequenceParallelPositionEmbedding(nn.Embedding):
+    """The (replicated) position embedding, looked up only for this rank's part of the sequence."""
+
+    def __init__(self, weight: torch.Tensor, mesh):
+        super().__init__(weight.shape[0], weight.shape[1], _weight=weight)
+        self.mesh = mesh
+        _mark(self.weight, sequence_parallel=True)
+
+    def forward(self, pos: torch.Tensor) -> torch.Tensor:
+        return super().forward(pos.chunk(self.mesh.size("tp"))[self.mesh.local_rank("tp")])
+
+
+class _VocabParallelCrossEntropyFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, targets, mesh, start, vocab_size):
+        ctx.dtype = logits.dtype
+        logits = logits.float()
+        targets = targets.reshape(-1)
+        rows = logits.shape[1]
+        pad = start + rows - vocab_size  # padded columns of the last shard take no probability
+        if pad > 0:
+            logits = logits.clone()
+            logits[:, rows - pad:] = float("-inf")
+        m = logits.max(dim=1).values
+        comm.all_reduce(m, mesh, "tp", op=dist.ReduceOp.MAX)
+        shifted = logits - m.unsqueeze(1)
+        local = targets - start
+        mine = (local >= 0) & (local < rows)
+        local = local.masked_fill(~mine, 0)
+        target_logit = shifted.gather(1, local.unsqueeze(1)).squeeze(1) * mine
+        exp = shifted.exp()
+        sum_exp = exp.sum(dim=1)
+        both = torch.stack([target_logit, sum_exp])  # one all-reduce for both
+        comm.all_reduce(both, mesh, "tp")
+        target_logit, sum_exp = both[0], both[1]
+        loss = torch.log(sum_exp) - target_logit
+        ctx.save_for_backward(exp.div_(sum_exp.unsqueeze(1)), local, mine)
+        return loss.mean()
+
+    @staticmethod
+    def backward(ctx, grad):
+        softmax, local, mine = ctx.saved_tensors
+        g = softmax
+        g[torch.arange(g.shape[0], device=g.device), local] -= mine.to(g.dtype)
+        g.mul_(grad / g.shape[0])
+        return g.to(ctx.dtype), None, None, None, None
+
+
+class VocabParallelCrossEntropy(nn.Module):
+    """Mean cross-entropy from vocab-sharded logits (B, T, V / tp) without gathering them."""
+
+    def __init__(self, mesh, start: int, vocab_size: int):
+        super().__init__()
+        self.mesh, self.start, self.vocab_size = mesh, start, vocab_size
+
+    def forward(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        flat = logits.reshape(-1, logits.shape[-1])
+        return _VocabParallelCrossEntropyFn.apply(flat, targets, self.mesh, self.start, self.vocab_size)
+
+
+# ------------------------------------------------------------------------------------------------------
+# applying it to the GPT
+
+
+class TensorParallelError(ValueError):
+    """A model that cannot be split over this tp size; the message names the fix."""
+
+
+def check_tensor_parallel(n_embd: int, n_head: int, tp: int, block_size: int | None = None,
+                          sequence_parallel: bool = False, seq_len: int | None = None) -> None:
+    if n_head % tp:
+        raise TensorParallelError(f"model.n_head={n_head} is not divisible by parallel.tp={tp}: "
+                                  f"use a head count that is a multiple of {tp} or a smaller tp")
+    if n_embd % tp:
+        raise TensorParallelError(f"model.n_embd={n_embd} is not divisible by parallel.tp={tp}: "
+                                  f"use a hidden size that is a multiple of {tp} or a smaller tp")
+    if sequence_parallel and seq_len is not None and seq_len % tp:
+        raise TensorParallelError(f"sequence length {seq_len} is not divisible by parallel.tp={tp} with "
+                                  f"sequence parallelism: use a multiple of {tp} or sequence_parallel=false")
+
+
+def padded_vocab(vocab_size: int, tp: int) -> int:
+    """The vocabulary rounded up to a multiple of tp (Megatron pads it likewise; padded ids never occur
+    and the cross-entropy gives their logits no probability)."""
+    return -(-vocab_size // tp) * tp
+
+
+def shard(full: torch.Tensor, layout: str, mesh, vocab: int | None = None) -> torch.Tensor:
+    """This tp rank's shard of the single-process tensor ``full`` (a copy).
+
+    ``rows``: output features (column-parallel); ``cols``: input features (row-parallel); ``qkv``: this
+    rank's rows of each of q, k and v, in that order; ``vocab``: rows of the vocabulary padded to tp.
+    """
+    n, r = mesh.size("tp"), mesh.local_rank("tp")
+    full = full.detach()
+    if layout == "qkv":
+        return torch.cat([t.chunk(n, dim=0)[r] for t in full.chunk(3, dim=0)]).clone()
+    if layout == "cols":
+        return full.chunk(n, dim=1)[r].clone()
+    if layout == "vocab":
+        vp = padded_vocab(vocab, n)
+        if vp > full.shape[0]:
+            full = torch.cat([full, full.new_zeros((vp - full.shape[0],) + tuple(full.shape[1:]))])
+    return full.chunk(n, dim=0)[r].clone()
+
+
+def unshard(local: torch.Tensor, layout, mesh) -> torch.Tensor:
+    """The single-process tensor from every tp rank's ``local`` shard (an all-gather over tp)."""
+    n = mesh.size("tp")
+    kind, vocab = (layout, None) if isinstance(layout, str) else layout
+    parts = torch.empty((n * local.shape[0],) + tuple(local.shape[1:]), dtype=local.dtype, device=local.device)
+    comm.all_gather(parts, local.contiguous(), mesh, "tp")
+    parts = parts.view((n,) + tuple(local.shape))
+    if kind == "qkv":
+        return torch.cat([torch.cat([p.chunk(3, dim=0)[i] for p in parts]) for i in range(3)])
+    if kind == "cols":
+        return torch.cat(list(parts), dim=1)
+    full = torch.cat(list(parts), dim=0)
+    return full[:vocab] if kind == "vocab" else full
+
+
+def _layout(layer: nn.Module, kind: str) -> None:
+    layer.weight.tp_layout = kind
+    if layer.bias is not None and kind != "cols":
+        layer.bias.tp_layout = kind
+
+
+def apply_tensor_parallel(model: nn.Module, mesh, sequence_parallel: bool = False) -> nn.Module:
+    """Shard a single-process :class:`~podscale.models.gpt.GPT` over ``mesh``'s tp axis, in place.
+
+    Works on a whole GPT or a pipeline stage of one (missing ``wte`` / ``lm_head`` are skipped).  With
+    tp == 1 and no sequence parallelism the model is returned unchanged.
+    """
+    n, r = mesh.size("tp"), mesh.local_rank("tp")
+    if n == 1 and not sequence_parallel:
+        return model
+    cfg = model.cfg
+    check_tensor_parallel(cfg.n_embd, cfg.n_head, n)
+    sp = sequence_parallel
+    with torch.no_grad():
+        for block in model.blocks.values():
+            a, m = block.attn, block.mlp
+            # qkv rows are [q; k; v]: this rank takes its heads of each, in that order
+            a.qkv = ColumnParallelLinear(shard(a.qkv.weight, "qkv", mesh),
+                                         None if a.qkv.bias is None else shard(a.qkv.bias, "qkv", mesh),
+                                         mesh, sp)
+            _layout(a.qkv, "qkv")
+            a.proj = RowParallelLinear(shard(a.proj.weight, "cols", mesh),
+                                       None if a.proj.bias is None else a.proj.bias.clone(), mesh, sp)
+            _layout(a.proj, "cols")
+            m.fc = ColumnParallelLinear(shard(m.fc.weight, "rows", mesh),
+                                        None if m.fc.bias is None else shard(m.fc.bias, "rows", mesh), mesh, sp)
+            _layout(m.fc, "rows")
+            m.proj = RowParallelLinear(shard(m.proj.weight, "cols", mesh),
+                                       None if m.proj.bias is None else m.proj.bias.clone(), mesh, sp)
+            _layout(m.proj, "cols")
+            if sp:
+                for ln in (block.ln_1, block.ln_2):
+                    for p in ln.parameters():
+                        _mark(p, sequence_parallel=True)
+        vocab = cfg.vocab_size
+        vp = padded_vocab(vocab, n)
+        start = r * (vp // n)
+        emb = None
+        if model.wte is not None:
+            model.wte = VocabParallelEmbedding(shard(model.wte.weight, "vocab", mesh, vocab), start, mesh, sp)
+            emb = model.wte.weight
+            emb.tp_layout = ("vocab", vocab)
+            if sp:
+                model.wpe = SequenceParallelPositionEmbedding(model.wpe.weight.detach().clone(), mesh)
+        if model.lm_head is not None:
+            if emb is None:  # a last pipeline stage without the input embedding holds its own copy
+                dup = getattr(model.lm_head.weight, "pipeline_duplicate", False)
+                emb = nn.Parameter(shard(model.lm_head.weight, "vocab", mesh, vocab))
+                emb.tp_layout, emb.pipeline_duplicate = ("vocab", vocab), dup
+            model.lm_head = ColumnParallelLinear(emb, None, mesh, sp)
+            model.loss_fn = VocabParallelCrossEntropy(mesh, start, vocab)
+            if sp:
+                for p in model.ln_f.parameters():
+                    _mark(p, sequence_parallel=True)
+    model.tensor_parallel = {"tp": n, "sequence_parallel": sp, "padded_vocab": vp}
+    return model
+
+
+def apply_recompute(model: nn.Module, mode: str) -> nn.Module:
+    """Activation recomputation (Korthikanti et al. 2022, section 5): ``full`` keeps only each block's
+    input and recomputes the block in backward; ``selective`` recomputes only the attention core
+    (softmax(QK^T)V, large and cheap to recompute).  Parameters and their names are unchanged."""
+    from torch.utils.checkpoint import checkpoint
+
+    if mode == "none":
+        return model
+    if mode not in ("selective", "full"):
+        raise ValueError(f"unknown recompute mode '{mode}': use none, selective or full")
+    for block in model.blocks.values():
+        target = block if mode == "full" else block.attn
+        name = "forward" if mode == "full" else "core"
+        fn = getattr(target, name)
+        setattr(target, name, lambda *args, _fn=fn: checkpoint(_fn, *args, use_reentrant=False))
+    return model
+
+
+# ------------------------------------------------------------------------------------------------------
+# gradient bookkeeping shared by the model-parallel strategies
+
+
+def sync_sequence_parallel_grads(params, mesh) -> None:
+    """Sum over tp the gradients of parameters used on a sequence shard (layer norms, position embedding,
+    row-parallel biases), so every tp rank holds the full gradient (Korthikanti et al. 2022, 4.2.2)."""
+    if mesh.size("tp") == 1:
+        return
+    grads = [p.grad for p in params if getattr(p, "sequence_parallel", False) and p.grad is not None]
+    if not grads:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    comm.all_reduce(flat, mesh, "tp")
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
+def grad_pieces(strategy, params) -> tuple[list[tuple[nn.Parameter, torch.Tensor]], bool]:
+    """(parameter, the part of its reduced gradient this rank holds) and whether those parts are sharded
+    over dp: ZeRO keeps each rank's slice of the flat gradient, replicated data parallelism all of it."""
+    units = getattr(strategy, "units", None)
+    if units is None or not hasattr(units[0], "owned"):
+        return [(p, p.grad) for p in params if p.grad is not None], False
+    pieces = []
+    for u in units:
+        for i, lo, hi in u.owned():
+            start = u.offsets[i] + lo - u.lo
+            pieces.append((u.params[i], u.grad[start:start + hi - lo]))
+    return pieces, True
+
+
+def global_grad_norm(pieces, mesh, dp_sharded: bool = False) -> torch.Tensor:
+    """The L2 norm of the gradient of the whole (unsharded, single-copy) model.
+
+    ``pieces`` are (parameter, gradient part held here).  tp-sharded parameters contribute their squared
+    norm summed over tp, tp-replicated ones once; over pp every stage's contribution is summed, except
+    parameters marked ``pipeline_duplicate`` (the last stage's copy of the tied embedding), which the first
+    stage counts; with ZeRO (``dp_sharded``) the disjoint slices are summed over dp too.
+    """
+    dev = mesh.device
+    sq = torch.zeros(2, dtype=torch.float32, device=dev)  # [tp-sharded, tp-replicated]
+    seen = set()
+    for p, g in pieces:
+        if g is None or getattr(p, "pipeline_duplicate", False) or (not dp_sharded and id(p) in seen):
+            continue
+        seen.add(id(p))
+        sq[0 if getattr(p, "tensor_parallel", False) else 1] += g.float().pow(2).sum().to(dev)
+    if dp_sharded:
+        comm.all_reduce(sq, mesh, "dp")
+    sharded = sq[:1].clone()
+    comm.all_reduce(sharded, mesh, "tp")
+    total = (sharded + sq[1:]).reshape(1)
+    comm.all_reduce(total, mesh, "pp")
+    return total.sqrt()[0]
+
+
+# ------------------------------------------------------------------------------------------------------
+# checkpoints: the single-process names and shapes, whatever the layout
+
+
+def _zero_units(inner):
+    units = getattr(inner, "units", None)
+    return units if units is not None and units and hasattr(units[0], "owned") else None
+
+
+class FullCheckpointState:
+    """Checkpoint tensors of a tensor/pipeline-parallel model under the single-process GPT's names and
+    shapes: tp shards are gathered (and padded vocabulary rows dropped), ZeRO's dp slices put together,
+    and each pipeline stage contributes its own layers.  A checkpoint therefore loads at any other
+    (pp, dp, tp) or ZeRO stage, and ``podscale export`` writes it to one plain file unchanged.  The
+    last stage's copy of the tied embedding keeps its optimizer state under the first stage's name.
+
+    Needs ``self.inner``, ``self.mesh`` and ``self.named_parameters(remove_duplicate)``.
+    """
+
+    _STATE = ("exp_avg", "exp_avg_sq")
+
+    def _optim_name(self, name: str, p) -> str:
+        return "wte.weight" if getattr(p, "pipeline_duplicate", False) else name
+
+    def _locals(self, key: str) -> dict[int, torch.Tensor]:
+        """id(parameter) -> this tp rank's tensor (parameter or Adam state ``key``), dp slices joined."""
+        units = _zero_units(self.inner)
+        params = list(dict((id(p), p) for _, p in self.named_parameters(False)).values())
+        if units is None:
+            if key == "param":
+                return {id(p): p.detach() for p in params}
+            st = self.inner.optimizer.state
+            return {id(p): st[p][key] if p in st and key in st[p] else torch.zeros_like(p) for p in params}
+        out = {}
+        for u in units:  # the same order on every dp rank
+            src = {"param": u.master, "exp_avg": u.exp_avg, "exp_avg_sq": u.exp_avg_sq}[key]
+            for p in u.params:
+                out[id(p)] = torch.zeros(p.numel(), dtype=torch.float32, device=self.mesh.device)
+            for i, lo, hi in u.owned():
+                start = u.offsets[i] + lo - u.lo
+                out[id(u.params[i])][lo:hi] = src[start:start + hi - lo].to(self.mesh.device)
+        for u in units:
+            for p in u.params:
+                comm.all_reduce(out[id(p)], self.mesh, "dp")
+                out[id(p)] = out[id(p)].view(p.shape)
+        return out
+
+    def _full(self, key: str, names) -> dict[str, torch.Tensor]:
+        local = self._locals(key)
+        done, out = {}, {}
+        for name, p in names:
+            if id(p) not in done:
+                layout = getattr(p, "tp_layout", None)
+                t = local[id(p)]
+                done[id(p)] = unshard(t, layout, self.mesh) if layout is not None and self.mesh.size("tp") > 1 \
+                    else t.detach().clone()
+            out[name] = done[id(p)]
+        return out
+
+    def _step(self) -> torch.Tensor:
+        if _zero_units(self.inner) is not None:
+            return self.inner._step_value().to(torch.float32)
+        for s in self.inner.optimizer.state.values():
+            return s["step"].detach().to("cpu", torch.float32).clone()
+        return torch.zeros((), dtype=torch.float32)
+
+    def model_state(self) -> dict[str, torch.Tensor]:
+        if hasattr(self.inner, "_wait_params"):
+            self.inner._wait_params()
+        return self._full("param", self.named_parameters(False))
+
+    def optim_state(self) -> dict[str, torch.Tensor]:
+        names = [(self._optim_name(n, p), p) for n, p in self.named_parameters(True)]
+        out = {}
+        for key in self._STATE:
+            out.update({f"{n}.{key}": t for n, t in self._full(key, names).items()})
+        step = self._step()
+        for n, _ in names:
+            out[f"{n}.step"] = step.clone()
+        return out
+
+    def optim_template(self) -> dict[str, torch.Tensor]:
+        return self.optim_state()
+
+    def _local_from_full(self, p, full: torch.Tensor) -> torch.Tensor:
+        layout = getattr(p, "tp_layout", None)
+        if layout is None or self.mesh.size("tp") == 1:
+            return full
+        kind, vocab = (layout, None) if isinstance(layout, str) else layout
+        return shard(full, kind, self.mesh, vocab)
+
+    @torch.no_grad()
+    def _write(self, key: str, values: dict[int, torch.Tensor]) -> None:
+        units = _zero_units(self.inner)
+        if units is None:
+            for p in dict((id(p), p) for _, p in self.named_parameters(False)).values():
+                if id(p) not in values:
+                    continue
+                if key == "param":
+                    p.copy_(values[id(p)])
+                else:
+                    st = self.inner.optimizer.state.setdefault(p, {})
+                    st[key] = values[id(p)].to(p.device, torch.float32).clone()
+            return
+        for u in units:
+            dst = {"param": u.master, "exp_avg": u.exp_avg, "exp_avg_sq": u.exp_avg_sq}[key]
+            for i, lo, hi in u.owned():
+                v = values.get(id(u.params[i]))
+                if v is not None:
+                    start = u.offsets[i] + lo - u.lo
+                    dst[start:start + hi - lo].copy_(v.reshape(-1)[lo:hi])
+
+    def load_model_state(self, state: dict[str, torch.Tensor]) -> None:
+        values = {}
+        for name, p in self.named_parameters(False):
+            if name in state and id(p) not in values:
+                values[id(p)] = self._local_from_full(p, state[name])
+        self._write("param", values)
+        if _zero_units(self.inner) is not None:  # publish the masters to the parameters ZeRO computes with
+            self.inner.load_model_state(self.inner.model_state())
+
+    def load_optim_state(self, flat: dict[str, torch.Tensor]) -> None:
+        names = [(self._optim_name(n, p), p) for n, p in self.named_parameters(True)]
+        for key in self._STATE:
+            self._write(key, {id(p): self._local_from_full(p, flat[f"{n}.{key}"]) for n, p in names
+                              if f"{n}.{key}" in flat})
+        steps = [flat[f"{n}.step"] for n, _ in names if f"{n}.step" in flat]
+        if not steps:
+            return
+        if _zero_units(self.inner) is not None:
+            self.inner.load_optim_state({"step.step": steps[0]})
+        else:
+            for _, p in names:
+                self.inner.optimizer.state.setdefault(p, {})["step"] = \
+                    steps[0].detach().to(p.device, torch.float32).clone()
+
+
+def reduce_commutes(inner) -> bool:
+    """True for the replicated DataParallel strategy, whose dp all-reduce commutes with sums over tp/pp."""
+    from podscale.parallel.data import DataParallel
+    return isinstance(inner, DataParallel)
+
+
+class TensorParallelStrategy(FullCheckpointState):
+    """Wraps a data-parallel strategy (replicated :class:`DataParallel` or ZeRO over dp) for a model with
+    tensor- and/or sequence-parallel layers: sequence-parallel gradients are summed over tp after backward
+    and the gradient norm is the model's true global norm."""
+
+    def __init__(self, inner, module: nn.Module, mesh, precision: str = "fp32"):
+        self.inner, self.module, self.mesh, self.precision = inner, module, mesh, precision
+        self.params = [p for p in module.parameters() if p.requires_grad]
+        # Sums over tp commute with the replicated strategy's dp all-reduce (a mean), so its all-reduce can
+        # overlap backward and the tp sums follow; a sharding (ZeRO) strategy needs the full sums first.
+        self.reduce_first = reduce_commutes(inner)
+        if not self.reduce_first and any(getattr(p, "sequence_parallel", False) for p in self.params):
+            self.forward_backward = self._forward_backward_local
+
+    def __getattr__(self, name):  # everything else (step, checkpoint state, buckets, ...) is the inner's
+        if name == "inner":
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+    def no_sync(self):
+        return self.inner.no_sync()
+
+    def named_parameters(self, remove_duplicate: bool = True):
+        return self.module.named_parameters(remove_duplicate=remove_duplicate)
+
+    def finish_grad_sync(self) -> None:
+        if self.reduce_first:
+            self.inner.finish_grad_sync()
+        sync_sequence_parallel_grads(self.params, self.mesh)
+        if not self.reduce_first:
+            self.inner.finish_grad_sync()
+
+    def grad_norm(self) -> torch.Tensor:
+        pieces, dp_sharded = grad_pieces(self.inner, self.params)
+        return global_grad_norm(pieces, self.mesh, dp_sharded)
+
+    def _forward_backward_local(self, micro_batches, loss_scale: float | None) -> torch.Tensor:
+        """The engine's micro-batch loop with every backward under ``no_sync``: the dp reduction starts in
+        ``finish_grad_sync``, after the sequence-parallel gradients are complete."""
+        from podscale.train.precision import autocast
+        n, dev = len(micro_batches), self.mesh.device
+        loss_sum = torch.zeros((), device=dev)
+        with self.inner.no_sync():
+            for x, y in micro_batches:
+                with autocast(self.precision, dev):
+                    _, loss = self.module(x.to(dev), y.to(dev))
+                scaled = loss / n if loss_scale is None else loss / n * loss_scale
+                scaled.backward()
+                loss_sum += loss.detach().float()
+        return loss_sum

@@ -1,0 +1,650 @@
+"""ZeRO stages 1, 2 and 3 as a training strategy for :class:`~podscale.train.engine.Engine`.
+
+Rajbhandari et al. 2020, "ZeRO: Memory Optimizations Toward Training Trillion Parameter Models", section 5:
+with ``Ψ`` parameters, ``N_d`` data-parallel ranks and ``K`` bytes of optimizer state per parameter
+(K = 12 for mixed-precision Adam: fp32 master, momentum, variance), model states per rank are
+
+    stage 0 (replicated):      2Ψ + 2Ψ + KΨ
+    stage 1 (P_os):            2Ψ + 2Ψ + KΨ/N_d
+    stage 2 (P_os+g):          2Ψ + (2+K)Ψ/N_d
+    stage 3 (P_os+g+p):        (2+2+K)Ψ/N_d
+
+(fp32 training: 4-byte parameters and gradients, and the parameter is its own master, K = 8).
+
+How each stage is built here (see :mod:`podscale.parallel.zero.layout` for the flat layout):
+
+* **Stage 1.**  Parameters are views into persistent flat unit buffers; gradients are views into full flat
+  gradient buffers (accumulated locally under ``no_sync``).  On the last micro-batch each bucket is
+  reduce-scattered (asynchronously, from the post-accumulate-grad hook that completes it) so each rank
+  receives the summed gradient of its own slice only; it steps its slice of the fp32 master and moments
+  and all-gathers the updated parameters (ZeRO section 5.1, also the "weight-update sharding" of
+  Xu et al. 2020 used on TPU pods).  The all-gather overlaps until the next forward starts.
+* **Stage 2.**  As stage 1, but no full gradient buffer persists: each parameter's gradient is copied into
+  its bucket's staging buffer as soon as it is accumulated and the parameter's ``.grad`` is dropped; full
+  buckets are reduce-scattered during backward and accumulated into the fp32 gradient shard (ZeRO 5.2),
+  on every micro-batch (the shard is where accumulation happens, so ``no_sync`` has nothing to save).
+* **Stage 3.**  Parameters are sharded too (ZeRO 5.3).  Each block's flat buffer is a tensor whose storage
+  is allocated only while the block is in use: a forward pre-hook waits for its all-gather and prefetches
+  the next block's; a forward post-hook frees the storage; an identity autograd function on the block's
+  output re-gathers it (and prefetches the previous block) when backward reaches it; after its gradients
+  are reduce-scattered the storage is freed again.  Parameters with fewer than
+  ``param_persistence_threshold`` elements stay whole, and the remaining top-level parameters (embeddings,
+  the tied output head) form a root unit gathered for the whole forward+backward.
+
+Mixed precision: with ``precision = bf16|fp16`` the parameters the model computes with (the unit buffers)
+are 16-bit copies and the fp32 master slice lives with the optimizer; gradients are reduced in
+``train.reduce_dtype`` (default: the compute dtype) and accumulated in fp32 on the shard.
+
+Offload (ZeRO-Offload, Ren et al. 2021; ZeRO-Infinity, Rajbhandari et al. 2021): with
+``offload_optimizer = cpu`` the fp32 master, moments and gradient shard live in (pinned, on CUDA) host
+memory and the step runs there on the CPU; ``nvme`` streams them through :mod:`podscale.storage`.
+"""
+from __future__ import annotations
+
+import collections
+import contextlib
+import os
+
+import torch
+import torch.nn as nn
+
+from podscale.optim.flat_adam import FlatAdamW, Segment
+from podscale.parallel.zero.layout import Unit, bucket_units, layer_units
+from podscale.parallel.zero import state as zstate
+from podscale.runtime import comm
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class ZeroError(ValueError):
+    """A ZeRO configuration that cannot run; the message names the key and the fix."""
+
+
+def check_zero_config(zero) -> None:
+    """Raise :class:`ZeroError` for impossible combinations before anything is allocated."""
+    import os
+    from pathlib import Path
+    if zero.offload_param != "none" and zero.stage != 3:
+        raise ZeroError(f"zero.offload_param={zero.offload_param} needs zero.stage=3 (parameters are only "
+                        f"partitioned at stage 3; got stage {zero.stage}): set zero.stage=3 or offload_param='none'")
+    if zero.offload_optimizer != "none" and zero.stage == 0:
+        raise ZeroError("zero.offload_optimizer needs zero.stage >= 1 (the optimizer state is only "
+                        "partitioned from stage 1): set zero.stage=1, 2 or 3")
+    if "nvme" in (zero.offload_optimizer, zero.offload_param):
+        if not zero.nvme_path:
+            raise ZeroError("zero.nvme_path is required for nvme offload: point it at a folder on a fast disk")
+        p = Path(zero.nvme_path)
+        if not p.is_dir():
+            raise ZeroError(f"zero.nvme_path '{zero.nvme_path}' is not an existing folder: create it or "
+                            "point at one")
+        if not os.access(p, os.W_OK | os.X_OK):
+            raise ZeroError(f"zero.nvme_path '{zero.nvme_path}' is not writable: choose a folder you can write")
+
+
+def _return_freed_memory_to_os(threshold: int = 1 << 20) -> bool:
+    """On a CPU device, make glibc serve allocations of ``threshold`` bytes and more with mmap, so blocks
+    released after use (stage 3) and gradient buckets go back to the OS instead of fragmenting the heap.
+
+    glibc's default raises the mmap threshold to the size of any mmapped block that is freed (up to
+    32 MiB), after which same-sized blocks come from the heap and resident memory keeps the high-water mark
+    of every gather.  ``mallopt(M_MMAP_THRESHOLD)`` fixes the threshold (and turns that adjustment off)."""
+    import ctypes
+    import ctypes.util
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return bool(libc.mallopt(-3, int(threshold)))  # M_MMAP_THRESHOLD = -3
+    except (OSError, AttributeError):
+        return False
+
+
+class _RegatherBeforeBackward(torch.autograd.Function):
+    """Identity on a unit's output whose backward gathers the unit before its own backward runs."""
+
+    @staticmethod
+    def forward(ctx, strategy, unit, x):
+        ctx.strategy, ctx.unit = strategy, unit
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        ctx.strategy._backward_gather(ctx.unit)
+        return None, None, g
+
+
+class ZeroStrategy:
+    """ZeRO-``stage`` data parallelism over the mesh's ``dp`` axis (see the module docstring).
+
+    ``module`` is a plain model on ``mesh.device``; ``train`` is the :class:`~podscale.config.TrainSection`
+    (lr, betas, eps, weight decay, precision, reduce dtype) and ``zero`` the
+    :class:`~podscale.config.ZeroSection`.  A model built on the ``meta`` device is materialised one unit
+    at a time by ``param_init(name, tensor)`` (ZeRO-3's ``zero.Init``: the whole model never exists on one
+    rank); its parameters are then replaced by views of the unit buffers.
+    """
+
+    max_inflight_reduce = 2  # stage 2/3 staging buffers alive at once (bounds gradient memory)
+
+    def __init__(self, module: nn.Module, mesh, train, zero, param_init=None):
+        if zero.stage not in (1, 2, 3):
+            raise ZeroError(f"ZeroStrategy runs stages 1-3 (got zero.stage={zero.stage}); stage 0 is "
+                            "podscale.parallel.data.DataParallel")
+        check_zero_config(zero)
+        self.module, self.mesh, self.stage, self.zcfg = module, mesh, zero.stage, zero
+        self.axes = "dp"
+        self.dp, self.dp_rank = mesh.size("dp"), mesh.local_rank("dp")
+        self.device = mesh.device
+        if self.device.type == "cpu" and zero.stage == 3 and "MALLOC_MMAP_THRESHOLD_" not in os.environ:
+            _return_freed_memory_to_os()  # (a threshold the user set in the environment wins)
+        self.cdtype = _DTYPES[train.precision]
+        self.rdtype = _DTYPES[train.reduce_dtype] if train.reduce_dtype else self.cdtype
+        self.opt_device = torch.device("cpu") if zero.offload_optimizer in ("cpu", "nvme") else self.device
+        self.offload = zero.offload_optimizer != "none"
+        self.nvme = zero.offload_optimizer == "nvme"
+        self.param_nvme = zero.offload_param == "nvme"
+        self.param_cpu = zero.offload_param == "cpu"
+        self.pin_params = self.param_cpu and self.device.type == "cuda"
+        if self.param_nvme and not self.nvme:
+            raise ZeroError("zero.offload_param='nvme' is implemented together with "
+                            "zero.offload_optimizer='nvme': set both to nvme")
+        self.betas, self.eps = (train.beta1, train.beta2), train.eps
+        self.pin = self.opt_device.type == "cpu" and self.device.type == "cuda"
+        self.weight_decay = train.weight_decay
+        self._sync = True
+        self._inflight: collections.deque = collections.deque()
+        self._param_gathers: list = []
+        self._ck: dict[str, torch.Tensor] = {}
+        self._written: set[int] = set()
+
+        named = list(module.named_parameters())  # tied parameters once, under their first name
+        named = [(n, p) for n, p in named if p.requires_grad]
+        self.aliases: dict[int, list[str]] = {}
+        for n, p in module.named_parameters(remove_duplicate=False):
+            self.aliases.setdefault(id(p), []).append(n)
+        cap = int(zero.reduce_bucket_mb * 2**20)
+        if self.stage == 3:
+            self.layers, persistent, self.root = layer_units(module, named, zero.param_persistence_threshold,
+                                                             self.dp, self.dp_rank, cap)
+            self.units = self.layers + ([self.root] if self.root else []) + persistent
+        else:
+            self.layers, self.root = [], None
+            self.units = bucket_units(named, cap, self.dp, self.dp_rank)
+        self.param_init = param_init
+        self._owners: dict[int, list] = {}
+        for mod in module.modules():
+            for attr, p in mod._parameters.items():
+                if p is not None:
+                    self._owners.setdefault(id(p), []).append((mod, attr))
+        self._allocate()
+        self._unit_of = {id(p): u for u in self.units for p in u.params}
+        self.optimizer = FlatAdamW([] if self.nvme else [self._segments(u) for u in self.units],
+                                   (train.beta1, train.beta2), train.eps)
+        self.alt_optimizer = self._trust_ratio_optimizer(getattr(zero, "optimizer", "adamw"), train)
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for u in self.units for p in u.params]
+        self._hooks.append(module.register_forward_pre_hook(self._pre_model))
+        self._hooks.append(module.register_forward_hook(self._post_model))
+        for u in self.layers:
+            self._hooks.append(u.module.register_forward_pre_hook(self._make_pre(u)))
+            self._hooks.append(u.module.register_forward_hook(self._make_post(u)))
+
+    # allocation ------------------------------------------------------------------------------------
+    def _empty(self, n, dtype, device):
+        t = torch.zeros(n, dtype=dtype, device=device)
+        return t.pin_memory() if self.pin and device.type == "cpu" else t
+
+    def _allocate(self) -> None:
+        """Build each unit's flat buffers from the module's current weights (rank 0's, broadcast)."""
+        total = sum(u.shard for u in self.units)
+        off = 0
+        for u in self.units:
+            u.goff = off
+            off += u.shard
+        # fp32 optimizer flats for this rank's slices: gradient, Adam moments; the master only where the
+        # parameter buffer cannot be its own master (16-bit compute, offload, or stage-3 unit).
+        self.swap = None
+        if self.nvme:
+            # ZeRO-Infinity: gradient, master and moments live in the swap file; memory keeps the
+            # compute-dtype shard (every unit's; persistent units all-gather from it after the step)
+            from podscale.parallel.zero.nvme import NvmeOptimizerState
+            chunk = int(self.zcfg.nvme_block_mb * 2**20) // 4
+            self.swap = NvmeOptimizerState(self.units, total, self.zcfg.nvme_path, self.mesh.rank, chunk,
+                                           self.betas, self.eps, self.weight_decay,
+                                           param_dtype=self.cdtype if self.param_nvme else None)
+            self._coef = torch.ones(1, dtype=torch.float32)
+            self._fresh: set[int] = set()
+            self._sumsq = 0.0
+            self._norm_exact = True
+            total = 0
+        self.grad_flat = self._empty(total, torch.float32, self.opt_device)
+        self.exp_avg = self._empty(total, torch.float32, self.opt_device)
+        self.exp_avg_sq = self._empty(total, torch.float32, self.opt_device)
+        alias = [self._aliases_master(u) and not self.nvme for u in self.units]
+        master_total = 0 if self.nvme else sum(u.shard for u, a in zip(self.units, alias) if not a)
+        self.master_flat = self._empty(master_total, torch.float32, self.opt_device)
+        moff = 0
+        with torch.no_grad():
+            for u, a in zip(self.units, alias):
+                full = torch.zeros(u.padded, dtype=torch.float32, device=self.device)
+                for p, o, n, name in zip(u.params, u.offsets, u.numels, u.names):
+                    if p.is_meta:
+                        if self.param_init is None:
+                            raise ZeroError(f"parameter '{name}' is on the meta device: pass param_init to "
+                                            "ZeroStrategy to materialise it")
+                        self.param_init(name, full[o:o + n].view(p.shape))
+                    else:
+                        full[o:o + n].copy_(p.detach().reshape(-1))
+                comm.broadcast(full, 0, self.mesh, self.axes)  # every replica starts from rank 0's weights
+                mine = full[u.lo:u.hi]
+                s = slice(u.goff, u.goff + u.shard)
+                u.full = full if self.cdtype == torch.float32 else full.to(self.cdtype)
+                if self.nvme:
+                    self.swap.write_master(u, mine)
+                    if self.param_nvme and not u.persistent:
+                        self.swap.write_param(u, 0, mine.to(self.cdtype))
+                    else:
+                        u.cshard = mine.to(self.cdtype).clone()
+                    u.master = None
+                elif a:
+                    u.master = u.full[u.lo:u.hi]
+                else:
+                    u.master = self.master_flat[moff:moff + u.shard]
+                    moff += u.shard
+                    u.master.copy_(mine)
+                if not self.nvme:
+                    u.grad, u.exp_avg, u.exp_avg_sq = self.grad_flat[s], self.exp_avg[s], self.exp_avg_sq[s]
+                if not u.persistent and not self.nvme and (self.cdtype != torch.float32 or self.offload
+                                                            or self.param_cpu):
+                    # stage 3: the gather source; in host memory (pinned on CUDA) with offload_param=cpu
+                    u.cshard = mine.to(self.cdtype).clone()
+                    if self.param_cpu:
+                        u.cshard = u.cshard.cpu().pin_memory() if self.pin_params else u.cshard.cpu()
+                for i, (p, o, n, shape) in enumerate(zip(u.params, u.offsets, u.numels, u.shapes)):
+                    if p.is_meta:  # a new Parameter over the buffer, under every name it had
+                        # not a view (a view would share the buffer's version counter, which the
+                        # in-place all-gathers bump): an empty Parameter whose data is set to the view
+                        newp = nn.Parameter(torch.empty(0, dtype=u.full.dtype, device=self.device),
+                                            requires_grad=p.requires_grad)
+                        newp.data = u.full[o:o + n].view(shape)
+                        for mod, attr in self._owners.get(id(p), []):
+                            mod._parameters[attr] = newp
+                        self.aliases[id(newp)] = self.aliases.pop(id(p), [u.names[i]])
+                        u.params[i] = newp
+                        continue
+                    p.data = u.full[o:o + n].view(shape)
+                    p.grad = None
+                u.pos = {id(p): i for i, p in enumerate(u.params)}
+                if self.stage == 1:
+                    u.grad_full = torch.zeros(u.padded, dtype=self.cdtype, device=self.device)
+                    for p, o, n, shape in zip(u.params, u.offsets, u.numels, u.shapes):
+                        p.grad = u.grad_full[o:o + n].view(shape)
+                del full, mine
+                if not u.persistent:
+                    self._free(u)
+
+    def _aliases_master(self, u: Unit) -> bool:
+        return u.persistent and self.cdtype == torch.float32 and not self.offload
+
+    def _trust_ratio_optimizer(self, name: str, train):
+        """LAMB or LARS over this rank's pieces of every tensor (see podscale.optim.flat_lamb)."""
+        if name == "adamw":
+            return None
+        if self.nvme:
+            raise ZeroError(f"zero.optimizer={name} is not available with NVMe offload: use adamw")
+        from podscale.optim.flat_lamb import FlatLamb, FlatLars, Piece
+        pieces, index = [], 0
+        for u in self.units:
+            owned = {i: (lo, hi) for i, lo, hi in u.owned()}
+            for i, p in enumerate(u.params):
+                if i in owned:
+                    lo, hi = owned[i]
+                    s, e = u.offsets[i] + lo - u.lo, u.offsets[i] + hi - u.lo
+                    pieces.append(Piece(index, u.master[s:e], u.grad[s:e], u.exp_avg[s:e], u.exp_avg_sq[s:e],
+                                        self.weight_decay if p.dim() >= 2 else 0.0))
+                index += 1  # every rank numbers every tensor the same way
+
+        def allreduce(t):
+            comm.all_reduce(t, self.mesh, self.axes)
+        if name == "lamb":
+            return FlatLamb(pieces, index, allreduce, (train.beta1, train.beta2), train.eps)
+        return FlatLars(pieces, index, allreduce, momentum=train.beta1)
+
+    def _segments(self, u: Unit) -> list[Segment]:
+        segs = []
+        for s, e, decay in u.segments():
+            segs.append(Segment(u.master[s:e], u.grad[s:e], u.exp_avg[s:e], u.exp_avg_sq[s:e],
+                                self.weight_decay if decay else 0.0,
+                                torch.zeros((), dtype=torch.float32, device=self.opt_device)))
+        return segs
+
+    # stage 3: gather / release ---------------------------------------------------------------------
+    def _free(self, u: Unit) -> None:
+        if u.gather_handle is not None:
+            u.gather_handle.wait()
+            u.gather_handle = None
+        u.full.untyped_storage().resize_(0)
+        u.gathered = False
+        u.src_tmp = None
+
+    def _gather(self, u: Unit, async_op: bool) -> None:
+        if u.persistent or u.gathered:
+            if not async_op and u.gather_handle is not None:
+                u.gather_handle.wait()
+                u.gather_handle = None
+            return
+        u.full.untyped_storage().resize_(u.padded * u.full.element_size())
+        src = u.cshard if u.cshard is not None else u.master
+        if src is not None and src.device != self.device:  # parameter shard offloaded to host memory
+            src = u.src_tmp = src.to(self.device, non_blocking=True)
+        if src is None:  # parameter shard on NVMe: read it, then gather
+            src = u.src_tmp = torch.empty(u.shard, dtype=self.cdtype, device=self.device)
+            self.swap.read_param(u, src).wait()
+        with torch.no_grad():
+            h = comm.all_gather(u.full, src, self.mesh, self.axes, async_op=True)
+        u.gathered = True
+        u.gather_handle = h
+        if not async_op:
+            h.wait()
+            u.gather_handle = None
+
+    def _make_pre(self, u: Unit):
+        def hook(_m, _args):
+            self._gather(u, async_op=False)
+            nxt = u.index + 1
+            if nxt < len(self.layers):
+                self._gather(self.layers[nxt], async_op=True)  # prefetch the next block
+        return hook
+
+    def _make_post(self, u: Unit):
+        def hook(_m, _args, out):
+            self._free(u)
+            if torch.is_grad_enabled() and isinstance(out, torch.Tensor) and out.requires_grad:
+                return _RegatherBeforeBackward.apply(self, u, out)
+            return out
+        return hook
+
+    def _backward_gather(self, u: Unit) -> None:
+        self._gather(u, async_op=False)
+        if u.index > 0:
+            self._gather(self.layers[u.index - 1], async_op=True)
+
+    def _pre_model(self, _m, _args):
+        for h in self._param_gathers:  # stages 1/2: updated parameters all-gathered after the last step
+            h.wait()
+        self._param_gathers.clear()
+        if self.stage >= 2 and torch.is_grad_enabled():
+            self._flush_partial()
+        if self.root is not None:
+            self._gather(self.root, async_op=False)
+        if self.layers:
+            self._gather(self.layers[0], async_op=True)
+
+    def _post_model(self, _m, _args, out):
+        if self.root is not None and not torch.is_grad_enabled():
+            self._free(self.root)
+        return out
+
+    # gradients -------------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Stage 1: accumulate full gradients locally.  Stages 2/3 reduce-scatter every micro-batch into
+        the fp32 gradient shard (ZeRO 5.2), so the full gradient never has to be kept."""
+        prev, self._sync = self._sync, False
+        try:
+            yield
+        finally:
+            self._sync = prev
+
+    def _on_grad(self, p: torch.Tensor) -> None:
+        u = self._unit_of[id(p)]
+        if self.stage == 1:
+            if not self._sync:
+                return
+        else:
+            if u.staging is None:
+                u.staging = torch.empty(u.padded, dtype=self.rdtype, device=self.device)
+                u.staging[u.numel:].zero_()
+            i = u.pos[id(p)]
+            # one pass: scale by 1/N_d (the mean over ranks) while copying into the bucket
+            torch.mul(p.grad.reshape(-1), 1.0 / self.dp, out=u.staging[u.offsets[i]:u.offsets[i] + u.numels[i]])
+            p.grad = None
+        u.ready.add(id(p))
+        if len(u.ready) == len(u.params):
+            self._launch_reduce(u)
+
+    def _launch_reduce(self, u: Unit) -> None:
+        """Reduce-scatter unit ``u``'s gradients (pre-divided by N_d, so the result is the mean)."""
+        if self.stage == 1:
+            wire = u.grad_full.to(self.rdtype) if self.rdtype != u.grad_full.dtype else u.grad_full
+            wire.div_(self.dp)
+        else:
+            wire, u.staging = u.staging, None
+            if len(u.ready) < len(u.params):  # parameters without a gradient this micro-batch contribute 0
+                for i, q in enumerate(u.params):
+                    if id(q) not in u.ready:
+                        wire[u.offsets[i]:u.offsets[i] + u.numels[i]].zero_()
+        u.ready.clear()
+        out = torch.empty(u.shard, dtype=self.rdtype, device=self.device)
+        h = comm.reduce_scatter(out, wire, self.mesh, self.axes, async_op=True)
+        self._inflight.append((u, out, wire, h))
+        if self.stage == 3 and not u.persistent:
+            self._free(u)
+        while self.stage >= 2 and len(self._inflight) > self.max_inflight_reduce:
+            self._retire()
+
+    def _retire(self) -> None:
+        u, out, _wire, h = self._inflight.popleft()
+        h.wait()
+        if self.nvme:
+            fresh = self.stage == 1 or id(u) not in self._fresh
+            if not torch.isfinite(out).all():
+                self._coef.fill_(float("inf"))  # fp16 overflow: the engine's check sees it in grads()
+            if fresh:
+                self._sumsq += float(torch.linalg.vector_norm(out.float()).square())
+            else:
+                self._norm_exact = False
+            self._fresh.add(id(u))
+            self.swap.add_grad(u, out.to("cpu"), fresh)
+        elif self.stage == 1 or id(u) not in self._written:
+            u.grad.copy_(out, non_blocking=self.pin)  # first gradient since zero_grad: no memset needed
+        else:
+            u.grad.add_(out.to(u.grad.device, non_blocking=self.pin))
+        self._written.add(id(u))
+
+    def _flush_partial(self) -> None:
+        """Reduce units whose parameters did not all receive gradients (unused in this micro-batch)."""
+        for u in self.units:
+            if self.stage >= 2 and u.staging is not None and u.ready:
+                self._launch_reduce(u)
+
+    def finish_grad_sync(self) -> None:
+        if self.stage == 1 and self._sync:
+            launched = {id(x[0]) for x in self._inflight}
+            for u in self.units:  # buckets with unused parameters, in the same order on every rank
+                if id(u) not in launched:
+                    self._launch_reduce(u)
+        else:
+            self._flush_partial()
+        while self._inflight:
+            self._retire()
+        if not self.nvme:
+            for u in self.units:  # a unit that got no gradient at all this step
+                if id(u) not in self._written:
+                    u.grad.zero_()
+                    self._written.add(id(u))
+        if self.root is not None and self.root.gathered:
+            self._free(self.root)
+        for u in self.layers:
+            if u.gathered:
+                self._free(u)
+
+    def zero_grad(self) -> None:
+        if self.nvme:
+            self._fresh.clear()
+            self._coef.fill_(1.0)
+            self._sumsq, self._norm_exact = 0.0, True
+        self._written.clear()  # the next reduce-scatter overwrites each unit's gradient shard
+        for u in self.units:
+            if u.grad_full is not None:
+                u.grad_full.zero_()
+
+    def grads(self) -> list[torch.Tensor]:
+        """The fp32 gradient shard; with NVMe offload the one-element scale applied to it at the step
+        (the engine's in-place unscale and clip multiply it, and an fp16 overflow makes it inf)."""
+        return [self._coef] if self.nvme else [self.grad_flat]
+
+    def grad_norm(self) -> torch.Tensor:
+        """True global L2 norm: squared norms of the disjoint shards summed over dp (padding is zero)."""
+        if self.nvme:
+            local = self._sumsq if self._norm_exact else self.swap.grad_sumsq()
+            sq = torch.tensor([local], dtype=torch.float32, device=self.device)
+            comm.all_reduce(sq, self.mesh, self.axes)
+            return sq.sqrt()[0] * self._coef.abs()[0]
+        sq = torch.linalg.vector_norm(self.grad_flat).square().reshape(1).to(self.device)
+        comm.all_reduce(sq, self.mesh, self.axes)
+        return sq.sqrt()[0]
+
+    # optimizer ------------------------------------------------------------------------------------
+    def step(self, lr: float) -> None:
+        if self.nvme:
+            self.swap.step(lr, float(self._coef), self._publish_range)
+            self._publish()
+            return
+        if self.alt_optimizer is not None:
+            self.alt_optimizer.step(lr)
+        else:
+            self.optimizer.step(lr)
+        self._publish()
+
+    def _publish_range(self, u: Unit, lo: int, hi: int, master: torch.Tensor) -> None:
+        if u.cshard is None:
+            self.swap.write_param(u, lo, master.to(self.cdtype))
+        else:
+            u.cshard[lo:hi].copy_(master, non_blocking=self.pin)
+
+    @torch.no_grad()
+    def _publish(self) -> None:
+        """Make the updated master slices visible to compute: 16-bit shard copies for stage-3 units,
+        an (overlapped) all-gather of the whole buffer for persistent units."""
+        for u in self.units:
+            if u.cshard is not None and not self.nvme:
+                u.cshard.copy_(u.master, non_blocking=self.pin)
+            if u.persistent:
+                src = (u.cshard if self.nvme else u.master).to(device=self.device, dtype=self.cdtype, copy=True)
+                if self.dp == 1:
+                    u.full[u.lo:u.hi].copy_(src)
+                else:
+                    self._param_gathers.append(comm.all_gather(u.full, src, self.mesh, self.axes, async_op=True))
+
+    def _wait_params(self) -> None:
+        for h in self._param_gathers:
+            h.wait()
+        self._param_gathers.clear()
+
+    # checkpoints ----------------------------------------------------------------------------------
+    def _getter(self, kind: str):
+        """Per-unit accessor of the fp32 ``master``/``exp_avg``/``exp_avg_sq`` slices.  With NVMe offload
+        the array is read from the swap file into memory for the checkpoint (one array at a time)."""
+        if not self.nvme:
+            return lambda u: getattr(u, kind)
+        from podscale.parallel.zero import nvme as _nv
+        array = {"master": _nv.MASTER, "exp_avg": _nv.EXP_AVG, "exp_avg_sq": _nv.EXP_AVG_SQ}[kind]
+        if kind not in self._ck:
+            self._ck[kind] = self.swap.read_array(array)
+        flat = self._ck[kind]
+        return lambda u: flat[u.goff:u.goff + u.shard]
+
+    def _writeback(self, kind: str) -> None:
+        if self.nvme and kind in self._ck:
+            from podscale.parallel.zero import nvme as _nv
+            array = {"master": _nv.MASTER, "exp_avg": _nv.EXP_AVG, "exp_avg_sq": _nv.EXP_AVG_SQ}[kind]
+            flat = self._ck.pop(kind)
+            self.swap.write_array(array, flat)
+            if kind == "master":
+                for u in self.units:
+                    m = flat[u.goff:u.goff + u.shard]
+                    if u.cshard is not None:
+                        u.cshard.copy_(m)
+                    else:
+                        self.swap.write_param(u, 0, m.to(self.cdtype))
+
+    def model_state(self) -> dict[str, torch.Tensor]:
+        """fp32 master weights per parameter name (all tied names), sharded as this rank holds them."""
+        self._wait_params()
+        self._ck = {}
+        out = zstate.sharded_entries(self, self._getter("master"))
+        for n, b in self.module.named_buffers():
+            out[n] = b
+        return out
+
+    def load_model_state(self, state: dict[str, torch.Tensor]) -> None:
+        zstate.copy_in(self, state, self._getter("master"))
+        for n, b in self.module.named_buffers():
+            if n in state and state[n] is not b:
+                b.copy_(state[n])
+        self._writeback("master")
+        self._publish()
+        self._wait_params()
+
+    def optim_state(self) -> dict[str, torch.Tensor]:
+        out = {}
+        self._ck = {}
+        for key in ("exp_avg", "exp_avg_sq"):
+            for n, t in zstate.sharded_entries(self, self._getter(key), tied=False).items():
+                out[f"{n}.{key}"] = t
+        step = self._step_value()
+        for u in self.units:
+            for n in u.names:
+                out[f"{n}.step"] = step.clone()
+        return out
+
+    def optim_template(self) -> dict[str, torch.Tensor]:
+        return self.optim_state()
+
+    def load_optim_state(self, flat: dict[str, torch.Tensor]) -> None:
+        for key in ("exp_avg", "exp_avg_sq"):
+            zstate.copy_in(self, {k[: -len(key) - 1]: v for k, v in flat.items() if k.endswith("." + key)},
+                           self._getter(key), tied=False)
+            self._writeback(key)
+        steps = [v for k, v in flat.items() if k.endswith(".step")]
+        if steps and self.nvme:
+            self.swap.t = int(float(steps[0]))
+        elif steps and getattr(self.alt_optimizer, "t", None) is not None:
+            self.alt_optimizer.t = int(float(steps[0]))
+        elif steps:
+            for group in self.optimizer.groups:
+                for s in group:
+                    s.step.fill_(float(steps[0]))
+
+    def _step_value(self) -> torch.Tensor:
+        if self.nvme:
+            return torch.tensor(float(self.swap.t))
+        if getattr(self.alt_optimizer, "t", None) is not None:
+            return torch.tensor(float(self.alt_optimizer.t))
+        for group in self.optimizer.groups:
+            for s in group:
+                return s.step.detach().to("cpu", torch.float32).clone()
+        return torch.zeros((), dtype=torch.float32)
+
+    # accounting -----------------------------------------------------------------------------------
+    def state_bytes(self) -> dict[str, int]:
+        """Bytes of model states this rank keeps between steps, by kind (for the memory estimator)."""
+        def nb(t):
+            return 0 if t is None else t.numel() * t.element_size()
+        params = sum(nb(u.full) for u in self.units if u.persistent) + sum(nb(u.cshard) for u in self.units)
+        grads = nb(self.grad_flat) + sum(nb(u.grad_full) for u in self.units)
+        optim = nb(self.exp_avg) + nb(self.exp_avg_sq) + nb(self.master_flat)
+        if self.nvme:
+            params = sum(nb(u.full) for u in self.units if u.persistent) + sum(nb(u.cshard) for u in self.units)
+            return {"params": params, "grads": grads, "optim": optim,
+                    "swap_buffers": sum(nb(b) for b in self.swap.bufs), "on_disk": self.swap.file.size}
+        return {"params": params, "grads": grads, "optim": optim}
+
+    def close(self) -> None:
+        """Remove hooks and, with NVMe offload, the swap file."""
+        self.remove_hooks()
+        if self.swap is not None:
+            self.swap.close()
+            self.swap = None
+
+    def remove_hooks(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()

@@ -1,0 +1,206 @@
+"""Worker functions for tensor/sequence/pipeline-parallel tests (spawned workers import this module)."""
+from __future__ import annotations
+
+import torch
+
+from podscale.config import parse_config
+from podscale.models.gpt import GPT
+from podscale.parallel.pipeline.compose import build_engine
+from podscale.parallel.tensor import unshard
+from podscale.runtime import comm
+from podscale.runtime.mesh import Mesh
+from podscale.runtime.process import init_process
+from podscale.train.data import ShardedLoader, load_tokens, split_tokens
+from podscale.train.loop import gpt_config
+
+MODEL = {"n_layer": 4, "n_head": 4, "n_embd": 64, "block_size": 64}
+
+
+def make_config(data_path: str, steps: int, global_batch: int, micro_batch: int, nproc: int,
+                model: dict | None = None, **parallel) -> dict:
+    return {"run": {"steps": steps, "seed": 7}, "model": dict(model or MODEL), "data": {"path": data_path},
+            "parallel": {"nproc": nproc, "bucket_mb": 0.05, **parallel},
+            "train": {"global_batch": global_batch, "micro_batch": micro_batch, "precision": "fp32",
+                      "lr": 3e-3, "min_lr": 3e-4, "warmup_steps": 5, "grad_clip": 1.0}}
+
+
+def full_named(engine, mesh, what: str = "param") -> dict[str, torch.Tensor]:
+    """Every parameter (or its gradient) of the single-process model, reassembled from tp shards and pp
+    stages; complete on global rank 0."""
+    local = {}
+    zero_grads = {}
+    inner = getattr(engine.strategy, "inner", engine.strategy)
+    if what == "grad" and hasattr(inner, "units"):
+        # ZeRO holds this rank's slice of the reduced gradient: put the slices together over dp
+        for u in inner.units:
+            for p in u.params:
+                zero_grads[id(p)] = torch.zeros(p.numel())
+        for u in inner.units:
+            for i, lo, hi in u.owned():
+                start = u.offsets[i] + lo - u.lo
+                zero_grads[id(u.params[i])][lo:hi] = u.grad[start:start + hi - lo]
+        for g in zero_grads.values():
+            comm.all_reduce(g, mesh, "dp")
+    named = engine.strategy.named_parameters() if hasattr(engine.strategy, "named_parameters") \
+        else engine.model.named_parameters()
+    if what == "param" and hasattr(type(engine.strategy), "model_state"):
+        local = engine.strategy.model_state()  # the checkpoint view: single-process names and shapes
+    else:
+        for name, p in named:
+            t = p.detach() if what == "param" else \
+                zero_grads[id(p)].view_as(p) if id(p) in zero_grads else p.grad.detach()
+            layout = getattr(p, "tp_layout", None)
+            local[name] = unshard(t, layout, mesh) if layout is not None and mesh.size("tp") > 1 else t.clone()
+    # stages send theirs to pp rank 0 (one tensor each, names agreed through an object gather)
+    if mesh.size("pp") > 1:
+        import torch.distributed as dist
+        names = [None] * mesh.size("pp")
+        group = mesh.group("pp")
+        shapes = {n: (tuple(t.shape), t.dtype) for n, t in local.items()}
+        dist.all_gather_object(names, shapes, group=group)
+        first = mesh.rank_of(pp=0)
+        for stage in range(1, mesh.size("pp")):
+            src = mesh.rank_of(pp=stage)
+            for n, (shape, dtype) in names[stage].items():
+                if mesh.rank == src:
+                    comm.send(local[n].contiguous(), first, mesh, "pp")
+                elif mesh.rank == first:
+                    buf = torch.empty(shape, dtype=dtype)
+                    comm.recv(buf, src, mesh, "pp")
+                    local.setdefault(n, buf)
+    return local
+
+
+def train_layouts(cfg_dicts: list[dict]) -> list[dict]:
+    """Train each config with podscale's composed engine; losses, grad norms per step, parameters after
+    the last step and gradients of step 1 (both reassembled to the single-process shapes, on rank 0)."""
+    info = init_process()
+    torch.set_num_threads(1)
+    out = []
+    for d in cfg_dicts:
+        cfg = parse_config(d)
+        cfg.check_layout(info.world_size)
+        mesh = Mesh.build(info.device, **cfg.mesh_sizes())
+        torch.manual_seed(cfg.run.seed)
+        engine = build_engine(GPT(gpt_config(cfg)), mesh, cfg, measure_memory=True)
+        tokens, _ = split_tokens(load_tokens(cfg.data.path), cfg.data.val_fraction)
+        loader = ShardedLoader(tokens, cfg.model.block_size, cfg.train.global_batch, cfg.train.micro_batch,
+                               mesh.local_rank("dp"), mesh.size("dp"), seed=cfg.run.seed)
+        losses, norms, grads1 = [], [], None
+        for step in range(cfg.run.steps):
+            if step == 0:  # step 1 also keeps its reduced gradients, read just before the optimizer step
+                r, grads1 = _first_step(engine, loader, mesh)
+            else:
+                r = engine.step(loader.next_step())
+            losses.append(r.loss)
+            norms.append(r.grad_norm)
+        params = full_named(engine, mesh)
+        out.append({"losses": losses, "grad_norms": norms,
+                    "params": params if info.rank == 0 else None,
+                    "grads1": grads1 if info.rank == 0 else None,
+                    "comm": mesh.stats.snapshot(), "pipeline": _pipeline_stats(engine)})
+    return out
+
+
+def _first_step(engine, loader, mesh):
+    """Engine.step, with the gradients captured between the reduction and the optimizer step."""
+    captured = {}
+    strategy = engine.strategy
+    orig = strategy.step
+
+    def step_and_capture(lr):
+        captured.update(full_named(engine, mesh, "grad"))
+        return orig(lr)
+
+    strategy.step = step_and_capture
+    try:
+        r = engine.step(loader.next_step())
+    finally:
+        del strategy.step
+    return r, captured
+
+
+def _pipeline_stats(engine) -> dict | None:
+    st = getattr(engine.strategy, "stats", None)
+    if st is None or not hasattr(st, "peak_in_flight"):
+        return None
+    return {"peak_in_flight": st.peak_in_flight, "peak_activation_bytes": st.peak_activation_bytes,
+            "wait_s": st.wait_s, "compute_s": st.compute_s, "total_s": st.total_s,
+            "chunks": [c.pipeline for c in engine.strategy.chunks]}
+
+
+def checkpoint_roundtrip(cfg_dicts: list[dict], root: str, steps_before: int, steps_after: int) -> list[dict]:
+    """Train ``cfg_dicts[0]`` for ``steps_before`` steps, checkpoint, train ``steps_after`` more; then for
+    every other layout start from a model built with another seed, load the checkpoint and train the same
+    ``steps_after`` steps.  Returns each layout's losses after the checkpoint."""
+    from pathlib import Path
+
+    from podscale.train import checkpoint
+
+    info = init_process()
+    torch.set_num_threads(1)
+    out = []
+    for k, d in enumerate(cfg_dicts):
+        cfg = parse_config(d)
+        cfg.check_layout(info.world_size)
+        mesh = Mesh.build(info.device, **cfg.mesh_sizes())
+        torch.manual_seed(cfg.run.seed + (0 if k == 0 else 1000))  # loading must matter
+        engine = build_engine(GPT(gpt_config(cfg)), mesh, cfg)
+        tokens, _ = split_tokens(load_tokens(cfg.data.path), cfg.data.val_fraction)
+        loader = ShardedLoader(tokens, cfg.model.block_size, cfg.train.global_batch, cfg.train.micro_batch,
+                               mesh.local_rank("dp"), mesh.size("dp"), seed=cfg.run.seed)
+        if k == 0:
+            for _ in range(steps_before):
+                engine.step(loader.next_step())
+            meta = {"step": steps_before, "loader": loader.state_dict(), "mesh": mesh.sizes,
+                    "model_config": {}}
+            checkpoint.save(Path(root), steps_before, {"model": engine.model_state(),
+                                                       "optim": engine.optim_state()},
+                            meta, {"torch_rng": torch.get_rng_state()}, info.rank, keep=1)
+        else:
+            template = {"model": engine.model_state(), "optim": engine.optim_template()}
+            meta, _ = checkpoint.load(checkpoint.latest(Path(root)), template, info.rank)
+            engine.load_model_state(template["model"])
+            engine.load_optim_state(template["optim"])
+            engine.step_count = int(meta["step"])
+            loader.load_state_dict(meta["loader"])
+        out.append({"losses": [engine.step(loader.next_step()).loss for _ in range(steps_after)]})
+    return out
+
+
+def layer_equivalence() -> dict:
+    """A column-parallel then row-parallel pair (the Megatron MLP without its activation) against the same
+    two full layers on this process: outputs and all gradients, with f/g and with sequence-parallel g/ḡ,
+    the column layer fused (overlapped backward) or not.  Returns the worst relative differences."""
+    import torch.nn.functional as F
+
+    from podscale.parallel.tensor import ColumnParallelLinear, RowParallelLinear, shard
+
+    info = init_process()
+    mesh = Mesh.build(info.device, tp=info.world_size)
+    torch.manual_seed(0)
+    w1, b1, w2, b2 = torch.randn(16, 8), torch.randn(16), torch.randn(8, 16), torch.randn(8)
+    x = torch.randn(2, 4 * info.world_size, 8)
+    xf = x.clone().requires_grad_()
+    w1f, b1f, w2f, b2f = (t.clone().requires_grad_() for t in (w1, b1, w2, b2))
+    ref = F.linear(F.linear(xf, w1f, b1f), w2f, b2f)
+    ref.pow(2).sum().backward()
+    worst = {}
+    for sp in (False, True):
+        for overlap in (False, True):
+            col = ColumnParallelLinear(shard(w1, "rows", mesh), shard(b1, "rows", mesh), mesh, sp, overlap)
+            row = RowParallelLinear(shard(w2, "cols", mesh), b2.clone(), mesh, sp)
+            xi = (x.chunk(info.world_size, dim=1)[info.rank] if sp else x).clone().requires_grad_()
+            y = row(col(xi))
+            y.pow(2).sum().backward()
+            yr = ref.chunk(info.world_size, dim=1)[info.rank] if sp else ref
+            gx = xf.grad.chunk(info.world_size, dim=1)[info.rank] if sp else xf.grad
+            gb2 = row.bias.grad.clone()
+            if sp:  # each rank saw its sequence shard only: the bias gradient is partial
+                comm.all_reduce(gb2, mesh, "tp")
+            pairs = [(y.detach(), yr.detach()), (xi.grad, gx), (col.weight.grad, shard(w1f.grad, "rows", mesh)),
+                     (col.bias.grad, shard(b1f.grad, "rows", mesh)),
+                     (row.weight.grad, shard(w2f.grad, "cols", mesh)), (gb2, b2f.grad)]
+            # relative to the largest entry: fp32 rounding of sums in another order
+            worst[f"sp={sp} overlap={overlap}"] = max(float((a - b).abs().max() / b.abs().max()) for a, b in pairs)
+    return worst

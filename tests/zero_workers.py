@@ -1,0 +1,229 @@
+"""Worker functions for the ZeRO multi-process tests (importable by spawned workers)."""
+from __future__ import annotations
+
+import os
+import resource
+
+import torch
+
+from dp_workers import MODEL, make_config  # noqa: F401  (re-exported for the tests)
+from podscale.config import parse_config
+from podscale.models.gpt import GPT
+from podscale.parallel.zero import build_strategy
+from podscale.runtime.mesh import Mesh
+from podscale.runtime.process import init_process
+from podscale.train import checkpoint
+from podscale.train.data import ShardedLoader, load_tokens, split_tokens
+from podscale.train.engine import Engine
+from podscale.train.loop import gpt_config
+
+
+def zero_config(path: str, steps: int, global_batch: int, micro_batch: int, precision: str, nproc: int,
+                stage: int, model: dict | None = None, **zero) -> dict:
+    d = make_config(path, steps, global_batch, micro_batch, precision, nproc)
+    if model:
+        d["model"] = dict(d["model"], **model)
+    # small buckets and threshold so the tiny test model has several units per stage
+    d["zero"] = {"stage": stage, "reduce_bucket_mb": 0.05, "param_persistence_threshold": 1000} | zero
+    return d
+
+
+def _build(d: dict, info):
+    cfg = parse_config(d)
+    cfg.check_layout(info.world_size)
+    mesh = Mesh.build(info.device, **cfg.mesh_sizes())
+    torch.manual_seed(cfg.run.seed)
+    model = GPT(gpt_config(cfg))
+    strategy = build_strategy(model, mesh, cfg.train, cfg.zero)
+    engine = Engine(model, mesh, cfg.train, bucket_mb=cfg.parallel.bucket_mb, strategy=strategy)
+    tokens, _ = split_tokens(load_tokens(cfg.data.path), cfg.data.val_fraction)
+    loader = ShardedLoader(tokens, cfg.model.block_size, cfg.train.global_batch, cfg.train.micro_batch,
+                           mesh.local_rank("dp"), mesh.size("dp"), seed=cfg.run.seed)
+    return cfg, mesh, model, engine, loader
+
+
+def _full_params(engine, model) -> dict:
+    """Every parameter as a plain fp32 tensor (gathered from the fp32 masters when sharded)."""
+    if engine.strategy.__class__.__name__ == "ZeroStrategy":
+        st = engine.strategy
+        st._ck = {}
+        get = st._getter("master")  # reads the swap file under NVMe offload
+        out = {}
+        for u in st.units:
+            full = torch.zeros(u.padded, dtype=torch.float32)
+            from podscale.runtime import comm
+            comm.all_gather(full, get(u).detach().float().clone(), st.mesh, "dp")
+            for n, o, k, s in zip(u.names, u.offsets, u.numels, u.shapes):
+                out[n] = full[o:o + k].view(s).clone()
+        return out
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def train_zero(cfg_dicts: list[dict]) -> list[dict]:
+    """Train each config with the ZeRO strategy; losses, grad norms, final parameters, memory."""
+    info = init_process()
+    torch.set_num_threads(1)
+    out = []
+    for d in cfg_dicts:
+        cfg, mesh, model, engine, loader = _build(d, info)
+        losses, norms, skipped = [], [], []
+        for _ in range(cfg.run.steps):
+            r = engine.step(loader.next_step())
+            losses.append(r.loss)
+            norms.append(r.grad_norm)
+            skipped.append(r.skipped)
+        params = _full_params(engine, model)
+        st = engine.strategy
+        out.append({"losses": losses, "grad_norms": norms, "skipped": skipped,
+                    "params": params if info.rank == 0 else None,
+                    "comm": mesh.stats.snapshot(),
+                    "state_bytes": st.state_bytes() if hasattr(st, "state_bytes") else None,
+                    "units": len(st.units) if hasattr(st, "units") else None})
+        if hasattr(st, "close"):
+            st.close()
+    return out
+
+
+def checkpoint_chain(d: dict, root: str, first: int, then: int) -> dict:
+    """Train ``first`` steps, save, then train ``then`` more: losses of all steps (the continuous run)."""
+    info = init_process()
+    torch.set_num_threads(1)
+    cfg, mesh, model, engine, loader = _build(d, info)
+    losses = [engine.step(loader.next_step()).loss for _ in range(first)]
+    meta = {"step": engine.step_count, "loader": loader.state_dict(), "world_size": info.world_size}
+    checkpoint.save(root, engine.step_count, {"model": engine.model_state(), "optim": engine.optim_state()},
+                    meta, {"torch_rng": torch.get_rng_state()}, info.rank, keep=10)
+    losses += [engine.step(loader.next_step()).loss for _ in range(then)]
+    return {"losses": losses}
+
+
+def resume_and_step(d: dict, ckpt: str, steps: int, save_root: str | None = None) -> dict:
+    """Load ``ckpt`` into a fresh engine of config ``d``, train ``steps`` steps; optionally save again."""
+    info = init_process()
+    torch.set_num_threads(1)
+    cfg, mesh, model, engine, loader = _build(d, info)
+    template = {"model": engine.model_state(), "optim": engine.optim_template()}
+    meta, _ = checkpoint.load(ckpt, template, info.rank)
+    engine.load_model_state(template["model"])
+    engine.load_optim_state(template["optim"])
+    engine.step_count = int(meta["step"])
+    loader.load_state_dict(meta["loader"])
+    loaded = {k: v.detach().clone() for k, v in template["model"].items()} if info.world_size == 1 else None
+    losses = [engine.step(loader.next_step()).loss for _ in range(steps)]
+    saved = None
+    if save_root:
+        m = {"step": engine.step_count, "loader": loader.state_dict(), "world_size": info.world_size}
+        saved = str(checkpoint.save(save_root, engine.step_count,
+                                    {"model": engine.model_state(), "optim": engine.optim_state()},
+                                    m, {"torch_rng": torch.get_rng_state()}, info.rank, keep=10))
+    return {"losses": losses, "saved": saved, "loaded": loaded}
+
+
+def peak_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def current_rss_bytes() -> int:
+    import psutil
+    return psutil.Process(os.getpid()).memory_info().rss
+
+
+def measure_states(cfg_dicts: list[dict]) -> list[dict]:
+    """Resident memory growth of building and training each config (model states once a step is over:
+    activations, gathered blocks and gradient buckets are gone).  Run with MALLOC_MMAP_THRESHOLD_ set so
+    large tensors are mmapped and freeing them returns memory to the OS."""
+    import gc
+    info = init_process()
+    torch.set_num_threads(1)
+    cfg0 = parse_config(cfg_dicts[0])
+    tokens, _ = split_tokens(load_tokens(cfg0.data.path), cfg0.data.val_fraction)
+    mesh = Mesh.build(info.device, **cfg0.mesh_sizes())
+    out = []
+    for d in [dict(cfg_dicts[0], model=dict(cfg_dicts[0]["model"], n_embd=64, n_layer=1, n_head=2))] + cfg_dicts:
+        # the first entry is a tiny copy of the first config: one-time library warm-up (thread pools,
+        # kernels, gloo buffers) is paid there and not charged to the first measured config
+        cfg = parse_config(d)
+        loader = ShardedLoader(tokens, cfg.model.block_size, cfg.train.global_batch, cfg.train.micro_batch,
+                               mesh.local_rank("dp"), mesh.size("dp"), seed=cfg.run.seed)
+        batches = [loader.next_step() for _ in range(cfg.run.steps)]
+        gc.collect()
+        before = current_rss_bytes()
+        torch.manual_seed(cfg.run.seed)
+        model = GPT(gpt_config(cfg))
+        n_params = sum(p.numel() for p in model.parameters())
+        small = sum(p.numel() for p in model.parameters() if p.numel() < cfg.zero.param_persistence_threshold)
+        layer = max(sum(p.numel() for p in b.parameters() if p.numel() >= cfg.zero.param_persistence_threshold)
+                    for b in model.blocks.values())
+        strategy = build_strategy(model, mesh, cfg.train, cfg.zero)
+        engine = Engine(model, mesh, cfg.train, strategy=strategy)
+        for b in batches:
+            engine.step(b)
+        if strategy is not None:
+            strategy._wait_params()  # the post-step parameter all-gather is in flight until next forward
+        gc.collect()
+        after = current_rss_bytes()
+        sb = strategy.state_bytes() if strategy is not None else None
+        out.append({"delta": after - before, "params": n_params, "persistent": small, "layer": layer,
+                    "state_bytes": sb})
+        if strategy is not None:
+            strategy.remove_hooks()
+        del engine, strategy, model
+        gc.collect()
+    return out[1:]
+
+
+def gpt_param_init(n_layer: int):
+    """GPT's initialisation (podscale.models.gpt) as a per-parameter function, for meta-device models
+    materialised one unit at a time by the ZeRO strategy."""
+    import math
+
+    def init(name: str, t: torch.Tensor) -> None:
+        if name.endswith(".bias"):
+            t.zero_()
+        elif ".ln_" in name or name.startswith("ln_f"):
+            t.fill_(1.0)
+        elif name.endswith("proj.weight"):
+            t.normal_(0.0, 0.02 / math.sqrt(2 * n_layer))
+        else:
+            t.normal_(0.0, 0.02)
+    return init
+
+
+def nvme_budget_run(d: dict, steps: int) -> dict:
+    """Stage 3 + NVMe optimizer offload of a model built on the meta device; the process's peak resident
+    memory growth over the baseline (taken after imports, data and process group) and the bytes on disk."""
+    import gc
+    if os.environ.get("NO_MKLDNN"):
+        torch.backends.mkldnn.enabled = False
+    info = init_process()
+    torch.set_num_threads(1)
+    cfg = parse_config(d)
+    mesh = Mesh.build(info.device, **cfg.mesh_sizes())
+    tokens, _ = split_tokens(load_tokens(cfg.data.path), cfg.data.val_fraction)
+    loader = ShardedLoader(tokens, cfg.model.block_size, cfg.train.global_batch, cfg.train.micro_batch,
+                           mesh.local_rank("dp"), mesh.size("dp"), seed=cfg.run.seed)
+    batches = [loader.next_step() for _ in range(steps)]
+    del tokens
+    gc.collect()
+    base = current_rss_bytes()
+    torch.manual_seed(cfg.run.seed)
+    with torch.device("meta"):
+        model = GPT(gpt_config(cfg))
+    strategy = build_strategy(model, mesh, cfg.train, cfg.zero, param_init=gpt_param_init(cfg.model.n_layer))
+    engine = Engine(model, mesh, cfg.train, strategy=strategy)
+    trace = [("built", current_rss_bytes() - base, peak_rss_bytes() - base)]
+    losses, times = [], []
+    for b in batches:
+        r = engine.step(b)
+        losses.append(r.loss)
+        times.append(r.step_time_s)
+        trace.append(("step", current_rss_bytes() - base, peak_rss_bytes() - base))
+    sb = strategy.state_bytes()
+    f = strategy.swap.file
+    io = {"read": f.bytes_read, "written": f.bytes_written, "read_s": f.read_s, "write_s": f.write_s}
+    out = {"growth": peak_rss_bytes() - base, "base": base, "on_disk": sb["on_disk"], "state_bytes": sb,
+           "losses": losses, "step_s": times, "io": io,
+           "params": sum(p.numel() for p in model.parameters()),
+           "trace": [(k, round(a / 2**20), round(b / 2**20)) for k, a, b in trace]}
+    strategy.close()
+    return out
