@@ -85,9 +85,10 @@ def _time(fn, repeat: int = 3) -> float:
     return (time.perf_counter() - t0) / repeat
 
 
-def stage_layers(model: GPT, chunks: int, balance: str = "params",
-                 layers: list[int] | None = None) -> list[list[int]]:
-    """Block indices of each of ``chunks`` model chunks (user ``layers`` counts, or balanced)."""
+def stage_layers(model: GPT, chunks: int, balance: str = "params", layers: list[int] | None = None,
+                 costs: list[float] | None = None) -> list[list[int]]:
+    """Block indices of each of ``chunks`` model chunks: the user's ``layers`` counts, or balanced by
+    ``costs`` (default: :func:`layer_costs` of ``balance``; every rank must use the same costs)."""
     n = model.cfg.n_layer
     if layers is not None:
         if len(layers) != chunks or sum(layers) != n or min(layers) < 1:
@@ -98,7 +99,7 @@ def stage_layers(model: GPT, chunks: int, balance: str = "params",
         if n < chunks:
             raise PipelineError(f"model.n_layer={n} is fewer than the {chunks} pipeline stages "
                                 f"(pp * virtual_stages): use at least {chunks} layers or fewer stages")
-        sizes = contiguous_partition(layer_costs(model, balance), chunks)
+        sizes = contiguous_partition(costs if costs is not None else layer_costs(model, balance), chunks)
     out, start = [], 0
     for s in sizes:
         out.append(list(range(start, start + s)))

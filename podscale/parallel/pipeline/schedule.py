@@ -29,10 +29,11 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from podscale.models.gpt import GPT
-from podscale.parallel.pipeline.partition import PipelineError, split_chunk, stage_layers
+from podscale.parallel.pipeline.partition import PipelineError, layer_costs, split_chunk, stage_layers
 from podscale.parallel.tensor import (FullCheckpointState, apply_recompute, apply_tensor_parallel, global_grad_norm,
                                       grad_pieces, reduce_commutes, sync_sequence_parallel_grads)
 from podscale.runtime import comm
+from podscale.runtime.mesh import AXES
 from podscale.train.precision import autocast
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
@@ -201,7 +202,13 @@ class PipelineParallel(FullCheckpointState):
         pp, v = mesh.size("pp"), p.virtual_stages
         m = cfg.grad_accum
         check_schedule(p.schedule, pp, m, v)
-        groups = stage_layers(model, pp * v, p.pipeline_balance, p.pipeline_layers)
+        costs = None
+        if p.pipeline_layers is None and p.pipeline_balance == "time":
+            # timings differ from rank to rank: all ranks split by the average, so they agree
+            t = torch.tensor(layer_costs(model, "time"), dtype=torch.float64, device=mesh.device)
+            comm.all_reduce(t, mesh, AXES)
+            costs = (t / mesh.world_size).tolist()
+        groups = stage_layers(model, pp * v, p.pipeline_balance, p.pipeline_layers, costs)
         rank = mesh.local_rank("pp")
         chunks = []
         for c in range(v):
