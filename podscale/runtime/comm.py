@@ -90,6 +90,10 @@ class Handle:
                 self._timed = True
                 fut.add_done_callback(lambda _f: stats.add_time(axis, op, busy=time.perf_counter() - start))
 
+    def is_completed(self) -> bool:
+        """True once the collective has finished (then ``wait`` returns at once); never blocks."""
+        return self._done or self._work is None or self._work.is_completed()
+
     def wait(self):
         if self._done:
             return
@@ -190,14 +194,15 @@ def broadcast(t: torch.Tensor, src_local: int, mesh, axes, async_op: bool = Fals
                   lambda: dist.broadcast(t, src=src, group=g, async_op=True), async_op)
 
 
-def send(t: torch.Tensor, dst: int, mesh, axis: str = "pp", async_op: bool = False):
-    """Point-to-point send to global rank ``dst`` (pipeline activations and gradients)."""
-    return _issue(mesh, axis, "send", _nbytes(t), lambda: dist.isend(t, dst), async_op)
+def send(t: torch.Tensor, dst: int, mesh, axis: str = "pp", async_op: bool = False, tag: int = 0):
+    """Point-to-point send to global rank ``dst`` (pipeline activations and gradients); messages between
+    the same pair of ranks are matched by ``tag``, in issue order within a tag."""
+    return _issue(mesh, axis, "send", _nbytes(t), lambda: dist.isend(t, dst, tag=tag), async_op)
 
 
-def recv(t: torch.Tensor, src: int, mesh, axis: str = "pp", async_op: bool = False):
-    """Point-to-point receive from global rank ``src`` into ``t``."""
-    return _issue(mesh, axis, "recv", _nbytes(t), lambda: dist.irecv(t, src), async_op)
+def recv(t: torch.Tensor, src: int, mesh, axis: str = "pp", async_op: bool = False, tag: int = 0):
+    """Point-to-point receive from global rank ``src`` into ``t`` (the send with the same ``tag``)."""
+    return _issue(mesh, axis, "recv", _nbytes(t), lambda: dist.irecv(t, src, tag=tag), async_op)
 
 
 def barrier(mesh) -> None:

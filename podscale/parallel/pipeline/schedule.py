@@ -25,7 +25,6 @@ import time
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
 from podscale.models.gpt import GPT
@@ -132,21 +131,17 @@ def _tag(mb: int, stage: int, backward: bool, stages: int) -> int:
     return (mb * stages + stage) * 2 + int(backward)
 
 
-def _send(t: torch.Tensor, dst: int, mesh, tag: int):
-    # comm.send without a tag pairs messages in issue order; interleaved schedules need tags, so this
-    # issues the same instrumented send with one (recorded under pp/send like comm.send).
-    return comm._issue(mesh, "pp", "send", t.numel() * t.element_size(),
-                       lambda: dist.isend(t, dst, tag=tag), True)
+def _send(t: torch.Tensor, dst: int, mesh, tag: int) -> comm.Handle:
+    # Interleaved schedules exchange several chunks' messages between the same two ranks: tags pair them.
+    return comm.send(t, dst, mesh, "pp", async_op=True, tag=tag)
 
 
 def _recv(t: torch.Tensor, src: int, mesh, tag: int) -> comm.Handle:
-    return comm._issue(mesh, "pp", "recv", t.numel() * t.element_size(), lambda: dist.irecv(t, src, tag=tag),
-                       True)
+    return comm.recv(t, src, mesh, "pp", async_op=True, tag=tag)
 
 
 def _completed(h: comm.Handle) -> bool:
-    work = getattr(h, "_work", None)
-    if work is None or not work.is_completed():
+    if not h.is_completed():
         return False
     h.wait()  # books the (zero) exposed time and marks it done
     return True
