@@ -84,6 +84,11 @@ def check_zero_config(zero) -> None:
             raise ZeroError(f"zero.nvme_path '{zero.nvme_path}' is not writable: choose a folder you can write")
 
 
+def _in_backward() -> bool:
+    """True while the autograd engine runs a backward pass (e.g. activation checkpointing recomputes)."""
+    return torch._C._current_graph_task_id() != -1
+
+
 class _RegatherBeforeBackward(torch.autograd.Function):
     """Identity on a unit's output whose backward gathers the unit before its own backward runs."""
 
@@ -332,6 +337,8 @@ class ZeroStrategy:
     def _make_pre(self, u: Unit):
         def hook(_m, _args):
             self._gather(u, async_op=False)
+            if _in_backward():  # activation recomputation: the block was gathered for its backward
+                return
             nxt = u.index + 1
             if nxt < len(self.layers):
                 self._gather(self.layers[nxt], async_op=True)  # prefetch the next block
@@ -339,6 +346,8 @@ class ZeroStrategy:
 
     def _make_post(self, u: Unit):
         def hook(_m, _args, out):
+            if _in_backward():  # recomputed forward inside backward: keep it for the backward that follows
+                return out
             self._free(u)
             if torch.is_grad_enabled() and isinstance(out, torch.Tensor) and out.requires_grad:
                 return _RegatherBeforeBackward.apply(self, u, out)
