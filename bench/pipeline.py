@@ -50,7 +50,7 @@ def worker(micro: int, m: int, steps: int, rounds: int) -> dict:
 
     from podscale.config import parse_config
     from podscale.models.gpt import GPT
-    from podscale.parallel.pipeline.compose import build_engine
+    from podscale.parallel.compose import build_engine
     from podscale.parallel.pipeline.partition import split_chunk, stage_layers
     from podscale.runtime.mesh import Mesh
     from podscale.runtime.process import init_process

@@ -33,7 +33,7 @@ def _cfg(hidden: int, tp: int, sp: bool, steps: int) -> dict:
 def worker(hiddens: list[int], steps: int, sp: bool) -> list[dict]:
     from podscale.config import parse_config
     from podscale.models.gpt import GPT
-    from podscale.parallel.pipeline.compose import build_engine
+    from podscale.parallel.compose import build_engine
     from podscale.runtime.mesh import Mesh
     from podscale.runtime.process import init_process
     from podscale.train.loop import gpt_config

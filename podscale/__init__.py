@@ -38,14 +38,9 @@ def init(cfg: Config | None = None, **sizes: int):
 
 
 def parallelize(model, mesh, cfg: Config):
-    """Apply ``cfg``'s layout to a plain ``model`` on ``mesh`` and return a training :class:`Engine`."""
-    from podscale.parallel.zero import build_strategy
-    from podscale.train.engine import Engine
+    """Apply ``cfg``'s layout to a plain ``model`` on ``mesh`` and return a training :class:`Engine`:
+    pipeline stages on ``pp``, tensor/sequence parallelism on ``tp``, then the data-parallel strategy on
+    ``dp`` (replicated, or ZeRO when ``zero.stage`` > 0); see :mod:`podscale.parallel.compose`."""
+    from podscale.parallel.compose import build_engine
 
-    p = cfg.parallel
-    if p.tp > 1 or p.pp > 1 or p.sequence_parallel or p.recompute != "none":
-        # Megatron tensor/sequence/pipeline parallelism, composed with the dp strategy (replicated or ZeRO)
-        from podscale.parallel.pipeline.compose import build_engine
-        return build_engine(model, mesh, cfg)
-    strategy = build_strategy(model, mesh, cfg.train, cfg.zero)  # None at stage 0: replicated DataParallel
-    return Engine(model, mesh, cfg.train, bucket_mb=cfg.parallel.bucket_mb, strategy=strategy)
+    return build_engine(model, mesh, cfg)

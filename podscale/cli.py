@@ -1,4 +1,4 @@
-"""The ``podscale`` command: train, launch, report, export, plan."""
+"""The ``podscale`` command: train, launch, report, export, memory, plan."""
 from __future__ import annotations
 
 import argparse
@@ -158,7 +158,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("out", help="output file, e.g. model.pt")
     e.set_defaults(func=cmd_export)
 
+    from podscale.parallel.zero.cli import add_memory_parser
     from podscale.plan.cli import add_plan_parser
+    add_memory_parser(sub)
     add_plan_parser(sub)
     return parser
 

@@ -47,13 +47,13 @@ def test_estimator_matches_measured(monkeypatch):
 
 
 def test_memory_cli():
-    out = subprocess.run([sys.executable, "-m", "podscale.parallel.zero.cli", "memory", "--params", "1e9",
+    out = subprocess.run([sys.executable, "-m", "podscale", "memory", "--params", "1e9",
                           "--dp", "8", "--stage", "3", "--precision", "bf16"], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert "device params" in out.stdout and "device optim" in out.stdout
     # bf16 stage 3 over 8 ranks: (2 + 4 + 12) bytes / 8 = 2.25 bytes per parameter
     est = estimate_model_states(10**9, 8, 3, "bf16")
     assert est.total_states == pytest.approx(2.25e9, rel=1e-6)
-    bad = subprocess.run([sys.executable, "-m", "podscale.parallel.zero.cli", "memory", "--params", "1e9",
+    bad = subprocess.run([sys.executable, "-m", "podscale", "memory", "--params", "1e9",
                           "--stage", "1", "--offload-param", "nvme"], capture_output=True, text=True)
-    assert bad.returncode == 2 and "stage 3" in bad.stdout
+    assert bad.returncode == 2 and "stage 3" in bad.stderr and bad.stderr.startswith("podscale: error: ")

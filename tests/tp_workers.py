@@ -5,7 +5,7 @@ import torch
 
 from podscale.config import parse_config
 from podscale.models.gpt import GPT
-from podscale.parallel.pipeline.compose import build_engine
+from podscale.parallel.compose import build_engine
 from podscale.parallel.tensor import unshard
 from podscale.runtime import comm
 from podscale.runtime.mesh import Mesh

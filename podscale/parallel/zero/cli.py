@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 
 def add_memory_parser(subparsers) -> argparse.ArgumentParser:
@@ -24,14 +25,14 @@ def run_memory(args) -> int:
     from podscale.parallel.zero.memory import estimate_model_states, format_estimate
     n = int(args.params)
     if n <= 0 or args.dp < 1:
-        print("podscale memory: --params and --dp must be positive")
+        print(f"podscale: error: --params={args.params:g} and --dp={args.dp} must be positive", file=sys.stderr)
         return 2
     try:
         est = estimate_model_states(n, args.dp, args.stage, args.precision, args.offload_optimizer,
                                     args.offload_param, largest_layer=int(args.largest_layer),
                                     bucket_mb=args.bucket_mb)
     except ValueError as err:
-        print(f"podscale memory: {err}")
+        print(f"podscale: error: {err}", file=sys.stderr)
         return 2
     print(format_estimate(est, n, args.dp, args.stage))
     return 0
