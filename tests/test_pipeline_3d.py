@@ -5,7 +5,7 @@ import pytest
 from conftest import shakespeare
 from podscale.runtime.launcher import launch
 from test_pipeline_parallel import GLOBAL_BATCH, MODEL, STEPS, ZERO1, _cfg, _check_all
-from test_tensor_parallel import reference_run
+from reference import reference_run
 from tp_workers import make_config, train_layouts
 
 

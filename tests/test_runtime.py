@@ -1,6 +1,5 @@
 """Mesh, instrumented collectives, the data-parallel wrapper's overlap, and the launchers."""
 import json
-import os
 import subprocess
 import sys
 import textwrap

@@ -12,7 +12,7 @@ import pytest
 from conftest import shakespeare
 from podscale.config import ConfigError, parse_config
 from podscale.runtime.launcher import launch
-from test_data_parallel import reference_run
+from reference import reference_run
 from zero_workers import nvme_budget_run, train_zero, zero_config
 
 STEPS = 20

@@ -6,7 +6,7 @@ import resource
 
 import torch
 
-from dp_workers import MODEL, make_config  # noqa: F401  (re-exported for the tests)
+from dp_workers import make_config
 from podscale.config import parse_config
 from podscale.models.gpt import GPT
 from podscale.parallel.zero import build_strategy

@@ -14,7 +14,6 @@ import contextlib
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
 from podscale.runtime import comm
