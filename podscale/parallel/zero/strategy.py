@@ -64,24 +64,17 @@ class ZeroError(ValueError):
 
 
 def check_zero_config(zero) -> None:
-    """Raise :class:`ZeroError` for impossible combinations before anything is allocated."""
-    import os
-    from pathlib import Path
-    if zero.offload_param != "none" and zero.stage != 3:
-        raise ZeroError(f"zero.offload_param={zero.offload_param} needs zero.stage=3 (parameters are only "
-                        f"partitioned at stage 3; got stage {zero.stage}): set zero.stage=3 or offload_param='none'")
-    if zero.offload_optimizer != "none" and zero.stage == 0:
-        raise ZeroError("zero.offload_optimizer needs zero.stage >= 1 (the optimizer state is only "
-                        "partitioned from stage 1): set zero.stage=1, 2 or 3")
-    if "nvme" in (zero.offload_optimizer, zero.offload_param):
-        if not zero.nvme_path:
-            raise ZeroError("zero.nvme_path is required for nvme offload: point it at a folder on a fast disk")
-        p = Path(zero.nvme_path)
-        if not p.is_dir():
-            raise ZeroError(f"zero.nvme_path '{zero.nvme_path}' is not an existing folder: create it or "
-                            "point at one")
-        if not os.access(p, os.W_OK | os.X_OK):
-            raise ZeroError(f"zero.nvme_path '{zero.nvme_path}' is not writable: choose a folder you can write")
+    """Raise :class:`ZeroError` for impossible combinations before anything is allocated.
+
+    The rules live in one place, :class:`podscale.config.ZeroSection`'s validator; this re-runs them for
+    settings that did not come through a validated config (e.g. built with ``model_construct``)."""
+    from pydantic import ValidationError
+
+    from podscale.config import ZeroSection
+    try:
+        ZeroSection.model_validate(zero.model_dump() if hasattr(zero, "model_dump") else dict(vars(zero)))
+    except ValidationError as err:
+        raise ZeroError(err.errors()[0]["msg"].removeprefix("Value error, ")) from None
 
 
 def _in_backward() -> bool:
