@@ -16,7 +16,6 @@ import json
 import os
 import resource
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -68,13 +67,9 @@ def worker(kind: str, stage: int, offload: str, args: dict) -> dict:
             z.update(offload_optimizer="nvme", offload_param="nvme", nvme_path=args["nvme_path"], nvme_block_mb=16)
         zero = ZeroSection(**z)
         meta = stage == 3
+        # stage 3 builds the model on the meta device: each block is materialised by GPT.init_parameter
         model, gcfg = _gpt(args["layers"], args["width"], block, meta=meta)
-        init = None
-        if meta:
-            sys.path.insert(0, str(ROOT / "tests"))
-            from zero_workers import gpt_param_init
-            init = gpt_param_init(args["layers"])
-        strategy = build_strategy(model, mesh, train, zero, param_init=init)
+        strategy = build_strategy(model, mesh, train, zero)
         engine = Engine(model, mesh, train, strategy=strategy)
         io0 = None
         for i, (x, y) in enumerate(batches):

@@ -172,23 +172,6 @@ def measure_states(cfg_dicts: list[dict]) -> list[dict]:
     return out[1:]
 
 
-def gpt_param_init(n_layer: int):
-    """GPT's initialisation (podscale.models.gpt) as a per-parameter function, for meta-device models
-    materialised one unit at a time by the ZeRO strategy."""
-    import math
-
-    def init(name: str, t: torch.Tensor) -> None:
-        if name.endswith(".bias"):
-            t.zero_()
-        elif ".ln_" in name or name.startswith("ln_f"):
-            t.fill_(1.0)
-        elif name.endswith("proj.weight"):
-            t.normal_(0.0, 0.02 / math.sqrt(2 * n_layer))
-        else:
-            t.normal_(0.0, 0.02)
-    return init
-
-
 def nvme_budget_run(d: dict, steps: int) -> dict:
     """Stage 3 + NVMe optimizer offload of a model built on the meta device; the process's peak resident
     memory growth over the baseline (taken after imports, data and process group) and the bytes on disk."""
@@ -209,7 +192,7 @@ def nvme_budget_run(d: dict, steps: int) -> dict:
     torch.manual_seed(cfg.run.seed)
     with torch.device("meta"):
         model = GPT(gpt_config(cfg))
-    strategy = build_strategy(model, mesh, cfg.train, cfg.zero, param_init=gpt_param_init(cfg.model.n_layer))
+    strategy = build_strategy(model, mesh, cfg.train, cfg.zero)  # materialised by GPT.init_parameter
     engine = Engine(model, mesh, cfg.train, strategy=strategy)
     trace = [("built", current_rss_bytes() - base, peak_rss_bytes() - base)]
     losses, times = [], []

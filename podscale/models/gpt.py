@@ -8,6 +8,7 @@ Pre-norm transformer blocks: ``x + attn(ln(x))`` then ``x + mlp(ln(x))``, causal
 from __future__ import annotations
 
 import math
+import zlib
 from dataclasses import dataclass
 
 import torch
@@ -101,6 +102,11 @@ class GPT(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.cfg = cfg
+        # One base seed from torch's global generator, drawn before the layers' own (discarded) default init
+        # consumes it; each parameter is then drawn from its own generator seeded by (base seed, name), so any
+        # rank can materialise any parameter, or its shard of one, from a model built on the meta device
+        # without building the rest (what ZeRO-3 and tp/pp need at scale).
+        self.init_seed = int(torch.randint(0, 2**62, (1,), device="cpu"))
         self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
         self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd)
         self.drop = nn.Dropout(cfg.dropout)
@@ -110,17 +116,23 @@ class GPT(nn.Module):
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         self.lm_head.weight = self.wte.weight
         self.loss_fn = CrossEntropy()
-        self.apply(self._init_weights)
-        for name, p in self.named_parameters():
-            if name.endswith("proj.weight"):
-                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layer))
+        with torch.no_grad():
+            for name, p in self.named_parameters():
+                if not p.is_meta:
+                    self.init_parameter(name, p)
 
-    @staticmethod
-    def _init_weights(m: nn.Module) -> None:
-        if isinstance(m, (nn.Linear, nn.Embedding)):
-            nn.init.normal_(m.weight, mean=0.0, std=0.02)
-        if isinstance(m, nn.Linear) and m.bias is not None:
-            nn.init.zeros_(m.bias)
+    def init_parameter(self, name: str, t: torch.Tensor) -> None:
+        """Fill ``t`` with the initial value of parameter ``name`` (GPT-2: weights N(0, 0.02), residual
+        projections N(0, 0.02 / sqrt(2 * n_layer)), biases 0, layer-norm gains 1); the same values every
+        time for the same ``init_seed``, whichever rank or device asks."""
+        if name.endswith(".bias"):
+            t.zero_()
+        elif name.startswith("ln_f.") or ".ln_" in name:
+            t.fill_(1.0)
+        else:
+            std = 0.02 / math.sqrt(2 * self.cfg.n_layer) if name.endswith("proj.weight") else 0.02
+            g = torch.Generator(device=t.device).manual_seed((self.init_seed + zlib.crc32(name.encode())) % 2**63)
+            t.normal_(0.0, std, generator=g)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
         """Logits for ``idx`` (B, T); with ``targets``, also the mean cross-entropy over all tokens.

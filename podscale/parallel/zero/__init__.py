@@ -13,4 +13,6 @@ def build_strategy(model, mesh, train, zero, bucket_mb: float = 25.0, param_init
         return None
     if not any(p.is_meta for p in model.parameters()):
         model = model.to(mesh.device)
+    elif param_init is None:  # a meta-device model that knows its own initialisation (podscale's GPT)
+        param_init = getattr(model, "init_parameter", None)
     return ZeroStrategy(model, mesh, train, zero, param_init=param_init)
