@@ -55,8 +55,11 @@ def test_pp2_each_schedule(reference):
     layouts += [(f"pp=2 1f1b recompute={r}", _cfg(2, 2, pp=2, recompute=r)) for r in ("selective", "full")]
     layouts.append(("pp=2 gpipe, stages balanced by measured time", _cfg(2, 2, pp=2, pipeline_balance="time",
                                                                          schedule="gpipe")))
+    # built on the meta device: each stage materialises only its own layers, to the single-process values
+    layouts.append(("pp=2 1f1b, model built on the meta device", {**_cfg(2, 2, pp=2), "meta": True}))
     results = launch(train_layouts, ([d for _, d in layouts],), nproc=2)
     _check_all(layouts, results, reference, 2)
+    assert not any(results[r][-1]["meta_left"] for r in range(2))
     for i in range(3):
         assert results[0][i]["comm"]["pp/send"]["calls"] > 0
     # recomputation: fewer bytes saved for backward (measured by the executor), on every stage

@@ -42,9 +42,13 @@ def test_tp2_and_tp2_sequence_parallel(reference):
         ("tp=2 sequence parallel, ZeRO-1 strategy",
          dict(make_config(path, STEPS, GLOBAL_BATCH, GLOBAL_BATCH, 2, tp=2, sequence_parallel=True),
               zero={"stage": 1, "reduce_bucket_mb": 0.05})),
+        # each rank materialises only its shards, each equal to the slice of the single-process value
+        ("tp=2 sequence parallel, model built on the meta device",
+         dict(make_config(path, STEPS, GLOBAL_BATCH, GLOBAL_BATCH, 2, tp=2, sequence_parallel=True), meta=True)),
     ]
     results = launch(train_layouts, ([d for _, d in layouts],), nproc=2)
     seen = {label: compare(label, results[0][i], reference, results, i, 2) for i, (label, _) in enumerate(layouts)}
+    assert not any(results[r][-1]["meta_left"] for r in range(2))
     comm0 = results[0][0]["comm"]
     # g and f: 2 all-reduces forward and 2 backward per layer per micro-batch, plus embedding and loss
     assert comm0["tp/all_reduce"]["calls"] >= STEPS * 4 * 4

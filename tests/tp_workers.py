@@ -1,6 +1,8 @@
 """Worker functions for tensor/sequence/pipeline-parallel tests (spawned workers import this module)."""
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from podscale.config import parse_config
@@ -80,11 +82,17 @@ def train_layouts(cfg_dicts: list[dict]) -> list[dict]:
     torch.set_num_threads(1)
     out = []
     for d in cfg_dicts:
+        d = dict(d)
+        meta = d.pop("meta", False)
         cfg = parse_config(d)
         cfg.check_layout(info.world_size)
         mesh = Mesh.build(info.device, **cfg.mesh_sizes())
         torch.manual_seed(cfg.run.seed)
-        engine = build_engine(GPT(gpt_config(cfg)), mesh, cfg, measure_memory=True)
+        # "meta": build the model on the meta device; each rank materialises only what it holds
+        with torch.device("meta") if meta else contextlib.nullcontext():
+            model = GPT(gpt_config(cfg))
+        engine = build_engine(model, mesh, cfg, measure_memory=True)
+        out_meta = {"meta_left": any(p.is_meta for p in engine.strategy.module.parameters())}
         tokens, _ = split_tokens(load_tokens(cfg.data.path), cfg.data.val_fraction)
         loader = ShardedLoader(tokens, cfg.model.block_size, cfg.train.global_batch, cfg.train.micro_batch,
                                mesh.local_rank("dp"), mesh.size("dp"), seed=cfg.run.seed)
@@ -97,7 +105,7 @@ def train_layouts(cfg_dicts: list[dict]) -> list[dict]:
             losses.append(r.loss)
             norms.append(r.grad_norm)
         params = full_named(engine, mesh)
-        out.append({"losses": losses, "grad_norms": norms,
+        out.append({**out_meta, "losses": losses, "grad_norms": norms,
                     "params": params if info.rank == 0 else None,
                     "grads1": grads1 if info.rank == 0 else None,
                     "comm": mesh.stats.snapshot(), "pipeline": _pipeline_stats(engine)})

@@ -125,6 +125,8 @@ class GPT(nn.Module):
         """Fill ``t`` with the initial value of parameter ``name`` (GPT-2: weights N(0, 0.02), residual
         projections N(0, 0.02 / sqrt(2 * n_layer)), biases 0, layer-norm gains 1); the same values every
         time for the same ``init_seed``, whichever rank or device asks."""
+        if name == "lm_head.weight":  # tied to the input embedding: a pipeline's last stage holds a copy
+            name = "wte.weight"
         if name.endswith(".bias"):
             t.zero_()
         elif name.startswith("ln_f.") or ".ln_" in name:
@@ -133,6 +135,21 @@ class GPT(nn.Module):
             std = 0.02 / math.sqrt(2 * self.cfg.n_layer) if name.endswith("proj.weight") else 0.02
             g = torch.Generator(device=t.device).manual_seed((self.init_seed + zlib.crc32(name.encode())) % 2**63)
             t.normal_(0.0, std, generator=g)
+
+    def materialize(self, device: torch.device | str = "cpu") -> "GPT":
+        """Give every parameter still on the meta device its initial value on ``device``, in place."""
+        for mod_name, mod in self.named_modules():
+            for p_name, p in list(mod.named_parameters(recurse=False)):
+                if p.is_meta:
+                    t = torch.empty(p.shape, dtype=p.dtype, device=device)
+                    with torch.no_grad():
+                        self.init_parameter(f"{mod_name}.{p_name}" if mod_name else p_name, t)
+                    new = nn.Parameter(t, requires_grad=p.requires_grad)
+                    new.__dict__.update(p.__dict__)  # keep markers set by parallel wrappers
+                    setattr(mod, p_name, new)
+        if self.lm_head is not None and self.wte is not None:
+            self.lm_head.weight = self.wte.weight  # re-tie after materialising
+        return self
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
         """Logits for ``idx`` (B, T); with ``targets``, also the mean cross-entropy over all tokens.

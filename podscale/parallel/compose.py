@@ -28,6 +28,10 @@ def _data_parallel(module: nn.Module, mesh, cfg):
 def build_engine(model: nn.Module, mesh, cfg, measure_memory: bool = False):
     """Apply ``cfg``'s (pp, dp, tp) layout to a single-process ``model`` and return an Engine.
 
+    ``model`` may be built on the meta device (``with torch.device("meta"): GPT(cfg)``): then each rank
+    gives memory only to its own pipeline chunks and tensor-parallel shards, each parameter initialised to
+    exactly its single-process value (:meth:`GPT.init_parameter`).
+
     ``measure_memory``: the pipeline schedule counts the bytes each micro-batch saves for backward.
     """
     from podscale.train.engine import Engine
@@ -39,7 +43,10 @@ def build_engine(model: nn.Module, mesh, cfg, measure_memory: bool = False):
         return Engine(strategy.module, mesh, cfg.train, strategy=strategy)
     apply_recompute(model, p.recompute)
     if mesh.size("tp") == 1 and not p.sequence_parallel:
+        if cfg.zero.stage == 0 and hasattr(model, "materialize"):
+            model.materialize(mesh.device)  # (ZeRO materialises a meta-device model one unit at a time)
         return Engine(model, mesh, cfg.train, strategy=_data_parallel(model, mesh, cfg))
     apply_tensor_parallel(model, mesh, p.sequence_parallel)
+    model.materialize(mesh.device)  # what tp did not shard, on a model built on the meta device
     strategy = TensorParallelStrategy(_data_parallel(model, mesh, cfg), model, mesh, cfg.train.precision)
     return Engine(model, mesh, cfg.train, strategy=strategy)

@@ -363,22 +363,36 @@ def apply_tensor_parallel(model: nn.Module, mesh, sequence_parallel: bool = Fals
     cfg = model.cfg
     check_tensor_parallel(cfg.n_embd, cfg.n_head, n)
     sp = sequence_parallel
+
+    def full(name: str, p: torch.Tensor | None) -> torch.Tensor | None:
+        """The single-process value of parameter ``name``: ``p`` itself, or, for a model built on the meta
+        device, its initial value made for this one parameter (so no rank ever holds the whole model)."""
+        if p is None or not p.is_meta:
+            return p
+        t = torch.empty(p.shape, dtype=p.dtype, device=mesh.device)
+        model.init_parameter(name, t)
+        return t
+
     with torch.no_grad():
-        for block in model.blocks.values():
+        for key, block in model.blocks.items():
             a, m = block.attn, block.mlp
+            pre = f"blocks.{key}."
             # qkv rows are [q; k; v]: this rank takes its heads of each, in that order
-            a.qkv = ColumnParallelLinear(shard(a.qkv.weight, "qkv", mesh),
-                                         None if a.qkv.bias is None else shard(a.qkv.bias, "qkv", mesh),
-                                         mesh, sp)
+            qkv_bias = full(pre + "attn.qkv.bias", a.qkv.bias)
+            a.qkv = ColumnParallelLinear(shard(full(pre + "attn.qkv.weight", a.qkv.weight), "qkv", mesh),
+                                         None if qkv_bias is None else shard(qkv_bias, "qkv", mesh), mesh, sp)
             _layout(a.qkv, "qkv")
-            a.proj = RowParallelLinear(shard(a.proj.weight, "cols", mesh),
-                                       None if a.proj.bias is None else a.proj.bias.clone(), mesh, sp)
+            proj_bias = full(pre + "attn.proj.bias", a.proj.bias)
+            a.proj = RowParallelLinear(shard(full(pre + "attn.proj.weight", a.proj.weight), "cols", mesh),
+                                       None if proj_bias is None else proj_bias.clone(), mesh, sp)
             _layout(a.proj, "cols")
-            m.fc = ColumnParallelLinear(shard(m.fc.weight, "rows", mesh),
-                                        None if m.fc.bias is None else shard(m.fc.bias, "rows", mesh), mesh, sp)
+            fc_bias = full(pre + "mlp.fc.bias", m.fc.bias)
+            m.fc = ColumnParallelLinear(shard(full(pre + "mlp.fc.weight", m.fc.weight), "rows", mesh),
+                                        None if fc_bias is None else shard(fc_bias, "rows", mesh), mesh, sp)
             _layout(m.fc, "rows")
-            m.proj = RowParallelLinear(shard(m.proj.weight, "cols", mesh),
-                                       None if m.proj.bias is None else m.proj.bias.clone(), mesh, sp)
+            proj_bias = full(pre + "mlp.proj.bias", m.proj.bias)
+            m.proj = RowParallelLinear(shard(full(pre + "mlp.proj.weight", m.proj.weight), "cols", mesh),
+                                       None if proj_bias is None else proj_bias.clone(), mesh, sp)
             _layout(m.proj, "cols")
             if sp:
                 for ln in (block.ln_1, block.ln_2):
@@ -389,15 +403,17 @@ def apply_tensor_parallel(model: nn.Module, mesh, sequence_parallel: bool = Fals
         start = r * (vp // n)
         emb = None
         if model.wte is not None:
-            model.wte = VocabParallelEmbedding(shard(model.wte.weight, "vocab", mesh, vocab), start, mesh, sp)
+            model.wte = VocabParallelEmbedding(shard(full("wte.weight", model.wte.weight), "vocab", mesh, vocab),
+                                               start, mesh, sp)
             emb = model.wte.weight
             emb.tp_layout = ("vocab", vocab)
             if sp:
-                model.wpe = SequenceParallelPositionEmbedding(model.wpe.weight.detach().clone(), mesh)
+                model.wpe = SequenceParallelPositionEmbedding(full("wpe.weight", model.wpe.weight).detach().clone(),
+                                                              mesh)
         if model.lm_head is not None:
             if emb is None:  # a last pipeline stage without the input embedding holds its own copy
                 dup = getattr(model.lm_head.weight, "pipeline_duplicate", False)
-                emb = nn.Parameter(shard(model.lm_head.weight, "vocab", mesh, vocab))
+                emb = nn.Parameter(shard(full("lm_head.weight", model.lm_head.weight), "vocab", mesh, vocab))
                 emb.tp_layout, emb.pipeline_duplicate = ("vocab", vocab), dup
             model.lm_head = ColumnParallelLinear(emb, None, mesh, sp)
             model.loss_fn = VocabParallelCrossEntropy(mesh, start, vocab)

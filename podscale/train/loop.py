@@ -55,7 +55,10 @@ def run_worker(cfg: Config, resume: bool = False) -> dict:
 
     torch.manual_seed(cfg.run.seed)
     gcfg = gpt_config(cfg)
-    model = GPT(gcfg)
+    # Built on the meta device: each rank gives memory only to the parameters (or shards) it holds, each
+    # initialised to its single-process value, so the whole model never has to fit one process.
+    with torch.device("meta"):
+        model = GPT(gcfg)
     engine = parallelize(model, mesh, cfg)
     train_tokens, val_tokens = split_tokens(load_tokens(cfg.data.path), cfg.data.val_fraction)
     loader = ShardedLoader(train_tokens, gcfg.block_size, cfg.train.global_batch, cfg.train.micro_batch,

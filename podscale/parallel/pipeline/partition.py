@@ -114,7 +114,7 @@ def split_chunk(model: GPT, layers: list[int], first: bool, last: bool) -> GPT:
     """
     chunk = GPT.__new__(GPT)
     nn.Module.__init__(chunk)
-    chunk.cfg = model.cfg
+    chunk.cfg, chunk.init_seed = model.cfg, model.init_seed
     chunk.wte = model.wte if first else None
     chunk.wpe = model.wpe if first else None
     chunk.drop = model.drop if first else None
@@ -122,9 +122,10 @@ def split_chunk(model: GPT, layers: list[int], first: bool, last: bool) -> GPT:
     chunk.ln_f = model.ln_f if last else None
     chunk.loss_fn = model.loss_fn if last else None
     if last and not first:
-        head = nn.Linear(model.cfg.n_embd, model.cfg.vocab_size, bias=False)
+        src = model.lm_head.weight
+        head = nn.Linear(model.cfg.n_embd, model.cfg.vocab_size, bias=False, device=src.device)
         with torch.no_grad():
-            head.weight.copy_(model.lm_head.weight)
+            head.weight.copy_(src)  # on the meta device a no-op: materialising gives the tied init
         head.weight.pipeline_duplicate = True
         chunk.lm_head = head
     else:

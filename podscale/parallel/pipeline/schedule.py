@@ -210,6 +210,7 @@ class PipelineParallel(FullCheckpointState):
             k = c * pp + rank
             chunk = split_chunk(model, groups[k], first=k == 0, last=k == pp * v - 1)
             apply_tensor_parallel(chunk, mesh, p.sequence_parallel)
+            chunk.materialize(mesh.device)  # a meta-device model: only this chunk's layers get memory
             apply_recompute(chunk, p.recompute)
             chunk.pipeline = {"stage": k, "layers": groups[k]}
             chunks.append(chunk)
