@@ -7,12 +7,18 @@ from podscale.models.gpt import GPT, GPTConfig
 CFG = GPTConfig(n_layer=3, n_head=2, n_embd=32, block_size=16)
 
 
-def test_meta_model_materialises_to_the_eager_weights():
-    torch.manual_seed(11)
+def _eager_and_meta(seed: int) -> tuple[GPT, GPT]:
+    """The same GPT built eagerly and on the meta device from the same global seed."""
+    torch.manual_seed(seed)
     eager = GPT(CFG)
-    torch.manual_seed(11)
+    torch.manual_seed(seed)
     with torch.device("meta"):
         meta = GPT(CFG)
+    return eager, meta
+
+
+def test_meta_model_materialises_to_the_eager_weights():
+    eager, meta = _eager_and_meta(11)
     assert meta.init_seed == eager.init_seed
     params = dict(eager.named_parameters())
     assert all(p.is_meta for p in meta.parameters())
@@ -36,11 +42,7 @@ def test_zero3_materialises_a_meta_model_to_the_eager_weights():
     from podscale.parallel.zero import build_strategy
     from podscale.runtime.mesh import Mesh
 
-    torch.manual_seed(5)
-    eager = GPT(CFG)
-    torch.manual_seed(5)
-    with torch.device("meta"):
-        meta = GPT(CFG)
+    eager, meta = _eager_and_meta(5)
     build_strategy(meta, Mesh.build(), TrainSection(), ZeroSection(stage=3, param_persistence_threshold=0))
     with torch.no_grad():
         x = torch.randint(0, 256, (2, 16))

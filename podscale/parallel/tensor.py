@@ -510,7 +510,20 @@ def _zero_units(inner):
     return units if units is not None and units and hasattr(units[0], "owned") else None
 
 
-class FullCheckpointState:
+class WrapsDataParallel:
+    """A model-parallel strategy wrapped around a data-parallel one (``self.inner``: replicated or ZeRO):
+    whatever the wrapper does not define (step, zero_grad, grads, buckets, ...) is the inner strategy's."""
+
+    def __getattr__(self, name):
+        if name == "inner":  # not yet set (during construction or unpickling): no recursion
+            raise AttributeError(name)
+        return getattr(self.inner, name)
+
+    def no_sync(self):
+        return self.inner.no_sync()
+
+
+class FullCheckpointState(WrapsDataParallel):
     """Checkpoint tensors of a tensor/pipeline-parallel model under the single-process GPT's names and
     shapes: tp shards are gathered (and padded vocabulary rows dropped), ZeRO's dp slices put together,
     and each pipeline stage contributes its own layers.  A checkpoint therefore loads at any other
@@ -657,14 +670,6 @@ class TensorParallelStrategy(FullCheckpointState):
         self.reduce_first = reduce_commutes(inner)
         if not self.reduce_first and any(getattr(p, "sequence_parallel", False) for p in self.params):
             self.forward_backward = self._forward_backward_local
-
-    def __getattr__(self, name):  # everything else (step, checkpoint state, buckets, ...) is the inner's
-        if name == "inner":
-            raise AttributeError(name)
-        return getattr(self.inner, name)
-
-    def no_sync(self):
-        return self.inner.no_sync()
 
     def named_parameters(self, remove_duplicate: bool = True):
         return self.module.named_parameters(remove_duplicate=remove_duplicate)

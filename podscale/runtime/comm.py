@@ -77,9 +77,9 @@ class CommStats:
 class Handle:
     """An in-flight collective; ``wait()`` blocks and books the blocked time as exposed."""
 
-    def __init__(self, work, stats: CommStats, axis: str, op: str, start: float, after=None):
+    def __init__(self, work, stats: CommStats, axis: str, op: str, start: float):
         self._work, self._stats, self._axis, self._op = work, stats, axis, op
-        self._start, self._after, self._done, self._timed = start, after, False, False
+        self._start, self._done, self._timed = start, False, False
         if work is not None:
             try:
                 fut = work.get_future()
@@ -104,8 +104,6 @@ class Handle:
         busy = 0.0 if self._timed or self._work is None else now - self._start
         self._stats.add_time(self._axis, self._op, busy=busy, exposed=now - t0)
         self._done = True
-        if self._after is not None:
-            self._after()
 
 
 def _axis_name(axes) -> str:
@@ -203,8 +201,3 @@ def send(t: torch.Tensor, dst: int, mesh, axis: str = "pp", async_op: bool = Fal
 def recv(t: torch.Tensor, src: int, mesh, axis: str = "pp", async_op: bool = False, tag: int = 0):
     """Point-to-point receive from global rank ``src`` into ``t`` (the send with the same ``tag``)."""
     return _issue(mesh, axis, "recv", _nbytes(t), lambda: dist.irecv(t, src, tag=tag), async_op)
-
-
-def barrier(mesh) -> None:
-    if mesh.world_size > 1:
-        dist.barrier()

@@ -35,7 +35,7 @@ def _set_cpu_threads(device: torch.device) -> None:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, local_world)))
 
 
-def _gather_max(value: float, mesh: Mesh) -> list[float]:
+def _gather_per_rank(value: float, mesh: Mesh) -> list[float]:
     """``value`` of every rank (world order), for per-rank memory reporting."""
     t = torch.tensor([float(value)], dtype=torch.float64, device=mesh.device)
     out = torch.empty(mesh.world_size, dtype=torch.float64, device=mesh.device)
@@ -120,7 +120,7 @@ def run_worker(cfg: Config, resume: bool = False) -> dict:
         if cfg.run.eval_every and (s % cfg.run.eval_every == 0 or s == cfg.run.steps):
             record["val_loss"] = engine.evaluate(val)
         if s % cfg.run.log_every == 0 or s == cfg.run.steps:
-            record["peak_mem_bytes"] = _gather_max(peak_memory_bytes(info.device), mesh)
+            record["peak_mem_bytes"] = _gather_per_rank(peak_memory_bytes(info.device), mesh)
         mesh.stats.reset()
         if log is not None:
             log.write(record)

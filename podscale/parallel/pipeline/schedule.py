@@ -221,14 +221,6 @@ class PipelineParallel(FullCheckpointState):
                    (cfg.train.micro_batch, T, cfg.model.n_embd), measure_memory)
 
     # the strategy interface ---------------------------------------------------------------------------
-    def __getattr__(self, name):  # step, zero_grad, grads, checkpoint state: the dp strategy's
-        if name == "inner":
-            raise AttributeError(name)
-        return getattr(self.inner, name)
-
-    def no_sync(self):
-        return self.inner.no_sync()
-
     def named_parameters(self, remove_duplicate: bool = True):
         """(name in the single-process GPT, parameter) for the chunks on this rank."""
         for c in self.chunks:
