@@ -25,7 +25,7 @@ def init(cfg: Config | None = None, **sizes: int):
     from podscale.runtime.mesh import Mesh
     from podscale.runtime.process import init_process
 
-    info = init_process()
+    info = init_process(device=cfg.run.device if cfg is not None else "auto")
     if cfg is not None:
         cfg.check_layout(info.world_size)
         sizes = cfg.mesh_sizes()

@@ -39,7 +39,10 @@ def cmd_train(args) -> int:
         if under_launcher():  # torchrun decides the world; the config's nproc only counts local spawns
             cfg.parallel.nproc = int(os.environ["WORLD_SIZE"])
         cfg.check_layout(cfg.parallel.nproc)
-    except ConfigError as err:
+        from podscale.runtime.process import device_kind
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if under_launcher() else cfg.parallel.nproc
+        device_kind(cfg.run.device, local)
+    except (ConfigError, ValueError) as err:
         return _fail(str(err))
 
     from podscale.train import checkpoint

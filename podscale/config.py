@@ -34,6 +34,8 @@ class RunSection(_Section):
     eval_every: int = Field(0, ge=0, description="0 disables periodic validation")
     eval_batches: int = Field(4, ge=1)
     sample_tokens: int = Field(0, ge=0, description="bytes of text sampled at the end of the run")
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto", description="auto: one GPU per rank where CUDA is visible (NCCL), else the CPU (gloo)")
 
 
 class ModelSection(_Section):

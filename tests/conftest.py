@@ -11,6 +11,8 @@ SHAKESPEARE = SHARED_DATA / "tinyshakespeare" / "input.txt"
 def _isolated_cache(tmp_path_factory, monkeypatch):
     # Measured peaks are cached per machine; tests share one cache folder but never the user's.
     monkeypatch.setenv("PODSCALE_CACHE", str(tmp_path_factory.getbasetemp() / "cache"))
+    # multi-process tests put several gloo ranks on this host, also on a machine with one GPU
+    monkeypatch.setenv("PODSCALE_DEVICE", "cpu")
 
 
 def shakespeare() -> str:

@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from podscale.cli import main
 
@@ -31,7 +32,12 @@ CASES = [
     ("bad run name", ("run", "name", "a/b"), ["run.name"]),
     ("dropout out of range", ("model", "dropout", 1.5), ["model.dropout"]),
     ("unknown zero stage", ("zero", "stage", 4), ["zero.stage"]),
+    ("unknown device", ("run", "device", "tpu"), ["run.device", "cuda"]),
 ]
+if not torch.cuda.is_available():
+    CASES.append(("cuda without a gpu", ("run", "device", "cuda"), ["run.device='cuda'", "run.device = 'cpu'"]))
+elif torch.cuda.device_count() < GOOD["parallel"]["nproc"]:  # NCCL cannot put two ranks on one GPU
+    CASES.append(("more ranks than gpus", ("run", "device", "cuda"), ["GPU(s) visible", "run.device = 'cpu'"]))
 
 
 def _toml(value) -> str:

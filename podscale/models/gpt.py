@@ -133,8 +133,12 @@ class GPT(nn.Module):
             t.fill_(1.0)
         else:
             std = 0.02 / math.sqrt(2 * self.cfg.n_layer) if name.endswith("proj.weight") else 0.02
-            g = torch.Generator(device=t.device).manual_seed((self.init_seed + zlib.crc32(name.encode())) % 2**63)
-            t.normal_(0.0, std, generator=g)
+            # drawn on the CPU whatever ``t``'s device: CUDA's generator gives other numbers for the same seed
+            g = torch.Generator().manual_seed((self.init_seed + zlib.crc32(name.encode())) % 2**63)
+            if t.device.type == "cpu":
+                t.normal_(0.0, std, generator=g)
+            else:
+                t.copy_(torch.empty(t.shape, dtype=t.dtype).normal_(0.0, std, generator=g))
 
     def materialize(self, device: torch.device | str = "cpu") -> "GPT":
         """Give every parameter still on the meta device its initial value on ``device``, in place."""

@@ -16,6 +16,11 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+# torch 2.13 renamed the flat-tensor collectives; older releases (the package supports torch >= 2.6) have
+# only the *_tensor names, with the same arguments.
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 
 @dataclass
 class OpStats:
@@ -152,7 +157,7 @@ def all_gather(out: torch.Tensor, shard: torch.Tensor, mesh, axes, async_op: boo
         return Handle(None, mesh.stats, _axis_name(axes), "all_gather", 0.0) if async_op else None
     g = _group(mesh, axes)
     return _issue(mesh, axes, "all_gather", (n - 1) * _nbytes(out) // n,
-                  lambda: dist.all_gather_single(out, shard, group=g, async_op=True), async_op)
+                  lambda: _all_gather_flat(out, shard, group=g, async_op=True), async_op)
 
 
 def reduce_scatter(out: torch.Tensor, full: torch.Tensor, mesh, axes, op=dist.ReduceOp.SUM,
@@ -164,7 +169,7 @@ def reduce_scatter(out: torch.Tensor, full: torch.Tensor, mesh, axes, op=dist.Re
         return Handle(None, mesh.stats, _axis_name(axes), "reduce_scatter", 0.0) if async_op else None
     g = _group(mesh, axes)
     return _issue(mesh, axes, "reduce_scatter", (n - 1) * _nbytes(full) // n,
-                  lambda: dist.reduce_scatter_single(out, full, op=op, group=g, async_op=True), async_op)
+                  lambda: _reduce_scatter_flat(out, full, op=op, group=g, async_op=True), async_op)
 
 
 def all_to_all(out: torch.Tensor, inp: torch.Tensor, mesh, axes, out_splits=None, in_splits=None,

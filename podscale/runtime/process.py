@@ -20,26 +20,50 @@ class ProcessInfo:
     restart_count: int
 
 
-def init_process(timeout_s: float = 600.0) -> ProcessInfo:
+def device_kind(choice: str = "auto", local_ranks: int = 1) -> str:
+    """``"cuda"`` or ``"cpu"`` for ``choice`` in auto|cpu|cuda, with ``local_ranks`` processes on this host.
+
+    ``auto`` defers to the ``PODSCALE_DEVICE`` environment variable when it is set.
+    Raises ValueError (one line, with the fix) when CUDA is asked for but absent, or when there are more
+    local ranks than visible GPUs: NCCL refuses two ranks on one GPU.
+    """
+    if choice == "auto":  # the environment may pin it (the test suite runs on the CPU even beside a GPU)
+        choice = os.environ.get("PODSCALE_DEVICE", "auto")
+    if choice not in ("auto", "cpu", "cuda"):
+        raise ValueError(f"run.device='{choice}' must be 'auto', 'cpu' or 'cuda'")
+    if choice == "cpu" or (choice == "auto" and not torch.cuda.is_available()):
+        return "cpu"
+    if not torch.cuda.is_available():
+        raise ValueError("run.device='cuda' but no CUDA device is visible: set run.device = 'cpu' or 'auto'")
+    gpus = torch.cuda.device_count()
+    if local_ranks > gpus:
+        raise ValueError(f"{local_ranks} processes on this host but {gpus} GPU(s) visible (NCCL needs one GPU "
+                         f"per rank): set parallel.nproc <= {gpus}, or run.device = 'cpu' to train on the CPU")
+    return "cuda"
+
+
+def init_process(timeout_s: float = 600.0, device: str = "auto") -> ProcessInfo:
     """Initialise torch.distributed from the launcher's environment (NCCL on CUDA, gloo on CPU).
 
-    Without a launcher this is a single process and no process group is created.
+    ``device`` is auto|cpu|cuda (see :func:`device_kind`).  Without a launcher this is a single process
+    and no process group is created.
     """
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     if not under_launcher():
-        dev = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
-        return ProcessInfo(0, 1, 0, dev, restart)
+        kind = device_kind(device, 1)
+        return ProcessInfo(0, 1, 0, torch.device(kind, 0) if kind == "cuda" else torch.device("cpu"), restart)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    if torch.cuda.is_available():
+    kind = device_kind(device, int(os.environ.get("LOCAL_WORLD_SIZE", local_rank + 1)))
+    if kind == "cuda":
         torch.cuda.set_device(local_rank)
-        device, backend = torch.device("cuda", local_rank), "nccl"
+        dev, backend = torch.device("cuda", local_rank), "nccl"
     else:
-        device, backend = torch.device("cpu"), "gloo"
+        dev, backend = torch.device("cpu"), "gloo"
     if not dist.is_initialized():
-        kwargs = {"device_id": device} if backend == "nccl" else {}
+        kwargs = {"device_id": dev} if backend == "nccl" else {}
         dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s), **kwargs)
-    return ProcessInfo(rank, world, local_rank, device, restart)
+    return ProcessInfo(rank, world, local_rank, dev, restart)
 
 
 def shutdown() -> None:

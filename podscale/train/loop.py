@@ -45,7 +45,7 @@ def _gather_per_rank(value: float, mesh: Mesh) -> list[float]:
 
 def run_worker(cfg: Config, resume: bool = False) -> dict:
     """Train as one rank of the job described by ``cfg``; returns a summary (rank 0's is complete)."""
-    info = init_process()
+    info = init_process(device=cfg.run.device)
     _set_cpu_threads(info.device)
     cfg.check_layout(info.world_size)
     mesh = Mesh.build(info.device, **cfg.mesh_sizes())

@@ -432,7 +432,8 @@ class ZeroStrategy:
         elif self.stage == 1 or id(u) not in self._written:
             u.grad.copy_(out, non_blocking=self.pin)  # first gradient since zero_grad: no memset needed
         else:
-            u.grad.add_(out.to(u.grad.device, non_blocking=self.pin))
+            # blocking: the CPU add must not read the host copy before the device-to-host transfer lands
+            u.grad.add_(out.to(u.grad.device))
         self._written.add(id(u))
 
     def _flush_partial(self) -> None:
@@ -451,6 +452,8 @@ class ZeroStrategy:
             self._flush_partial()
         while self._inflight:
             self._retire()
+        if self.pin:  # gradient shards were copied to pinned host memory asynchronously: the CPU reads them next
+            torch.cuda.current_stream(self.device).synchronize()
         if not self.nvme:
             for u in self.units:  # a unit that got no gradient at all this step
                 if id(u) not in self._written:
