@@ -25,10 +25,13 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+ONLY: set[str] = set()  # --only: the correctness/throughput cases to run (the CPU references always run)
+RUNS = Path(tempfile.gettempdir()) / "podscale-gpu-check-runs"  # not under --out: few files come back
 DEVICE = "cuda"  # --dry-cpu: the same script on the CPU with a small model, to check it before a GPU run
 
 SMALL = {"model.n_layer": 4, "model.n_head": 4, "model.n_embd": 128, "model.block_size": 128,
@@ -55,13 +58,13 @@ def train(out: Path, name: str, settings: dict, steps: int, cpu: bool = False) -
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     env.pop("PODSCALE_DEVICE", None)
     cmd = [sys.executable, "-m", "podscale", "train", "--nproc", "1", "--steps", str(steps), "--name", name,
-           "--out-dir", str(out / "runs"), "--fresh"] + _sets(dict(settings, **{"run.device": "cpu" if cpu else DEVICE}))
+           "--out-dir", str(RUNS), "--fresh"] + _sets(dict(settings, **{"run.device": "cpu" if cpu else DEVICE}))
     t0 = time.perf_counter()
     r = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT)
     wall = time.perf_counter() - t0
     if r.returncode:
         return {"error": (r.stderr or r.stdout)[-1500:], "wall_s": wall}
-    recs = [json.loads(line) for line in (out / "runs" / name / "metrics.jsonl").read_text().splitlines()]
+    recs = [json.loads(line) for line in (RUNS / name / "metrics.jsonl").read_text().splitlines()]
     return {"records": recs, "wall_s": wall}
 
 
@@ -79,14 +82,16 @@ def correctness(out: Path, data: str) -> list[dict]:
         ("s3-cpu-cpu", {"zero.stage": 3, "zero.offload_optimizer": "cpu", "zero.offload_param": "cpu"}, False),
         ("s3-nvme-nvme", {"zero.stage": 3, "zero.offload_optimizer": "nvme", "zero.offload_param": "nvme",
                           "zero.nvme_path": str(nvme)}, False),
-        ("s3-lamb", {"zero.stage": 3, "zero.optimizer": "lamb"}, False),
         ("cpu-s3-lamb", {"zero.stage": 3, "zero.optimizer": "lamb"}, True),
+        ("s3-lamb", {"zero.stage": 3, "zero.optimizer": "lamb"}, False),
         ("s0-bf16", {"train.precision": "bf16"}, False),
         ("s3-bf16", {"zero.stage": 3, "train.precision": "bf16"}, False),
         ("s2-fp16", {"zero.stage": 2, "train.precision": "fp16"}, False),
     ]
     rows, ref = [], {}
     for name, extra, cpu in cases:
+        if ONLY and name not in ONLY and not name.startswith("cpu"):
+            continue
         res = train(out, name, dict(base, **extra), 20, cpu)
         row = {"case": name, "wall_s": round(res["wall_s"], 1)}
         if "error" in res:
@@ -124,14 +129,9 @@ def _memory_worker(data: str, cases: list, device: str, dims: dict) -> list[dict
 
     import torch
 
-    from podscale.config import parse_config
-    from podscale.models.gpt import GPT
-    from podscale.parallel.compose import build_engine
-    from podscale.parallel.zero.memory import estimate_model_states
     from podscale.runtime.mesh import Mesh
     from podscale.runtime.process import init_process
-    from podscale.train.data import ShardedLoader, load_tokens, split_tokens
-    from podscale.train.loop import gpt_config
+    from podscale.train.data import load_tokens, split_tokens
 
     info = init_process(device=device)
     cuda = info.device.type == "cuda"
@@ -144,41 +144,63 @@ def _memory_worker(data: str, cases: list, device: str, dims: dict) -> list[dict
         d = {"model": dict(dims),
              "data": {"path": data}, "train": {"global_batch": 2, "micro_batch": 2, "precision": prec},
              "parallel": {"nproc": 1}, "zero": dict({"stage": stage}, **zero)}
-        cfg = parse_config(d)
-        loader = ShardedLoader(tokens, 64, 2, 2, 0, 1, seed=0)
+        try:
+            rows.append(_memory_case(d, tokens, mesh, allocated, peak_allocated, cuda))
+        except Exception as err:  # one broken case must not hide the others
+            rows.append({"stage": stage, "precision": prec, "zero": zero, "error": f"{type(err).__name__}: {err}"})
         gc.collect()
-        if cuda:
-            torch.cuda.synchronize()
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats()
-        before = allocated()
-        with torch.device("meta"):
-            model = GPT(gpt_config(cfg))
-        n_params = sum(p.numel() for p in model.parameters())
-        small = sum(p.numel() for p in model.parameters() if p.numel() < cfg.zero.param_persistence_threshold)
-        engine = build_engine(model, mesh, cfg)
-        t0 = time.perf_counter()
-        for _ in range(3):
-            res = engine.step(loader.next_step())
-        st = engine.strategy
-        if hasattr(st, "_wait_params"):
-            st._wait_params()
-        if cuda:
-            torch.cuda.synchronize()
-        held, peak = allocated() - before, peak_allocated() - before
-        est = estimate_model_states(n_params, 1, stage, prec, zero.get("offload_optimizer", "none"),
-                                    zero.get("offload_param", "none"),
-                                    persistent_params=small if stage == 3 else 0)
-        dev_states = est.device["params"] + est.device["grads"] + est.device["optim"]
-        rows.append({"stage": stage, "precision": prec, "zero": {k: v for k, v in zero.items() if k != "nvme_path"},
-                     "params": n_params, "held_MiB": held / 2**20, "peak_MiB": peak / 2**20,
-                     "estimate_states_MiB": dev_states / 2**20, "estimate_buffers_MiB": est.device["buffers"] / 2**20,
-                     "held_over_estimate": held / max(1, dev_states), "loss": res.loss,
-                     "s_per_step": (time.perf_counter() - t0) / 3})
-        if hasattr(st, "remove_hooks"):
-            st.remove_hooks()
-        del engine, st, model, res
     return rows
+
+
+def _memory_case(d, tokens, mesh, allocated, peak_allocated, cuda) -> dict:
+    import gc
+
+    import torch
+
+    from podscale.config import parse_config
+    from podscale.models.gpt import GPT
+    from podscale.parallel.compose import build_engine
+    from podscale.parallel.zero.memory import estimate_model_states
+    from podscale.train.data import ShardedLoader
+    from podscale.train.loop import gpt_config
+
+    stage, prec, zero = d["zero"]["stage"], d["train"]["precision"], d["zero"]
+    cfg = parse_config(d)
+    loader = ShardedLoader(tokens, 64, 2, 2, 0, 1, seed=0)
+    gc.collect()
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    before = allocated()
+    with torch.device("meta"):
+        model = GPT(gpt_config(cfg))
+    n_params = sum(p.numel() for p in model.parameters())
+    small = sum(p.numel() for p in model.parameters() if p.numel() < cfg.zero.param_persistence_threshold)
+    engine = build_engine(model, mesh, cfg)
+    t0 = time.perf_counter()
+    for _ in range(3):
+        res = engine.step(loader.next_step())
+    st = engine.strategy
+    if hasattr(st, "_wait_params"):
+        st._wait_params()
+    if cuda:
+        torch.cuda.synchronize()
+    held, peak = allocated() - before, peak_allocated() - before
+    est = estimate_model_states(n_params, 1, stage, prec, zero.get("offload_optimizer", "none"),
+                                zero.get("offload_param", "none"),
+                                persistent_params=small if stage == 3 else 0)
+    dev_states = est.device["params"] + est.device["grads"] + est.device["optim"]
+    row = {"stage": stage, "precision": prec,
+           "zero": {k: v for k, v in zero.items() if k not in ("nvme_path", "stage")},
+           "params": n_params, "held_MiB": held / 2**20, "peak_MiB": peak / 2**20,
+           "estimate_states_MiB": dev_states / 2**20, "estimate_buffers_MiB": est.device["buffers"] / 2**20,
+           "held_over_estimate": held / max(1, dev_states), "loss": res.loss,
+           "s_per_step": (time.perf_counter() - t0) / 3}
+    if hasattr(st, "remove_hooks"):
+        st.remove_hooks()
+    del engine, st, model, res
+    return row
 
 
 def plain_torch(data: str, steps: int, device: str = "cuda", big: dict = BIG) -> dict:
@@ -233,6 +255,8 @@ def throughput(out: Path, data: str) -> list[dict]:
     rows.append(dict({"case": "plain torch"}, **{k: v for k, v in ref.items() if k != "losses"}))
     for name, extra in [("s0", {}), ("s2", {"zero.stage": 2}), ("s3", {"zero.stage": 3}),
                         ("s3-optcpu", {"zero.stage": 3, "zero.offload_optimizer": "cpu"})]:
+        if ONLY and name not in ONLY and name != "s0":
+            continue
         res = train(out, "big-" + name, dict(BIG, **{"data.path": data}, **extra), steps)
         row = {"case": name}
         if "error" in res:
@@ -262,6 +286,69 @@ def throughput(out: Path, data: str) -> list[dict]:
     return rows
 
 
+def profile(out: Path, data: str) -> dict:
+    """torch.profiler over two steps of podscale (stage 0) and of the plain loop on the BIG model: where
+    the device time goes in each (tables written to ``profile_*.txt``)."""
+    from podscale.runtime.launcher import launch
+    os.environ.pop("PODSCALE_DEVICE", None)
+    return launch(_profile_worker, (data, str(out), DEVICE, dict(BIG)), nproc=1)[0]
+
+
+def _profile_worker(data: str, out: str, device: str, big: dict) -> dict:
+    import torch
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+
+    from podscale.config import load_config
+    from podscale.models.gpt import GPT
+    from podscale.parallel.compose import build_engine
+    from podscale.runtime.mesh import Mesh
+    from podscale.runtime.process import init_process
+    from podscale.train.data import ShardedLoader, load_tokens, split_tokens
+    from podscale.train.loop import gpt_config
+
+    info = init_process(device=device)
+    mesh = Mesh.build(info.device, pp=1, dp=1, ep=1, tp=1)
+    cfg = load_config(None, [f"{k}={json.dumps(v)}" for k, v in dict(big, **{"data.path": data}).items()])
+    tokens, _ = split_tokens(load_tokens(data), 0.1)
+    loader = ShardedLoader(tokens, cfg.model.block_size, cfg.train.global_batch, cfg.train.micro_batch, 0, 1, seed=0)
+    batches = [loader.next_step() for _ in range(5)]
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if info.device.type == "cuda" else [])
+    sort = "self_cuda_time_total" if info.device.type == "cuda" else "self_cpu_time_total"
+    result = {}
+
+    with torch.device("meta"):
+        model = GPT(gpt_config(cfg))
+    engine = build_engine(model, mesh, cfg)
+
+    def podscale_step(b):
+        engine.step(b)
+
+    plain = GPT(gpt_config(cfg)).to(info.device)
+    opt = torch.optim.AdamW(plain.parameters(), lr=1e-4, fused=info.device.type == "cuda")
+
+    def plain_step(b):
+        for x, y in b:
+            x, y = x.to(info.device), y.to(info.device)
+            with torch.autocast(info.device.type, dtype=torch.bfloat16):
+                _, loss = plain(x, y)
+            loss.backward()
+        torch.nn.utils.clip_grad_norm_(plain.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        loss.item()
+
+    for name, fn in (("podscale", podscale_step), ("plain", plain_step)):
+        for b in batches[:3]:
+            fn(b)
+        with torch_profile(activities=acts) as prof:
+            for b in batches[3:]:
+                fn(b)
+        table = prof.key_averages().table(sort_by=sort, row_limit=25)
+        Path(out, f"profile_{name}.txt").write_text(table)
+        result[name] = table.splitlines()[-2:] + table.splitlines()[:14]
+    return result
+
+
 def adam() -> str:
     n = "100e6" if DEVICE == "cuda" else "1e6"
     r = subprocess.run([sys.executable, "bench/adam.py", "--device", DEVICE, "--params", n, "--repeat", "20"],
@@ -275,7 +362,9 @@ def main(argv=None) -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--skip", default="", help="comma-separated parts to skip: correctness,memory,throughput,adam")
     ap.add_argument("--dry-cpu", action="store_true", help="run everything on the CPU with a small model")
+    ap.add_argument("--only", default="", help="comma-separated case names of correctness and throughput")
     args = ap.parse_args(argv)
+    ONLY.update(filter(None, args.only.split(",")))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     skip = set(filter(None, args.skip.split(",")))
@@ -291,7 +380,8 @@ def main(argv=None) -> None:
                   "nccl": ".".join(map(str, torch.cuda.nccl.version()))}
     print(json.dumps(report), flush=True)
     for part, fn in [("adam", lambda: adam()), ("correctness", lambda: correctness(out, args.data)),
-                     ("memory", lambda: memory(out, args.data)), ("throughput", lambda: throughput(out, args.data))]:
+                     ("memory", lambda: memory(out, args.data)), ("throughput", lambda: throughput(out, args.data)),
+                     ("profile", lambda: profile(out, args.data))]:
         if part in skip:
             continue
         t0 = time.perf_counter()
@@ -303,6 +393,8 @@ def main(argv=None) -> None:
         (out / "gpu_check.json").write_text(json.dumps(report, indent=1))
     print("\n==== summary")
     print(report.get("adam", ""))
+    for line in (report.get("profile") or {}).get("podscale", []) + (report.get("profile") or {}).get("plain", []):
+        print("profile", line[:320])
     for part in ("correctness", "memory", "throughput"):
         rows = report.get(part, [])
         for row in rows if isinstance(rows, list) else [rows]:

@@ -88,8 +88,8 @@ class Engine:
             if self.cfg.grad_clip > 0:
                 # Same rule as torch.nn.utils.clip_grad_norm_: scale by max_norm / (norm + 1e-6), capped at 1.
                 coef = torch.clamp(self.cfg.grad_clip / (norm + 1e-6), max=1.0)
-                for g in self.strategy.grads():
-                    g.mul_(coef)
+                for g in self.strategy.grads():  # (offloaded gradients live in host memory)
+                    g.mul_(coef.to(g.device))
             self.strategy.step(lr)
         self.strategy.zero_grad()
 

@@ -39,7 +39,8 @@ class DynamicLossScaler:
         for g in grads:
             g.mul_(inv)
             found += (~torch.isfinite(g)).any().float()
-        if mesh is not None and axes:
+        if mesh is not None and axes:  # NCCL reduces device tensors: offloaded gradients are on the host
+            found = found.to(mesh.device)
             comm.all_reduce(found, mesh, axes, op=dist.ReduceOp.MAX)
         return bool(found.item() > 0)
 

@@ -60,14 +60,15 @@ class NvmeOptimizerState:
 
     # parameter offload -----------------------------------------------------------------------------
     def write_param(self, u, lo: int, t: torch.Tensor) -> None:
-        self.file.write(16 * self.S + (u.goff + lo) * self.psize, t.clone()).wait()  # own storage
+        self.file.write(16 * self.S + (u.goff + lo) * self.psize, t.detach().to("cpu", copy=True)).wait()
 
     def read_param(self, u, out: torch.Tensor):
         return self.file.read(16 * self.S + u.goff * self.psize, out)
 
     # initial state / gradients -------------------------------------------------------------------
     def write_master(self, u, master_fp32: torch.Tensor) -> None:
-        self.file.write(self._off(MASTER, u.goff), master_fp32.clone()).wait()  # own storage: numpy views pin it
+        # a host copy with its own storage (from the GPU, or a view numpy would pin)
+        self.file.write(self._off(MASTER, u.goff), master_fp32.detach().to("cpu", copy=True)).wait()
 
     def add_grad(self, u, g: torch.Tensor, fresh: bool) -> None:
         """Store (fresh) or accumulate unit ``u``'s fp32 gradient shard on disk."""
@@ -149,7 +150,7 @@ class NvmeOptimizerState:
 
     def write_array(self, array: int, t: torch.Tensor) -> None:
         self.flush()
-        self.file.write(self._off(array, 0), t.contiguous()).wait()
+        self.file.write(self._off(array, 0), t.to("cpu").contiguous()).wait()
 
     def close(self) -> None:
         self.flush()

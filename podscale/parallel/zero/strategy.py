@@ -316,9 +316,10 @@ class ZeroStrategy:
         src = u.cshard if u.cshard is not None else u.master
         if src is not None and src.device != self.device:  # parameter shard offloaded to host memory
             src = u.src_tmp = src.to(self.device, non_blocking=True)
-        if src is None:  # parameter shard on NVMe: read it, then gather
-            src = u.src_tmp = torch.empty(u.shard, dtype=self.cdtype, device=self.device)
-            self.swap.read_param(u, src).wait()
+        if src is None:  # parameter shard on NVMe: read it into host memory, then gather on the device
+            host = torch.empty(u.shard, dtype=self.cdtype, pin_memory=self.device.type == "cuda")
+            self.swap.read_param(u, host).wait()
+            src = u.src_tmp = host.to(self.device, non_blocking=True)
         with torch.no_grad():
             h = comm.all_gather(u.full, src, self.mesh, self.axes, async_op=True)
         u.gathered = True
