@@ -6,7 +6,7 @@ import pytest
 
 from conftest import shakespeare
 from podscale.runtime.launcher import launch
-from test_pipeline_parallel import GLOBAL_BATCH, MODEL, STEPS, ZERO1, _cfg, _check_all
+from test_pipeline_parallel import BF16_LOSS_TOL, GLOBAL_BATCH, MODEL, STEPS, ZERO1, _cfg, _check_all
 from reference import reference_run
 from tp_workers import make_config, train_layouts
 
@@ -29,12 +29,22 @@ def test_pp_dp_zero23_and_tp_sp_zero23(reference):
                for s, v in (("1f1b", 1), ("interleaved", 2)) for z in (2, 3)]
     layouts.append(("(2,2,1) gpipe ZeRO-3, blocks stay gathered for the step",
                     _cfg(4, 1, pp=2, dp=2, schedule="gpipe", zero=_zero(3, reshard_after_forward=False))))
+    # recomputation inside the re-gathered blocks, and the offloaded optimizer / parameters
+    layouts.append(("(2,2,1) 1f1b ZeRO-2 full recompute, optimizer on CPU",
+                    _cfg(4, 1, pp=2, dp=2, recompute="full", zero=_zero(2, offload_optimizer="cpu"))))
+    layouts.append(("(2,2,1) 1f1b ZeRO-3 full recompute, parameters on CPU",
+                    _cfg(4, 1, pp=2, dp=2, recompute="full", zero=_zero(3, offload_param="cpu"))))
     # (tp, dp) = (2, 2) with sequence parallelism, 2 micro-batches: the layer norms' partial gradients are
     # summed over tp before each reduce-scatter
     layouts += [(f"(1,2,2) sp ZeRO-{z}", _cfg(4, 2, tp=2, dp=2, sequence_parallel=True, zero=_zero(z)))
                 for z in (2, 3)]
-    results = launch(train_layouts, ([d for _, d in layouts],), nproc=4)
+    # bf16: ZeRO-3's 16-bit compute copies travel through the pipeline (loss curve only)
+    bf16 = _cfg(4, 1, pp=2, dp=2, schedule="interleaved", virtual_stages=2, zero=_zero(3))
+    bf16["train"]["precision"] = "bf16"
+    results = launch(train_layouts, ([d for _, d in layouts] + [bf16],), nproc=4)
     _check_all(layouts, results, reference, 4)
+    worst = max(abs(a - b) for a, b in zip(results[0][len(layouts)]["losses"], reference["losses"]))
+    assert worst < BF16_LOSS_TOL, f"bf16 (2,2,1) interleaved ZeRO-3: losses differ from fp32 by {worst}"
     # with the pipeline each unit is reduce-scattered once per step, whatever the number of micro-batches
     # (4 here); without it ZeRO-2/3 reduce-scatter every micro-batch (2 here)
     for i, (label, _) in enumerate(layouts):
