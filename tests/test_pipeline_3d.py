@@ -38,6 +38,8 @@ def test_pp_dp_zero23_and_tp_sp_zero23(reference):
     # summed over tp before each reduce-scatter
     layouts += [(f"(1,2,2) sp ZeRO-{z}", _cfg(4, 2, tp=2, dp=2, sequence_parallel=True, zero=_zero(z)))
                 for z in (2, 3)]
+    layouts.append(("(1,2,2) sp ZeRO-3, blocks stay gathered until reduced",
+                    _cfg(4, 2, tp=2, dp=2, sequence_parallel=True, zero=_zero(3, reshard_after_forward=False))))
     # bf16: ZeRO-3's 16-bit compute copies travel through the pipeline (loss curve only)
     bf16 = _cfg(4, 1, pp=2, dp=2, schedule="interleaved", virtual_stages=2, zero=_zero(3))
     bf16["train"]["precision"] = "bf16"
@@ -60,6 +62,9 @@ def test_pp_dp_zero23_and_tp_sp_zero23(reference):
     assert blocks == 4
     assert gathers["(2,2,1) 1f1b v=1 ZeRO-3"] - gathers["(2,2,1) gpipe ZeRO-3, blocks stay gathered for the step"] \
         == STEPS * blocks * (2 * 4 - 1)
+    # without a pipeline: 2 gathers per block and micro-batch, or 1 (8 blocks, 2 micro-batches)
+    assert gathers["(1,2,2) sp ZeRO-3"] - gathers["(1,2,2) sp ZeRO-3, blocks stay gathered until reduced"] \
+        == STEPS * 8 * 2
 
 
 def test_3d_222_zero1_zero3(reference):
