@@ -1,6 +1,7 @@
 """ZeRO stages on the dp axis of a pipeline, side by side in one run: (pp, dp) = (2, 2) on 4 ranks.
 
     python bench/compose_zero.py                 # GPT 8 x 128, 1F1B, 4 micro-batches of 2 x 128 tokens
+    python bench/compose_zero.py --only ZeRO-1   # one layout (e.g. to run against an older checkout)
 
 For ZeRO-1, ZeRO-2, ZeRO-3 (blocks freed after each forward and backward) and ZeRO-3 with
 ``reshard_after_forward = false`` (blocks gathered once per step): the median step time (slowest rank), and
@@ -33,7 +34,7 @@ def _config(zero: dict, micro: int, m: int) -> dict:
             "zero": {"reduce_bucket_mb": 1.0, "param_persistence_threshold": 10_000, **zero}}
 
 
-def worker(micro: int, m: int, steps: int, rounds: int) -> dict:
+def worker(micro: int, m: int, steps: int, rounds: int, only: list[str] | None = None) -> dict:
     from podscale.config import parse_config
     from podscale.models.gpt import GPT
     from podscale.parallel.compose import build_engine
@@ -46,7 +47,8 @@ def worker(micro: int, m: int, steps: int, rounds: int) -> dict:
     mesh = None
     engines = {}
     g = torch.Generator().manual_seed(info.rank)
-    for name, zero in LAYOUTS.items():
+    layouts = {n: z for n, z in LAYOUTS.items() if not only or n in only}
+    for name, zero in layouts.items():
         cfg = parse_config(_config(zero, micro, m))
         cfg.check_layout(info.world_size)
         mesh = mesh or Mesh.build(info.device, **cfg.mesh_sizes())
@@ -54,8 +56,8 @@ def worker(micro: int, m: int, steps: int, rounds: int) -> dict:
         engines[name] = build_engine(GPT(gpt_config(cfg)), mesh, cfg)
     batch = [(torch.randint(0, 256, (micro, 128), generator=g), torch.randint(0, 256, (micro, 128), generator=g))
              for _ in range(m)]
-    times = {n: [] for n in LAYOUTS}
-    comm = {n: {} for n in LAYOUTS}
+    times = {n: [] for n in layouts}
+    comm = {n: {} for n in layouts}
     for r in range(rounds + 1):  # round 0 warms up
         for name, engine in engines.items():
             mesh.stats.reset()
@@ -74,7 +76,7 @@ def worker(micro: int, m: int, steps: int, rounds: int) -> dict:
                         acc[f] += v[f]
     n = rounds * steps
     out = {}
-    for name in LAYOUTS:
+    for name in layouts:
         c = comm[name]
         rs, ag = c.get("dp/reduce_scatter", {}), c.get("dp/all_gather", {})
         out[name] = {"median_ms": 1e3 * statistics.median(times[name]),
@@ -90,13 +92,14 @@ def main() -> None:
     ap.add_argument("--m", type=int, default=4, help="micro-batches per step")
     ap.add_argument("--steps", type=int, default=4, help="steps per layout and round")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--only", nargs="*", choices=list(LAYOUTS), help="layouts to run (default: all)")
     args = ap.parse_args()
     from podscale.runtime.launcher import launch
-    results = launch(worker, (args.micro, args.m, args.steps, args.rounds), nproc=4)
+    results = launch(worker, (args.micro, args.m, args.steps, args.rounds, args.only), nproc=4)
     print(f"(pp, dp) = (2, 2), 1F1B, m = {args.m} micro-batches of {args.micro} x 128 tokens; per step, rank 0")
     print(f"{'layout':22s} {'median ms':>10s} {'RS calls':>9s} {'RS MB':>7s} {'RS busy ms':>11s} "
           f"{'RS exposed ms':>14s} {'AG calls':>9s} {'AG MB':>7s}")
-    base = results[0]["ZeRO-1"]["median_ms"]
+    base = next(iter(results[0].values()))["median_ms"]
     for name, r in results[0].items():
         print(f"{name:22s} {r['median_ms']:10.1f} {r['rs_calls']:9.1f} {r['rs_mb']:7.2f} {r['rs_busy_ms']:11.1f} "
               f"{r['rs_exposed_ms']:14.1f} {r['ag_calls']:9.1f} {r['ag_mb']:7.2f}   x{r['median_ms'] / base:.2f}")
