@@ -27,7 +27,8 @@ How each stage is built here (see :mod:`podscale.parallel.zero.layout` for the f
   each micro-batch's gradient in ``.grad`` as stage 1 does and reduce-scatter once per step, on the
   chunk's last backward (what Megatron's distributed optimizer and FSDP2 with pipelines do: a pipeline
   stage interleaves the backwards of many micro-batches, so reducing each would cost ``m`` reduce-scatters
-  per step; the full gradient of this stage's chunks lives only during the step).
+  per step; the full gradient of this stage's chunks lives only during the step, in the compute dtype as
+  stage 1's buffers).
 * **Stage 3.**  Parameters are sharded too (ZeRO 5.3).  Each block's flat buffer is a tensor whose storage
   is allocated only while the block is in use: a forward pre-hook waits for its all-gather and prefetches
   the next block's; a forward post-hook frees the storage; an identity autograd function on the block's
