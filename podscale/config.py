@@ -211,6 +211,10 @@ class Config(_Section):
         if m.dropout > 0 and p.tp > 1 and not p.sequence_parallel:
             raise ConfigError("model.dropout > 0 with parallel.tp > 1 needs parallel.sequence_parallel = true "
                               "(dropout then acts on each rank's own sequence shard): enable it or set dropout = 0")
+        if self.zero.offload_optimizer == "nvme" and (p.pp > 1 or p.tp > 1 or p.sequence_parallel):
+            raise ConfigError("zero.offload_optimizer='nvme' is not available with parallel.pp > 1, tp > 1 or "
+                              "sequence_parallel yet (their gradient norm and checkpoints read the optimizer "
+                              "state from memory): use zero.offload_optimizer='cpu', or pp = tp = 1")
         chunks = p.pp * p.virtual_stages
         if p.virtual_stages > 1 and p.schedule != "interleaved":
             raise ConfigError(f"parallel.virtual_stages={p.virtual_stages} needs parallel.schedule = "
