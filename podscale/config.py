@@ -86,6 +86,9 @@ class ZeroSection(_Section):
     param_persistence_threshold: int = Field(10_000, ge=0,
                                              description="parameters with fewer elements stay whole (stage 3)")
     nvme_block_mb: float = Field(8.0, gt=0.0, description="size of one NVMe read/write request")
+    reshard_after_forward: bool = Field(
+        True, description="stage 3: free a block's gathered parameters after its forward (gather again for "
+        "backward); false keeps it gathered until its gradients are reduced (fewer all-gathers, more memory)")
     optimizer: Literal["adamw", "lamb", "lars"] = Field(
         "adamw", description="optimizer over the flat shards (stages 1-3); lamb/lars use per-tensor trust ratios")
 
@@ -95,6 +98,9 @@ class ZeroSection(_Section):
         if self.offload_param != "none" and self.stage != 3:
             raise ValueError(f"zero.offload_param={self.offload_param} needs zero.stage=3 (only stage 3 "
                              f"partitions parameters): set zero.stage=3 or zero.offload_param='none'")
+        if not self.reshard_after_forward and self.stage != 3:
+            raise ValueError(f"zero.reshard_after_forward=false needs zero.stage=3 (only stage 3 gathers and "
+                             f"frees parameters; got stage {self.stage}): set zero.stage=3 or remove the key")
         if self.offload_optimizer != "none" and self.stage == 0:
             raise ValueError("zero.offload_optimizer needs zero.stage >= 1 (stage 0 does not partition the "
                              "optimizer state): set zero.stage=1, 2 or 3")
@@ -207,10 +213,10 @@ class Config(_Section):
         if m.dropout > 0 and p.tp > 1 and not p.sequence_parallel:
             raise ConfigError("model.dropout > 0 with parallel.tp > 1 needs parallel.sequence_parallel = true "
                               "(dropout then acts on each rank's own sequence shard): enable it or set dropout = 0")
-        if p.sequence_parallel and p.tp > 1 and self.zero.stage > 1:
-            raise ConfigError(f"parallel.sequence_parallel with zero.stage={self.zero.stage} is not supported "
-                              "(ZeRO-2/3 reduce gradients before the layer-norm gradients are summed over tp): "
-                              "use zero.stage = 1 or sequence_parallel = false")
+        if self.zero.offload_optimizer == "nvme" and (p.pp > 1 or p.tp > 1 or p.sequence_parallel):
+            raise ConfigError("zero.offload_optimizer='nvme' is not available with parallel.pp > 1, tp > 1 or "
+                              "sequence_parallel yet (their gradient norm and checkpoints read the optimizer "
+                              "state from memory): use zero.offload_optimizer='cpu', or pp = tp = 1")
         chunks = p.pp * p.virtual_stages
         if p.virtual_stages > 1 and p.schedule != "interleaved":
             raise ConfigError(f"parallel.virtual_stages={p.virtual_stages} needs parallel.schedule = "
@@ -232,9 +238,6 @@ class Config(_Section):
                 raise ConfigError(f"interleaved 1F1B needs the micro-batches per step (global_batch / (dp * "
                                   f"micro_batch) = {micro}) to be a multiple of parallel.pp={p.pp}: set "
                                   f"train.global_batch to a multiple of {p.pp * self.dp * t.micro_batch}")
-            if self.zero.stage > 1:
-                raise ConfigError(f"zero.stage={self.zero.stage} with parallel.pp > 1 is not supported (each "
-                                  "micro-batch would re-reduce the gradients): use zero.stage = 1 with pipelines")
             if self.run.eval_every or self.run.sample_tokens:
                 raise ConfigError("run.eval_every and run.sample_tokens are not available with parallel.pp > 1 "
                                   "yet: set them to 0")

@@ -1,12 +1,20 @@
-"""3-D parallelism: (pp, dp, tp) = (2, 2, 2) with ZeRO-1 on dp matches one process on Tiny Shakespeare
-(8 ranks; the other 3-D layout, (2, 1, 2) interleaved, is in test_pipeline_parallel.py)."""
+"""3-D parallelism with ZeRO on dp matches one process on Tiny Shakespeare: (pp, dp) with ZeRO-2 and
+ZeRO-3 under each schedule, (tp, dp) with sequence parallelism and ZeRO-2/3, and (pp, dp, tp) = (2, 2, 2)
+with ZeRO-1 and ZeRO-3 on 8 ranks (the other 3-D layout, (2, 1, 2) interleaved, is in
+test_pipeline_parallel.py)."""
 import pytest
 
 from conftest import shakespeare
 from podscale.runtime.launcher import launch
-from test_pipeline_parallel import GLOBAL_BATCH, MODEL, STEPS, ZERO1, _cfg, _check_all
+from test_pipeline_parallel import BF16_LOSS_TOL, GLOBAL_BATCH, MODEL, STEPS, ZERO1, _cfg, _check_all
 from reference import reference_run
 from tp_workers import make_config, train_layouts
+
+
+def _zero(stage: int, **extra) -> dict:
+    # threshold 1000: the blocks' matrices (>= 1024 elements) are gathered and freed, the embeddings form
+    # the root unit, layer norms and biases stay whole
+    return {"stage": stage, "reduce_bucket_mb": 0.01, "param_persistence_threshold": 1000, **extra}
 
 
 @pytest.fixture(scope="module")
@@ -14,8 +22,57 @@ def reference():
     return reference_run(make_config(shakespeare(), STEPS, GLOBAL_BATCH, GLOBAL_BATCH, 1, model=MODEL))
 
 
-def test_3d_222_zero1(reference):
-    layouts = [("(pp,dp,tp)=(2,2,2) 1f1b ZeRO-1", _cfg(8, 2, pp=2, dp=2, tp=2, zero=ZERO1))]
+def test_pp_dp_zero23_and_tp_sp_zero23(reference):
+    # (pp, dp) = (2, 2), 4 micro-batches of 1 per step: the gradients accumulate over the micro-batches and
+    # each chunk's last backward reduce-scatters them; the tied embedding is summed over its two stages first
+    layouts = [(f"(2,2,1) {s} v={v} ZeRO-{z}", _cfg(4, 1, pp=2, dp=2, schedule=s, virtual_stages=v, zero=_zero(z)))
+               for s, v in (("1f1b", 1), ("interleaved", 2)) for z in (2, 3)]
+    layouts.append(("(2,2,1) gpipe ZeRO-3, blocks stay gathered for the step",
+                    _cfg(4, 1, pp=2, dp=2, schedule="gpipe", zero=_zero(3, reshard_after_forward=False))))
+    # recomputation inside the re-gathered blocks, and the offloaded optimizer / parameters
+    layouts.append(("(2,2,1) 1f1b ZeRO-2 full recompute, optimizer on CPU",
+                    _cfg(4, 1, pp=2, dp=2, recompute="full", zero=_zero(2, offload_optimizer="cpu"))))
+    layouts.append(("(2,2,1) 1f1b ZeRO-3 full recompute, parameters on CPU",
+                    _cfg(4, 1, pp=2, dp=2, recompute="full", zero=_zero(3, offload_param="cpu"))))
+    # (tp, dp) = (2, 2) with sequence parallelism, 2 micro-batches: the layer norms' partial gradients are
+    # summed over tp before each reduce-scatter, inside backward
+    layouts += [(f"(1,2,2) sp ZeRO-{z}", _cfg(4, 2, tp=2, dp=2, sequence_parallel=True, zero=_zero(z)))
+                for z in (1, 2, 3)]
+    layouts.append(("(1,2,2) sp ZeRO-3, blocks stay gathered until reduced",
+                    _cfg(4, 2, tp=2, dp=2, sequence_parallel=True, zero=_zero(3, reshard_after_forward=False))))
+    # bf16: ZeRO-3's 16-bit compute copies travel through the pipeline (loss curve only)
+    bf16 = _cfg(4, 1, pp=2, dp=2, schedule="interleaved", virtual_stages=2, zero=_zero(3))
+    bf16["train"]["precision"] = "bf16"
+    results = launch(train_layouts, ([d for _, d in layouts] + [bf16],), nproc=4)
+    _check_all(layouts, results, reference, 4)
+    worst = max(abs(a - b) for a, b in zip(results[0][len(layouts)]["losses"], reference["losses"]))
+    assert worst < BF16_LOSS_TOL, f"bf16 (2,2,1) interleaved ZeRO-3: losses differ from fp32 by {worst}"
+    # with the pipeline each unit is reduce-scattered once per step, whatever the number of micro-batches
+    # (4 here); without it ZeRO-2/3 reduce-scatter every micro-batch (2 here), ZeRO-1 the last one
+    for i, (label, _) in enumerate(layouts):
+        once = label.startswith("(2,2,1)") or "ZeRO-1" in label
+        for r in range(4):
+            units, blocks = results[r][i]["zero_units"]
+            calls = results[r][i]["comm"]["dp/reduce_scatter"]["calls"]
+            assert calls == STEPS * units * (1 if once else 2), (label, r, calls, units)
+    # ZeRO-3 gathers each block before its forward and its backward of every micro-batch (2 m per step),
+    # or, with reshard_after_forward = false, once per step
+    gathers = {label: results[0][i]["comm"]["dp/all_gather"]["calls"] for i, (label, _) in enumerate(layouts)}
+    print(gathers)
+    blocks = results[0][1]["zero_units"][1]
+    assert blocks == 4
+    assert gathers["(2,2,1) 1f1b v=1 ZeRO-3"] - gathers["(2,2,1) gpipe ZeRO-3, blocks stay gathered for the step"] \
+        == STEPS * blocks * (2 * 4 - 1)
+    # without a pipeline: 2 gathers per block and micro-batch, or 1 (8 blocks, 2 micro-batches)
+    assert gathers["(1,2,2) sp ZeRO-3"] - gathers["(1,2,2) sp ZeRO-3, blocks stay gathered until reduced"] \
+        == STEPS * 8 * 2
+
+
+def test_3d_222_zero1_zero3(reference):
+    layouts = [("(pp,dp,tp)=(2,2,2) 1f1b ZeRO-1", _cfg(8, 2, pp=2, dp=2, tp=2, zero=ZERO1)),
+               ("(pp,dp,tp)=(2,2,2) interleaved sp ZeRO-3",
+                _cfg(8, 2, pp=2, dp=2, tp=2, schedule="interleaved", virtual_stages=2, sequence_parallel=True,
+                     zero=_zero(3)))]
     results = launch(train_layouts, ([d for _, d in layouts],), nproc=8)
     _check_all(layouts, results, reference, 8)
     c = results[0][0]["comm"]

@@ -33,9 +33,10 @@ def _check(nproc=4, parallel=None, model=None, train=None, **sections):
     (dict(parallel={"pp": 2, "virtual_stages": 2}), "needs parallel.schedule = 'interleaved'"),
     (dict(parallel={"pp": 2, "schedule": "interleaved"}), "virtual_stages >= 2"),
     (dict(parallel={"pp": 2, "pipeline_layers": [1, 2]}), "sum to model.n_layer=4"),
-    (dict(parallel={"pp": 2}, zero={"stage": 2}), "use zero.stage = 1 with pipelines"),
+    (dict(parallel={"pp": 2}, zero={"stage": 2, "reshard_after_forward": False}), "needs zero.stage=3"),
     (dict(parallel={"tp": 2}, model={"dropout": 0.1}), "needs parallel.sequence_parallel = true"),
-    (dict(parallel={"tp": 2, "sequence_parallel": True}, zero={"stage": 2}), "use zero.stage = 1"),
+    (dict(parallel={"pp": 2}, zero={"stage": 3, "offload_optimizer": "nvme", "nvme_path": "/tmp"}),
+     "use zero.offload_optimizer='cpu', or pp = tp = 1"),
     (dict(parallel={"pp": 2}, run={"eval_every": 10}), "set them to 0"),
 ])
 def test_bad_layouts_name_the_fix(kw, fragment):
@@ -50,6 +51,12 @@ def test_good_layouts_pass():
     _check(nproc=8, parallel={"pp": 2, "tp": 2}, zero={"stage": 1})
     _check(parallel={"pp": 2, "schedule": "interleaved", "virtual_stages": 2})
     _check(parallel={"pp": 2, "pipeline_layers": [1, 3]})
+    # ZeRO-2/3 compose with pipelines and with sequence parallelism (tests/test_pipeline_3d.py trains them)
+    for stage in (2, 3):
+        _check(parallel={"pp": 2, "schedule": "interleaved", "virtual_stages": 2}, zero={"stage": stage})
+        _check(parallel={"tp": 2, "sequence_parallel": True}, zero={"stage": stage})
+        _check(nproc=8, parallel={"pp": 2, "tp": 2, "sequence_parallel": True}, zero={"stage": stage})
+    _check(parallel={"pp": 2}, zero={"stage": 3, "reshard_after_forward": False})
 
 
 def test_cli_rejects_before_workers(tmp_path):

@@ -105,6 +105,8 @@ def train_layouts(cfg_dicts: list[dict]) -> list[dict]:
             losses.append(r.loss)
             norms.append(r.grad_norm)
         params = full_named(engine, mesh)
+        inner = getattr(engine.strategy, "inner", engine.strategy)
+        out_meta["zero_units"] = [len(getattr(inner, "units", [])), len(getattr(inner, "layers", []))]
         out.append({**out_meta, "losses": losses, "grad_norms": norms,
                     "params": params if info.rank == 0 else None,
                     "grads1": grads1 if info.rank == 0 else None,

@@ -5,6 +5,11 @@ pipeline split on ``pp`` (stages, then virtual chunks) -> tensor/sequence parall
 chunk -> the data-parallel strategy on ``dp`` (replicated, or ZeRO when ``zero.stage`` > 0) -> the
 model-parallel wrapper that adds what tp and pp need on top (sequence-parallel gradient sums, the tied
 embedding across first and last stage, the true global gradient norm, the pipeline schedule).
+
+Every ZeRO stage composes with every (pp, tp, sp) layout.  ZeRO sums the sequence-parallel gradients over
+tp itself, unit by unit before each reduce-scatter; under a pipeline it accumulates the micro-batches'
+gradients locally and reduce-scatters once per step from each chunk's last backward, the tied embedding's
+unit after the first and last stage have added their copies (see :mod:`podscale.parallel.zero.strategy`).
 """
 from __future__ import annotations
 

@@ -659,43 +659,28 @@ def reduce_commutes(inner) -> bool:
 
 class TensorParallelStrategy(FullCheckpointState):
     """Wraps a data-parallel strategy (replicated :class:`DataParallel` or ZeRO over dp) for a model with
-    tensor- and/or sequence-parallel layers: sequence-parallel gradients are summed over tp after backward
-    and the gradient norm is the model's true global norm."""
+    tensor- and/or sequence-parallel layers: sequence-parallel gradients are summed over tp and the
+    gradient norm is the model's true global norm."""
 
     def __init__(self, inner, module: nn.Module, mesh, precision: str = "fp32"):
         self.inner, self.module, self.mesh, self.precision = inner, module, mesh, precision
         self.params = [p for p in module.parameters() if p.requires_grad]
-        # Sums over tp commute with the replicated strategy's dp all-reduce (a mean), so its all-reduce can
-        # overlap backward and the tp sums follow; a sharding (ZeRO) strategy needs the full sums first.
+        # Sums over tp commute with the replicated strategy's dp all-reduce (a mean), so its all-reduce
+        # overlaps backward and the tp sums follow.  A sharding strategy (ZeRO) needs the full sums before
+        # its reduce-scatter: it adds them itself, unit by unit, inside backward.
         self.reduce_first = reduce_commutes(inner)
-        if not self.reduce_first and any(getattr(p, "sequence_parallel", False) for p in self.params):
-            self.forward_backward = self._forward_backward_local
+        if not self.reduce_first and not getattr(inner, "sums_sequence_parallel", False):
+            raise TypeError(f"{type(inner).__name__} neither commutes with the tp sums nor sums the "
+                            "sequence-parallel gradients itself")
 
     def named_parameters(self, remove_duplicate: bool = True):
         return self.module.named_parameters(remove_duplicate=remove_duplicate)
 
     def finish_grad_sync(self) -> None:
+        self.inner.finish_grad_sync()
         if self.reduce_first:
-            self.inner.finish_grad_sync()
-        sync_sequence_parallel_grads(self.params, self.mesh)
-        if not self.reduce_first:
-            self.inner.finish_grad_sync()
+            sync_sequence_parallel_grads(self.params, self.mesh)
 
     def grad_norm(self) -> torch.Tensor:
         pieces, dp_sharded = grad_pieces(self.inner, self.params)
         return global_grad_norm(pieces, self.mesh, dp_sharded)
-
-    def _forward_backward_local(self, micro_batches, loss_scale: float | None) -> torch.Tensor:
-        """The engine's micro-batch loop with every backward under ``no_sync``: the dp reduction starts in
-        ``finish_grad_sync``, after the sequence-parallel gradients are complete."""
-        from podscale.train.precision import autocast
-        n, dev = len(micro_batches), self.mesh.device
-        loss_sum = torch.zeros((), device=dev)
-        with self.inner.no_sync():
-            for x, y in micro_batches:
-                with autocast(self.precision, dev):
-                    _, loss = self.module(x.to(dev), y.to(dev))
-                scaled = loss / n if loss_scale is None else loss / n * loss_scale
-                scaled.backward()
-                loss_sum += loss.detach().float()
-        return loss_sum

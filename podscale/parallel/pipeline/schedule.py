@@ -158,6 +158,11 @@ class _Chunks(nn.ModuleList):
     def forward(self) -> None:
         return None
 
+    def gather_units(self) -> list[nn.Module]:
+        """ZeRO-3's gather units: every block of every chunk, in this rank's forward order (the embeddings
+        and the head form the root unit, gathered for the whole step)."""
+        return [b for c in self for b in c.blocks.values()]
+
 
 @dataclass
 class StepStats:
@@ -188,6 +193,20 @@ class PipelineParallel(FullCheckpointState):
         self.measure_memory = measure_memory
         self.params = [q for c in chunks for q in c.parameters() if q.requires_grad]
         self.stats = StepStats()
+        if hasattr(inner, "accumulate_locally"):
+            # ZeRO: gradients accumulate over the micro-batches and each chunk's last backward reduce-scatters
+            # them; the tied embedding's copies wait for their sum across first and last stage
+            inner.accumulate_locally(deferred=self._tied_copy())
+
+    def _tied_copy(self) -> list[nn.Parameter]:
+        """This rank's copy of the embedding tied between the first and the last stage (none in between)."""
+        if self.p == 1:
+            return []
+        if self.mesh.rank == self.ranks[0]:
+            return [self.chunks[0].wte.weight]
+        if self.mesh.rank == self.ranks[-1]:
+            return [self.chunks[-1].lm_head.weight]
+        return []
 
     # construction -------------------------------------------------------------------------------------
     @classmethod
@@ -227,12 +246,14 @@ class PipelineParallel(FullCheckpointState):
             yield from c.named_parameters(remove_duplicate=remove_duplicate)
 
     def finish_grad_sync(self) -> None:
-        # replicated dp: its all-reduce started with each chunk's last backward; the tp and pp sums
-        # commute with it and follow.  ZeRO: the sums first, then the reduce-scatter.
+        # Each chunk's last backward started its dp reduction.  Replicated dp: the tp and pp sums commute
+        # with its all-reduce and follow.  ZeRO: it summed the sequence-parallel gradients over tp before
+        # each reduce-scatter and kept the tied embedding's back: the pp sum first, then its reduce-scatter.
         overlap = reduce_commutes(self.inner)
         if overlap:
             self.inner.finish_grad_sync()
-        sync_sequence_parallel_grads(self.params, self.mesh)
+        if not getattr(self.inner, "sums_sequence_parallel", False):
+            sync_sequence_parallel_grads(self.params, self.mesh)
         self._sync_tied_embedding()
         if not overlap:
             self.inner.finish_grad_sync()
@@ -272,9 +293,9 @@ class PipelineParallel(FullCheckpointState):
         st = StepStats(actions=actions)
         t_start = time.perf_counter()
         params = {q.data_ptr() for q in self.params}
-        # with the replicated dp strategy, each chunk's last backward launches its dp all-reduce (overlapped
-        # with the rest of the schedule); otherwise gradients accumulate until finish_grad_sync
-        last_b = {c: i for i, (k, c, _) in enumerate(actions) if k == "B"} if reduce_commutes(self.inner) else {}
+        # each chunk's last backward launches its dp reduction (all-reduce, or ZeRO's reduce-scatter of the
+        # gradients accumulated over the micro-batches), overlapped with the rest of the schedule
+        last_b = {c: i for i, (k, c, _) in enumerate(actions) if k == "B"}
 
         posted: dict[int, tuple[torch.Tensor, comm.Handle]] = {}
         # the residual stream has the dtype the parameters compute in (fp32 under autocast, 16-bit with

@@ -123,8 +123,11 @@ def bucket_units(named: list[tuple[str, nn.Parameter]], cap_bytes: int, dp: int,
 
 
 def wrap_modules(model: nn.Module) -> list[nn.Module]:
-    """Stage 3's gather units: the entries of ``model.blocks`` (a ModuleList/ModuleDict; or ``model.layers``) when it has one,
-    else the direct children that hold parameters."""
+    """Stage 3's gather units: the model's own ``gather_units()`` when it defines one (a pipeline rank's
+    model chunks list their blocks), else the entries of ``model.blocks`` (a ModuleList/ModuleDict; or
+    ``model.layers``) when it has one, else the direct children that hold parameters."""
+    if callable(getattr(model, "gather_units", None)):
+        return list(model.gather_units())
     for attr in ("blocks", "layers", "h"):
         seq = getattr(model, attr, None)
         if isinstance(seq, (nn.ModuleList, nn.Sequential)) and len(seq):

@@ -23,6 +23,12 @@ How each stage is built here (see :mod:`podscale.parallel.zero.layout` for the f
   its bucket's staging buffer as soon as it is accumulated and the parameter's ``.grad`` is dropped; full
   buckets are reduce-scattered during backward and accumulated into the fp32 gradient shard (ZeRO 5.2),
   on every micro-batch (the shard is where accumulation happens, so ``no_sync`` has nothing to save).
+  Under a pipeline schedule (:meth:`ZeroStrategy.accumulate_locally`) stages 2 and 3 instead accumulate
+  each micro-batch's gradient in ``.grad`` as stage 1 does and reduce-scatter once per step, on the
+  chunk's last backward (what Megatron's distributed optimizer and FSDP2 with pipelines do: a pipeline
+  stage interleaves the backwards of many micro-batches, so reducing each would cost ``m`` reduce-scatters
+  per step; the full gradient of this stage's chunks lives only during the step, in the compute dtype as
+  stage 1's buffers).
 * **Stage 3.**  Parameters are sharded too (ZeRO 5.3).  Each block's flat buffer is a tensor whose storage
   is allocated only while the block is in use: a forward pre-hook waits for its all-gather and prefetches
   the next block's; a forward post-hook frees the storage; an identity autograd function on the block's
@@ -34,6 +40,14 @@ How each stage is built here (see :mod:`podscale.parallel.zero.layout` for the f
   mark); ``MALLOC_MMAP_THRESHOLD_=1048576`` in the environment makes them mmapped and returned to the OS
   on release (resident memory then follows the model states exactly, at the cost of page faults: measured
   ~2x slower steps for stage 3 on this 2-core machine).
+  ``zero.reshard_after_forward = false`` (FSDP2's name for it) keeps a block gathered from its first
+  forward until its gradients are reduce-scattered: one all-gather per block and reduction instead of two
+  (with a pipeline: one per step instead of ``2m``), for the memory of all of this rank's blocks at once.
+
+Sequence parallelism (Korthikanti et al. 2022, 4.2.2): parameters marked ``sequence_parallel`` (layer
+norms, position embedding, row-parallel biases under tp) hold partial gradients on each tp rank.  Their
+ranges of a unit's gradient buffer are summed over tp right before the unit's dp reduce-scatter (one small
+all-reduce per unit that has any), so every stage reduces complete gradients, overlapped with backward.
 
 Mixed precision: with ``precision = bf16|fp16`` the parameters the model computes with (the unit buffers)
 are 16-bit copies and the fp32 master slice lives with the optimizer; gradients are reduced in
@@ -96,6 +110,17 @@ class _RegatherBeforeBackward(torch.autograd.Function):
         return None, None, g
 
 
+def _merge(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """(offset, length) ranges with neighbours joined (fewer, larger copies)."""
+    out: list[tuple[int, int]] = []
+    for o, n in sorted(ranges):
+        if out and out[-1][0] + out[-1][1] == o:
+            out[-1] = (out[-1][0], out[-1][1] + n)
+        else:
+            out.append((o, n))
+    return out
+
+
 class ZeroStrategy:
     """ZeRO-``stage`` data parallelism over the mesh's ``dp`` axis (see the module docstring).
 
@@ -107,6 +132,7 @@ class ZeroStrategy:
     """
 
     max_inflight_reduce = 2  # stage 2/3 staging buffers alive at once (bounds gradient memory)
+    sums_sequence_parallel = True  # wrappers leave the tp sum of sequence-parallel gradients to ZeRO
 
     def __init__(self, module: nn.Module, mesh, train, zero, param_init=None):
         if zero.stage not in (1, 2, 3):
@@ -136,6 +162,10 @@ class ZeroStrategy:
         self._param_gathers: list = []
         self._ck: dict[str, torch.Tensor] = {}
         self._written: set[int] = set()
+        self.reshard_after_forward = getattr(zero, "reshard_after_forward", True)
+        self.accumulate = False          # stages 2/3: accumulate in .grad under no_sync (accumulate_locally)
+        self._deferred: set[int] = set()  # parameters reduced only in finish_grad_sync (accumulate_locally)
+        self._done: dict[int, set[int]] = {}  # stage 3, local accumulation: params whose backward ran, per unit
 
         named = list(module.named_parameters())  # tied parameters once, under their first name
         named = [(n, p) for n, p in named if p.requires_grad]
@@ -150,6 +180,11 @@ class ZeroStrategy:
         else:
             self.layers, self.root = [], None
             self.units = bucket_units(named, cap, self.dp, self.dp_rank)
+        # sequence-parallel parameters: (offset, numel) ranges per unit, summed over tp before the reduce
+        sp = mesh.size("tp") > 1
+        self._tp_ranges = {id(u): _merge([(o, n) for p, o, n in zip(u.params, u.offsets, u.numels)
+                                          if sp and getattr(p, "sequence_parallel", False)]) for u in self.units}
+        self._layer_ids = {id(u) for u in self.layers}
         self.param_init = param_init
         self._owners: dict[int, list] = {}
         for mod in module.modules():
@@ -342,7 +377,8 @@ class ZeroStrategy:
         def hook(_m, _args, out):
             if _in_backward():  # recomputed forward inside backward: keep it for the backward that follows
                 return out
-            self._free(u)
+            if self.reshard_after_forward or not torch.is_grad_enabled():
+                self._free(u)  # (else it stays gathered until its gradients are reduce-scattered)
             if torch.is_grad_enabled() and isinstance(out, torch.Tensor) and out.requires_grad:
                 return _RegatherBeforeBackward.apply(self, u, out)
             return out
@@ -373,19 +409,39 @@ class ZeroStrategy:
     @contextlib.contextmanager
     def no_sync(self):
         """Stage 1: accumulate full gradients locally.  Stages 2/3 reduce-scatter every micro-batch into
-        the fp32 gradient shard (ZeRO 5.2), so the full gradient never has to be kept."""
+        the fp32 gradient shard (ZeRO 5.2), so the full gradient never has to be kept; after
+        :meth:`accumulate_locally` they accumulate locally too."""
         prev, self._sync = self._sync, False
+        self._done.clear()  # one backward per no_sync: a unit's completion is counted afresh
         try:
             yield
         finally:
             self._sync = prev
 
+    def accumulate_locally(self, deferred=()) -> None:
+        """Switch stages 2/3 to local accumulation for a pipeline schedule: under ``no_sync`` gradients add
+        up in each parameter's ``.grad`` (as stage 1's buffers), and the backward that runs outside
+        ``no_sync`` (the chunk's last micro-batch) reduce-scatters the sums, overlapped with the rest of
+        that backward.  A stage-3 block is released after each backward unless ``reshard_after_forward``
+        is false.  Parameters in ``deferred`` (the tied embedding's two pipeline copies) keep their summed
+        ``.grad`` until :meth:`finish_grad_sync`, so the caller can add the other copy's first."""
+        self.accumulate = True
+        self._deferred = {id(p) for p in deferred}
+
     def _on_grad(self, p: torch.Tensor) -> None:
         u = self._unit_of[id(p)]
-        if self.stage == 1:
-            if not self._sync:
+        if not self._sync or id(p) in self._deferred:
+            if self.stage == 1:
                 return
-        else:
+            if self.accumulate:
+                self._backward_done(u, p)
+                return
+        self._stage_grad(u, p)
+
+    def _stage_grad(self, u: Unit, p: torch.Tensor) -> None:
+        """Note that ``p``'s gradient is complete for this reduction (stages 2/3: moved into the unit's
+        staging buffer) and launch the unit's reduce-scatter once all its parameters are."""
+        if self.stage >= 2:
             if u.staging is None:
                 u.staging = torch.empty(u.padded, dtype=self.rdtype, device=self.device)
                 u.staging[u.numel:].zero_()
@@ -396,6 +452,17 @@ class ZeroStrategy:
         u.ready.add(id(p))
         if len(u.ready) == len(u.params):
             self._launch_reduce(u)
+
+    def _backward_done(self, u: Unit, p: torch.Tensor) -> None:
+        """Local accumulation: ``p.grad`` keeps the sum.  A stage-3 block whose backward is complete is
+        released until its next use (reshard after forward)."""
+        if id(u) not in self._layer_ids or not self.reshard_after_forward:
+            return
+        done = self._done.setdefault(id(u), set())
+        done.add(id(p))
+        if len(done) == len(u.params):
+            done.clear()
+            self._free(u)
 
     def _launch_reduce(self, u: Unit) -> None:
         """Reduce-scatter unit ``u``'s gradients (pre-divided by N_d, so the result is the mean)."""
@@ -409,6 +476,8 @@ class ZeroStrategy:
                     if id(q) not in u.ready:
                         wire[u.offsets[i]:u.offsets[i] + u.numels[i]].zero_()
         u.ready.clear()
+        if self._tp_ranges[id(u)]:
+            self._sum_over_tp(wire, self._tp_ranges[id(u)])
         out = torch.empty(u.shard, dtype=self.rdtype, device=self.device)
         h = comm.reduce_scatter(out, wire, self.mesh, self.axes, async_op=True)
         self._inflight.append((u, out, wire, h))
@@ -416,6 +485,21 @@ class ZeroStrategy:
             self._free(u)
         while self.stage >= 2 and len(self._inflight) > self.max_inflight_reduce:
             self._retire()
+
+    def _sum_over_tp(self, buf: torch.Tensor, ranges: list[tuple[int, int]]) -> None:
+        """Sum the sequence-parallel parameters' ranges of ``buf`` over tp, in place (Korthikanti et al.
+        2022, 4.2.2: each tp rank saw only its part of the sequence); every tp rank then reduce-scatters
+        the same complete gradient over dp."""
+        if len(ranges) == 1:
+            o, n = ranges[0]
+            comm.all_reduce(buf[o:o + n], self.mesh, "tp")
+            return
+        packed = torch.cat([buf[o:o + n] for o, n in ranges])
+        comm.all_reduce(packed, self.mesh, "tp")
+        k = 0
+        for o, n in ranges:
+            buf[o:o + n].copy_(packed[k:k + n])
+            k += n
 
     def _retire(self) -> None:
         u, out, _wire, h = self._inflight.popleft()
@@ -450,6 +534,11 @@ class ZeroStrategy:
                 if id(u) not in launched:
                     self._launch_reduce(u)
         else:
+            if self.accumulate:  # sums never reduced on a synced backward, deferred ones included
+                for u in self.units:
+                    for q in list(u.params):
+                        if q.grad is not None:
+                            self._stage_grad(u, q)
             self._flush_partial()
         while self._inflight:
             self._retire()
