@@ -50,6 +50,24 @@ def test_predict_optional_fields_change_the_answer(capsys):
         pytest.approx(runs["plain"]["memory_breakdown_bytes"]["model_states"])   # dp = 1: nothing to shard
 
 
+def test_zero_on_a_pipeline_holds_the_stage_gradient_and_reduces_once(capsys):
+    """ZeRO-2/3 on a pipeline accumulate the stage's full 16-bit gradient over the micro-batches and
+    reduce-scatter it once per step; without a pipeline, ZeRO-3 reduce-scatters after every micro-batch."""
+    runs = {}
+    for name, lay in {"pp-z1": {"pp": 4, "dp": 8, "zero_stage": 1}, "pp-z2": {"pp": 4, "dp": 8, "zero_stage": 2},
+                      "pp-z3": {"pp": 4, "dp": 8, "zero_stage": 3}, "z3": {"pp": 1, "dp": 32, "zero_stage": 3}}.items():
+        code, out, err = _predict(capsys, {"tp": 1, "microbatch": 1, **lay})
+        assert code == 0, err
+        runs[name] = json.loads(out)
+    mem = {k: r["memory_breakdown_bytes"] for k, r in runs.items()}
+    assert mem["pp-z1"]["pipeline_grads"] == 0 and mem["z3"]["pipeline_grads"] == 0
+    held = mem["pp-z2"]["pipeline_grads"]
+    assert held > 0 and mem["pp-z3"]["pipeline_grads"] == pytest.approx(held)
+    # 2 bytes per parameter of an end stage (6 of 24 layers of 12 h^2, the word embedding), less the partition
+    h = 2304
+    assert held == pytest.approx(2 * (6 * 12 * h * h + 51200 * h) * (1 - 1 / 8), rel=0.02)
+
+
 @pytest.mark.parametrize("args,message", [
     (dict(system="dgx-z9"), "unknown system 'dgx-z9'"),
     (dict(layout={"tp": 5, "pp": 1, "dp": 32, "microbatch": 16}, devices=160), "does not divide the 24 attention heads"),

@@ -159,14 +159,18 @@ def predict_gpt(system: System, devices: int, model: GPT, lay: Layout, batch: in
         dp_red += net.all_reduce_time(system, expert_grad_bytes, lay.dp, lay.ep * t)
     zero3_gather = 0.0
     if lay.zero_stage == 3:
-        # Partitioned parameters are all-gathered for every pass of every micro-batch and gradients
-        # reduce-scattered after every backward (ZeRO paper, Sec. 7.2.3: 1.5x the all-reduce volume
-        # per step when m = 1). Prefetching overlaps them with compute; what exceeds it is exposed.
+        # Partitioned parameters are all-gathered for every pass of every micro-batch (ZeRO paper, Sec.
+        # 7.2.3: 1.5x the all-reduce volume per step when m = 1). Without a pipeline gradients are
+        # reduce-scattered after every backward; a pipeline accumulates them locally and reduce-scatters
+        # once per step (podscale's pipeline ZeRO-2/3). Prefetching overlaps the collectives with compute;
+        # what exceeds it is exposed.
         gathers = 2 + (1 if lay.recompute == "full" else 0)
-        per_mb = gathers * net.all_gather_time(system, grad_bytes, dpe, dp_stride)
-        per_mb += net.reduce_scatter_time(system, grad_bytes, dpe, dp_stride)
+        rs = net.reduce_scatter_time(system, grad_bytes, dpe, dp_stride)
+        per_mb = gathers * net.all_gather_time(system, grad_bytes, dpe, dp_stride) + (rs if p == 1 else 0.0)
         zero3_gather = m * max(0.0, per_mb - (comp_fwd + comp_bwd + comp_rec))
         dp_red -= net.all_reduce_time(system, grad_bytes, dpe, dp_stride)   # replaced by the above
+        if p > 1:
+            dp_red += rs
     if p > 1:   # tied input/output embedding gradients between first and last stage
         dp_red += net.all_reduce_time(system, 2 * model.vocab * h / t, 2, (p - 1) * stride_pp)
     window = comp_bwd if lay.overlap_grad_reduce else 0.0
@@ -201,12 +205,16 @@ def predict_gpt(system: System, devices: int, model: GPT, lay: Layout, batch: in
         es = zero_model_state_bytes(stage_expert, lay.dp, lay.zero_stage, lay.offload_optimizer, lay.offload_param)
         states = type(states)(states.device + es.device, states.host + es.host, states.nvme + es.nvme)
     gathered = 2 * 2 * moe_layer / t if lay.zero_stage == 3 else 0.0    # current + prefetched layer
+    # ZeRO-2/3 on a pipeline: the stage's full 16-bit gradient is accumulated over the micro-batches before
+    # its one reduce-scatter (the partitioned gradient in ``states`` is the part that outlives the step)
+    pipeline_grads = grad_bytes * (1 - 1 / dpe) if lay.zero_stage >= 2 and p > 1 else 0.0
     logits_buf = 6 * logits_elems          # fp16 logits + fp32 softmax of the vocab-parallel loss
     first = act_layer * inflight + working
     last = act_layer * (per_dev_layers if p > 1 else inflight) + working + logits_buf
     activations = max(first, last)
     memory = {"model_states": states.device, "activations": activations - (logits_buf if last >= first else 0),
               "logits": logits_buf if last >= first else 0.0, "zero3_gathered": gathered,
+              "pipeline_grads": pipeline_grads,
               "reserved": dev.reserved_bytes}
     total_mem = sum(memory.values())
 
