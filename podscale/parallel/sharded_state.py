@@ -114,10 +114,9 @@ def publish(holding: Holding, layout, mesh) -> torch.Tensor:
             for off, size in holding.boxes(d):
                 for loff, lsize, goff in to_global(layout, holding.shape, t, tp, off, size):
                     entry = pieces.setdefault((goff, lsize), [[], None])
-                    mine = d == my_d and (t == my_t or layout is None)
                     ranks = [mesh.rank_of(dp=d, tp=x) for x in ([t] if layout is not None else range(tp))]
                     entry[0].extend(r for r in ranks if r not in entry[0])
-                    if mine:
+                    if d == my_d and (t == my_t or layout is None):
                         entry[1] = holding.view(loff, lsize)
     mine = [v for _, v in pieces.values() if v is not None]
     if len(pieces) == 1 and len(next(iter(pieces.values()))[0]) == holding.dp * tp:
@@ -175,7 +174,9 @@ class ShardedCheckpointState:
         if units is None:
             t = p.detach() if key == "param" else self.inner.optimizer.state.get(p, {}).get(key)
             return replicated(torch.zeros_like(p) if t is None else t, self.mesh.size("dp"))
-        index = self.__dict__.get("_ckpt_index")  # (not the inner strategy's attribute of that name)
+        # id(parameter) -> (unit, index); read from __dict__, as a missing attribute would be looked up on
+        # the wrapped strategy
+        index = self.__dict__.get("_ckpt_index")
         if index is None:
             index = self._ckpt_index = {id(q): (u, i) for u in units for i, q in enumerate(u.params)}
         u, i = index[id(p)]
