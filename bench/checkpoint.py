@@ -3,7 +3,7 @@
     python bench/checkpoint.py --compare /path/to/other/podscale/tree     # this tree vs another, 3 rounds
     python bench/checkpoint.py --layouts tp2pp2 --rounds 1                # this tree alone
 
-Each run starts 4 ranks on a GPT of about 50M parameters (8 layers, hidden 704, vocab 256, block 64), takes
+Each run starts 4 ranks on a GPT of 47.9M parameters (8 layers, hidden 704, vocab 256, block 64), takes
 one training step (so Adam has state), then saves a checkpoint 3 times (model + optimizer, the same call
 ``podscale train`` makes).  Per save and rank: wall time of building the state dicts plus
 ``checkpoint.save`` (the slowest rank's, after a barrier), the growth of the process's peak RSS over its RSS
