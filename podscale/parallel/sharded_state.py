@@ -7,8 +7,8 @@ shards are *views* of this rank's own memory, each with its global offsets: a tp
 ``cols``, ``vocab`` with the padded rows clipped off) or three (``qkv``: this rank's rows of each of q, k
 and v); ZeRO's flat dp slice of that shard is a few row-major boxes of it
 (:func:`~podscale.parallel.zero.layout.flat_range_boxes`), mapped through the tp layout.  Saving therefore
-moves no tensor between ranks and allocates no copy: DCP writes each rank's views to its own file and puts
-the global chunk metadata together (replicas — tp-replicated layer norms, dp replicas without ZeRO — are
+moves no tensor between ranks and builds no full tensor (DCP's writer copies one piece at a time to
+serialise it): DCP writes each rank's views to its own file and puts the global chunk metadata together (replicas — tp-replicated layer norms, dp replicas without ZeRO — are
 written once; DCP's plan deduplication picks the least loaded holder).  Loading reads into the same views
 exactly the stored chunks that overlap them, so a checkpoint written at one (pp, dp, tp, ZeRO stage) loads
 at any other, into one process, and ``podscale export`` consolidates it into one plain file.
