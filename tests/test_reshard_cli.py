@@ -1,12 +1,15 @@
 """End to end through `podscale train`: a checkpoint written at (tp=2, dp=2, ZeRO-2) resumes at
-(dp=4, ZeRO-3) and the loss curve continues exactly as the uninterrupted run."""
+(dp=4, ZeRO-3) and the loss curve continues exactly as the uninterrupted run; `podscale export` turns the
+tp-sharded checkpoint and the one written at dp=4 into the same plain single-process file."""
 import json
 import subprocess
 import sys
 
 import pytest
+import torch
 
 from conftest import shakespeare
+from podscale.models.gpt import GPT, GPTConfig
 
 CONFIG = """
 [run]
@@ -58,3 +61,16 @@ def test_resume_on_another_layout_and_zero_stage(tmp_path):
     assert len(full) == len(moved) == 6
     assert moved == pytest.approx(full, abs=1e-5)
     assert full[-1] < full[0]
+
+    # both runs' step-6 checkpoints (tp=2 ZeRO-2 shards; dp=4 ZeRO-3) export to the same single-process model
+    exported = {}
+    for name in ("full", "moved"):
+        out = subprocess.run([sys.executable, "-m", "podscale", "export", str(tmp_path / "runs" / name),
+                              str(tmp_path / f"{name}.pt")], capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr[-3000:]
+        exported[name] = torch.load(tmp_path / f"{name}.pt", weights_only=True)
+    assert exported["full"]["step"] == exported["moved"]["step"] == 6
+    model = GPT(GPTConfig(n_layer=2, n_head=4, n_embd=64, block_size=64))
+    model.load_state_dict(exported["full"]["model"])  # single-process names and shapes, no padded rows
+    for k, v in exported["full"]["model"].items():
+        assert torch.allclose(v, exported["moved"]["model"][k], atol=1e-5), k

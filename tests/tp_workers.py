@@ -28,6 +28,31 @@ def make_config(data_path: str, steps: int, global_batch: int, micro_batch: int,
                       "lr": 2e-3, "min_lr": 2e-4, "warmup_steps": 5, "grad_clip": 1.0}}
 
 
+def assemble(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The whole tensors of a checkpoint state dict (ShardedTensors of every rank's own pieces, or plain
+    tensors), put together on every rank from what each rank holds (test helper: an object all-gather)."""
+    import torch.distributed as dist
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+
+    mine = {}
+    for name, t in state.items():
+        if isinstance(t, ShardedTensor):
+            parts = [(tuple(s.metadata.shard_offsets), s.tensor.detach().cpu().clone()) for s in t.local_shards()]
+        else:
+            parts = [((0,) * t.dim(), t.detach().cpu().clone())]
+        mine[name] = (tuple(t.size()), t.dtype, parts)
+    every = [None] * dist.get_world_size() if dist.is_initialized() else [mine]
+    if dist.is_initialized():
+        dist.all_gather_object(every, mine)
+    out = {}
+    for rank_state in every:
+        for name, (size, dtype, parts) in rank_state.items():
+            full = out.setdefault(name, torch.zeros(size, dtype=dtype))
+            for off, part in parts:
+                full[tuple(slice(o, o + n) for o, n in zip(off, part.shape))] = part
+    return out
+
+
 def full_named(engine, mesh, what: str = "param") -> dict[str, torch.Tensor]:
     """Every parameter (or its gradient) of the single-process model, reassembled from tp shards and pp
     stages; complete on global rank 0."""
@@ -48,7 +73,8 @@ def full_named(engine, mesh, what: str = "param") -> dict[str, torch.Tensor]:
     named = engine.strategy.named_parameters() if hasattr(engine.strategy, "named_parameters") \
         else engine.model.named_parameters()
     if what == "param" and hasattr(type(engine.strategy), "model_state"):
-        local = engine.strategy.model_state()  # the checkpoint view: single-process names and shapes
+        # the checkpoint view: single-process names and shapes, each rank holding its own pieces
+        return assemble(engine.strategy.model_state())
     else:
         for name, p in named:
             t = p.detach() if what == "param" else \
@@ -141,10 +167,32 @@ def _pipeline_stats(engine) -> dict | None:
             "chunks": [c.pipeline for c in engine.strategy.chunks]}
 
 
+def _engine_and_loader(cfg, mesh, seed: int):
+    torch.manual_seed(seed)
+    engine = build_engine(GPT(gpt_config(cfg)), mesh, cfg)
+    tokens, _ = split_tokens(load_tokens(cfg.data.path), cfg.data.val_fraction)
+    loader = ShardedLoader(tokens, cfg.model.block_size, cfg.train.global_batch, cfg.train.micro_batch,
+                           mesh.local_rank("dp"), mesh.size("dp"), seed=cfg.run.seed)
+    return engine, loader
+
+
+def _resume(engine, loader, root: str, rank: int) -> None:
+    from pathlib import Path
+
+    from podscale.train import checkpoint
+    template = {"model": engine.model_state(), "optim": engine.optim_template()}
+    meta, _ = checkpoint.load(checkpoint.latest(Path(root)), template, rank)
+    engine.load_model_state(template["model"])
+    engine.load_optim_state(template["optim"])
+    engine.step_count = int(meta["step"])
+    loader.load_state_dict(meta["loader"])
+
+
 def checkpoint_roundtrip(cfg_dicts: list[dict], root: str, steps_before: int, steps_after: int) -> list[dict]:
     """Train ``cfg_dicts[0]`` for ``steps_before`` steps, checkpoint, train ``steps_after`` more; then for
     every other layout start from a model built with another seed, load the checkpoint and train the same
-    ``steps_after`` steps.  Returns each layout's losses after the checkpoint."""
+    ``steps_after`` steps.  Returns each layout's losses after the checkpoint; the writer's entry also has
+    the bytes podscale's collectives moved while the checkpoint state was built and saved."""
     from pathlib import Path
 
     from podscale.train import checkpoint
@@ -156,28 +204,34 @@ def checkpoint_roundtrip(cfg_dicts: list[dict], root: str, steps_before: int, st
         cfg = parse_config(d)
         cfg.check_layout(info.world_size)
         mesh = Mesh.build(info.device, **cfg.mesh_sizes())
-        torch.manual_seed(cfg.run.seed + (0 if k == 0 else 1000))  # loading must matter
-        engine = build_engine(GPT(gpt_config(cfg)), mesh, cfg)
-        tokens, _ = split_tokens(load_tokens(cfg.data.path), cfg.data.val_fraction)
-        loader = ShardedLoader(tokens, cfg.model.block_size, cfg.train.global_batch, cfg.train.micro_batch,
-                               mesh.local_rank("dp"), mesh.size("dp"), seed=cfg.run.seed)
+        engine, loader = _engine_and_loader(cfg, mesh, cfg.run.seed + (0 if k == 0 else 1000))  # loading must matter
+        entry = {}
         if k == 0:
             for _ in range(steps_before):
                 engine.step(loader.next_step())
             meta = {"step": steps_before, "loader": loader.state_dict(), "mesh": mesh.sizes,
                     "model_config": {}}
+            mesh.stats.reset()
             checkpoint.save(Path(root), steps_before, {"model": engine.model_state(),
                                                        "optim": engine.optim_state()},
                             meta, {"torch_rng": torch.get_rng_state()}, info.rank, keep=1)
+            entry["save_comm_bytes"] = mesh.stats.totals()["bytes"]
         else:
-            template = {"model": engine.model_state(), "optim": engine.optim_template()}
-            meta, _ = checkpoint.load(checkpoint.latest(Path(root)), template, info.rank)
-            engine.load_model_state(template["model"])
-            engine.load_optim_state(template["optim"])
-            engine.step_count = int(meta["step"])
-            loader.load_state_dict(meta["loader"])
-        out.append({"losses": [engine.step(loader.next_step()).loss for _ in range(steps_after)]})
+            _resume(engine, loader, root, info.rank)
+        entry["losses"] = [engine.step(loader.next_step()).loss for _ in range(steps_after)]
+        out.append(entry)
     return out
+
+
+def resume_one_process(cfg_dict: dict, root: str, steps: int) -> list[float]:
+    """In this (non-distributed) process: the plain single-process engine loads the latest checkpoint under
+    ``root`` and trains ``steps`` steps; returns their losses."""
+    cfg = parse_config(cfg_dict)
+    cfg.check_layout(1)
+    mesh = Mesh.build(torch.device("cpu"))
+    engine, loader = _engine_and_loader(cfg, mesh, cfg.run.seed + 1000)
+    _resume(engine, loader, root, 0)
+    return [engine.step(loader.next_step()).loss for _ in range(steps)]
 
 
 def layer_equivalence() -> dict:

@@ -37,6 +37,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from podscale.parallel.sharded_state import ShardedCheckpointState
 from podscale.runtime import comm
 
 # ------------------------------------------------------------------------------------------------------
@@ -502,12 +503,7 @@ def global_grad_norm(pieces, mesh, dp_sharded: bool = False) -> torch.Tensor:
 
 
 # ------------------------------------------------------------------------------------------------------
-# checkpoints: the single-process names and shapes, whatever the layout
-
-
-def _zero_units(inner):
-    units = getattr(inner, "units", None)
-    return units if units is not None and units and hasattr(units[0], "owned") else None
+# the strategy around a data-parallel one
 
 
 class WrapsDataParallel:
@@ -523,141 +519,13 @@ class WrapsDataParallel:
         return self.inner.no_sync()
 
 
-class FullCheckpointState(WrapsDataParallel):
-    """Checkpoint tensors of a tensor/pipeline-parallel model under the single-process GPT's names and
-    shapes: tp shards are gathered (and padded vocabulary rows dropped), ZeRO's dp slices put together,
-    and each pipeline stage contributes its own layers.  A checkpoint therefore loads at any other
-    (pp, dp, tp) or ZeRO stage, and ``podscale export`` writes it to one plain file unchanged.  The
-    last stage's copy of the tied embedding keeps its optimizer state under the first stage's name.
-
-    Needs ``self.inner``, ``self.mesh`` and ``self.named_parameters(remove_duplicate)``.
-    """
-
-    _STATE = ("exp_avg", "exp_avg_sq")
-
-    def _optim_name(self, name: str, p) -> str:
-        return "wte.weight" if getattr(p, "pipeline_duplicate", False) else name
-
-    def _locals(self, key: str) -> dict[int, torch.Tensor]:
-        """id(parameter) -> this tp rank's tensor (parameter or Adam state ``key``), dp slices joined."""
-        units = _zero_units(self.inner)
-        params = list(dict((id(p), p) for _, p in self.named_parameters(False)).values())
-        if units is None:
-            if key == "param":
-                return {id(p): p.detach() for p in params}
-            st = self.inner.optimizer.state
-            return {id(p): st[p][key] if p in st and key in st[p] else torch.zeros_like(p) for p in params}
-        out = {}
-        for u in units:  # the same order on every dp rank
-            src = {"param": u.master, "exp_avg": u.exp_avg, "exp_avg_sq": u.exp_avg_sq}[key]
-            for p in u.params:
-                out[id(p)] = torch.zeros(p.numel(), dtype=torch.float32, device=self.mesh.device)
-            for i, lo, hi in u.owned():
-                start = u.offsets[i] + lo - u.lo
-                out[id(u.params[i])][lo:hi] = src[start:start + hi - lo].to(self.mesh.device)
-        for u in units:
-            for p in u.params:
-                comm.all_reduce(out[id(p)], self.mesh, "dp")
-                out[id(p)] = out[id(p)].view(p.shape)
-        return out
-
-    def _full(self, key: str, names) -> dict[str, torch.Tensor]:
-        local = self._locals(key)
-        done, out = {}, {}
-        for name, p in names:
-            if id(p) not in done:
-                layout = getattr(p, "tp_layout", None)
-                t = local[id(p)]
-                done[id(p)] = unshard(t, layout, self.mesh) if layout is not None and self.mesh.size("tp") > 1 \
-                    else t.detach().clone()
-            out[name] = done[id(p)]
-        return out
-
-    def _step(self) -> torch.Tensor:
-        if _zero_units(self.inner) is not None:
-            return self.inner._step_value().to(torch.float32)
-        for s in self.inner.optimizer.state.values():
-            return s["step"].detach().to("cpu", torch.float32).clone()
-        return torch.zeros((), dtype=torch.float32)
-
-    def model_state(self) -> dict[str, torch.Tensor]:
-        if hasattr(self.inner, "_wait_params"):
-            self.inner._wait_params()
-        return self._full("param", self.named_parameters(False))
-
-    def optim_state(self) -> dict[str, torch.Tensor]:
-        names = [(self._optim_name(n, p), p) for n, p in self.named_parameters(True)]
-        out = {}
-        for key in self._STATE:
-            out.update({f"{n}.{key}": t for n, t in self._full(key, names).items()})
-        step = self._step()
-        for n, _ in names:
-            out[f"{n}.step"] = step.clone()
-        return out
-
-    def optim_template(self) -> dict[str, torch.Tensor]:
-        return self.optim_state()
-
-    def _local_from_full(self, p, full: torch.Tensor) -> torch.Tensor:
-        layout = getattr(p, "tp_layout", None)
-        if layout is None or self.mesh.size("tp") == 1:
-            return full
-        kind, vocab = (layout, None) if isinstance(layout, str) else layout
-        return shard(full, kind, self.mesh, vocab)
-
-    @torch.no_grad()
-    def _write(self, key: str, values: dict[int, torch.Tensor]) -> None:
-        units = _zero_units(self.inner)
-        if units is None:
-            for p in dict((id(p), p) for _, p in self.named_parameters(False)).values():
-                if id(p) not in values:
-                    continue
-                if key == "param":
-                    p.copy_(values[id(p)])
-                else:
-                    st = self.inner.optimizer.state.setdefault(p, {})
-                    st[key] = values[id(p)].to(p.device, torch.float32).clone()
-            return
-        for u in units:
-            dst = {"param": u.master, "exp_avg": u.exp_avg, "exp_avg_sq": u.exp_avg_sq}[key]
-            for i, lo, hi in u.owned():
-                v = values.get(id(u.params[i]))
-                if v is not None:
-                    start = u.offsets[i] + lo - u.lo
-                    dst[start:start + hi - lo].copy_(v.reshape(-1)[lo:hi])
-
-    def load_model_state(self, state: dict[str, torch.Tensor]) -> None:
-        values = {}
-        for name, p in self.named_parameters(False):
-            if name in state and id(p) not in values:
-                values[id(p)] = self._local_from_full(p, state[name])
-        self._write("param", values)
-        if _zero_units(self.inner) is not None:  # publish the masters to the parameters ZeRO computes with
-            self.inner.load_model_state(self.inner.model_state())
-
-    def load_optim_state(self, flat: dict[str, torch.Tensor]) -> None:
-        names = [(self._optim_name(n, p), p) for n, p in self.named_parameters(True)]
-        for key in self._STATE:
-            self._write(key, {id(p): self._local_from_full(p, flat[f"{n}.{key}"]) for n, p in names
-                              if f"{n}.{key}" in flat})
-        steps = [flat[f"{n}.step"] for n, _ in names if f"{n}.step" in flat]
-        if not steps:
-            return
-        if _zero_units(self.inner) is not None:
-            self.inner.load_optim_state({"step.step": steps[0]})
-        else:
-            for _, p in names:
-                self.inner.optimizer.state.setdefault(p, {})["step"] = \
-                    steps[0].detach().to(p.device, torch.float32).clone()
-
-
 def reduce_commutes(inner) -> bool:
     """True for the replicated DataParallel strategy, whose dp all-reduce commutes with sums over tp/pp."""
     from podscale.parallel.data import DataParallel
     return isinstance(inner, DataParallel)
 
 
-class TensorParallelStrategy(FullCheckpointState):
+class TensorParallelStrategy(ShardedCheckpointState, WrapsDataParallel):
     """Wraps a data-parallel strategy (replicated :class:`DataParallel` or ZeRO over dp) for a model with
     tensor- and/or sequence-parallel layers: sequence-parallel gradients are summed over tp and the
     gradient norm is the model's true global norm."""

@@ -29,7 +29,8 @@ import torch.nn as nn
 
 from podscale.models.gpt import GPT
 from podscale.parallel.pipeline.partition import PipelineError, layer_costs, split_chunk, stage_layers
-from podscale.parallel.tensor import (FullCheckpointState, apply_recompute, apply_tensor_parallel, global_grad_norm,
+from podscale.parallel.sharded_state import ShardedCheckpointState
+from podscale.parallel.tensor import (WrapsDataParallel, apply_recompute, apply_tensor_parallel, global_grad_norm,
                                       grad_pieces, reduce_commutes, sync_sequence_parallel_grads)
 from podscale.runtime import comm
 from podscale.runtime.mesh import AXES
@@ -177,7 +178,7 @@ class StepStats:
     timeline: list = field(default_factory=list)  # (kind, chunk, micro-batch, start, end) from step start
 
 
-class PipelineParallel(FullCheckpointState):
+class PipelineParallel(ShardedCheckpointState, WrapsDataParallel):
     """Pipeline-parallel training strategy: model chunks on this pp rank, a schedule, and a data-parallel
     strategy over dp for the chunks' parameters (replicated or ZeRO).  Provides ``forward_backward``."""
 
