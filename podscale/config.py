@@ -233,12 +233,6 @@ class Config(_Section):
             if self.zero.stage > 1:
                 raise ConfigError(f"zero.stage={self.zero.stage} with parallel.pp > 1 is not supported (each "
                                   "micro-batch would re-reduce the gradients): use zero.stage = 1 with pipelines")
-            if self.run.eval_every or self.run.sample_tokens:
-                raise ConfigError("run.eval_every and run.sample_tokens are not available with parallel.pp > 1 "
-                                  "yet: set them to 0")
-        if p.tp > 1 and self.run.sample_tokens:
-            raise ConfigError("run.sample_tokens is not available with parallel.tp > 1 yet (the logits are "
-                              "vocab-sharded): set it to 0")
 
 
 def _where(loc: tuple) -> str:

@@ -214,3 +214,31 @@ def layer_equivalence() -> dict:
             # relative to the largest entry: fp32 rounding of sums in another order
             worst[f"sp={sp} overlap={overlap}"] = max(float((a - b).abs().max() / b.abs().max()) for a, b in pairs)
     return worst
+
+
+def eval_and_sample(cfg_dicts: list[dict], eval_batch: int, n_eval: int, n_sample: int) -> list[dict]:
+    """Train each config for its steps, then the validation loss (``Engine.evaluate``) over ``n_eval``
+    batches of ``eval_batch`` sequences and ``n_sample`` bytes sampled with the run's seed
+    (``Engine.generate``, as ``podscale train`` samples)."""
+    from podscale.train.data import eval_batches
+
+    info = init_process()
+    torch.set_num_threads(1)
+    out = []
+    for d in cfg_dicts:
+        cfg = parse_config(d)
+        cfg.check_layout(info.world_size)
+        mesh = Mesh.build(info.device, **cfg.mesh_sizes())
+        torch.manual_seed(cfg.run.seed)
+        engine = build_engine(GPT(gpt_config(cfg)), mesh, cfg)
+        tokens, val = split_tokens(load_tokens(cfg.data.path), cfg.data.val_fraction)
+        loader = ShardedLoader(tokens, cfg.model.block_size, cfg.train.global_batch, cfg.train.micro_batch,
+                               mesh.local_rank("dp"), mesh.size("dp"), seed=cfg.run.seed)
+        for _ in range(cfg.run.steps):
+            engine.step(loader.next_step())
+        batches = eval_batches(val, cfg.model.block_size, eval_batch, n_eval, mesh.local_rank("dp"), mesh.size("dp"))
+        val_loss = engine.evaluate(batches)
+        g = torch.Generator().manual_seed(cfg.run.seed)
+        sampled = engine.generate(torch.tensor([[10]]), n_sample, temperature=0.8, top_k=50, generator=g)
+        out.append({"val_loss": val_loss, "sample": sampled[0].tolist()})
+    return out

@@ -178,14 +178,22 @@ class GPT(nn.Module):
     def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
                  top_k: int | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
         """Sample ``max_new_tokens`` tokens autoregressively (temperature and top-k sampling)."""
-        for _ in range(max_new_tokens):
-            ctx = idx[:, -self.cfg.block_size:]
-            logits, _ = self(ctx)
-            logits = logits[:, -1, :].float() / max(temperature, 1e-6)
-            if top_k is not None:
-                v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
-                logits[logits < v[:, [-1]]] = -float("inf")
-            probs = F.softmax(logits, dim=-1)
-            nxt = torch.multinomial(probs, num_samples=1, generator=generator)
-            idx = torch.cat((idx, nxt), dim=1)
-        return idx
+        return sample(lambda ctx: self(ctx)[0][:, -1, :], idx, max_new_tokens, self.cfg.block_size,
+                      temperature, top_k, generator)
+
+
+@torch.no_grad()
+def sample(next_logits, idx: torch.Tensor, max_new_tokens: int, block_size: int, temperature: float = 1.0,
+           top_k: int | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Extend ``idx`` (B, T) by ``max_new_tokens`` tokens drawn from ``next_logits(context)``, the (B, vocab)
+    logits of the context's last position: one process's forward, or a parallel layout's distributed one
+    (which gives every rank the same logits, so every rank draws the same tokens from the same seed)."""
+    for _ in range(max_new_tokens):
+        logits = next_logits(idx[:, -block_size:]).float() / max(temperature, 1e-6)
+        if top_k is not None:
+            v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
+            logits[logits < v[:, [-1]]] = -float("inf")
+        probs = F.softmax(logits, dim=-1)
+        nxt = torch.multinomial(probs, num_samples=1, generator=generator)
+        idx = torch.cat((idx, nxt), dim=1)
+    return idx

@@ -284,6 +284,25 @@ class VocabParallelCrossEntropy(nn.Module):
         return _VocabParallelCrossEntropyFn.apply(flat, targets, self.mesh, self.start, self.vocab_size)
 
 
+def gather_vocab_logits(local: torch.Tensor, mesh, vocab_size: int) -> torch.Tensor:
+    """The full (B, vocab) logits on every tp rank from each rank's vocab shard (B, padded vocab / tp): an
+    all-gather of one position's logits, for sampling (training never gathers them)."""
+    n = mesh.size("tp")
+    if n == 1:
+        return local[:, :vocab_size]
+    parts = torch.empty((n * local.shape[0],) + tuple(local.shape[1:]), dtype=local.dtype, device=local.device)
+    comm.all_gather(parts, local.contiguous(), mesh, "tp")
+    return torch.cat(list(parts.view((n,) + tuple(local.shape))), dim=-1)[:, :vocab_size]
+
+
+def pad_to_shards(idx: torch.Tensor, mesh, sequence_parallel: bool) -> torch.Tensor:
+    """``idx`` (B, T) padded on the right to a multiple of tp, which sequence parallelism needs; a causal
+    model's logits at positions < T do not depend on the padding."""
+    n = mesh.size("tp")
+    pad = -idx.shape[1] % n if sequence_parallel else 0
+    return F.pad(idx, (0, pad)) if pad else idx
+
+
 # ------------------------------------------------------------------------------------------------------
 # applying it to the GPT
 
@@ -684,6 +703,14 @@ class TensorParallelStrategy(FullCheckpointState):
     def grad_norm(self) -> torch.Tensor:
         pieces, dp_sharded = grad_pieces(self.inner, self.params)
         return global_grad_norm(pieces, self.mesh, dp_sharded)
+
+    @torch.no_grad()
+    def next_logits(self, idx: torch.Tensor) -> torch.Tensor:
+        """The (B, vocab) logits of the last position of ``idx`` on every rank (vocab shards gathered)."""
+        T = idx.shape[1]
+        sp = self.module.tensor_parallel["sequence_parallel"]
+        logits, _ = self.module(pad_to_shards(idx.to(self.mesh.device), self.mesh, sp))
+        return gather_vocab_logits(logits[:, T - 1, :], self.mesh, self.module.cfg.vocab_size)
 
     def _forward_backward_local(self, micro_batches, loss_scale: float | None) -> torch.Tensor:
         """The engine's micro-batch loop with every backward under ``no_sync``: the dp reduction starts in

@@ -134,15 +134,16 @@ def run_worker(cfg: Config, resume: bool = False) -> dict:
 
     summary = {"rank": rank, "steps": cfg.run.steps, "final_loss": last.get("loss"),
                "val_loss": last.get("val_loss"), "run_dir": str(run_dir)}
-    if rank == 0 and cfg.run.sample_tokens:
-        g = torch.Generator().manual_seed(cfg.run.seed)
-        engine.model.eval()
-        out = engine.model.generate(torch.tensor([[10]], device=info.device), cfg.run.sample_tokens,
-                                    temperature=0.8, top_k=50, generator=g)
+    if cfg.run.sample_tokens:
+        # every rank samples (tp and pp forwards are collective) and draws the same bytes from the same seed
+        g = torch.Generator(device=info.device).manual_seed(cfg.run.seed)
+        out = engine.generate(torch.tensor([[10]], device=info.device), cfg.run.sample_tokens,
+                              temperature=0.8, top_k=50, generator=g)
         text = bytes(out[0, 1:].tolist()).decode("utf-8", errors="replace")
-        (run_dir / "sample.txt").write_text(text)
-        progress.print("sample:\n" + text)
-        summary["sample"] = text
+        if rank == 0:
+            (run_dir / "sample.txt").write_text(text)
+            progress.print("sample:\n" + text)
+            summary["sample"] = text
     if log is not None:
         log.close()
     sys.stdout.flush()
