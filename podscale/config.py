@@ -202,9 +202,6 @@ class Config(_Section):
             raise ConfigError(f"model.block_size={m.block_size} (the sequence length) is not divisible by "
                               f"parallel.tp={p.tp} with sequence parallelism: use a multiple of {p.tp} or set "
                               "parallel.sequence_parallel = false")
-        if m.dropout > 0 and p.tp > 1 and not p.sequence_parallel:
-            raise ConfigError("model.dropout > 0 with parallel.tp > 1 needs parallel.sequence_parallel = true "
-                              "(dropout then acts on each rank's own sequence shard): enable it or set dropout = 0")
         if p.sequence_parallel and p.tp > 1 and self.zero.stage > 1:
             raise ConfigError(f"parallel.sequence_parallel with zero.stage={self.zero.stage} is not supported "
                               "(ZeRO-2/3 reduce gradients before the layer-norm gradients are summed over tp): "

@@ -7,6 +7,7 @@ Pre-norm transformer blocks: ``x + attn(ln(x))`` then ``x + mlp(ln(x))``, causal
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import zlib
 from dataclasses import dataclass
@@ -48,6 +49,9 @@ class CausalSelfAttention(nn.Module):
         self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias)
         self.proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.dropout = cfg.dropout
+        # where dropout on the attention probabilities draws from: tensor parallelism, which leaves each
+        # rank some of the heads, swaps in a stream of this rank's own (podscale.parallel.rng)
+        self.heads_rng = contextlib.nullcontext
         self.resid_drop = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -62,9 +66,11 @@ class CausalSelfAttention(nn.Module):
         return self.resid_drop(self.proj(y))
 
     def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """softmax(q k^T / sqrt(d)) v with a causal mask (what selective recomputation recomputes)."""
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                              dropout_p=self.dropout if self.training else 0.0)
+        """softmax(q k^T / sqrt(d)) v with a causal mask and dropout on the attention probabilities (what
+        selective recomputation recomputes)."""
+        p = self.dropout if self.training else 0.0
+        with self.heads_rng() if p > 0 else contextlib.nullcontext():
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p)
 
 
 class MLP(nn.Module):

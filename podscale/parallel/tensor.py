@@ -32,11 +32,14 @@ the same model in every layout.  All communication goes through :mod:`podscale.r
 """
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from podscale.parallel.rng import ForkedDropout, rng_tracker
 from podscale.runtime import comm
 
 # ------------------------------------------------------------------------------------------------------
@@ -439,6 +442,17 @@ def apply_tensor_parallel(model: nn.Module, mesh, sequence_parallel: bool = Fals
             if sp:
                 for p in model.ln_f.parameters():
                     _mark(p, sequence_parallel=True)
+        # dropout: this rank's heads draw from its own stream; with sequence parallelism so do the regions
+        # between the blocks, which then hold this rank's part of the sequence (podscale.parallel.rng)
+        tracker = rng_tracker(mesh)
+        for block in model.blocks.values():
+            block.attn.heads_rng = tracker.fork
+            if sp:
+                block.attn.resid_drop = ForkedDropout(block.attn.resid_drop.p, tracker)
+                block.mlp.drop = ForkedDropout(block.mlp.drop.p, tracker)
+        if sp and model.drop is not None:
+            model.drop = ForkedDropout(model.drop.p, tracker)
+        model.rng_tracker = tracker
     model.tensor_parallel = {"tp": n, "sequence_parallel": sp, "padded_vocab": vp}
     return model
 
@@ -453,11 +467,17 @@ def apply_recompute(model: nn.Module, mode: str) -> nn.Module:
         return model
     if mode not in ("selective", "full"):
         raise ValueError(f"unknown recompute mode '{mode}': use none, selective or full")
+    def rng_context():
+        # tensor parallelism's dropout streams are replayed as at the forward (torch restores the default one)
+        tracker = getattr(model, "rng_tracker", None)
+        return tracker.recompute_context() if tracker is not None else (nullcontext(), nullcontext())
+
     for block in model.blocks.values():
         target = block if mode == "full" else block.attn
         name = "forward" if mode == "full" else "core"
         fn = getattr(target, name)
-        setattr(target, name, lambda *args, _fn=fn: checkpoint(_fn, *args, use_reentrant=False))
+        setattr(target, name, lambda *args, _fn=fn: checkpoint(_fn, *args, use_reentrant=False,
+                                                                context_fn=rng_context))
     return model
 
 
