@@ -7,8 +7,8 @@ Each rank builds the same GPT from the same seed and splits it into the same sta
 embedding sync, global-norm clipping, AdamW); the peer with ``torch.distributed.pipelining``'s
 ``Schedule1F1B`` / ``ScheduleInterleaved1F1B`` over ``PipelineStage``s of the same chunks, plus
 ``torch.optim.AdamW`` (no clipping, no tied-embedding sync: slightly less work).  Runs alternate
-(podscale, torch, podscale, ...) so drift on a shared machine hits both; the ratio of median step times is
-printed (> 1: podscale is faster).
+step by step (podscale, torch, torch, podscale, ...) so drift on a shared machine hits both; the ratio of
+median step times and the median of the per-pair ratios are printed (> 1: podscale is faster).
 """
 from __future__ import annotations
 
@@ -45,7 +45,7 @@ def _config(schedule: str, v: int, micro: int, m: int, steps: int) -> dict:
                       "warmup_steps": 0, "grad_clip": 1.0}}
 
 
-def worker(micro: int, m: int, steps: int, rounds: int) -> dict:
+def worker(micro: int, m: int, steps: int, rounds: int, schedules: tuple[str, ...]) -> dict:
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
 
     from podscale.config import parse_config
@@ -64,6 +64,8 @@ def worker(micro: int, m: int, steps: int, rounds: int) -> dict:
                 for _ in range(m)] for _ in range(steps)]
     results = {}
     for schedule, v in (("1f1b", 1), ("interleaved", 2)):
+        if schedule not in schedules:
+            continue
         cfg = parse_config(_config(schedule, v, micro, m, steps))
         mesh = Mesh.build(info.device, **cfg.mesh_sizes())
         torch.manual_seed(1)
@@ -103,8 +105,10 @@ def worker(micro: int, m: int, steps: int, rounds: int) -> dict:
 
         times = {"podscale": [], "torch": []}
         for rnd in range(rounds):
-            for name in ("podscale", "torch"):
-                for i, mbs in enumerate(batches):
+            for i, mbs in enumerate(batches):
+                # one step of each, back to back: load from other jobs hits both alike
+                order = ("podscale", "torch") if (rnd + i) % 2 == 0 else ("torch", "podscale")
+                for name in order:
                     torch.distributed.barrier()
                     t0 = time.perf_counter()
                     engine.step(mbs) if name == "podscale" else run_torch(mbs)
@@ -114,8 +118,10 @@ def worker(micro: int, m: int, steps: int, rounds: int) -> dict:
                         times[name].append(float(dt))
         tokens = micro * m * T
         med = {k: statistics.median(t) for k, t in times.items()}
+        pairs = [b / a for a, b in zip(times["podscale"], times["torch"])]
         results[schedule] = {"podscale_tok_s": tokens / med["podscale"], "torch_tok_s": tokens / med["torch"],
-                             "ratio": med["torch"] / med["podscale"]}
+                             "ratio": med["torch"] / med["podscale"], "pair_ratio": statistics.median(pairs),
+                             "steps": len(pairs)}
     return results
 
 
@@ -124,15 +130,17 @@ def main() -> None:
     ap.add_argument("--micro", type=int, default=2, help="sequences per micro-batch")
     ap.add_argument("--m", type=int, default=8, help="micro-batches per step")
     ap.add_argument("--steps", type=int, default=4, help="steps per round")
-    ap.add_argument("--rounds", type=int, default=3, help="alternating podscale/torch rounds")
+    ap.add_argument("--rounds", type=int, default=3, help="rounds of steps, podscale and torch alternating")
+    ap.add_argument("--schedules", default="1f1b,interleaved", help="comma-separated: 1f1b, interleaved")
     a = ap.parse_args()
     from podscale.runtime.launcher import launch
 
-    res = launch(worker, (a.micro, a.m, a.steps, a.rounds), nproc=4)[0]
+    res = launch(worker, (a.micro, a.m, a.steps, a.rounds, tuple(a.schedules.split(","))), nproc=4)[0]
     print(f"GPT {MODEL}, 4 pipeline ranks (gloo, CPU), {a.m} micro-batches of {a.micro} x {MODEL['block_size']}")
     for name, r in res.items():
         print(f"{name:12s} podscale {r['podscale_tok_s']:8.0f} tok/s   torch.distributed.pipelining "
-              f"{r['torch_tok_s']:8.0f} tok/s   ratio {r['ratio']:.2f}")
+              f"{r['torch_tok_s']:8.0f} tok/s   ratio {r['ratio']:.2f} (median of {r['steps']} step pairs "
+              f"{r['pair_ratio']:.2f})")
 
 
 if __name__ == "__main__":

@@ -11,6 +11,9 @@ as far as one process's with the same dropout, within the noise that different m
 import math
 import statistics
 
+import pytest
+import torch
+
 from conftest import shakespeare
 from podscale.runtime.launcher import launch
 from test_tensor_parallel import reference_run
@@ -49,3 +52,44 @@ def test_tp2_dropout_deterministic_replicated_and_sane():
         assert losses[-1] < losses[0] - 0.5, f"{label}: did not train"
         tail, ref_tail = statistics.mean(losses[-4:]), statistics.mean(ref[-4:])
         assert math.isclose(tail, ref_tail, abs_tol=0.15), f"{label}: final loss {tail} vs one process {ref_tail}"
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device"))])
+def test_rng_tracker_fork_and_recompute(device):
+    """One process: the tracker's stream leaves the default generator untouched and is reproducible, and
+    a checkpointed region with dropout inside ``fork`` recomputes the forward's masks, so its gradients
+    equal those of the same region without recomputation."""
+    from torch.utils.checkpoint import checkpoint
+
+    from podscale.parallel.rng import RNGTracker
+
+    tracker = RNGTracker(device)
+    torch.manual_seed(0)
+    default_draw = torch.rand(8, device=device)
+    torch.manual_seed(0)
+    tracker.add("model-parallel", 123)
+    with tracker.fork():
+        forked = torch.rand(8, device=device)
+    assert torch.equal(torch.rand(8, device=device), default_draw), "fork moved the default generator"
+    tracker.add("model-parallel", 123)
+    with tracker.fork():
+        assert torch.equal(torch.rand(8, device=device), forked), "the stream is not reproducible"
+
+    def region(x):
+        h = torch.nn.functional.dropout(x, 0.5, True)  # replicated: the default generator
+        with tracker.fork():
+            return torch.nn.functional.dropout(h * 2, 0.5, True)  # split over tp: the tracker's stream
+
+    grads = []
+    for recompute in (False, True):
+        torch.manual_seed(1)
+        tracker.add("model-parallel", 7)
+        x = torch.randn(64, 64, device=device, requires_grad=True)
+        y = checkpoint(region, x, use_reentrant=False, context_fn=tracker.recompute_context) if recompute \
+            else region(x)
+        with tracker.fork():  # the stream moves on before backward recomputes
+            torch.rand(1000, device=device)
+        y.sum().backward()
+        grads.append(x.grad)
+    assert torch.equal(grads[0], grads[1]), "recomputation drew other dropout masks"

@@ -27,6 +27,10 @@ reduce-scatter (backward: all-gather) after the row-parallel ones.  Same bytes a
 activations between blocks take ``1/tp`` of the memory.  Parameters used on a sequence shard (layer norms,
 position embedding, row-parallel biases) get partial gradients, summed over ``tp`` by the strategy.
 
+Dropout on activations split over tp (each rank's attention heads; with sequence parallelism also the
+regions between blocks) draws from a per-rank stream of the model-parallel RNG tracker, dropout on
+replicated activations from a generator shared by the tp group (:mod:`podscale.parallel.rng`).
+
 ``apply_tensor_parallel(model, mesh)`` shards a plain single-process GPT in place, so the same seed gives
 the same model in every layout.  All communication goes through :mod:`podscale.runtime.comm` on axis "tp".
 """
@@ -467,6 +471,7 @@ def apply_recompute(model: nn.Module, mode: str) -> nn.Module:
         return model
     if mode not in ("selective", "full"):
         raise ValueError(f"unknown recompute mode '{mode}': use none, selective or full")
+
     def rng_context():
         # tensor parallelism's dropout streams are replayed as at the forward (torch restores the default one)
         tracker = getattr(model, "rng_tracker", None)
