@@ -7,8 +7,10 @@ Each rank builds the same GPT from the same seed and splits it into the same sta
 embedding sync, global-norm clipping, AdamW); the peer with ``torch.distributed.pipelining``'s
 ``Schedule1F1B`` / ``ScheduleInterleaved1F1B`` over ``PipelineStage``s of the same chunks, plus
 ``torch.optim.AdamW`` (no clipping, no tied-embedding sync: slightly less work).  Runs alternate
-(podscale, torch, podscale, ...) so drift on a shared machine hits both; the ratio of median step times is
-printed (> 1: podscale is faster).
+step by step (podscale, torch, torch, podscale, ...) so drift on a shared machine hits both; the ratio of
+median step times and the median of the per-pair ratios are printed (> 1: podscale is faster), with the
+median CPU time per step (slowest rank).  ``--recv-ahead 1,4`` runs podscale's executor with each
+receive look-ahead in the same alternation.
 """
 from __future__ import annotations
 
@@ -45,7 +47,8 @@ def _config(schedule: str, v: int, micro: int, m: int, steps: int) -> dict:
                       "warmup_steps": 0, "grad_clip": 1.0}}
 
 
-def worker(micro: int, m: int, steps: int, rounds: int) -> dict:
+def worker(micro: int, m: int, steps: int, rounds: int, schedules: tuple[str, ...],
+           recv_ahead: tuple[int, ...] = (4,)) -> dict:
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
 
     from podscale.config import parse_config
@@ -64,6 +67,8 @@ def worker(micro: int, m: int, steps: int, rounds: int) -> dict:
                 for _ in range(m)] for _ in range(steps)]
     results = {}
     for schedule, v in (("1f1b", 1), ("interleaved", 2)):
+        if schedule not in schedules:
+            continue
         cfg = parse_config(_config(schedule, v, micro, m, steps))
         mesh = Mesh.build(info.device, **cfg.mesh_sizes())
         torch.manual_seed(1)
@@ -101,21 +106,30 @@ def worker(micro: int, m: int, steps: int, rounds: int) -> dict:
             opt.step()
             opt.zero_grad()
 
-        times = {"podscale": [], "torch": []}
+        # podscale once per receive look-ahead asked for, torch once, back to back in each step (order
+        # reversed every other step), so load from other jobs hits all alike
+        names = ["torch"] + [f"podscale ahead={k}" for k in recv_ahead]
+        times = {n: [] for n in names}
+        cpu = {n: [] for n in names}
         for rnd in range(rounds):
-            for name in ("podscale", "torch"):
-                for i, mbs in enumerate(batches):
+            for i, mbs in enumerate(batches):
+                for name in names if (rnd + i) % 2 == 0 else names[::-1]:
+                    if name != "torch":
+                        engine.strategy.recv_ahead = int(name.split("=")[1])
                     torch.distributed.barrier()
-                    t0 = time.perf_counter()
-                    engine.step(mbs) if name == "podscale" else run_torch(mbs)
-                    dt = torch.tensor([time.perf_counter() - t0])
+                    t0, c0 = time.perf_counter(), time.process_time()
+                    engine.step(mbs) if name != "torch" else run_torch(mbs)
+                    dt = torch.tensor([time.perf_counter() - t0, time.process_time() - c0])
                     torch.distributed.all_reduce(dt, op=torch.distributed.ReduceOp.MAX)
                     if rnd > 0 or i > 0:  # the very first steps set up connections
-                        times[name].append(float(dt))
+                        times[name].append(float(dt[0]))
+                        cpu[name].append(float(dt[1]))
         tokens = micro * m * T
-        med = {k: statistics.median(t) for k, t in times.items()}
-        results[schedule] = {"podscale_tok_s": tokens / med["podscale"], "torch_tok_s": tokens / med["torch"],
-                             "ratio": med["torch"] / med["podscale"]}
+        results[schedule] = {
+            name: {"tok_s": tokens / statistics.median(times[name]), "cpu_s": statistics.median(cpu[name]),
+                   "ratio": statistics.median(times["torch"]) / statistics.median(times[name]),
+                   "pair_ratio": statistics.median(b / a for a, b in zip(times[name], times["torch"])),
+                   "steps": len(times[name])} for name in names}
     return results
 
 
@@ -124,15 +138,20 @@ def main() -> None:
     ap.add_argument("--micro", type=int, default=2, help="sequences per micro-batch")
     ap.add_argument("--m", type=int, default=8, help="micro-batches per step")
     ap.add_argument("--steps", type=int, default=4, help="steps per round")
-    ap.add_argument("--rounds", type=int, default=3, help="alternating podscale/torch rounds")
+    ap.add_argument("--rounds", type=int, default=3, help="rounds of steps, podscale and torch alternating")
+    ap.add_argument("--schedules", default="1f1b,interleaved", help="comma-separated: 1f1b, interleaved")
+    ap.add_argument("--recv-ahead", default="4", help="comma-separated receive look-aheads of podscale's "
+                    "executor to compare (1 = before 2026-11-30)")
     a = ap.parse_args()
     from podscale.runtime.launcher import launch
 
-    res = launch(worker, (a.micro, a.m, a.steps, a.rounds), nproc=4)[0]
+    ahead = tuple(int(k) for k in a.recv_ahead.split(","))
+    res = launch(worker, (a.micro, a.m, a.steps, a.rounds, tuple(a.schedules.split(",")), ahead), nproc=4)[0]
     print(f"GPT {MODEL}, 4 pipeline ranks (gloo, CPU), {a.m} micro-batches of {a.micro} x {MODEL['block_size']}")
-    for name, r in res.items():
-        print(f"{name:12s} podscale {r['podscale_tok_s']:8.0f} tok/s   torch.distributed.pipelining "
-              f"{r['torch_tok_s']:8.0f} tok/s   ratio {r['ratio']:.2f}")
+    for schedule, runs in res.items():
+        for name, r in runs.items():
+            print(f"{schedule:12s} {name:20s} {r['tok_s']:8.0f} tok/s  cpu {r['cpu_s']:.3f} s/step  vs torch: "
+                  f"ratio of medians {r['ratio']:.2f}, median of {r['steps']} step pairs {r['pair_ratio']:.2f}")
 
 
 if __name__ == "__main__":

@@ -210,9 +210,6 @@ class Config(_Section):
             raise ConfigError(f"model.block_size={m.block_size} (the sequence length) is not divisible by "
                               f"parallel.tp={p.tp} with sequence parallelism: use a multiple of {p.tp} or set "
                               "parallel.sequence_parallel = false")
-        if m.dropout > 0 and p.tp > 1 and not p.sequence_parallel:
-            raise ConfigError("model.dropout > 0 with parallel.tp > 1 needs parallel.sequence_parallel = true "
-                              "(dropout then acts on each rank's own sequence shard): enable it or set dropout = 0")
         if self.zero.offload_optimizer == "nvme" and (p.pp > 1 or p.tp > 1 or p.sequence_parallel):
             raise ConfigError("zero.offload_optimizer='nvme' is not available with parallel.pp > 1, tp > 1 or "
                               "sequence_parallel yet (their gradient norm and checkpoints read the optimizer "
@@ -238,12 +235,6 @@ class Config(_Section):
                 raise ConfigError(f"interleaved 1F1B needs the micro-batches per step (global_batch / (dp * "
                                   f"micro_batch) = {micro}) to be a multiple of parallel.pp={p.pp}: set "
                                   f"train.global_batch to a multiple of {p.pp * self.dp * t.micro_batch}")
-            if self.run.eval_every or self.run.sample_tokens:
-                raise ConfigError("run.eval_every and run.sample_tokens are not available with parallel.pp > 1 "
-                                  "yet: set them to 0")
-        if p.tp > 1 and self.run.sample_tokens:
-            raise ConfigError("run.sample_tokens is not available with parallel.tp > 1 yet (the logits are "
-                              "vocab-sharded): set it to 0")
 
 
 def _where(loc: tuple) -> str:

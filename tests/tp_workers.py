@@ -270,3 +270,72 @@ def layer_equivalence() -> dict:
             # relative to the largest entry: fp32 rounding of sums in another order
             worst[f"sp={sp} overlap={overlap}"] = max(float((a - b).abs().max() / b.abs().max()) for a, b in pairs)
     return worst
+
+
+def eval_and_sample(cfg_dicts: list[dict], eval_batch: int, n_eval: int, n_sample: int) -> list[dict]:
+    """Train each config for its steps, then the validation loss (``Engine.evaluate``) over ``n_eval``
+    batches of ``eval_batch`` sequences and ``n_sample`` bytes sampled with the run's seed
+    (``Engine.generate``, as ``podscale train`` samples)."""
+    from podscale.train.data import eval_batches
+
+    info = init_process()
+    torch.set_num_threads(1)
+    out = []
+    for d in cfg_dicts:
+        cfg = parse_config(d)
+        cfg.check_layout(info.world_size)
+        mesh = Mesh.build(info.device, **cfg.mesh_sizes())
+        torch.manual_seed(cfg.run.seed)
+        engine = build_engine(GPT(gpt_config(cfg)), mesh, cfg)
+        tokens, val = split_tokens(load_tokens(cfg.data.path), cfg.data.val_fraction)
+        loader = ShardedLoader(tokens, cfg.model.block_size, cfg.train.global_batch, cfg.train.micro_batch,
+                               mesh.local_rank("dp"), mesh.size("dp"), seed=cfg.run.seed)
+        for _ in range(cfg.run.steps):
+            engine.step(loader.next_step())
+        batches = eval_batches(val, cfg.model.block_size, eval_batch, n_eval, mesh.local_rank("dp"), mesh.size("dp"))
+        val_loss = engine.evaluate(batches)
+        g = torch.Generator().manual_seed(cfg.run.seed)
+        sampled = engine.generate(torch.tensor([[10]]), n_sample, temperature=0.8, top_k=50, generator=g)
+        out.append({"val_loss": val_loss, "sample": sampled[0].tolist()})
+    return out
+
+
+def dropout_run(cfg_dicts: list[dict]) -> list[dict]:
+    """Train each config (dropout > 0) with dropout seeded as ``podscale train`` seeds it; per layout: the
+    losses, the largest difference across tp ranks of every block's output at the first forward (the
+    residual stream, replicated over tp without sequence parallelism), and whether a draw inside and
+    outside the model-parallel stream differs across tp ranks."""
+    from podscale.parallel.rng import rng_tracker, seed_model_parallel
+
+    info = init_process()
+    torch.set_num_threads(1)
+    out = []
+    for d in cfg_dicts:
+        cfg = parse_config(d)
+        cfg.check_layout(info.world_size)
+        mesh = Mesh.build(info.device, **cfg.mesh_sizes())
+        torch.manual_seed(cfg.run.seed)
+        engine = build_engine(GPT(gpt_config(cfg)), mesh, cfg)
+        seed_model_parallel(cfg.run.seed, mesh)
+        tokens, _ = split_tokens(load_tokens(cfg.data.path), cfg.data.val_fraction)
+        loader = ShardedLoader(tokens, cfg.model.block_size, cfg.train.global_batch, cfg.train.micro_batch,
+                               mesh.local_rank("dp"), mesh.size("dp"), seed=cfg.run.seed)
+        seen = []
+        hooks = [b.register_forward_hook(lambda mod, args, y: seen.append(y.detach().clone()) if len(seen) < 4
+                                         else None) for b in engine.model.blocks.values()]
+        losses = [engine.step(loader.next_step()).loss for _ in range(cfg.run.steps)]
+        for h in hooks:
+            h.remove()
+
+        def spread(t: torch.Tensor) -> float:
+            """max |t on this rank - t on the other tp ranks|"""
+            parts = torch.empty((mesh.size("tp") * t.shape[0],) + tuple(t.shape[1:]))
+            comm.all_gather(parts, t.contiguous(), mesh, "tp")
+            return float((parts.view((-1,) + tuple(t.shape)) - t).abs().max())
+
+        with rng_tracker(mesh).fork():
+            inside = spread(torch.rand(64))
+        outside = spread(torch.rand(64))
+        out.append({"losses": losses, "block_spread": max(spread(t) for t in seen[:4]),
+                    "fork_spread": inside, "default_spread": outside})
+    return out

@@ -7,6 +7,7 @@ Pre-norm transformer blocks: ``x + attn(ln(x))`` then ``x + mlp(ln(x))``, causal
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import zlib
 from dataclasses import dataclass
@@ -48,6 +49,9 @@ class CausalSelfAttention(nn.Module):
         self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias)
         self.proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.dropout = cfg.dropout
+        # where dropout on the attention probabilities draws from: tensor parallelism, which leaves each
+        # rank some of the heads, swaps in a stream of this rank's own (podscale.parallel.rng)
+        self.heads_rng = contextlib.nullcontext
         self.resid_drop = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -62,9 +66,11 @@ class CausalSelfAttention(nn.Module):
         return self.resid_drop(self.proj(y))
 
     def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """softmax(q k^T / sqrt(d)) v with a causal mask (what selective recomputation recomputes)."""
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                              dropout_p=self.dropout if self.training else 0.0)
+        """softmax(q k^T / sqrt(d)) v with a causal mask and dropout on the attention probabilities (what
+        selective recomputation recomputes)."""
+        p = self.dropout if self.training else 0.0
+        with self.heads_rng() if p > 0 else contextlib.nullcontext():
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p)
 
 
 class MLP(nn.Module):
@@ -182,14 +188,22 @@ class GPT(nn.Module):
     def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
                  top_k: int | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
         """Sample ``max_new_tokens`` tokens autoregressively (temperature and top-k sampling)."""
-        for _ in range(max_new_tokens):
-            ctx = idx[:, -self.cfg.block_size:]
-            logits, _ = self(ctx)
-            logits = logits[:, -1, :].float() / max(temperature, 1e-6)
-            if top_k is not None:
-                v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
-                logits[logits < v[:, [-1]]] = -float("inf")
-            probs = F.softmax(logits, dim=-1)
-            nxt = torch.multinomial(probs, num_samples=1, generator=generator)
-            idx = torch.cat((idx, nxt), dim=1)
-        return idx
+        return sample(lambda ctx: self(ctx)[0][:, -1, :], idx, max_new_tokens, self.cfg.block_size,
+                      temperature, top_k, generator)
+
+
+@torch.no_grad()
+def sample(next_logits, idx: torch.Tensor, max_new_tokens: int, block_size: int, temperature: float = 1.0,
+           top_k: int | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Extend ``idx`` (B, T) by ``max_new_tokens`` tokens drawn from ``next_logits(context)``, the (B, vocab)
+    logits of the context's last position: one process's forward, or a parallel layout's distributed one
+    (which gives every rank the same logits, so every rank draws the same tokens from the same seed)."""
+    for _ in range(max_new_tokens):
+        logits = next_logits(idx[:, -block_size:]).float() / max(temperature, 1e-6)
+        if top_k is not None:
+            v, _ = torch.topk(logits, min(top_k, logits.size(-1)))
+            logits[logits < v[:, [-1]]] = -float("inf")
+        probs = F.softmax(logits, dim=-1)
+        nxt = torch.multinomial(probs, num_samples=1, generator=generator)
+        idx = torch.cat((idx, nxt), dim=1)
+    return idx

@@ -27,10 +27,16 @@ reduce-scatter (backward: all-gather) after the row-parallel ones.  Same bytes a
 activations between blocks take ``1/tp`` of the memory.  Parameters used on a sequence shard (layer norms,
 position embedding, row-parallel biases) get partial gradients, summed over ``tp`` by the strategy.
 
+Dropout on activations split over tp (each rank's attention heads; with sequence parallelism also the
+regions between blocks) draws from a per-rank stream of the model-parallel RNG tracker, dropout on
+replicated activations from a generator shared by the tp group (:mod:`podscale.parallel.rng`).
+
 ``apply_tensor_parallel(model, mesh)`` shards a plain single-process GPT in place, so the same seed gives
 the same model in every layout.  All communication goes through :mod:`podscale.runtime.comm` on axis "tp".
 """
 from __future__ import annotations
+
+from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
@@ -38,6 +44,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from podscale.parallel.sharded_state import ShardedCheckpointState
+from podscale.parallel.rng import ForkedDropout, rng_tracker
 from podscale.runtime import comm
 
 # ------------------------------------------------------------------------------------------------------
@@ -285,6 +292,25 @@ class VocabParallelCrossEntropy(nn.Module):
         return _VocabParallelCrossEntropyFn.apply(flat, targets, self.mesh, self.start, self.vocab_size)
 
 
+def gather_vocab_logits(local: torch.Tensor, mesh, vocab_size: int) -> torch.Tensor:
+    """The full (B, vocab) logits on every tp rank from each rank's vocab shard (B, padded vocab / tp): an
+    all-gather of one position's logits, for sampling (training never gathers them)."""
+    n = mesh.size("tp")
+    if n == 1:
+        return local[:, :vocab_size]
+    parts = torch.empty((n * local.shape[0],) + tuple(local.shape[1:]), dtype=local.dtype, device=local.device)
+    comm.all_gather(parts, local.contiguous(), mesh, "tp")
+    return torch.cat(list(parts.view((n,) + tuple(local.shape))), dim=-1)[:, :vocab_size]
+
+
+def pad_to_shards(idx: torch.Tensor, mesh, sequence_parallel: bool) -> torch.Tensor:
+    """``idx`` (B, T) padded on the right to a multiple of tp, which sequence parallelism needs; a causal
+    model's logits at positions < T do not depend on the padding."""
+    n = mesh.size("tp")
+    pad = -idx.shape[1] % n if sequence_parallel else 0
+    return F.pad(idx, (0, pad)) if pad else idx
+
+
 # ------------------------------------------------------------------------------------------------------
 # applying it to the GPT
 
@@ -421,6 +447,17 @@ def apply_tensor_parallel(model: nn.Module, mesh, sequence_parallel: bool = Fals
             if sp:
                 for p in model.ln_f.parameters():
                     _mark(p, sequence_parallel=True)
+        # dropout: this rank's heads draw from its own stream; with sequence parallelism so do the regions
+        # between the blocks, which then hold this rank's part of the sequence (podscale.parallel.rng)
+        tracker = rng_tracker(mesh)
+        for block in model.blocks.values():
+            block.attn.heads_rng = tracker.fork
+            if sp:
+                block.attn.resid_drop = ForkedDropout(block.attn.resid_drop.p, tracker)
+                block.mlp.drop = ForkedDropout(block.mlp.drop.p, tracker)
+        if sp and model.drop is not None:
+            model.drop = ForkedDropout(model.drop.p, tracker)
+        model.rng_tracker = tracker
     model.tensor_parallel = {"tp": n, "sequence_parallel": sp, "padded_vocab": vp}
     return model
 
@@ -435,11 +472,18 @@ def apply_recompute(model: nn.Module, mode: str) -> nn.Module:
         return model
     if mode not in ("selective", "full"):
         raise ValueError(f"unknown recompute mode '{mode}': use none, selective or full")
+
+    def rng_context():
+        # tensor parallelism's dropout streams are replayed as at the forward (torch restores the default one)
+        tracker = getattr(model, "rng_tracker", None)
+        return tracker.recompute_context() if tracker is not None else (nullcontext(), nullcontext())
+
     for block in model.blocks.values():
         target = block if mode == "full" else block.attn
         name = "forward" if mode == "full" else "core"
         fn = getattr(target, name)
-        setattr(target, name, lambda *args, _fn=fn: checkpoint(_fn, *args, use_reentrant=False))
+        setattr(target, name, lambda *args, _fn=fn: checkpoint(_fn, *args, use_reentrant=False,
+                                                                context_fn=rng_context))
     return model
 
 
@@ -552,3 +596,11 @@ class TensorParallelStrategy(ShardedCheckpointState, WrapsDataParallel):
     def grad_norm(self) -> torch.Tensor:
         pieces, dp_sharded = grad_pieces(self.inner, self.params)
         return global_grad_norm(pieces, self.mesh, dp_sharded)
+
+    @torch.no_grad()
+    def next_logits(self, idx: torch.Tensor) -> torch.Tensor:
+        """The (B, vocab) logits of the last position of ``idx`` on every rank (vocab shards gathered)."""
+        T = idx.shape[1]
+        sp = self.module.tensor_parallel["sequence_parallel"]
+        logits, _ = self.module(pad_to_shards(idx.to(self.mesh.device), self.mesh, sp))
+        return gather_vocab_logits(logits[:, T - 1, :], self.mesh, self.module.cfg.vocab_size)

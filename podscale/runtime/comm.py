@@ -82,10 +82,10 @@ class CommStats:
 class Handle:
     """An in-flight collective; ``wait()`` blocks and books the blocked time as exposed."""
 
-    def __init__(self, work, stats: CommStats, axis: str, op: str, start: float):
+    def __init__(self, work, stats: CommStats, axis: str, op: str, start: float, timed: bool = True):
         self._work, self._stats, self._axis, self._op = work, stats, axis, op
         self._start, self._done, self._timed = start, False, False
-        if work is not None:
+        if work is not None and timed:
             try:
                 fut = work.get_future()
             except RuntimeError:  # some gloo collectives have no future; busy time is then taken at wait()
@@ -127,12 +127,12 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def _issue(mesh, axes, op, nbytes, fn, async_op):
+def _issue(mesh, axes, op, nbytes, fn, async_op, timed: bool = True):
     name = _axis_name(axes)
     start = time.perf_counter()
     work = fn()
     mesh.stats.record(name, op, nbytes)
-    h = Handle(work, mesh.stats, name, op, start)
+    h = Handle(work, mesh.stats, name, op, start, timed)
     if async_op:
         return h
     h.wait()
@@ -200,9 +200,11 @@ def broadcast(t: torch.Tensor, src_local: int, mesh, axes, async_op: bool = Fals
 def send(t: torch.Tensor, dst: int, mesh, axis: str = "pp", async_op: bool = False, tag: int = 0):
     """Point-to-point send to global rank ``dst`` (pipeline activations and gradients); messages between
     the same pair of ranks are matched by ``tag``, in issue order within a tag."""
-    return _issue(mesh, axis, "send", _nbytes(t), lambda: dist.isend(t, dst, tag=tag), async_op)
+    # No completion callback: a point-to-point message completes when its peer gets to it, which is not
+    # busy time, and a callback per message takes the GIL from the compute thread on each completion.
+    return _issue(mesh, axis, "send", _nbytes(t), lambda: dist.isend(t, dst, tag=tag), async_op, timed=False)
 
 
 def recv(t: torch.Tensor, src: int, mesh, axis: str = "pp", async_op: bool = False, tag: int = 0):
     """Point-to-point receive from global rank ``src`` into ``t`` (the send with the same ``tag``)."""
-    return _issue(mesh, axis, "recv", _nbytes(t), lambda: dist.irecv(t, src, tag=tag), async_op)
+    return _issue(mesh, axis, "recv", _nbytes(t), lambda: dist.irecv(t, src, tag=tag), async_op, timed=False)

@@ -29,6 +29,7 @@ import torch
 import torch.nn as nn
 
 from podscale.config import TrainSection
+from podscale.models.gpt import sample
 from podscale.optim import build_adamw, cosine_lr
 from podscale.parallel.data import DataParallel
 from podscale.runtime import comm
@@ -121,16 +122,38 @@ class Engine:
 
     @torch.no_grad()
     def evaluate(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
-        """Mean loss over ``batches`` (this rank's shares), averaged over the dp axis."""
+        """Mean loss over ``batches`` (this rank's shares), averaged over the dp axis.  A strategy that
+        runs the model itself (pipeline parallelism) provides ``forward_only(batches)``: the sum of the
+        batches' losses, on every rank."""
         self.model.eval()
-        total = torch.zeros((), device=self.device)
-        for x, y in batches:
-            with autocast(self.cfg.precision, self.device):
-                _, loss = self.model(x.to(self.device), y.to(self.device))
-            total += loss.float()
+        forward_only = getattr(self.strategy, "forward_only", None)
+        if forward_only is not None:
+            total = forward_only(batches)
+        else:
+            total = torch.zeros((), device=self.device)
+            for x, y in batches:
+                with autocast(self.cfg.precision, self.device):
+                    _, loss = self.model(x.to(self.device), y.to(self.device))
+                total += loss.float()
         total /= max(1, len(batches))
         comm.all_reduce(total, self.mesh, "dp")
         return float(total) / self.mesh.size("dp")
+
+    @torch.no_grad()
+    def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
+                 top_k: int | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
+        """Sample from the model as :meth:`GPT.generate` does, on any layout: every rank must call it (tp
+        and pp forwards are collective) and every rank gets the same tokens for the same ``generator``
+        seed.  A model-parallel strategy provides ``next_logits(context)`` (vocab shards gathered, the last
+        pipeline stage's logits broadcast)."""
+        self.model.eval()
+        next_logits = getattr(self.strategy, "next_logits", None)
+        if next_logits is None:
+            def next_logits(ctx):
+                return self.model(ctx.to(self.device))[0][:, -1, :]
+        gpt = self.model[0] if isinstance(self.model, nn.ModuleList) else self.model
+        return sample(next_logits, idx.to(self.device), max_new_tokens, gpt.cfg.block_size, temperature,
+                      top_k, generator)
 
     # checkpoint state: tensors only (DCP would pickle anything else) --------------------------------
     def model_state(self) -> dict[str, torch.Tensor]:

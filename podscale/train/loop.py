@@ -12,6 +12,7 @@ import torch
 from podscale import parallelize
 from podscale.config import Config
 from podscale.models.gpt import GPT, GPTConfig
+from podscale.parallel.rng import rng_tracker, seed_model_parallel
 from podscale.runtime import comm
 from podscale.runtime.mesh import AXES, Mesh
 from podscale.runtime.metrics import MetricsLog, matmul_peak, peak_memory_bytes
@@ -64,8 +65,10 @@ def run_worker(cfg: Config, resume: bool = False) -> dict:
     loader = ShardedLoader(train_tokens, gcfg.block_size, cfg.train.global_batch, cfg.train.micro_batch,
                            dp_rank, dp, seed=cfg.run.seed)
     val = eval_batches(val_tokens, gcfg.block_size, dp * cfg.train.micro_batch, cfg.run.eval_batches, dp_rank, dp)
-    # Dropout masks differ per rank, as they do per sample in one process.
-    torch.manual_seed(cfg.run.seed + 1 + rank)
+    # Dropout masks differ per sample, as in one process: per dp and pp rank, and per tp rank where
+    # activations are split over tp (the model-parallel RNG tracker).
+    seed_model_parallel(cfg.run.seed, mesh)
+    tracker = rng_tracker(mesh)
 
     start_step = 0
     restored = checkpoint.latest(ckpt_root) if resume or info.restart_count > 0 else None
@@ -80,6 +83,9 @@ def run_worker(cfg: Config, resume: bool = False) -> dict:
             engine.scaler.load_state_dict(meta["scaler"])
         if rank_state is not None and meta.get("world_size") == info.world_size:
             torch.set_rng_state(rank_state["torch_rng"])
+            streams = {k.removeprefix("rng."): v for k, v in rank_state.items() if k.startswith("rng.")}
+            if streams:  # (checkpoints from before the tracker have none)
+                tracker.set_states(streams)
 
     tokens_per_step = cfg.train.global_batch * gcfg.block_size
     flops_per_step = gcfg.flops_per_token() * tokens_per_step
@@ -96,8 +102,9 @@ def run_worker(cfg: Config, resume: bool = False) -> dict:
         meta = {"step": step, "loader": loader.state_dict(), "world_size": info.world_size,
                 "mesh": mesh.sizes, "model_config": asdict(gcfg),
                 "scaler": engine.scaler.state_dict() if engine.scaler else None, "time": time.time()}
+        rng = {"torch_rng": torch.get_rng_state(), **{f"rng.{k}": v for k, v in tracker.get_states().items()}}
         checkpoint.save(ckpt_root, step, {"model": engine.model_state(), "optim": engine.optim_state()},
-                        meta, {"torch_rng": torch.get_rng_state()}, rank, cfg.checkpoint.keep)
+                        meta, rng, rank, cfg.checkpoint.keep)
 
     last = {}
     mesh.stats.reset()
@@ -134,15 +141,16 @@ def run_worker(cfg: Config, resume: bool = False) -> dict:
 
     summary = {"rank": rank, "steps": cfg.run.steps, "final_loss": last.get("loss"),
                "val_loss": last.get("val_loss"), "run_dir": str(run_dir)}
-    if rank == 0 and cfg.run.sample_tokens:
-        g = torch.Generator().manual_seed(cfg.run.seed)
-        engine.model.eval()
-        out = engine.model.generate(torch.tensor([[10]], device=info.device), cfg.run.sample_tokens,
-                                    temperature=0.8, top_k=50, generator=g)
+    if cfg.run.sample_tokens:
+        # every rank samples (tp and pp forwards are collective) and draws the same bytes from the same seed
+        g = torch.Generator(device=info.device).manual_seed(cfg.run.seed)
+        out = engine.generate(torch.tensor([[10]], device=info.device), cfg.run.sample_tokens,
+                              temperature=0.8, top_k=50, generator=g)
         text = bytes(out[0, 1:].tolist()).decode("utf-8", errors="replace")
-        (run_dir / "sample.txt").write_text(text)
-        progress.print("sample:\n" + text)
-        summary["sample"] = text
+        if rank == 0:
+            (run_dir / "sample.txt").write_text(text)
+            progress.print("sample:\n" + text)
+            summary["sample"] = text
     if log is not None:
         log.close()
     sys.stdout.flush()

@@ -13,9 +13,9 @@ actions it runs in one optimizer step:
   divides the bubble by ``v``: ``(p - 1) / (v m)``, for ``v`` times more point-to-point messages.
   Needs ``m`` to be a multiple of ``p``.
 
-The executor receives an activation (or gradient) with a blocking receive right before the action that
-needs it and sends results asynchronously, so a rank waits exactly when the schedule makes it wait; that
-waiting time is the measured bubble.  Messages carry a tag made of (micro-batch, stage, direction), so
+The executor posts receives a few actions ahead, waits for an activation (or gradient) right before the
+action that needs it and sends results asynchronously, so a rank waits exactly when the schedule makes it
+wait; that waiting time is the measured bubble.  Messages carry a tag made of (micro-batch, stage, direction), so
 sends and receives between two ranks pair up whatever order two schedules issue them in.
 """
 from __future__ import annotations
@@ -30,8 +30,9 @@ import torch.nn as nn
 from podscale.models.gpt import GPT
 from podscale.parallel.pipeline.partition import PipelineError, layer_costs, split_chunk, stage_layers
 from podscale.parallel.sharded_state import ShardedCheckpointState
-from podscale.parallel.tensor import (WrapsDataParallel, apply_recompute, apply_tensor_parallel, global_grad_norm,
-                                      grad_pieces, reduce_commutes, sync_sequence_parallel_grads)
+from podscale.parallel.tensor import (WrapsDataParallel, apply_recompute, apply_tensor_parallel, gather_vocab_logits,
+                                      global_grad_norm, grad_pieces, pad_to_shards, reduce_commutes,
+                                      sync_sequence_parallel_grads)
 from podscale.runtime import comm
 from podscale.runtime.mesh import AXES
 from podscale.train.precision import autocast
@@ -183,7 +184,8 @@ class PipelineParallel(ShardedCheckpointState, WrapsDataParallel):
     strategy over dp for the chunks' parameters (replicated or ZeRO).  Provides ``forward_backward``."""
 
     def __init__(self, chunks: list[GPT], mesh, inner, schedule: str = "1f1b", precision: str = "fp32",
-                 activation_shape: tuple[int, ...] | None = None, measure_memory: bool = False):
+                 activation_shape: tuple[int, ...] | None = None, measure_memory: bool = False,
+                 seq_shards: int = 1, recv_ahead: int = 4):
         self.chunks, self.mesh, self.inner, self.schedule = chunks, mesh, inner, schedule
         self.module = chunks if isinstance(chunks, _Chunks) else _Chunks(chunks)
         self.p, self.v = mesh.size("pp"), len(chunks)
@@ -192,6 +194,11 @@ class PipelineParallel(ShardedCheckpointState, WrapsDataParallel):
         self.precision = precision
         self.activation_shape = activation_shape
         self.measure_memory = measure_memory
+        self.seq_shards = seq_shards  # tp under sequence parallelism: activations hold T / tp positions
+        # Receives are posted for the next `recv_ahead` actions: a message whose receive is not yet posted
+        # is held by gloo and copied when it is; posting 4 ahead instead of 1 took ~10 % less CPU per step
+        # in bench/pipeline.py (interleaved, p = 4), at the cost of up to 4 activation-sized buffers.
+        self.recv_ahead = recv_ahead
         self.params = [q for c in chunks for q in c.parameters() if q.requires_grad]
         self.stats = StepStats()
         if hasattr(inner, "accumulate_locally"):
@@ -238,7 +245,8 @@ class PipelineParallel(ShardedCheckpointState, WrapsDataParallel):
         T = cfg.model.block_size // tp if p.sequence_parallel else cfg.model.block_size
         module = _Chunks(chunks)
         return cls(module, mesh, make_data_parallel(module, mesh, cfg), p.schedule, cfg.train.precision,
-                   (cfg.train.micro_batch, T, cfg.model.n_embd), measure_memory)
+                   (cfg.train.micro_batch, T, cfg.model.n_embd), measure_memory,
+                   tp if p.sequence_parallel else 1)
 
     # the strategy interface ---------------------------------------------------------------------------
     def named_parameters(self, remove_duplicate: bool = True):
@@ -281,6 +289,59 @@ class PipelineParallel(ShardedCheckpointState, WrapsDataParallel):
         h.wait()
         mine.add_(theirs)
 
+    # forward only: validation and sampling ------------------------------------------------------------
+    def _forward_pipeline(self, inputs, last) -> list:
+        """Forward ``inputs`` (a list of ``(x, y)``, same shapes on every rank) through the pipeline without
+        autograd: each micro-batch through this rank's chunks in stage order, receiving blocking right
+        before a chunk needs its input and sending asynchronously, so micro-batches flow through the stages
+        as in GPipe's forward phase.  Returns ``last(output, loss)`` of each micro-batch on the last stage
+        (an empty list elsewhere).  Every rank's order sorts by (micro-batch, stage), which is also the
+        order of the dependencies, so it cannot deadlock."""
+        p, stages, dev = self.p, self.p * self.v, self.mesh.device
+        dtype = next(self.module.parameters()).dtype
+        sends, out = [], []
+        with torch.no_grad():
+            for mb, (x, y) in enumerate(inputs):
+                shape = (x.shape[0], x.shape[1] // self.seq_shards, self.activation_shape[-1])
+                for c, chunk in enumerate(self.chunks):
+                    s = c * p + self.stage_rank
+                    if s == 0:
+                        inp = x.to(dev)
+                    else:
+                        inp = torch.empty(shape, device=dev, dtype=dtype)
+                        _recv(inp, self.ranks[(s - 1) % p], self.mesh, _tag(mb, s, False, stages)).wait()
+                    with autocast(self.precision, dev):
+                        h, loss = chunk(inp, None if y is None or s < stages - 1 else y.to(dev))
+                    if s == stages - 1:
+                        out.append(last(h, loss))
+                    else:
+                        sends.append(_send(h.contiguous(), self.ranks[(s + 1) % p], self.mesh,
+                                           _tag(mb, s + 1, False, stages)))
+        for h in sends:
+            h.wait()
+        return out
+
+    def forward_only(self, batches) -> torch.Tensor:
+        """The sum of the losses of ``batches`` (evaluation), computed on the last stage, on every rank."""
+        losses = self._forward_pipeline(batches, lambda h, loss: loss.float())
+        total = torch.stack(losses).sum() if losses else torch.zeros((), device=self.mesh.device)
+        comm.broadcast(total, self.p - 1, self.mesh, "pp")
+        return total
+
+    def next_logits(self, idx: torch.Tensor) -> torch.Tensor:
+        """The (B, vocab) logits of the last position of ``idx`` on every rank (sampling): the last stage
+        gathers the vocab shards over tp and broadcasts them over pp."""
+        T, vocab = idx.shape[1], self.chunks[0].cfg.vocab_size
+        padded = pad_to_shards(idx, self.mesh, self.seq_shards > 1)
+        out = self._forward_pipeline([(padded, None)], lambda h, _: h[:, T - 1, :])
+        if out:  # the last stage
+            logits = gather_vocab_logits(out[0], self.mesh, vocab)
+        else:
+            logits = torch.empty(idx.shape[0], vocab, device=self.mesh.device, dtype=torch.float32)
+        logits = logits.float().contiguous()
+        comm.broadcast(logits, self.p - 1, self.mesh, "pp")
+        return logits
+
     # the schedule -------------------------------------------------------------------------------------
     def forward_backward(self, micro_batches, loss_scale: float | None) -> torch.Tensor:
         m = len(micro_batches)
@@ -293,7 +354,7 @@ class PipelineParallel(ShardedCheckpointState, WrapsDataParallel):
         loss_sum = torch.zeros((), device=dev)
         st = StepStats(actions=actions)
         t_start = time.perf_counter()
-        params = {q.data_ptr() for q in self.params}
+        params = {q.data_ptr() for q in self.params} if self.measure_memory else set()
         # each chunk's last backward launches its dp reduction (all-reduce, or ZeRO's reduce-scatter of the
         # gradients accumulated over the micro-batches), overlapped with the rest of the schedule
         last_b = {c: i for i, (k, c, _) in enumerate(actions) if k == "B"}
@@ -304,7 +365,7 @@ class PipelineParallel(ShardedCheckpointState, WrapsDataParallel):
         act = dict(size=self.activation_shape, device=dev, dtype=next(self.module.parameters()).dtype)
 
         def post(i: int) -> None:
-            """Post the receive action ``i`` needs (one action ahead, so it arrives during compute)."""
+            """Post the receive action ``i`` needs (ahead of time, so it arrives during compute)."""
             if i >= len(actions) or i in posted:
                 return
             kind, c, mb = actions[i]
@@ -326,8 +387,8 @@ class PipelineParallel(ShardedCheckpointState, WrapsDataParallel):
 
         for i, (kind, c, mb) in enumerate(actions):
             a_start = time.perf_counter() - t_start
-            post(i)
-            post(i + 1)
+            for j in range(i, i + 1 + self.recv_ahead):
+                post(j)
             s = c * p + self.stage_rank
             chunk = self.chunks[c]
             x, y = micro_batches[mb]
