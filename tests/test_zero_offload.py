@@ -112,3 +112,50 @@ def test_disk_full_gives_clear_error_and_keeps_checkpoint(tmp_path):
     assert "disk full while swapping" in out.stdout and "GiB" in out.stdout
     assert (ck / "meta.json").read_text() == '{"step": 5}'
     assert not list(tmp_path.glob("*.swp"))
+
+
+def test_nvme_reads_are_prefetched(tmp_path):
+    """Stage 3 with parameters and optimizer state on NVMe, one process: every parameter read is issued
+    before the gather that needs it (forward: block i+1's before block i computes), none is wasted, and
+    the step reads optimizer chunk i+1 before it computes chunk i (double buffering, write-behind)."""
+    import torch
+
+    from podscale.models.gpt import GPT
+    from podscale.parallel.zero import build_strategy
+    from podscale.runtime.mesh import Mesh
+    from podscale.train.engine import Engine
+    from podscale.train.loop import gpt_config
+    from zero_workers import batches_for
+
+    d = zero_config(shakespeare(), 3, 4, 4, "fp32", 1, 3, model={"n_layer": 4},
+                    offload_optimizer="nvme", offload_param="nvme", nvme_path=str(tmp_path), nvme_block_mb=0.05)
+    cfg = parse_config(d)
+    torch.manual_seed(0)
+    model = GPT(gpt_config(cfg))
+    st = build_strategy(model, Mesh.build(), cfg.train, cfg.zero)
+    engine = Engine(model, st.mesh, cfg.train, strategy=st)
+    events = []
+    read_param, file_read = st.swap.read_param, st.swap.file.read
+    st.swap.read_param = lambda u, out: (events.append(("read", u.index)), read_param(u, out))[1]
+    for u in st.layers:
+        u.module.register_forward_pre_hook(lambda m, a, i=u.index: events.append(("fwd", i)))
+    chunk_bytes = st.swap.C * 4
+    st.swap.file.read = lambda off, t: (off < st.swap.S * 4 and events.append(("chunk", off // chunk_bytes)),
+                                       file_read(off, t))[1]  # reads of the gradient array: the step's
+    publish = st._publish_range
+    st._publish_range = lambda u, lo, hi, m: (events.append(("step", (u.goff + lo) // st.swap.C)),
+                                              publish(u, lo, hi, m))[1]
+    try:
+        for b in batches_for(cfg, 2):
+            engine.step(b)
+        n = len(st.layers)
+        assert n == 4 and len(st.swap.chunks) >= 3
+        assert st.param_demand_reads == 0 and st.param_dropped_reads == 0 and st.param_reads > 0
+        first_fwd = events[: events.index(("fwd", n - 1)) + 1]
+        for i in range(1, n):
+            assert first_fwd.index(("read", i)) < first_fwd.index(("fwd", i - 1)), first_fwd
+        steps = [e for e in events if e[0] in ("chunk", "step")]
+        for i in range(len(st.swap.chunks) - 1):
+            assert steps.index(("chunk", i + 1)) < steps.index(("step", i)), steps
+    finally:
+        st.close()
