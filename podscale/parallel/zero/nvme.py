@@ -66,6 +66,7 @@ class NvmeOptimizerState:
         self._writes: list[list] = [[] for _ in range(SLOTS)]
         self._grad_writes: list = []
         self.t = 0
+        self.trust = None  # "lamb" / "lars" after use_trust_ratio
         self.step_s = self.step_exposed_s = 0.0  # totals over all steps (wall time, I/O waits)
         # (chunk start, chunk end) -> segments as (array offset within chunk, length, decay, unit)
         self.chunks = [(a, min(a + self.C, self.S)) for a in range(0, self.S, self.C)]
@@ -139,29 +140,49 @@ class NvmeOptimizerState:
         for s in range(SLOTS):
             self._wait_writes(s)
 
-    def _read(self, i: int):
+    def _read(self, i: int, arrays) -> list:
         a, b = self.chunks[i]
         slot = i % SLOTS
         self._wait_writes(slot)  # the buffer's previous chunk must be on disk before it is overwritten
         buf = self.bufs[slot]
-        return [self.file.read(self._off(k, a), buf[k, :b - a]) for k in range(4)]
+        return [self.file.read(self._off(k, a), buf[k, :b - a]) for k in arrays]
 
-    def step(self, lr: float, coef: float, publish) -> None:
-        """AdamW over every chunk: read ahead i+1 while stepping i, write i behind.  ``publish(u, lo, hi,
-        master_view)`` receives the new master of unit ``u``'s shard-local range [lo, hi); with parameter
-        offload the chunk's compute-dtype parameters are written to the file here."""
+    def _stream(self, reads, writes, body, params: bool = False) -> None:
+        """One pass over the chunks: read arrays ``reads`` of chunk i+1 while ``body(i, buf, n)`` works
+        on chunk i, then write arrays ``writes`` of chunk i behind (and, with ``params`` and parameter
+        offload, its compute-dtype parameters, converted from the new master)."""
         t0, e0 = time.perf_counter(), self.file.exposed_s
-        self.wait_grads()
         self._wait_all_writes()
-        self.t += 1
-        pending = {0: self._read(0)}
+        pending = {0: self._read(0, reads)}
         for i, (a, b) in enumerate(self.chunks):
             slot, n = i % SLOTS, b - a
             if i + 1 < len(self.chunks):  # queue the next read first, so the disk never idles
-                pending[i + 1] = self._read(i + 1)
+                pending[i + 1] = self._read(i + 1, reads)
             for r in pending.pop(i):
                 r.wait()
             buf = self.bufs[slot]
+            body(i, buf, n)
+            w = [self.file.write(self._off(k, a), buf[k, :n]) for k in writes]
+            if params and self.psize:  # the whole chunk in one write: gaps and padding carry their (zero) master
+                pbuf = self.bufs[SLOTS + slot]
+                pbuf[:n].copy_(buf[MASTER, :n])
+                w.append(self.file.write(self._poff(a), pbuf[:n]))
+            self._writes[slot] = w
+        self.step_s += time.perf_counter() - t0
+        self.step_exposed_s += self.file.exposed_s - e0
+
+    def step(self, lr: float, coef: float, publish) -> None:
+        """One optimizer step streamed through memory (read ahead i+1 while stepping i, write i behind).
+        ``coef`` multiplies the gradient (deferred unscale/clipping); ``publish(u, lo, hi, master_view)``
+        receives the new master of unit ``u``'s shard-local range [lo, hi); with parameter offload the
+        chunk's compute-dtype parameters are written to the file here.  AdamW is one pass; LAMB and LARS
+        (:meth:`use_trust_ratio`) take two, since a trust ratio needs norms over whole tensors first."""
+        self.wait_grads()
+        self.t += 1
+        if self.trust is not None:
+            return self._trust_step(lr, coef, publish)
+
+        def adamw(i, buf, n):
             if coef != 1.0:
                 buf[GRAD, :n].mul_(coef)
             segs = [Segment(buf[MASTER, o:o + k], buf[GRAD, o:o + k], buf[EXP_AVG, o:o + k],
@@ -169,16 +190,77 @@ class NvmeOptimizerState:
                             torch.tensor(float(self.t - 1)))
                     for o, k, decay, _u, _l in self._plan[i]]
             FlatAdamW.step_segments(segs, lr, self.betas[0], self.betas[1], self.eps)
-            for o, k, _d, u, lo in self._plan[i]:
-                publish(u, lo, lo + k, buf[MASTER, o:o + k])
-            w = [self.file.write(self._off(k, a), buf[k, :n]) for k in (MASTER, EXP_AVG, EXP_AVG_SQ)]
-            if self.psize:  # the whole chunk in one write: gaps and padding carry their (zero) master
-                pbuf = self.bufs[SLOTS + slot]
-                pbuf[:n].copy_(buf[MASTER, :n])
-                w.append(self.file.write(self._poff(a), pbuf[:n]))
-            self._writes[slot] = w
-        self.step_s += time.perf_counter() - t0
-        self.step_exposed_s += self.file.exposed_s - e0
+            self._publish(i, buf, publish)
+        self._stream((GRAD, MASTER, EXP_AVG, EXP_AVG_SQ), (MASTER, EXP_AVG, EXP_AVG_SQ), adamw, params=True)
+
+    def _publish(self, i: int, buf, publish) -> None:
+        for o, k, _d, u, lo in self._plan[i]:
+            publish(u, lo, lo + k, buf[MASTER, o:o + k])
+
+    # LAMB / LARS: two streamed passes ---------------------------------------------------------------
+    def use_trust_ratio(self, name: str, allreduce, n_tensors: int, pieces, trust: float = 0.001) -> None:
+        """Step with LAMB or LARS (the rules of :mod:`podscale.optim.flat_lamb`) instead of AdamW.
+        ``pieces`` lists this rank's parts of every tensor as (tensor index, first element in the swap
+        file's element space, length, weight decay); ``allreduce`` sums a tensor over the dp group."""
+        self.trust, self.allreduce, self.n_tensors, self.lars_trust = name, allreduce, n_tensors, trust
+        self._pieces = []
+        for a, b in self.chunks:  # per chunk: (offset in chunk, length, tensor index, weight decay)
+            self._pieces.append([(max(a, s) - a, min(b, s + k) - max(a, s), idx, wd)
+                                 for idx, s, k, wd in pieces if max(a, s) < min(b, s + k)])
+
+    def _lamb_direction(self, buf, o: int, k: int, wd: float) -> torch.Tensor:
+        c1, c2 = 1 - self.betas[0] ** self.t, 1 - self.betas[1] ** self.t
+        u = (buf[EXP_AVG, o:o + k] / c1) / ((buf[EXP_AVG_SQ, o:o + k] / c2).sqrt_().add_(self.eps))
+        if wd:
+            u.add_(buf[MASTER, o:o + k], alpha=wd)
+        return u
+
+    def _trust_step(self, lr: float, coef: float, publish) -> None:
+        """Pass 1 streams the chunks to sum per-tensor squares (LAMB: of the weights and of the new
+        update, updating and writing back the moments; LARS: of the weights and of the gradients); one
+        all-reduce gives the global norms (You et al. 2020, Alg. 2; You et al. 2017, eq. 6).  Pass 2
+        streams them again, applies each tensor's ratio to its pieces and writes master and parameters."""
+        b1, b2 = self.betas
+        sq = torch.zeros(2, self.n_tensors, dtype=torch.float64)
+        lamb = self.trust == "lamb"
+
+        def norms(i, buf, n):
+            if coef != 1.0:
+                buf[GRAD, :n].mul_(coef)
+            for o, k, idx, wd in self._pieces[i]:
+                g = buf[GRAD, o:o + k]
+                if lamb:
+                    buf[EXP_AVG, o:o + k].lerp_(g, 1 - b1)
+                    buf[EXP_AVG_SQ, o:o + k].mul_(b2).addcmul_(g, g, value=1 - b2)
+                    g = self._lamb_direction(buf, o, k, wd)
+                sq[0, idx] += float(torch.linalg.vector_norm(buf[MASTER, o:o + k]).square())
+                sq[1, idx] += float(torch.linalg.vector_norm(g).square())
+        if lamb:
+            self._stream((GRAD, MASTER, EXP_AVG, EXP_AVG_SQ), (EXP_AVG, EXP_AVG_SQ), norms)
+        else:
+            self._stream((GRAD, MASTER), (), norms)
+        self.allreduce(sq)
+        wn, other = sq[0].sqrt(), sq[1].sqrt()
+
+        def apply(i, buf, n):
+            if not lamb and coef != 1.0:
+                buf[GRAD, :n].mul_(coef)
+            for o, k, idx, wd in self._pieces[i]:
+                w, x = float(wn[idx]), float(other[idx])
+                if lamb:
+                    ratio = w / x if w > 0 and x > 0 else 1.0
+                    buf[MASTER, o:o + k].add_(self._lamb_direction(buf, o, k, wd), alpha=-lr * ratio)
+                else:
+                    local = self.lars_trust * w / (x + wd * w) if w > 0 and x > 0 else 1.0
+                    g = buf[GRAD, o:o + k]
+                    d = g.add(buf[MASTER, o:o + k], alpha=wd) if wd else g
+                    buf[EXP_AVG, o:o + k].mul_(b1).add_(d, alpha=lr * local)
+                    buf[MASTER, o:o + k].sub_(buf[EXP_AVG, o:o + k])
+            self._publish(i, buf, publish)
+        if lamb:
+            self._stream((MASTER, EXP_AVG, EXP_AVG_SQ), (MASTER,), apply, params=True)
+        else:
+            self._stream((GRAD, MASTER, EXP_AVG), (MASTER, EXP_AVG), apply, params=True)
 
     def flush(self) -> None:
         self.wait_grads()

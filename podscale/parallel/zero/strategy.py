@@ -278,8 +278,21 @@ class ZeroStrategy:
         """LAMB or LARS over this rank's pieces of every tensor (see podscale.optim.flat_lamb)."""
         if name == "adamw":
             return None
-        if self.nvme:
-            raise ZeroError(f"zero.optimizer={name} is not available with NVMe offload: use adamw")
+
+        def allreduce(t):
+            comm.all_reduce(t, self.mesh, self.axes)
+        if self.nvme:  # streamed in two passes over the swap file (NvmeOptimizerState._trust_step)
+            pieces, index = [], 0
+            for u in self.units:
+                owned = {i: (lo, hi) for i, lo, hi in u.owned()}
+                for i, p in enumerate(u.params):
+                    if i in owned:
+                        lo, hi = owned[i]
+                        pieces.append((index, u.goff + u.offsets[i] + lo - u.lo, hi - lo,
+                                       self.weight_decay if p.dim() >= 2 else 0.0))
+                    index += 1
+            self.swap.use_trust_ratio(name, allreduce, index, pieces)
+            return None
         from podscale.optim.flat_lamb import FlatLamb, FlatLars, Piece
         pieces, index = [], 0
         for u in self.units:
@@ -292,8 +305,6 @@ class ZeroStrategy:
                                         self.weight_decay if p.dim() >= 2 else 0.0))
                 index += 1  # every rank numbers every tensor the same way
 
-        def allreduce(t):
-            comm.all_reduce(t, self.mesh, self.axes)
         if name == "lamb":
             return FlatLamb(pieces, index, allreduce, (train.beta1, train.beta2), train.eps)
         return FlatLars(pieces, index, allreduce, momentum=train.beta1)
