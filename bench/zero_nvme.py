@@ -1,5 +1,6 @@
 """ZeRO-Infinity NVMe offload, podscale vs DeepSpeed: the swap folder's disk bandwidth, then ZeRO-3 with the
-optimizer state and the parameters on NVMe, same GPT, same data, fp32, 2 ranks on gloo.
+optimizer state and the parameters on NVMe, same GPT, same data, bf16 compute with fp32 master weights and
+Adam moments (DeepSpeed swaps parameters in bf16 on a CPU-only machine), 2 ranks on gloo.
 
     python bench/zero_nvme.py [--layers 8 --width 768 --steps 4 --warmup 2 --nvme-path /some/folder]
 
@@ -33,8 +34,20 @@ SHAKESPEARE = ROOT.parent / "shared" / "data" / "tinyshakespeare" / "input.txt"
 
 
 def _disk_io() -> tuple[int, int]:
+    """Bytes this process (all threads) read from / wrote to storage, from ``/proc/self/io``."""
     vals = dict(line.split(": ") for line in Path("/proc/self/io").read_text().splitlines())
     return int(vals["read_bytes"]), int(vals["write_bytes"])
+
+
+def _device_io(folder) -> tuple[int, int]:
+    """Bytes read / written by the whole block device holding ``folder`` (``/proc/diskstats``, sectors of
+    512 bytes): every process's traffic, a cross-check of ``_disk_io`` on a quiet disk."""
+    st = os.stat(folder)
+    for line in Path("/proc/diskstats").read_text().splitlines():
+        f = line.split()
+        if int(f[0]) == os.major(st.st_dev) and int(f[1]) == os.minor(st.st_dev):
+            return int(f[5]) * 512, int(f[9]) * 512
+    return 0, 0
 
 
 def _data(n_tokens: int, steps: int, rank: int, world: int, block: int):
@@ -71,22 +84,23 @@ def worker(kind: str, args: dict) -> dict:
         from podscale.runtime.mesh import Mesh
         from podscale.train.engine import Engine
         mesh = Mesh.build(info.device, dp=info.world_size)
-        train = TrainSection(lr=1e-4, min_lr=1e-5, warmup_steps=0, decay_steps=1000, grad_clip=1.0)
-        zero = ZeroSection(stage=3, offload_optimizer="nvme", offload_param="nvme", nvme_path=str(folder),
+        train = TrainSection(lr=1e-4, min_lr=1e-5, warmup_steps=0, decay_steps=1000, grad_clip=1.0,
+                             precision="bf16")
+        zero = ZeroSection(stage=3, offload_optimizer="nvme", offload_param=args["offload_param"], nvme_path=str(folder),
                            nvme_block_mb=args["block_mb"])
         model, gcfg = _gpt(args["layers"], args["width"], block, meta=True)
         st = build_strategy(model, mesh, train, zero)
         engine = Engine(model, mesh, train, strategy=st)
         for i, (x, y) in enumerate(batches):
             if i == args["warmup"]:
-                io0 = _disk_io()
+                io0, dev0 = _disk_io(), _device_io(folder)
                 sw = st.swap
                 c0 = (sw.step_s, sw.step_exposed_s, st.param_wait_s, st.param_demand_reads,
                       sw.file.bytes_read, sw.file.bytes_written)
             t0 = time.perf_counter()
             engine.step([(x, y)])
             times.append(time.perf_counter() - t0)
-        io1 = _disk_io()
+        io1, dev1 = _disk_io(), _device_io(folder)
         sw, n = st.swap, args["steps"]
         c1 = (sw.step_s, sw.step_exposed_s, st.param_wait_s, st.param_demand_reads,
               sw.file.bytes_read, sw.file.bytes_written)
@@ -103,25 +117,28 @@ def worker(kind: str, args: dict) -> dict:
         zero = {"stage": 3,
                 "offload_optimizer": dict(nvme, pipeline_read=True, pipeline_write=True, buffer_count=4),
                 "offload_param": dict(nvme, buffer_count=5, buffer_size=int(1e8), max_in_cpu=0)}
+        if args["offload_param"] != "nvme":
+            del zero["offload_param"]
         ds_cfg = {"train_micro_batch_size_per_gpu": max(1, args["tokens"] // block), "gradient_clipping": 1.0,
                   "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.1}},
-                  "zero_optimization": zero,
+                  "zero_optimization": zero, "bf16": {"enabled": True},
                   "aio": {"block_size": 1 << 20, "queue_depth": 8, "intra_op_parallelism": 4,
                           "single_submit": False, "overlap_events": True}}
         deepspeed.init_distributed(dist_backend="gloo")
         engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_cfg)
         for i, (x, y) in enumerate(batches):
             if i == args["warmup"]:
-                io0 = _disk_io()
+                io0, dev0 = _disk_io(), _device_io(folder)
             t0 = time.perf_counter()
             _, loss = engine(x, y)
             engine.backward(loss)
             engine.step()
             times.append(time.perf_counter() - t0)
-        io1 = _disk_io()
+        io1, dev1 = _disk_io(), _device_io(folder)
     n = args["steps"]
     return dict(extra, step_s=statistics.median(times[args["warmup"]:]), params=gcfg.num_params(),
-                disk_read=(io1[0] - io0[0]) / n, disk_written=(io1[1] - io0[1]) / n)
+                disk_read=(io1[0] - io0[0]) / n, disk_written=(io1[1] - io0[1]) / n,
+                device_read=(dev1[0] - dev0[0]) / n, device_written=(dev1[1] - dev0[1]) / n)
 
 
 def run(kind: str, args: dict, nproc: int) -> dict:
@@ -133,6 +150,8 @@ def run(kind: str, args: dict, nproc: int) -> dict:
     for k in ("disk_read", "disk_written", "app_read", "app_written", "optim_read", "optim_written"):
         if k in rs[0]:
             out[k] = sum(r[k] for r in rs)
+    for k in ("device_read", "device_written"):  # device-wide already: the larger rank's window
+        out[k] = max(r[k] for r in rs)
     for k in ("optim_step_s", "optim_exposed_s", "param_wait_s", "demand_reads", "direct"):
         if k in rs[0]:
             out[k] = max(r[k] for r in rs)
@@ -162,6 +181,8 @@ def main(argv=None) -> None:
     ap.add_argument("--bw-mb", type=int, default=1024, help="bytes written and read for the bandwidth test")
     ap.add_argument("--nvme-path", default=None, help="swap folder (default: a new folder under /var/tmp)")
     ap.add_argument("--only", default="podscale,deepspeed")
+    ap.add_argument("--offload-param", default="nvme", choices=["nvme", "none"],
+                    help="parameters on NVMe too (ZeRO-Infinity) or only the optimizer state")
     ap.add_argument("--repeat", type=int, default=1)
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
@@ -172,7 +193,8 @@ def main(argv=None) -> None:
           f"{bw['write_Bps'] / 1e9:.2f} GB/s, read {bw['read_Bps'] / 1e9:.2f} GB/s "
           f"({a.bw_mb} MiB, 8 MiB requests, 4 in flight)", flush=True)
     args = {"layers": a.layers, "width": a.width, "block": a.block, "tokens": a.tokens, "steps": a.steps,
-            "warmup": a.warmup, "nvme_path": nvme, "block_mb": a.block_mb}
+            "warmup": a.warmup, "nvme_path": nvme, "block_mb": a.block_mb,
+            "offload_param": a.offload_param}
     kinds = a.only.split(",")
     runs: dict[str, list] = {k: [] for k in kinds}
     for rep in range(a.repeat):
@@ -188,7 +210,8 @@ def main(argv=None) -> None:
             line = (f"[{rep + 1}/{a.repeat}] {kind:9s} {r['params'] / 1e6:.1f}M params  step {r['step_s'] * 1e3:7.0f} ms"
                     f"  disk per step: read {r['disk_read'] / 2**20:6.0f} MiB, written {r['disk_written'] / 2**20:6.0f} MiB"
                     f"  ({(r['disk_read'] + r['disk_written']) / r['step_s'] / 1e9:.2f} GB/s, "
-                    f"utilisation {utilisation(r, bw, r['step_s']):.2f})")
+                    f"utilisation {utilisation(r, bw, r['step_s']):.2f}); whole device: read "
+                    f"{r['device_read'] / 2**20:.0f} MiB, written {r['device_written'] / 2**20:.0f} MiB")
             if kind == "podscale":
                 line += (f"\n      optimizer step {r['optim_step_s'] * 1e3:.0f} ms (I/O exposed "
                          f"{r['optim_exposed_s'] * 1e3:.0f} ms, utilisation {optim_utilisation(r, bw):.2f}), "
