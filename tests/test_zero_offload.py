@@ -159,3 +159,39 @@ def test_nvme_reads_are_prefetched(tmp_path):
             assert steps.index(("chunk", i + 1)) < steps.index(("step", i)), steps
     finally:
         st.close()
+
+
+def test_nvme_fp16_overflow_skips_step(tmp_path):
+    """fp16 with the optimizer state on NVMe: the engine unscales through ``scale_grads`` (deferred to
+    the streamed step) and learns of an overflow through ``found_inf``; an overflowing step changes no
+    weight and halves the loss scale, a clean step after it trains."""
+    import torch
+
+    from podscale.models.gpt import GPT
+    from podscale.parallel.zero import build_strategy
+    from podscale.runtime.mesh import Mesh
+    from podscale.train.engine import Engine
+    from podscale.train.loop import gpt_config
+    from zero_workers import batches_for
+
+    d = zero_config(shakespeare(), 3, 4, 4, "fp16", 1, 2, offload_optimizer="nvme", nvme_path=str(tmp_path),
+                    nvme_block_mb=0.05)
+    cfg = parse_config(d)
+    torch.manual_seed(0)
+    model = GPT(gpt_config(cfg))
+    st = build_strategy(model, Mesh.build(), cfg.train, cfg.zero)
+    engine = Engine(model, st.mesh, cfg.train, strategy=st)
+    try:
+        assert st.grads() == []  # the gradients are on disk: no in-memory tensor to hand out
+        b = batches_for(cfg, 2)
+        before = st.swap.read_array(1).clone()  # the fp32 master
+        engine.scaler.scale = 3e38  # the scaled loss overflows
+        r = engine.step(b[0])
+        assert r.skipped and engine.scaler.scale == 1.5e38
+        assert torch.equal(st.swap.read_array(1), before) and st.swap.t == 0
+        engine.scaler.scale = 1024.0
+        r = engine.step(b[1])
+        assert not r.skipped and math.isfinite(r.grad_norm) and st.swap.t == 1
+        assert not torch.equal(st.swap.read_array(1), before)
+    finally:
+        st.close()
