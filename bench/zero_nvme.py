@@ -114,6 +114,8 @@ def worker(kind: str, args: dict) -> dict:
     else:
         import deepspeed
         model, gcfg = _gpt(args["layers"], args["width"], block, meta=False)
+        if args.get("untie"):  # diagnostic: a separate output head instead of the tied embedding
+            model.lm_head.weight = torch.nn.Parameter(model.wte.weight.detach().clone())
         nvme = {"device": "nvme", "nvme_path": str(folder)}
         zero = {"stage": 3,
                 "offload_optimizer": dict(nvme, pipeline_read=True, pipeline_write=True, buffer_count=4),
@@ -121,6 +123,8 @@ def worker(kind: str, args: dict) -> dict:
                                       max_in_cpu=0)}
         if args["offload_param"] != "nvme":
             del zero["offload_param"]
+        if args.get("ds_no_prefetch"):  # its NVMe parameter prefetch fails on this model (BENCHMARKS.md)
+            zero["stage3_prefetch_bucket_size"] = 0
         ds_cfg = {"train_micro_batch_size_per_gpu": max(1, args["tokens"] // block), "gradient_clipping": 1.0,
                   "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.1}},
                   "zero_optimization": zero, "bf16": {"enabled": True},
@@ -185,6 +189,10 @@ def main(argv=None) -> None:
     ap.add_argument("--only", default="podscale,deepspeed")
     ap.add_argument("--ds-param-buffers", type=int, default=5,
                     help="DeepSpeed offload_param.buffer_count (its default is 5)")
+    ap.add_argument("--ds-no-prefetch", action="store_true",
+                    help="DeepSpeed: stage3_prefetch_bucket_size=0 (no parameter prefetch)")
+    ap.add_argument("--untie", action="store_true",
+                    help="diagnostic, DeepSpeed only: untie its output head from the input embedding")
     ap.add_argument("--offload-param", default="nvme", choices=["nvme", "none"],
                     help="parameters on NVMe too (ZeRO-Infinity) or only the optimizer state")
     ap.add_argument("--repeat", type=int, default=1)
@@ -203,7 +211,8 @@ def main(argv=None) -> None:
           flush=True)
     args = {"layers": a.layers, "width": a.width, "block": a.block, "tokens": a.tokens, "steps": a.steps,
             "warmup": a.warmup, "nvme_path": nvme, "block_mb": a.block_mb,
-            "offload_param": a.offload_param, "ds_param_buffers": a.ds_param_buffers}
+            "offload_param": a.offload_param, "ds_param_buffers": a.ds_param_buffers,
+            "untie": a.untie, "ds_no_prefetch": a.ds_no_prefetch}
     kinds = a.only.split(",")
     runs: dict[str, list] = {k: [] for k in kinds}
     for rep in range(a.repeat):
