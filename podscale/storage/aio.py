@@ -116,7 +116,12 @@ class AsyncFile:
             raise
         self.fd, self.direct = fd, False
         if direct:
-            self._try_direct()
+            try:
+                self._try_direct()
+            except OSError:
+                os.close(self.fd)
+                self.path.unlink(missing_ok=True)
+                raise
         self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="podscale-aio")
         self._lock = threading.Lock()
         self.bytes_read = self.bytes_written = 0
