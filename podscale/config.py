@@ -106,9 +106,6 @@ class ZeroSection(_Section):
                              "optimizer state): set zero.stage=1, 2 or 3")
         if self.optimizer != "adamw" and self.stage == 0:
             raise ValueError(f"zero.optimizer={self.optimizer} runs on ZeRO's flat shards: set zero.stage=1, 2 or 3")
-        if self.optimizer != "adamw" and self.offload_optimizer == "nvme":
-            raise ValueError(f"zero.optimizer={self.optimizer} is not available with NVMe offload (it streams "
-                             "AdamW state): use zero.optimizer='adamw' or offload_optimizer='cpu'")
         if "nvme" in (self.offload_optimizer, self.offload_param):
             if not self.nvme_path:
                 raise ValueError("zero.nvme_path is required for nvme offload: point it at a folder on a fast disk")

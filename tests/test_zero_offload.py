@@ -43,8 +43,9 @@ def test_nvme_offload_matches_single_process(tmp_path):
 def test_nvme_trains_model_4x_ram_budget(tmp_path, monkeypatch):
     """~85M parameters, stage 3, bf16, dp=2, optimizer state and parameters on NVMe: fp32 gradient, master,
     moments and the bf16 parameter shard on disk (18 bytes per shard element, ~730 MiB per rank) against a
-    budget of a quarter of that for the growth of the worker's peak resident memory, which holds two swap
-    chunks, the gathered blocks, gradient buckets and activations (measured: ~120 MiB of a 183 MiB budget).
+    budget of a quarter of that for the growth of the worker's peak resident memory, which holds three swap
+    chunks, prefetched parameter shards, the gathered blocks, gradient buckets and activations (measured:
+    ~129 MiB of a 183 MiB budget).
     The model is built on the meta device and materialised one unit at a time."""
     path = shakespeare()
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")
@@ -112,3 +113,86 @@ def test_disk_full_gives_clear_error_and_keeps_checkpoint(tmp_path):
     assert "disk full while swapping" in out.stdout and "GiB" in out.stdout
     assert (ck / "meta.json").read_text() == '{"step": 5}'
     assert not list(tmp_path.glob("*.swp"))
+
+
+def test_nvme_reads_are_prefetched(tmp_path):
+    """Stage 3 with parameters and optimizer state on NVMe, one process: every parameter read is issued
+    before the gather that needs it (forward: block i+1's before block i computes), none is wasted, and
+    the step reads optimizer chunk i+1 before it computes chunk i (double buffering, write-behind)."""
+    import torch
+
+    from podscale.models.gpt import GPT
+    from podscale.parallel.zero import build_strategy
+    from podscale.runtime.mesh import Mesh
+    from podscale.train.engine import Engine
+    from podscale.train.loop import gpt_config
+    from zero_workers import batches_for
+
+    d = zero_config(shakespeare(), 3, 4, 4, "fp32", 1, 3, model={"n_layer": 4},
+                    offload_optimizer="nvme", offload_param="nvme", nvme_path=str(tmp_path), nvme_block_mb=0.05)
+    cfg = parse_config(d)
+    torch.manual_seed(0)
+    model = GPT(gpt_config(cfg))
+    st = build_strategy(model, Mesh.build(), cfg.train, cfg.zero)
+    engine = Engine(model, st.mesh, cfg.train, strategy=st)
+    events = []
+    read_param, file_read = st.swap.read_param, st.swap.file.read
+    st.swap.read_param = lambda u, out: (events.append(("read", u.index)), read_param(u, out))[1]
+    for u in st.layers:
+        u.module.register_forward_pre_hook(lambda m, a, i=u.index: events.append(("fwd", i)))
+    chunk_bytes = st.swap.C * 4
+    st.swap.file.read = lambda off, t: (off < st.swap.S * 4 and events.append(("chunk", off // chunk_bytes)),
+                                       file_read(off, t))[1]  # reads of the gradient array: the step's
+    publish = st._publish_range
+    st._publish_range = lambda u, lo, hi, m: (events.append(("step", (u.goff + lo) // st.swap.C)),
+                                              publish(u, lo, hi, m))[1]
+    try:
+        for b in batches_for(cfg, 2):
+            engine.step(b)
+        n = len(st.layers)
+        assert n == 4 and len(st.swap.chunks) >= 3
+        assert st.param_demand_reads == 0 and st.param_dropped_reads == 0 and st.param_reads > 0
+        first_fwd = events[: events.index(("fwd", n - 1)) + 1]
+        for i in range(1, n):
+            assert first_fwd.index(("read", i)) < first_fwd.index(("fwd", i - 1)), first_fwd
+        steps = [e for e in events if e[0] in ("chunk", "step")]
+        for i in range(len(st.swap.chunks) - 1):
+            assert steps.index(("chunk", i + 1)) < steps.index(("step", i)), steps
+    finally:
+        st.close()
+
+
+def test_nvme_fp16_overflow_skips_step(tmp_path):
+    """fp16 with the optimizer state on NVMe: the engine unscales through ``scale_grads`` (deferred to
+    the streamed step) and learns of an overflow through ``found_inf``; an overflowing step changes no
+    weight and halves the loss scale, a clean step after it trains."""
+    import torch
+
+    from podscale.models.gpt import GPT
+    from podscale.parallel.zero import build_strategy
+    from podscale.runtime.mesh import Mesh
+    from podscale.train.engine import Engine
+    from podscale.train.loop import gpt_config
+    from zero_workers import batches_for
+
+    d = zero_config(shakespeare(), 3, 4, 4, "fp16", 1, 2, offload_optimizer="nvme", nvme_path=str(tmp_path),
+                    nvme_block_mb=0.05)
+    cfg = parse_config(d)
+    torch.manual_seed(0)
+    model = GPT(gpt_config(cfg))
+    st = build_strategy(model, Mesh.build(), cfg.train, cfg.zero)
+    engine = Engine(model, st.mesh, cfg.train, strategy=st)
+    try:
+        assert st.grads() == []  # the gradients are on disk: no in-memory tensor to hand out
+        b = batches_for(cfg, 2)
+        before = st.swap.read_array(1).clone()  # the fp32 master
+        engine.scaler.scale = 3e38  # the scaled loss overflows
+        r = engine.step(b[0])
+        assert r.skipped and engine.scaler.scale == 1.5e38
+        assert torch.equal(st.swap.read_array(1), before) and st.swap.t == 0
+        engine.scaler.scale = 1024.0
+        r = engine.step(b[1])
+        assert not r.skipped and math.isfinite(r.grad_norm) and st.swap.t == 1
+        assert not torch.equal(st.swap.read_array(1), before)
+    finally:
+        st.close()

@@ -210,3 +210,11 @@ def nvme_budget_run(d: dict, steps: int) -> dict:
            "trace": [(k, round(a / 2**20), round(b / 2**20)) for k, a, b in trace]}
     strategy.close()
     return out
+
+
+def batches_for(cfg, steps: int) -> list:
+    """The first ``steps`` optimizer steps' micro-batches of ``cfg``'s data on this rank (one process)."""
+    tokens, _ = split_tokens(load_tokens(cfg.data.path), cfg.data.val_fraction)
+    loader = ShardedLoader(tokens, cfg.model.block_size, cfg.train.global_batch, cfg.train.micro_batch,
+                           seed=cfg.run.seed)
+    return [loader.next_step() for _ in range(steps)]

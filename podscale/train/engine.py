@@ -11,6 +11,11 @@ It provides::
     no_sync()            context: accumulate locally, no communication
     finish_grad_sync()   wait until this rank's gradients are reduced
     grads()              the gradient tensors this rank steps (fp16 unscaling, overflow check, clipping)
+    scale_grads(coef)    optional: multiply every gradient this rank steps by ``coef`` (float or 0-dim
+                         tensor); default: ``g.mul_(coef)`` for g in grads().  A strategy whose gradients
+                         are not in memory (ZeRO NVMe offload) defers the factor to its step.
+    found_inf()          optional: 1-element float tensor, > 0 when this rank's gradients hold inf/NaN;
+                         default: checks grads()
     grad_norm()          the true global L2 norm of all gradients
     zero_grad()
     step(lr)             optimizer step on what this rank owns
@@ -35,6 +40,28 @@ from podscale.parallel.data import DataParallel
 from podscale.runtime import comm
 from podscale.runtime.mesh import AXES
 from podscale.train.precision import DynamicLossScaler, autocast
+
+
+def scale_grads(strategy, coef) -> None:
+    """``strategy.scale_grads(coef)`` where provided, else an in-place multiply of ``strategy.grads()``."""
+    hook = getattr(strategy, "scale_grads", None)
+    if hook is not None:
+        hook(coef)
+        return
+    for g in strategy.grads():  # (offloaded gradients live in host memory)
+        g.mul_(coef.to(g.device))
+
+
+def found_inf(strategy) -> torch.Tensor:
+    """``strategy.found_inf()`` where provided, else whether any of ``strategy.grads()`` is not finite."""
+    hook = getattr(strategy, "found_inf", None)
+    if hook is not None:
+        return hook()
+    grads = strategy.grads()
+    found = torch.zeros(1, device=grads[0].device if grads else "cpu")
+    for g in grads:
+        found += (~torch.isfinite(g)).any().float()
+    return found
 
 
 @dataclass
@@ -82,15 +109,14 @@ class Engine:
         skipped, scale = False, None
         if self.scaler is not None:
             scale = self.scaler.scale
-            skipped = self.scaler.unscale_and_check(self.strategy.grads(), self.mesh, AXES)
+            scale_grads(self.strategy, 1.0 / scale)
+            skipped = self.scaler.check(found_inf(self.strategy), self.mesh, AXES)
             self.scaler.update(skipped)
         norm = self.strategy.grad_norm()
         if not skipped:
             if self.cfg.grad_clip > 0:
                 # Same rule as torch.nn.utils.clip_grad_norm_: scale by max_norm / (norm + 1e-6), capped at 1.
-                coef = torch.clamp(self.cfg.grad_clip / (norm + 1e-6), max=1.0)
-                for g in self.strategy.grads():  # (offloaded gradients live in host memory)
-                    g.mul_(coef.to(g.device))
+                scale_grads(self.strategy, torch.clamp(self.cfg.grad_clip / (norm + 1e-6), max=1.0))
             self.strategy.step(lr)
         self.strategy.zero_grad()
 

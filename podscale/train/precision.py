@@ -39,8 +39,13 @@ class DynamicLossScaler:
         for g in grads:
             g.mul_(inv)
             found += (~torch.isfinite(g)).any().float()
-        if mesh is not None and axes:  # NCCL reduces device tensors: offloaded gradients are on the host
-            found = found.to(mesh.device)
+        return self.check(found, mesh, axes)
+
+    def check(self, found: torch.Tensor, mesh=None, axes=()) -> bool:
+        """True when ``found`` (this rank's 1-element inf/NaN flag) is set on any rank over ``axes``."""
+        found = found.float().reshape(1).clone()
+        if mesh is not None and axes:
+            found = found.to(mesh.device)  # NCCL reduces device tensors; offloaded flags are on the host
             comm.all_reduce(found, mesh, axes, op=dist.ReduceOp.MAX)
         return bool(found.item() > 0)
 

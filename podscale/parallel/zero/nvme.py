@@ -1,53 +1,82 @@
 """ZeRO-Infinity's NVMe optimizer offload: fp32 gradient, master and Adam moments of this rank's shard on
-disk, streamed through memory in fixed-size chunks.
+disk, streamed through memory in fixed-size sub-groups ("chunks").
 
 Rajbhandari et al. 2021 ("ZeRO-Infinity", sections 5.1 and 6.2-6.3): the optimizer state of a shard is
 split into sub-groups; while one sub-group is stepped on the CPU, the next is read from NVMe and the
 previous one is written back ("write-behind"), so the step runs at the disk's sequential bandwidth.  Here
-the rank's flat shard of ``S`` elements is one file holding four fp32 arrays ``[grad | master | m | v]``;
-a chunk of ``C`` elements is four large sequential reads into one of two chunk buffers (double
-buffering), a fused AdamW over the chunk's segments, the compute-dtype copy of the new master, and three
-asynchronous writes.  Gradients reach the file as each unit's reduce-scatter completes (gradient
-offload), so resident memory is the compute-dtype shard, two chunk buffers and the working set of
-the layers in use — independent of the optimizer state's size.
+the rank's flat shard of ``S`` elements is one file holding four fp32 arrays ``[grad | master | m | v]``
+and, with parameter offload, the compute-dtype parameter shard after them.  A chunk of ``C`` elements is
+four large sequential reads into one of three chunk buffers, a fused AdamW over the chunk's segments,
+and asynchronous writes of the new master, moments and compute-dtype parameters.  Three buffers let the
+read of chunk ``i+1`` and the writes of chunk ``i-1`` run on the disk while chunk ``i`` steps (with two,
+the read of ``i+1`` would have to wait for the writes of ``i-1`` that use its buffer).  Gradients reach
+the file as each unit's reduce-scatter completes (gradient offload), so resident memory is the
+compute-dtype shard of persistent units, the chunk buffers and the working set of the layers in use —
+independent of the optimizer state's size.
 
-Scaling of the gradient (fp16 unscale, clipping) is deferred: the engine multiplies the one-element
-``coef`` tensor the strategy returns from ``grads()``, and the step applies it to each chunk.
+The file is read and written with ``O_DIRECT`` (:mod:`podscale.storage.aio`): every unit's shard starts
+at an offset of :data:`ELEM_ALIGN` elements (the strategy lays them out so), chunks are multiples of it
+and the buffers are page-aligned, so the transfers go to the disk in place, without bounce copies.
+
+Scaling of the gradient (fp16 unscale, clipping) is deferred: the strategy keeps one coefficient and the
+step applies it to each chunk (:meth:`ZeroStrategy.scale_grads`).
 """
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import torch
 
 from podscale.optim.flat_adam import FlatAdamW, Segment
-from podscale.storage.aio import AsyncFile
+from podscale.storage.aio import ALIGN, AsyncFile, aligned_empty
 
 GRAD, MASTER, EXP_AVG, EXP_AVG_SQ = range(4)
+ELEM_ALIGN = ALIGN // 2  # elements: an offset that is a multiple is block-aligned for 2- and 4-byte dtypes
+SLOTS = 3
+
+
+def _staged(t: torch.Tensor) -> torch.Tensor:
+    """``t`` copied into a page-aligned buffer padded with zeros to whole blocks (a direct write, no
+    read-modify-write of the last block)."""
+    n = t.numel()
+    out = aligned_empty(-(-n // ELEM_ALIGN) * ELEM_ALIGN, t.dtype)
+    out[:n].copy_(t.reshape(-1))
+    out[n:].zero_()
+    return out
 
 
 class NvmeOptimizerState:
     def __init__(self, units, total: int, folder: str, rank: int, chunk_elems: int, betas, eps: float,
-                 weight_decay: float, threads: int = 4, param_dtype: torch.dtype | None = None):
-        self.units, self.S = units, int(total)
-        self.C = max(1, min(int(chunk_elems), self.S))
+                 weight_decay: float, threads: int = 4, param_dtype: torch.dtype | None = None,
+                 direct: bool = True):
+        self.units, self.S = units, -(-int(total) // ELEM_ALIGN) * ELEM_ALIGN
+        self.C = min(max(ELEM_ALIGN, int(chunk_elems) // ELEM_ALIGN * ELEM_ALIGN), self.S)
         self.betas, self.eps, self.wd = betas, eps, weight_decay
         self.path = Path(folder) / f"podscale-zero-rank{rank:05d}-{os.getpid()}.swp"
         # optional fifth region: the compute-dtype parameter shard (ZeRO-Infinity parameter offload)
+        self.pdtype = param_dtype
         self.psize = torch.empty((), dtype=param_dtype).element_size() if param_dtype is not None else 0
         self.file = AsyncFile(self.path, (16 + self.psize) * self.S, threads=threads,
-                              block_bytes=min(8 << 20, 4 * self.C))
-        self.bufs = [torch.zeros(4, self.C, dtype=torch.float32) for _ in range(2)]
-        self._writes: list[list] = [[], []]
+                              block_bytes=min(8 << 20, 4 * self.C), direct=direct)
+        self.bufs = [aligned_empty(4 * self.C, torch.float32).view(4, self.C) for _ in range(SLOTS)]
+        if self.psize:
+            self.bufs += [aligned_empty(self.C, param_dtype) for _ in range(SLOTS)]
+        self._writes: list[list] = [[] for _ in range(SLOTS)]
         self._grad_writes: list = []
         self.t = 0
+        self.trust = None  # "lamb" / "lars" after use_trust_ratio
+        self.step_s = self.step_exposed_s = 0.0  # totals over all steps (wall time, I/O waits)
         # (chunk start, chunk end) -> segments as (array offset within chunk, length, decay, unit)
         self.chunks = [(a, min(a + self.C, self.S)) for a in range(0, self.S, self.C)]
         self._plan = [self._segments_of(a, b) for a, b in self.chunks]
 
     def _off(self, array: int, elem: int) -> int:
         return (array * self.S + elem) * 4
+
+    def _poff(self, elem: int) -> int:
+        return 16 * self.S + elem * self.psize
 
     def _segments_of(self, a: int, b: int):
         out = []
@@ -60,24 +89,26 @@ class NvmeOptimizerState:
 
     # parameter offload -----------------------------------------------------------------------------
     def write_param(self, u, lo: int, t: torch.Tensor) -> None:
-        self.file.write(16 * self.S + (u.goff + lo) * self.psize, t.detach().to("cpu", copy=True)).wait()
+        self._wait_all_writes()
+        self.file.write(self._poff(u.goff + lo), _staged(t)).wait()
 
     def read_param(self, u, out: torch.Tensor):
-        return self.file.read(16 * self.S + u.goff * self.psize, out)
+        """Start reading unit ``u``'s compute-dtype shard into ``out`` (after the step's pending writes)."""
+        self._wait_all_writes()
+        return self.file.read(self._poff(u.goff), out)
 
     # initial state / gradients -------------------------------------------------------------------
     def write_master(self, u, master_fp32: torch.Tensor) -> None:
-        # a host copy with its own storage (from the GPU, or a view numpy would pin)
-        self.file.write(self._off(MASTER, u.goff), master_fp32.detach().to("cpu", copy=True)).wait()
+        self.file.write(self._off(MASTER, u.goff), _staged(master_fp32)).wait()
 
     def add_grad(self, u, g: torch.Tensor, fresh: bool) -> None:
         """Store (fresh) or accumulate unit ``u``'s fp32 gradient shard on disk."""
-        g = g.float().contiguous()
+        g = _staged(g.float())
         if not fresh:
             self.wait_grads()
-            old = torch.empty_like(g)
+            old = aligned_empty(g.numel(), torch.float32)
             self.file.read(self._off(GRAD, u.goff), old).wait()
-            g = g.add_(old)
+            g.add_(old)
         self._grad_writes.append((self.file.write(self._off(GRAD, u.goff), g), g))
         while len(self._grad_writes) > 2:  # bound the gradient shards held in memory until written
             req, _keep = self._grad_writes.pop(0)
@@ -91,10 +122,10 @@ class NvmeOptimizerState:
     def grad_sumsq(self) -> float:
         """Sum of squares of the gradient shard, read back chunk by chunk (after accumulation)."""
         self.wait_grads()
+        self._wait_all_writes()
         total = 0.0
         for a, b in self.chunks:
             buf = self.bufs[0][GRAD, : b - a]
-            self._wait_writes(0)
             self.file.read(self._off(GRAD, a), buf).wait()
             total += float(torch.linalg.vector_norm(buf).square())
         return total
@@ -105,26 +136,53 @@ class NvmeOptimizerState:
             r.wait()
         self._writes[slot].clear()
 
-    def _read(self, i: int, slot: int):
+    def _wait_all_writes(self) -> None:
+        for s in range(SLOTS):
+            self._wait_writes(s)
+
+    def _read(self, i: int, arrays) -> list:
         a, b = self.chunks[i]
+        slot = i % SLOTS
         self._wait_writes(slot)  # the buffer's previous chunk must be on disk before it is overwritten
-        n = b - a
         buf = self.bufs[slot]
-        return [self.file.read(self._off(k, a), buf[k, :n]) for k in range(4)]
+        return [self.file.read(self._off(k, a), buf[k, :b - a]) for k in arrays]
+
+    def _stream(self, reads, writes, body, params: bool = False) -> None:
+        """One pass over the chunks: read arrays ``reads`` of chunk i+1 while ``body(i, buf, n)`` works
+        on chunk i, then write arrays ``writes`` of chunk i behind (and, with ``params`` and parameter
+        offload, its compute-dtype parameters, converted from the new master)."""
+        t0, e0 = time.perf_counter(), self.file.exposed_s
+        self._wait_all_writes()
+        pending = {0: self._read(0, reads)}
+        for i, (a, b) in enumerate(self.chunks):
+            slot, n = i % SLOTS, b - a
+            if i + 1 < len(self.chunks):  # queue the next read first, so the disk never idles
+                pending[i + 1] = self._read(i + 1, reads)
+            for r in pending.pop(i):
+                r.wait()
+            buf = self.bufs[slot]
+            body(i, buf, n)
+            w = [self.file.write(self._off(k, a), buf[k, :n]) for k in writes]
+            if params and self.psize:  # the whole chunk in one write: gaps and padding carry their (zero) master
+                pbuf = self.bufs[SLOTS + slot]
+                pbuf[:n].copy_(buf[MASTER, :n])
+                w.append(self.file.write(self._poff(a), pbuf[:n]))
+            self._writes[slot] = w
+        self.step_s += time.perf_counter() - t0
+        self.step_exposed_s += self.file.exposed_s - e0
 
     def step(self, lr: float, coef: float, publish) -> None:
-        """AdamW over every chunk: read ahead i+1 while stepping i, write i behind.  ``publish(u, lo, hi,
-        master_view)`` receives the new master of unit ``u``'s shard-local range [lo, hi)."""
+        """One optimizer step streamed through memory (read ahead i+1 while stepping i, write i behind).
+        ``coef`` multiplies the gradient (deferred unscale/clipping); ``publish(u, lo, hi, master_view)``
+        receives the new master of unit ``u``'s shard-local range [lo, hi); with parameter offload the
+        chunk's compute-dtype parameters are written to the file here.  AdamW is one pass; LAMB and LARS
+        (:meth:`use_trust_ratio`) take two, since a trust ratio needs norms over whole tensors first."""
         self.wait_grads()
         self.t += 1
-        pending = self._read(0, 0)
-        for i, (a, b) in enumerate(self.chunks):
-            slot = i % 2
-            for r in pending:
-                r.wait()
-            if i + 1 < len(self.chunks):
-                pending = self._read(i + 1, 1 - slot)
-            buf, n = self.bufs[slot], b - a
+        if self.trust is not None:
+            return self._trust_step(lr, coef, publish)
+
+        def adamw(i, buf, n):
             if coef != 1.0:
                 buf[GRAD, :n].mul_(coef)
             segs = [Segment(buf[MASTER, o:o + k], buf[GRAD, o:o + k], buf[EXP_AVG, o:o + k],
@@ -132,19 +190,86 @@ class NvmeOptimizerState:
                             torch.tensor(float(self.t - 1)))
                     for o, k, decay, _u, _l in self._plan[i]]
             FlatAdamW.step_segments(segs, lr, self.betas[0], self.betas[1], self.eps)
-            for o, k, _d, u, lo in self._plan[i]:
-                publish(u, lo, lo + k, buf[MASTER, o:o + k])
-            self._writes[slot] = [self.file.write(self._off(k, a), buf[k, :n]) for k in (MASTER, EXP_AVG, EXP_AVG_SQ)]
+            self._publish(i, buf, publish)
+        self._stream((GRAD, MASTER, EXP_AVG, EXP_AVG_SQ), (MASTER, EXP_AVG, EXP_AVG_SQ), adamw, params=True)
+
+    def _publish(self, i: int, buf, publish) -> None:
+        for o, k, _d, u, lo in self._plan[i]:
+            publish(u, lo, lo + k, buf[MASTER, o:o + k])
+
+    # LAMB / LARS: two streamed passes ---------------------------------------------------------------
+    def use_trust_ratio(self, name: str, allreduce, n_tensors: int, pieces, trust: float = 0.001) -> None:
+        """Step with LAMB or LARS (the rules of :mod:`podscale.optim.flat_lamb`) instead of AdamW.
+        ``pieces`` lists this rank's parts of every tensor as (tensor index, first element in the swap
+        file's element space, length, weight decay); ``allreduce`` sums a tensor over the dp group."""
+        self.trust, self.allreduce, self.n_tensors, self.lars_trust = name, allreduce, n_tensors, trust
+        self._pieces = []
+        for a, b in self.chunks:  # per chunk: (offset in chunk, length, tensor index, weight decay)
+            self._pieces.append([(max(a, s) - a, min(b, s + k) - max(a, s), idx, wd)
+                                 for idx, s, k, wd in pieces if max(a, s) < min(b, s + k)])
+
+    def _lamb_direction(self, buf, o: int, k: int, wd: float) -> torch.Tensor:
+        c1, c2 = 1 - self.betas[0] ** self.t, 1 - self.betas[1] ** self.t
+        u = (buf[EXP_AVG, o:o + k] / c1) / ((buf[EXP_AVG_SQ, o:o + k] / c2).sqrt_().add_(self.eps))
+        if wd:
+            u.add_(buf[MASTER, o:o + k], alpha=wd)
+        return u
+
+    def _trust_step(self, lr: float, coef: float, publish) -> None:
+        """Pass 1 streams the chunks to sum per-tensor squares (LAMB: of the weights and of the new
+        update, updating and writing back the moments; LARS: of the weights and of the gradients); one
+        all-reduce gives the global norms (You et al. 2020, Alg. 2; You et al. 2017, eq. 6).  Pass 2
+        streams them again, applies each tensor's ratio to its pieces and writes master and parameters."""
+        b1, b2 = self.betas
+        sq = torch.zeros(2, self.n_tensors, dtype=torch.float64)
+        lamb = self.trust == "lamb"
+
+        def norms(i, buf, n):
+            if coef != 1.0:
+                buf[GRAD, :n].mul_(coef)
+            for o, k, idx, wd in self._pieces[i]:
+                g = buf[GRAD, o:o + k]
+                if lamb:
+                    buf[EXP_AVG, o:o + k].lerp_(g, 1 - b1)
+                    buf[EXP_AVG_SQ, o:o + k].mul_(b2).addcmul_(g, g, value=1 - b2)
+                    g = self._lamb_direction(buf, o, k, wd)
+                sq[0, idx] += float(torch.linalg.vector_norm(buf[MASTER, o:o + k]).square())
+                sq[1, idx] += float(torch.linalg.vector_norm(g).square())
+        if lamb:
+            self._stream((GRAD, MASTER, EXP_AVG, EXP_AVG_SQ), (EXP_AVG, EXP_AVG_SQ), norms)
+        else:
+            self._stream((GRAD, MASTER), (), norms)
+        self.allreduce(sq)
+        wn, other = sq[0].sqrt(), sq[1].sqrt()
+
+        def apply(i, buf, n):
+            if not lamb and coef != 1.0:
+                buf[GRAD, :n].mul_(coef)
+            for o, k, idx, wd in self._pieces[i]:
+                w, x = float(wn[idx]), float(other[idx])
+                if lamb:
+                    ratio = w / x if w > 0 and x > 0 else 1.0
+                    buf[MASTER, o:o + k].add_(self._lamb_direction(buf, o, k, wd), alpha=-lr * ratio)
+                else:
+                    local = self.lars_trust * w / (x + wd * w) if w > 0 and x > 0 else 1.0
+                    g = buf[GRAD, o:o + k]
+                    d = g.add(buf[MASTER, o:o + k], alpha=wd) if wd else g
+                    buf[EXP_AVG, o:o + k].mul_(b1).add_(d, alpha=lr * local)
+                    buf[MASTER, o:o + k].sub_(buf[EXP_AVG, o:o + k])
+            self._publish(i, buf, publish)
+        if lamb:
+            self._stream((MASTER, EXP_AVG, EXP_AVG_SQ), (MASTER,), apply, params=True)
+        else:
+            self._stream((GRAD, MASTER, EXP_AVG), (MASTER, EXP_AVG), apply, params=True)
 
     def flush(self) -> None:
         self.wait_grads()
-        for s in (0, 1):
-            self._wait_writes(s)
+        self._wait_all_writes()
 
     # checkpoints: whole arrays through memory -------------------------------------------------------
     def read_array(self, array: int) -> torch.Tensor:
         self.flush()
-        out = torch.empty(self.S, dtype=torch.float32)
+        out = aligned_empty(self.S, torch.float32)
         self.file.read(self._off(array, 0), out).wait()
         return out
 

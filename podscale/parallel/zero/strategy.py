@@ -61,6 +61,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import time
 
 import torch
 import torch.nn as nn
@@ -69,6 +70,7 @@ from podscale.optim.flat_adam import FlatAdamW, Segment
 from podscale.parallel.zero.layout import Unit, bucket_units, layer_units
 from podscale.parallel.zero import state as zstate
 from podscale.runtime import comm
+from podscale.storage.aio import aligned_empty
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -215,6 +217,9 @@ class ZeroStrategy:
         for u in self.units:
             u.goff = off
             off += u.shard
+            if self.nvme:  # swap-file shards start block-aligned (O_DIRECT transfers in place)
+                from podscale.parallel.zero.nvme import ELEM_ALIGN
+                off = -(-off // ELEM_ALIGN) * ELEM_ALIGN
         # fp32 optimizer flats for this rank's slices: gradient, Adam moments; the master only where the
         # parameter buffer cannot be its own master (16-bit compute, offload, or stage-3 unit).
         self.swap = None
@@ -223,10 +228,14 @@ class ZeroStrategy:
             # compute-dtype shard (every unit's; persistent units all-gather from it after the step)
             from podscale.parallel.zero.nvme import NvmeOptimizerState
             chunk = int(self.zcfg.nvme_block_mb * 2**20) // 4
-            self.swap = NvmeOptimizerState(self.units, total, self.zcfg.nvme_path, self.mesh.rank, chunk,
+            self.swap = NvmeOptimizerState(self.units, off, self.zcfg.nvme_path, self.mesh.rank, chunk,
                                            self.betas, self.eps, self.weight_decay,
                                            param_dtype=self.cdtype if self.param_nvme else None)
-            self._coef = torch.ones(1, dtype=torch.float32)
+            self._coef = 1.0
+            self._nonfinite = False
+            self._param_reads: dict[int, tuple] = {}
+            self.param_wait_s = 0.0  # time stage-3 gathers spent waiting for parameter reads
+            self.param_reads = self.param_demand_reads = self.param_dropped_reads = 0  # prefetch accounting
             self._fresh: set[int] = set()
             self._sumsq = 0.0
             self._norm_exact = True
@@ -304,8 +313,21 @@ class ZeroStrategy:
         """LAMB or LARS over this rank's pieces of every tensor (see podscale.optim.flat_lamb)."""
         if name == "adamw":
             return None
-        if self.nvme:
-            raise ZeroError(f"zero.optimizer={name} is not available with NVMe offload: use adamw")
+
+        def allreduce(t):
+            comm.all_reduce(t, self.mesh, self.axes)
+        if self.nvme:  # streamed in two passes over the swap file (NvmeOptimizerState._trust_step)
+            pieces, index = [], 0
+            for u in self.units:
+                owned = {i: (lo, hi) for i, lo, hi in u.owned()}
+                for i, p in enumerate(u.params):
+                    if i in owned:
+                        lo, hi = owned[i]
+                        pieces.append((index, u.goff + u.offsets[i] + lo - u.lo, hi - lo,
+                                       self.weight_decay if p.dim() >= 2 else 0.0))
+                    index += 1
+            self.swap.use_trust_ratio(name, allreduce, index, pieces)
+            return None
         from podscale.optim.flat_lamb import FlatLamb, FlatLars, Piece
         pieces, index = [], 0
         for u in self.units:
@@ -318,8 +340,6 @@ class ZeroStrategy:
                                         self.weight_decay if p.dim() >= 2 else 0.0))
                 index += 1  # every rank numbers every tensor the same way
 
-        def allreduce(t):
-            comm.all_reduce(t, self.mesh, self.axes)
         if name == "lamb":
             return FlatLamb(pieces, index, allreduce, (train.beta1, train.beta2), train.eps)
         return FlatLars(pieces, index, allreduce, momentum=train.beta1)
@@ -351,10 +371,15 @@ class ZeroStrategy:
         src = u.cshard if u.cshard is not None else u.master
         if src is not None and src.device != self.device:  # parameter shard offloaded to host memory
             src = u.src_tmp = src.to(self.device, non_blocking=True)
-        if src is None:  # parameter shard on NVMe: read it into host memory, then gather on the device
-            host = torch.empty(u.shard, dtype=self.cdtype, pin_memory=self.device.type == "cuda")
-            self.swap.read_param(u, host).wait()
-            src = u.src_tmp = host.to(self.device, non_blocking=True)
+        if src is None:  # parameter shard on NVMe: wait for its (usually prefetched) read, then gather
+            if id(u) not in self._param_reads:
+                self.param_demand_reads += 1
+            self._read_param(u)
+            req, buf = self._param_reads.pop(id(u))
+            t0 = time.perf_counter()
+            req.wait()
+            self.param_wait_s += time.perf_counter() - t0
+            src = u.src_tmp = buf.to(self.device)
         with torch.no_grad():
             h = comm.all_gather(u.full, src, self.mesh, self.axes, async_op=True)
         u.gathered = True
@@ -362,6 +387,27 @@ class ZeroStrategy:
         if not async_op:
             h.wait()
             u.gather_handle = None
+
+    def _read_param(self, u: Unit | None) -> None:
+        """Parameter offload to NVMe: start reading unit ``u``'s shard from the swap file into a
+        page-aligned buffer, one block ahead of its all-gather (ZeRO-Infinity's prefetching of the
+        parameters the next layer needs, section 6.3), so the disk works while the current block computes."""
+        if (u is None or not self.param_nvme or u.persistent or u.gathered or u.cshard is not None
+                or id(u) in self._param_reads):
+            return
+        buf = aligned_empty(u.shard, self.cdtype)
+        self._param_reads[id(u)] = (self.swap.read_param(u, buf), buf)
+        self.param_reads += 1
+
+    def _drop_param_reads(self) -> None:
+        """Discard prefetched parameter reads that no gather used (stale once the step updates them)."""
+        for req, _buf in self._param_reads.values():
+            req.wait()
+            self.param_dropped_reads += 1
+        self._param_reads.clear()
+
+    def _layer(self, i: int) -> Unit | None:
+        return self.layers[i] if 0 <= i < len(self.layers) else None
 
     def _make_pre(self, u: Unit):
         def hook(_m, _args):
@@ -371,6 +417,7 @@ class ZeroStrategy:
             nxt = u.index + 1
             if nxt < len(self.layers):
                 self._gather(self.layers[nxt], async_op=True)  # prefetch the next block
+            self._read_param(self._layer(nxt + 1))  # and the disk read of the one after
         return hook
 
     def _make_post(self, u: Unit):
@@ -380,6 +427,8 @@ class ZeroStrategy:
             if self.reshard_after_forward or not torch.is_grad_enabled():
                 self._free(u)  # (else it stays gathered until its gradients are reduce-scattered)
             if torch.is_grad_enabled() and isinstance(out, torch.Tensor) and out.requires_grad:
+                if u.index >= len(self.layers) - 2:  # backward starts with the last two: read them now
+                    self._read_param(u)
                 return _RegatherBeforeBackward.apply(self, u, out)
             return out
         return hook
@@ -388,6 +437,7 @@ class ZeroStrategy:
         self._gather(u, async_op=False)
         if u.index > 0:
             self._gather(self.layers[u.index - 1], async_op=True)
+        self._read_param(self._layer(u.index - 2))
 
     def _pre_model(self, _m, _args):
         for h in self._param_gathers:  # stages 1/2: updated parameters all-gathered after the last step
@@ -395,6 +445,8 @@ class ZeroStrategy:
         self._param_gathers.clear()
         if self.stage >= 2 and torch.is_grad_enabled():
             self._flush_partial()
+        for u in (self.root, self._layer(0), self._layer(1)):  # disk reads first, all in flight together
+            self._read_param(u)
         if self.root is not None:
             self._gather(self.root, async_op=False)
         if self.layers:
@@ -507,7 +559,7 @@ class ZeroStrategy:
         if self.nvme:
             fresh = self.stage == 1 or id(u) not in self._fresh
             if not torch.isfinite(out).all():
-                self._coef.fill_(float("inf"))  # fp16 overflow: the engine's check sees it in grads()
+                self._nonfinite = True  # fp16 overflow: the engine's check sees it in found_inf()
             if fresh:
                 self._sumsq += float(torch.linalg.vector_norm(out.float()).square())
             else:
@@ -558,7 +610,7 @@ class ZeroStrategy:
     def zero_grad(self) -> None:
         if self.nvme:
             self._fresh.clear()
-            self._coef.fill_(1.0)
+            self._coef, self._nonfinite = 1.0, False
             self._sumsq, self._norm_exact = 0.0, True
         self._written.clear()  # the next reduce-scatter overwrites each unit's gradient shard
         for u in self.units:
@@ -566,9 +618,23 @@ class ZeroStrategy:
                 u.grad_full.zero_()
 
     def grads(self) -> list[torch.Tensor]:
-        """The fp32 gradient shard; with NVMe offload the one-element scale applied to it at the step
-        (the engine's in-place unscale and clip multiply it, and an fp16 overflow makes it inf)."""
-        return [self._coef] if self.nvme else [self.grad_flat]
+        """The fp32 gradient shard this rank steps; empty with NVMe offload, where it is on disk (the
+        engine scales and checks gradients through :meth:`scale_grads` and :meth:`found_inf`)."""
+        return [] if self.nvme else [self.grad_flat]
+
+    def scale_grads(self, coef) -> None:
+        """Multiply this rank's gradients by ``coef`` (fp16 unscaling, clipping).  With NVMe offload the
+        factor is kept and applied to each chunk as the step streams it in, instead of a pass over disk."""
+        if self.nvme:
+            self._coef *= float(coef)
+        else:  # (on the host with optimizer offload, while ``coef`` comes from the device)
+            self.grad_flat.mul_(coef.to(self.grad_flat.device) if torch.is_tensor(coef) else coef)
+
+    def found_inf(self) -> torch.Tensor:
+        """1.0 when this rank's gradients hold inf/NaN (with NVMe offload: seen as each shard arrived)."""
+        if self.nvme:
+            return torch.tensor([float(self._nonfinite)])
+        return (~torch.isfinite(self.grad_flat)).any().float().reshape(1)
 
     def grad_norm(self) -> torch.Tensor:
         """True global L2 norm: squared norms of the disjoint shards summed over dp (padding is zero)."""
@@ -576,7 +642,7 @@ class ZeroStrategy:
             local = self._sumsq if self._norm_exact else self.swap.grad_sumsq()
             sq = torch.tensor([local], dtype=torch.float32, device=self.device)
             comm.all_reduce(sq, self.mesh, self.axes)
-            return sq.sqrt()[0] * self._coef.abs()[0]
+            return sq.sqrt()[0] * abs(self._coef)
         sq = torch.linalg.vector_norm(self.grad_flat).square().reshape(1).to(self.device)
         comm.all_reduce(sq, self.mesh, self.axes)
         return sq.sqrt()[0]
@@ -584,7 +650,8 @@ class ZeroStrategy:
     # optimizer ------------------------------------------------------------------------------------
     def step(self, lr: float) -> None:
         if self.nvme:
-            self.swap.step(lr, float(self._coef), self._publish_range)
+            self._drop_param_reads()
+            self.swap.step(lr, self._coef, self._publish_range)
             self._publish()
             return
         if self.alt_optimizer is not None:
@@ -594,9 +661,8 @@ class ZeroStrategy:
         self._publish()
 
     def _publish_range(self, u: Unit, lo: int, hi: int, master: torch.Tensor) -> None:
-        if u.cshard is None:
-            self.swap.write_param(u, lo, master.to(self.cdtype))
-        else:
+        # units whose parameters are offloaded too get them written by the swap's chunk write
+        if u.cshard is not None:
             u.cshard[lo:hi].copy_(master, non_blocking=self.pin)
 
     @torch.no_grad()
