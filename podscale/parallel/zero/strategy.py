@@ -30,14 +30,23 @@ How each stage is built here (see :mod:`podscale.parallel.zero.layout` for the f
   are reduce-scattered the storage is freed again.  Parameters with fewer than
   ``param_persistence_threshold`` elements stay whole, and the remaining top-level parameters (embeddings,
   the tied output head) form a root unit gathered for the whole forward+backward.
-  On a CPU, glibc serves the freed block buffers from its heap (fast, but the heap keeps its high-water
-  mark); ``MALLOC_MMAP_THRESHOLD_=1048576`` in the environment makes them mmapped and returned to the OS
-  on release (resident memory then follows the model states exactly, at the cost of page faults: measured
-  ~2x slower steps for stage 3 on this 2-core machine).
+  On a CPU device, glibc would serve the released block buffers from its heap, which keeps its
+  high-water mark resident; stage 3 therefore fixes glibc's mmap threshold
+  (``zero.host_mmap_threshold_mb``, see :mod:`podscale.runtime.hostmem`) so released blocks leave the
+  process.  Stage 2/3 gradient staging buckets are reused from a small pool during backward (at most
+  ``max_inflight_reduce + 1`` bucket sizes) and dropped when the step's reduction is complete.
 
 Mixed precision: with ``precision = bf16|fp16`` the parameters the model computes with (the unit buffers)
 are 16-bit copies and the fp32 master slice lives with the optimizer; gradients are reduced in
-``train.reduce_dtype`` (default: the compute dtype) and accumulated in fp32 on the shard.
+``train.reduce_dtype`` (default: the compute dtype) and the gradient shard keeps that dtype: 2 bytes per
+parameter in mixed precision, as in ZeRO's 2Ψ/N_d and DeepSpeed.  The fused optimizer step upcasts it in
+L2-sized chunks; loss-scale unscaling and clipping are folded into one fp32 coefficient applied there
+(never rounded in 16 bits, and fp16 gradients never underflow by unscaling).  Micro-batches accumulate
+into the 16-bit shard with one rounding per micro-batch (DeepSpeed's default ``grad_accum_dtype``; the
+relative error of an A-term sum grows like sqrt(A)·2^-9 for bf16, the order of the bf16 reduction across
+ranks itself); ``zero.grad_accum_dtype = fp32`` keeps a 4-byte shard and accumulates exactly.  With
+``reduce_dtype = fp32`` the shard is fp32 and everything is exactly the fp32 path.  Stage 1's shard is a
+view of its full gradient buffer when both have the same dtype (no extra memory: 2Ψ + 2Ψ + 12Ψ/N_d).
 
 Offload (ZeRO-Offload, Ren et al. 2021; ZeRO-Infinity, Rajbhandari et al. 2021): with
 ``offload_optimizer = cpu`` the fp32 master, moments and gradient shard live in (pinned, on CUDA) host
@@ -129,10 +138,19 @@ class ZeroStrategy:
             raise ZeroError("zero.offload_param='nvme' is implemented together with "
                             "zero.offload_optimizer='nvme': set both to nvme")
         self.betas, self.eps = (train.beta1, train.beta2), train.eps
+        # gradient shard dtype: the reduce dtype (ZeRO's 2Ψ/N_d), fp32 on request or for LAMB/LARS (their
+        # trust ratios read the gradient directly)
+        wide = getattr(zero, "grad_accum_dtype", None) == "fp32" or getattr(zero, "optimizer", "adamw") != "adamw"
+        self.gdtype = torch.float32 if wide else self.rdtype
+        self.narrow = self.gdtype != torch.float32 and zero.offload_optimizer != "nvme"
         self.pin = self.opt_device.type == "cpu" and self.device.type == "cuda"
         self.weight_decay = train.weight_decay
         self._sync = True
         self._inflight: collections.deque = collections.deque()
+        self._staging_pool: list[torch.Tensor] = []  # stages 2/3: free staging buffers, during backward
+        if self.stage == 3 and self.device.type == "cpu" and getattr(zero, "host_mmap_threshold_mb", 0) > 0:
+            from podscale.runtime.hostmem import set_mmap_threshold
+            set_mmap_threshold(int(zero.host_mmap_threshold_mb * 2**20))
         self._param_gathers: list = []
         self._ck: dict[str, torch.Tensor] = {}
         self._written: set[int] = set()
@@ -196,7 +214,11 @@ class ZeroStrategy:
             self._sumsq = 0.0
             self._norm_exact = True
             total = 0
-        self.grad_flat = self._empty(total, torch.float32, self.opt_device)
+        # stage 1: the shard is a view of the full gradient buffer when both are in the same place and dtype
+        self.grad_in_full = self.stage == 1 and self.gdtype == self.cdtype and self.opt_device == self.device
+        self.grad_flat = self._empty(0 if self.grad_in_full else total, self.gdtype, self.opt_device)
+        self._coef = torch.ones(1, dtype=torch.float32, device=self.opt_device)  # unscale x clip, 16-bit grads
+        self._sumsq = 0.0
         self.exp_avg = self._empty(total, torch.float32, self.opt_device)
         self.exp_avg_sq = self._empty(total, torch.float32, self.opt_device)
         alias = [self._aliases_master(u) and not self.nvme for u in self.units]
@@ -232,7 +254,9 @@ class ZeroStrategy:
                     moff += u.shard
                     u.master.copy_(mine)
                 if not self.nvme:
-                    u.grad, u.exp_avg, u.exp_avg_sq = self.grad_flat[s], self.exp_avg[s], self.exp_avg_sq[s]
+                    u.exp_avg, u.exp_avg_sq = self.exp_avg[s], self.exp_avg_sq[s]
+                    if not self.grad_in_full:
+                        u.grad = self.grad_flat[s]
                 if not u.persistent and not self.nvme and (self.cdtype != torch.float32 or self.offload
                                                             or self.param_cpu):
                     # stage 3: the gather source; in host memory (pinned on CUDA) with offload_param=cpu
@@ -258,6 +282,8 @@ class ZeroStrategy:
                     u.grad_full = torch.zeros(u.padded, dtype=self.cdtype, device=self.device)
                     for p, o, n, shape in zip(u.params, u.offsets, u.numels, u.shapes):
                         p.grad = u.grad_full[o:o + n].view(shape)
+                    if self.grad_in_full:
+                        u.grad = u.grad_full[u.lo:u.hi]
                 del full, mine
                 if not u.persistent:
                     self._free(u)
@@ -386,7 +412,7 @@ class ZeroStrategy:
                 return
         else:
             if u.staging is None:
-                u.staging = torch.empty(u.padded, dtype=self.rdtype, device=self.device)
+                u.staging = self._take_staging(u.padded)
                 u.staging[u.numel:].zero_()
             i = u.pos[id(p)]
             # one pass: scale by 1/N_d (the mean over ranks) while copying into the bucket
@@ -395,6 +421,14 @@ class ZeroStrategy:
         u.ready.add(id(p))
         if len(u.ready) == len(u.params):
             self._launch_reduce(u)
+
+    def _take_staging(self, n: int) -> torch.Tensor:
+        """A staging bucket of ``n`` elements: the smallest free pooled buffer that fits, else a new one."""
+        fits = [i for i, b in enumerate(self._staging_pool) if b.numel() >= n]
+        if fits:
+            i = min(fits, key=lambda j: self._staging_pool[j].numel())
+            return self._staging_pool.pop(i)[:n]
+        return torch.empty(n, dtype=self.rdtype, device=self.device)
 
     def _launch_reduce(self, u: Unit) -> None:
         """Reduce-scatter unit ``u``'s gradients (pre-divided by N_d, so the result is the mean)."""
@@ -408,17 +442,26 @@ class ZeroStrategy:
                     if id(q) not in u.ready:
                         wire[u.offsets[i]:u.offsets[i] + u.numels[i]].zero_()
         u.ready.clear()
-        out = torch.empty(u.shard, dtype=self.rdtype, device=self.device)
+        first = id(u) not in self._written  # the first gradient since zero_grad: overwrite, no memset
+        self._written.add(id(u))
+        if (first and self.stage >= 2 and not self.nvme and u.grad.dtype == self.rdtype
+                and u.grad.device == self.device):
+            out = u.grad  # reduce straight into the shard: no receive buffer, no copy
+        else:
+            out = torch.empty(u.shard, dtype=self.rdtype, device=self.device)
         h = comm.reduce_scatter(out, wire, self.mesh, self.axes, async_op=True)
-        self._inflight.append((u, out, wire, h))
+        self._inflight.append((u, out, wire, h, first))
         if self.stage == 3 and not u.persistent:
             self._free(u)
         while self.stage >= 2 and len(self._inflight) > self.max_inflight_reduce:
             self._retire()
 
     def _retire(self) -> None:
-        u, out, _wire, h = self._inflight.popleft()
+        u, out, wire, h, first = self._inflight.popleft()
         h.wait()
+        if self.stage >= 2:
+            base = wire if wire._base is None else wire._base
+            self._staging_pool.append(base)  # reused by the next bucket of this backward
         if self.nvme:
             fresh = self.stage == 1 or id(u) not in self._fresh
             if not torch.isfinite(out).all():
@@ -429,11 +472,13 @@ class ZeroStrategy:
                 self._norm_exact = False
             self._fresh.add(id(u))
             self.swap.add_grad(u, out.to("cpu"), fresh)
-        elif self.stage == 1 or id(u) not in self._written:
-            u.grad.copy_(out, non_blocking=self.pin)  # first gradient since zero_grad: no memset needed
+        elif out is u.grad:
+            pass
+        elif self.stage == 1 or first:
+            u.grad.copy_(out, non_blocking=self.pin)
         else:
+            # a later micro-batch (stages 2/3): one rounding per micro-batch into a 16-bit shard
             u.grad.add_(out.to(u.grad.device, non_blocking=self.pin))
-        self._written.add(id(u))
 
     def _flush_partial(self) -> None:
         """Reduce units whose parameters did not all receive gradients (unused in this micro-batch)."""
@@ -443,19 +488,26 @@ class ZeroStrategy:
 
     def finish_grad_sync(self) -> None:
         if self.stage == 1 and self._sync:
-            launched = {id(x[0]) for x in self._inflight}
             for u in self.units:  # buckets with unused parameters, in the same order on every rank
-                if id(u) not in launched:
+                if id(u) not in self._written:
                     self._launch_reduce(u)
         else:
             self._flush_partial()
         while self._inflight:
             self._retire()
+        self._staging_pool.clear()  # nothing of the reduction stays between steps
         if not self.nvme:
             for u in self.units:  # a unit that got no gradient at all this step
                 if id(u) not in self._written:
                     u.grad.zero_()
                     self._written.add(id(u))
+            if self.narrow:
+                # squared norm of the 16-bit shard, summed in fp32; inf/NaN (fp16 overflow) goes into the
+                # coefficient, where the engine's overflow check sees it
+                self._sumsq = float(sum(torch.linalg.vector_norm(g, dtype=torch.float32).square()
+                                        for g in self._grad_tensors()))
+                if not torch.isfinite(torch.tensor(self._sumsq)):
+                    self._coef.fill_(float("inf"))
         if self.root is not None and self.root.gathered:
             self._free(self.root)
         for u in self.layers:
@@ -468,14 +520,19 @@ class ZeroStrategy:
             self._coef.fill_(1.0)
             self._sumsq, self._norm_exact = 0.0, True
         self._written.clear()  # the next reduce-scatter overwrites each unit's gradient shard
+        self._coef.fill_(1.0)
         for u in self.units:
             if u.grad_full is not None:
                 u.grad_full.zero_()
 
+    def _grad_tensors(self) -> list[torch.Tensor]:
+        return [u.grad for u in self.units] if self.grad_in_full else [self.grad_flat]
+
     def grads(self) -> list[torch.Tensor]:
-        """The fp32 gradient shard; with NVMe offload the one-element scale applied to it at the step
-        (the engine's in-place unscale and clip multiply it, and an fp16 overflow makes it inf)."""
-        return [self._coef] if self.nvme else [self.grad_flat]
+        """The fp32 gradient shard; with a 16-bit shard or NVMe offload the one-element coefficient
+        applied to it at the step (the engine's in-place unscale and clip multiply it, and an fp16
+        overflow makes it inf)."""
+        return [self._coef] if (self.nvme or self.narrow) else self._grad_tensors()
 
     def grad_norm(self) -> torch.Tensor:
         """True global L2 norm: squared norms of the disjoint shards summed over dp (padding is zero)."""
@@ -484,7 +541,11 @@ class ZeroStrategy:
             sq = torch.tensor([local], dtype=torch.float32, device=self.device)
             comm.all_reduce(sq, self.mesh, self.axes)
             return sq.sqrt()[0] * self._coef.abs()[0]
-        sq = torch.linalg.vector_norm(self.grad_flat).square().reshape(1).to(self.device)
+        if self.narrow:
+            sq = torch.tensor([self._sumsq], dtype=torch.float32, device=self.device)
+            comm.all_reduce(sq, self.mesh, self.axes)
+            return sq.sqrt()[0] * self._coef.abs()[0].to(self.device)
+        sq = sum(torch.linalg.vector_norm(g).square() for g in self._grad_tensors()).reshape(1).to(self.device)
         comm.all_reduce(sq, self.mesh, self.axes)
         return sq.sqrt()[0]
 
@@ -497,7 +558,7 @@ class ZeroStrategy:
         if self.alt_optimizer is not None:
             self.alt_optimizer.step(lr)
         else:
-            self.optimizer.step(lr)
+            self.optimizer.step(lr, grad_coef=self._coef if self.narrow else None)
         self._publish()
 
     def _publish_range(self, u: Unit, lo: int, hi: int, master: torch.Tensor) -> None:
