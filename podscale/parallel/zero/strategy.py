@@ -21,7 +21,7 @@ How each stage is built here (see :mod:`podscale.parallel.zero.layout` for the f
   Xu et al. 2020 used on TPU pods).  The all-gather overlaps until the next forward starts.
 * **Stage 2.**  As stage 1, but no full gradient buffer persists: each parameter's gradient is copied into
   its bucket's staging buffer as soon as it is accumulated and the parameter's ``.grad`` is dropped; full
-  buckets are reduce-scattered during backward and accumulated into the fp32 gradient shard (ZeRO 5.2),
+  buckets are reduce-scattered during backward and accumulated into the gradient shard (ZeRO 5.2),
   on every micro-batch (the shard is where accumulation happens, so ``no_sync`` has nothing to save).
 * **Stage 3.**  Parameters are sharded too (ZeRO 5.3).  Each block's flat buffer is a tensor whose storage
   is allocated only while the block is in use: a forward pre-hook waits for its all-gather and prefetches
@@ -398,7 +398,7 @@ class ZeroStrategy:
     @contextlib.contextmanager
     def no_sync(self):
         """Stage 1: accumulate full gradients locally.  Stages 2/3 reduce-scatter every micro-batch into
-        the fp32 gradient shard (ZeRO 5.2), so the full gradient never has to be kept."""
+        the gradient shard (ZeRO 5.2), so the full gradient never has to be kept."""
         prev, self._sync = self._sync, False
         try:
             yield
@@ -529,7 +529,7 @@ class ZeroStrategy:
         return [u.grad for u in self.units] if self.grad_in_full else [self.grad_flat]
 
     def grads(self) -> list[torch.Tensor]:
-        """The fp32 gradient shard; with a 16-bit shard or NVMe offload the one-element coefficient
+        """The fp32 gradient shard (a list of views for stage 1); with a 16-bit shard or NVMe offload the one-element coefficient
         applied to it at the step (the engine's in-place unscale and clip multiply it, and an fp16
         overflow makes it inf)."""
         return [self._coef] if (self.nvme or self.narrow) else self._grad_tensors()
