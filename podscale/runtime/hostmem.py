@@ -8,7 +8,11 @@ buffer several times per step; on the 57M-parameter benchmark the heap grew to 9
 in use, and peak resident memory was 1.6x the model states plus the working set.  Fixing the threshold
 (which also turns the dynamic adjustment off) returns every released block buffer to the OS: resident
 memory then follows the model states and the working set that :mod:`podscale.parallel.zero.memory`
-describes, at the cost of first-touch page faults on each gather.
+describes, at the cost of first-touch page faults on each gather.  Those are made cheap by asking for
+transparent huge pages on the block buffers (:func:`advise_huge_pages`): one fault per 2 MiB instead of
+per 4 KiB.  Measured on the benchmark (2 ranks, loaded 2-core machine): glibc's default 2.5-3.3 s per
+step at 1.48 GiB peak; threshold 4 MiB, 4 KiB pages 6.3-8.1 s at 1.01 GiB; with huge pages 2.0-2.4 s at
+1.01 GiB.
 """
 from __future__ import annotations
 
@@ -43,3 +47,28 @@ def set_mmap_threshold(nbytes: int) -> bool:
         return False
     _applied = nbytes
     return True
+
+
+MADV_HUGEPAGE = 14  # <sys/mman.h>
+_HUGE = 2 << 20
+_madvise = None
+
+
+def advise_huge_pages(t) -> None:
+    """Ask for transparent huge pages over the 2 MiB-aligned interior of tensor ``t``'s (untouched)
+    memory, so its first touch costs one fault per 2 MiB instead of one per 4 KiB (madvise(2),
+    MADV_HUGEPAGE; a no-op where THP is disabled or the C library lacks madvise)."""
+    global _madvise
+    if _madvise is None:
+        try:
+            libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+            _madvise = libc.madvise
+            _madvise.argtypes, _madvise.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
+        except (OSError, AttributeError):
+            _madvise = False
+    if not _madvise:
+        return
+    ptr = t.data_ptr()
+    lo, hi = (ptr + _HUGE - 1) & ~(_HUGE - 1), (ptr + t.numel() * t.element_size()) & ~(_HUGE - 1)
+    if hi > lo:
+        _madvise(lo, hi - lo, MADV_HUGEPAGE)
