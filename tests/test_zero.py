@@ -29,7 +29,7 @@ CASES = {
         # 16-bit gradient shards accumulated over micro-batches (one bf16 rounding per micro-batch), and
         # the fp32 shard on request; stage 1's shard is a view of its full bf16 gradient buffer
         (1, 2, "bf16", {}), (2, 2, "bf16", {}), (3, 2, "bf16", {}), (3, 2, "bf16", {"grad_accum_dtype": "fp32"}),
-        (2, 2, "fp16", {})],
+        (1, 1, "fp16", {}), (2, 2, "fp16", {})],
     4: [(1, 1, "fp32", {}), (2, 1, "fp32", {}), (3, 1, "fp32", {}), (3, 1, "bf16", {}),
         (3, 1, "fp32", {"offload_optimizer": "cpu"})],
 }
