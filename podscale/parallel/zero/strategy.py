@@ -33,7 +33,8 @@ How each stage is built here (see :mod:`podscale.parallel.zero.layout` for the f
   On a CPU device, glibc would serve the released block buffers from its heap, which keeps its
   high-water mark resident; stage 3 therefore fixes glibc's mmap threshold
   (``zero.host_mmap_threshold_mb``, see :mod:`podscale.runtime.hostmem`) so released blocks leave the
-  process, and asks for transparent huge pages on each block buffer so re-faulting it stays cheap.  Stage 2/3 gradient staging buckets are reused from a small pool during backward (at most
+  process (default: half the smallest block, at most 4 MiB), asks for transparent huge pages on each
+  block buffer so re-faulting it stays cheap, and trims the heap once the step's gradients are reduced.  Stage 2/3 gradient staging buckets are reused from a small pool during backward (at most
   ``max_inflight_reduce + 1`` bucket sizes) and dropped when the step's reduction is complete.
 
 Mixed precision: with ``precision = bf16|fp16`` the parameters the model computes with (the unit buffers)
@@ -149,9 +150,6 @@ class ZeroStrategy:
         self._inflight: collections.deque = collections.deque()
         self._staging_pool: list[torch.Tensor] = []  # stages 2/3: free staging buffers, during backward
         self._huge = False  # stage 3 on a CPU: block buffers are mmapped; ask for huge pages on them
-        if self.stage == 3 and self.device.type == "cpu" and getattr(zero, "host_mmap_threshold_mb", 0) > 0:
-            from podscale.runtime.hostmem import set_mmap_threshold
-            self._huge = set_mmap_threshold(int(zero.host_mmap_threshold_mb * 2**20))
         self._param_gathers: list = []
         self._ck: dict[str, torch.Tensor] = {}
         self._written: set[int] = set()
@@ -169,6 +167,14 @@ class ZeroStrategy:
         else:
             self.layers, self.root = [], None
             self.units = bucket_units(named, cap, self.dp, self.dp_rank)
+        if self.stage == 3 and self.device.type == "cpu" and self.layers:
+            mb = getattr(zero, "host_mmap_threshold_mb", None)
+            # default: every gathered block (and staging bucket) is above it, while smaller allocations
+            # (activations, most per-parameter gradients) stay on the heap and its fast reuse
+            nbytes = (min(4 << 20, min(u.padded for u in self.layers) * self.cdtype.itemsize // 2)
+                      if mb is None else int(mb * 2**20))
+            if nbytes > 0:
+                self._huge = hostmem.set_mmap_threshold(nbytes)
         self.param_init = param_init
         self._owners: dict[int, list] = {}
         for mod in module.modules():
@@ -176,6 +182,8 @@ class ZeroStrategy:
                 if p is not None:
                     self._owners.setdefault(id(p), []).append((mod, attr))
         self._allocate()
+        if self._huge:  # the model's original weights, freed into the heap by the move into unit buffers
+            hostmem.trim_heap()
         self._unit_of = {id(p): u for u in self.units for p in u.params}
         self.optimizer = FlatAdamW([] if self.nvme else [self._segments(u) for u in self.units],
                                    (train.beta1, train.beta2), train.eps)
@@ -502,6 +510,8 @@ class ZeroStrategy:
         while self._inflight:
             self._retire()
         self._staging_pool.clear()  # nothing of the reduction stays between steps
+        if self._huge:  # the heap's free pages too (allocations below the threshold: activations, ...)
+            hostmem.trim_heap()
         if not self.nvme:
             for u in self.units:  # a unit that got no gradient at all this step
                 if id(u) not in self._written:
