@@ -33,8 +33,9 @@ How each stage is built here (see :mod:`podscale.parallel.zero.layout` for the f
   On a CPU device, glibc would serve the released block buffers from its heap, which keeps its
   high-water mark resident; stage 3 therefore fixes glibc's mmap threshold
   (``zero.host_mmap_threshold_mb``, see :mod:`podscale.runtime.hostmem`) so released blocks leave the
-  process (default: half the smallest block), asks for transparent huge pages on each
-  block buffer so re-faulting it stays cheap, and trims the heap once the step's gradients are reduced.  Stage 2/3 gradient staging buckets are reused from a small pool during backward (at most
+  process (default: half the smallest block), asks for transparent huge pages on each block buffer so
+  re-faulting it stays cheap, and trims the heap once the step's gradients are reduced.  Stage 2/3
+  gradient staging buckets are reused from a small pool during backward (at most
   ``max_inflight_reduce + 1`` bucket sizes) and dropped when the step's reduction is complete.
 
 Mixed precision: with ``precision = bf16|fp16`` the parameters the model computes with (the unit buffers)
@@ -547,9 +548,9 @@ class ZeroStrategy:
         return [u.grad for u in self.units] if self.grad_in_full else [self.grad_flat]
 
     def grads(self) -> list[torch.Tensor]:
-        """The fp32 gradient shard (a list of views for stage 1); with a 16-bit shard or NVMe offload the one-element coefficient
-        applied to it at the step (the engine's in-place unscale and clip multiply it, and an fp16
-        overflow makes it inf)."""
+        """The fp32 gradient shard (per-unit views for stage 1); with a 16-bit shard or NVMe offload the
+        one-element coefficient applied to it at the step (the engine's in-place unscale and clip
+        multiply it, and an fp16 overflow makes it inf)."""
         return [self._coef] if (self.nvme or self.narrow) else self._grad_tensors()
 
     def grad_norm(self) -> torch.Tensor:
