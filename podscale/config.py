@@ -89,6 +89,13 @@ class ZeroSection(_Section):
     reshard_after_forward: bool = Field(
         True, description="stage 3: free a block's gathered parameters after its forward (gather again for "
         "backward); false keeps it gathered until its gradients are reduced (fewer all-gathers, more memory)")
+    host_mmap_threshold_mb: float | None = Field(
+        None, ge=0.0, description="stage 3 on a CPU device: glibc serves allocations of at least this size "
+                                  "with mmap, so released block buffers leave the process (default: half the "
+                                  "smallest gathered block; 0: leave malloc alone)")
+    grad_accum_dtype: Literal["fp32"] | None = Field(
+        None, description="gradient shard dtype (stages 1-3): default the reduce dtype (ZeRO's 2 bytes per "
+                          "parameter in mixed precision); fp32 accumulates micro-batches without 16-bit rounding")
     optimizer: Literal["adamw", "lamb", "lars"] = Field(
         "adamw", description="optimizer over the flat shards (stages 1-3); lamb/lars use per-tensor trust ratios")
 

@@ -25,7 +25,11 @@ CASES = {
         (3, 2, "fp32", {}), (2, 1, "bf16", {}), (3, 1, "bf16", {}),
         (2, 1, "fp32", {"offload_optimizer": "cpu"}), (3, 2, "fp32", {"offload_optimizer": "cpu"}),
         (3, 1, "fp32", {"offload_optimizer": "cpu", "offload_param": "cpu"}), (2, 1, "fp16", {}),
-        (3, 1, "fp16", {})],
+        (3, 1, "fp16", {}),
+        # 16-bit gradient shards accumulated over micro-batches (one bf16 rounding per micro-batch), and
+        # the fp32 shard on request; stage 1's shard is a view of its full bf16 gradient buffer
+        (1, 2, "bf16", {}), (2, 2, "bf16", {}), (3, 2, "bf16", {}), (3, 2, "bf16", {"grad_accum_dtype": "fp32"}),
+        (1, 1, "fp16", {}), (2, 2, "fp16", {})],
     4: [(1, 1, "fp32", {}), (2, 1, "fp32", {}), (3, 1, "fp32", {}), (3, 1, "bf16", {}),
         (3, 1, "fp32", {"offload_optimizer": "cpu"})],
 }

@@ -139,37 +139,61 @@ def measure_states(cfg_dicts: list[dict]) -> list[dict]:
     tokens, _ = split_tokens(load_tokens(cfg0.data.path), cfg0.data.val_fraction)
     mesh = Mesh.build(info.device, **cfg0.mesh_sizes())
     out = []
-    for d in [dict(cfg_dicts[0], model=dict(cfg_dicts[0]["model"], n_embd=64, n_layer=1, n_head=2))] + cfg_dicts:
-        # the first entry is a tiny copy of the first config: one-time library warm-up (thread pools,
-        # kernels, gloo buffers) is paid there and not charged to the first measured config
+    # warm-up runs, not measured: the first config of each precision.  One-time library costs (thread
+    # pools, gloo buffers, oneDNN's JIT kernels and primitive cache for the bf16 matmul shapes: ~11 MiB)
+    # are paid there and not charged to whichever measured config happens to run first
+    warm = {d["train"]["precision"]: d for d in reversed(cfg_dicts)}
+    for d in list(warm.values()) + cfg_dicts:
         cfg = parse_config(d)
         loader = ShardedLoader(tokens, cfg.model.block_size, cfg.train.global_batch, cfg.train.micro_batch,
                                mesh.local_rank("dp"), mesh.size("dp"), seed=cfg.run.seed)
         batches = [loader.next_step() for _ in range(cfg.run.steps)]
         gc.collect()
         before = current_rss_bytes()
+        reset_peak_rss()
         torch.manual_seed(cfg.run.seed)
         model = GPT(gpt_config(cfg))
         n_params = sum(p.numel() for p in model.parameters())
         small = sum(p.numel() for p in model.parameters() if p.numel() < cfg.zero.param_persistence_threshold)
         layer = max(sum(p.numel() for p in b.parameters() if p.numel() >= cfg.zero.param_persistence_threshold)
                     for b in model.blocks.values())
+        in_blocks = {id(p) for p in model.blocks.parameters()}
+        root = sum(p.numel() for p in model.parameters()
+                   if id(p) not in in_blocks and p.numel() >= cfg.zero.param_persistence_threshold)
         strategy = build_strategy(model, mesh, cfg.train, cfg.zero)
         engine = Engine(model, mesh, cfg.train, strategy=strategy)
+        built = current_rss_bytes()
+        reset_peak_rss()
         for b in batches:
             engine.step(b)
         if strategy is not None:
             strategy._wait_params()  # the post-step parameter all-gather is in flight until next forward
+        peak = hwm_rss_bytes()
         gc.collect()
         after = current_rss_bytes()
         sb = strategy.state_bytes() if strategy is not None else None
-        out.append({"delta": after - before, "params": n_params, "persistent": small, "layer": layer,
-                    "state_bytes": sb})
+        out.append({"delta": after - before, "peak": peak - built, "built": built - before, "params": n_params,
+                    "persistent": small, "layer": layer, "root": root, "state_bytes": sb})
         if strategy is not None:
             strategy.remove_hooks()
         del engine, strategy, model
         gc.collect()
-    return out[1:]
+    return out[len(warm):]
+
+
+def reset_peak_rss() -> None:
+    """Reset the kernel's resident high-water mark (VmHWM) of this process (Linux: clear_refs 5)."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def hwm_rss_bytes() -> int:
+    """Peak resident memory since the last :func:`reset_peak_rss` (VmHWM)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmHWM in /proc/self/status")
 
 
 def nvme_budget_run(d: dict, steps: int) -> dict:

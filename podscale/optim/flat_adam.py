@@ -12,6 +12,12 @@ torch's fused AdamW kernel (``torch._fused_adamw_``: one pass over memory, vecto
 on CPU, one launch on CUDA), which is the same arithmetic as ``torch.optim.AdamW(fused=True)`` — the
 single-process reference the correctness tests compare against.
 
+Gradients may be kept in 16 bits (ZeRO's 2Ψ/N_d gradient shard in mixed precision: the reduce dtype, as
+DeepSpeed keeps them); the fused kernel needs one dtype, so a 16-bit gradient is upcast in chunks of
+``UPCAST_CHUNK`` elements into one reused fp32 buffer (small enough to stay in the L2 cache, so the extra
+pass costs little bandwidth) and multiplied there by the step's gradient coefficient (loss-scale
+unscaling and global-norm clipping, which therefore never round in 16 bits).
+
 Segments may be stepped in any grouping (``step(lr, only=...)``): the NVMe offload steps one sub-group at
 a time while the next one is read from disk (ZeRO-Infinity, Rajbhandari et al. 2021, section 6.2).
 """
@@ -20,6 +26,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+UPCAST_CHUNK = 1 << 18  # elements of a 16-bit gradient upcast at once (1 MiB of fp32)
 
 
 @dataclass
@@ -44,10 +52,15 @@ class FlatAdamW:
         self.groups = groups
         self.beta1, self.beta2 = betas
         self.eps = eps
+        self._upcast: torch.Tensor | None = None  # fp32 chunk buffer for 16-bit gradients
+
+    def upcast_buffer_bytes(self) -> int:
+        return 0 if self._upcast is None else self._upcast.numel() * 4
 
     @staticmethod
     def step_segments(segs: list[Segment], lr: float, beta1: float, beta2: float, eps: float) -> None:
-        """One fused AdamW update of ``segs`` (grouped by weight decay: one kernel launch per value)."""
+        """One fused AdamW update of ``segs`` with fp32 gradients (grouped by weight decay: one kernel
+        launch per value)."""
         by_wd: dict[float, list[Segment]] = {}
         for s in segs:
             if s.param.numel():
@@ -59,7 +72,35 @@ class FlatAdamW:
                                 [s.exp_avg_sq for s in ss], [], steps, lr=lr, beta1=beta1, beta2=beta2,
                                 weight_decay=wd, eps=eps, amsgrad=False, maximize=False)
 
-    def step(self, lr: float, only: list[int] | None = None) -> None:
+    def step_mixed(self, segs: list[Segment], lr: float, grad_coef: torch.Tensor | None) -> None:
+        """As :meth:`step_segments` for segments with 16-bit gradients: each is upcast chunk by chunk
+        and multiplied by ``grad_coef`` (a one-element fp32 tensor) before the fused update."""
+        kw = dict(lr=lr, beta1=self.beta1, beta2=self.beta2, eps=self.eps, amsgrad=False, maximize=False)
+        for s in segs:
+            if s.param.numel():
+                s.step.add_(1.0)
+                self._step_upcast(s, s.weight_decay, grad_coef, kw)
+
+    def _step_upcast(self, s: Segment, wd: float, coef: torch.Tensor | None, kw: dict) -> None:
+        n = s.param.numel()
+        if self._upcast is None or self._upcast.device != s.param.device:
+            self._upcast = torch.empty(UPCAST_CHUNK, dtype=torch.float32, device=s.param.device)
+        for lo in range(0, n, UPCAST_CHUNK):
+            hi = min(n, lo + UPCAST_CHUNK)
+            g = self._upcast[: hi - lo]
+            g.copy_(s.grad[lo:hi])
+            if coef is not None:
+                g.mul_(coef)
+            torch._fused_adamw_([s.param[lo:hi]], [g], [s.exp_avg[lo:hi]], [s.exp_avg_sq[lo:hi]], [], [s.step],
+                                weight_decay=wd, **kw)
+
+    def step(self, lr: float, only: list[int] | None = None, grad_coef: torch.Tensor | None = None) -> None:
+        """Step the sub-groups ``only`` (default all).  ``grad_coef`` multiplies 16-bit gradients as
+        they are upcast; fp32 gradients are used as they are (the caller scaled them in place)."""
         idx = range(len(self.groups)) if only is None else only
         segs = [s for i in idx for s in self.groups[i]]
-        self.step_segments(segs, lr, self.beta1, self.beta2, self.eps)
+        narrow = [s for s in segs if s.grad.dtype != s.param.dtype]
+        if narrow:
+            self.step_mixed(narrow, lr, grad_coef)
+        self.step_segments([s for s in segs if s.grad.dtype == s.param.dtype], lr, self.beta1, self.beta2,
+                           self.eps)

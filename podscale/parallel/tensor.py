@@ -514,11 +514,17 @@ def grad_pieces(strategy, params) -> tuple[list[tuple[nn.Parameter, torch.Tensor
     if units is None or not hasattr(units[0], "owned"):
         return [(p, p.grad) for p in params if p.grad is not None], False
     pieces = []
-    for u in units:
+    for u in units:  # (a scale the strategy defers to its step is applied by the caller: pending_grad_scale)
         for i, lo, hi in u.owned():
             start = u.offsets[i] + lo - u.lo
             pieces.append((u.params[i], u.grad[start:start + hi - lo]))
     return pieces, True
+
+
+def pending_grad_scale(strategy) -> float:
+    """The factor (fp16 unscale x clip) a strategy has been given by ``scale_grads`` but applies only at its
+    step (ZeRO's 16-bit gradient shards): the stored gradients times it are the true ones."""
+    return abs(getattr(strategy, "pending_grad_scale", 1.0))
 
 
 def global_grad_norm(pieces, mesh, dp_sharded: bool = False) -> torch.Tensor:
@@ -595,7 +601,7 @@ class TensorParallelStrategy(ShardedCheckpointState, WrapsDataParallel):
 
     def grad_norm(self) -> torch.Tensor:
         pieces, dp_sharded = grad_pieces(self.inner, self.params)
-        return global_grad_norm(pieces, self.mesh, dp_sharded)
+        return global_grad_norm(pieces, self.mesh, dp_sharded) * pending_grad_scale(self.inner)
 
     @torch.no_grad()
     def next_logits(self, idx: torch.Tensor) -> torch.Tensor:

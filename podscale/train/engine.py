@@ -49,7 +49,7 @@ def scale_grads(strategy, coef) -> None:
         hook(coef)
         return
     for g in strategy.grads():  # (offloaded gradients live in host memory)
-        g.mul_(coef.to(g.device))
+        g.mul_(coef.to(g.device) if torch.is_tensor(coef) else coef)
 
 
 def found_inf(strategy) -> torch.Tensor:

@@ -31,8 +31,8 @@ from podscale.models.gpt import GPT
 from podscale.parallel.pipeline.partition import PipelineError, layer_costs, split_chunk, stage_layers
 from podscale.parallel.sharded_state import ShardedCheckpointState
 from podscale.parallel.tensor import (WrapsDataParallel, apply_recompute, apply_tensor_parallel, gather_vocab_logits,
-                                      global_grad_norm, grad_pieces, pad_to_shards, reduce_commutes,
-                                      sync_sequence_parallel_grads)
+                                      global_grad_norm, grad_pieces, pad_to_shards, pending_grad_scale,
+                                      reduce_commutes, sync_sequence_parallel_grads)
 from podscale.runtime import comm
 from podscale.runtime.mesh import AXES
 from podscale.train.precision import autocast
@@ -269,7 +269,7 @@ class PipelineParallel(ShardedCheckpointState, WrapsDataParallel):
 
     def grad_norm(self) -> torch.Tensor:
         pieces, dp_sharded = grad_pieces(self.inner, self.params)
-        return global_grad_norm(pieces, self.mesh, dp_sharded)
+        return global_grad_norm(pieces, self.mesh, dp_sharded) * pending_grad_scale(self.inner)
 
     def _sync_tied_embedding(self) -> None:
         """Sum the gradients of the input embedding (first stage) and its copy in the output layer (last

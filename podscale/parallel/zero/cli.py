@@ -17,6 +17,10 @@ def add_memory_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--offload-param", choices=("none", "cpu", "nvme"), default="none")
     p.add_argument("--largest-layer", type=float, default=0, help="parameters of the largest block (stage 3)")
     p.add_argument("--bucket-mb", type=float, default=25.0)
+    p.add_argument("--reduce-dtype", choices=("fp32", "bf16", "fp16"), default=None,
+                   help="gradient reduce dtype (default: --precision); the gradient shard keeps it")
+    p.add_argument("--grad-accum-dtype", choices=("fp32",), default=None,
+                   help="keep an fp32 gradient shard (zero.grad_accum_dtype)")
     p.set_defaults(func=run_memory)
     return p
 
@@ -30,7 +34,8 @@ def run_memory(args) -> int:
     try:
         est = estimate_model_states(n, args.dp, args.stage, args.precision, args.offload_optimizer,
                                     args.offload_param, largest_layer=int(args.largest_layer),
-                                    bucket_mb=args.bucket_mb)
+                                    bucket_mb=args.bucket_mb, reduce_dtype=args.reduce_dtype,
+                                    grad_accum_dtype=args.grad_accum_dtype)
     except ValueError as err:
         print(f"podscale: error: {err}", file=sys.stderr)
         return 2

@@ -4,37 +4,54 @@ ZeRO (Rajbhandari et al. 2020, section 3.1 and Figure 1): mixed-precision Adam k
 parameters, 2Ψ of 16-bit gradients and KΨ = 12Ψ of fp32 master weights, momentum and variance; stage 1
 divides the K term by N_d, stage 2 also the gradients, stage 3 also the parameters.  DeepSpeed's
 ``estimate_zero2_model_states_mem_needs`` / ``estimate_zero3_model_states_mem_needs`` follow the same
-formulas.  This estimator states what :class:`~podscale.parallel.zero.ZeroStrategy` actually allocates,
-which differs from the paper's table in two places, both on purpose:
+formulas.  This estimator states what :class:`~podscale.parallel.zero.ZeroStrategy` actually allocates;
+it is the paper's table, with these refinements:
 
-* the gradient shard is accumulated in fp32 (4Ψ/N_d, not 2Ψ/N_d) so gradient accumulation over
-  micro-batches does not round in 16 bits; stage 1 additionally keeps the full compute-dtype gradient
-  (cΨ) because it accumulates before reducing;
-* in fp32 training the parameter buffer is its own master where it is whole (stages 1/2): K = 8.
+* the gradient shard has the reduce dtype (``train.reduce_dtype``, default the compute dtype): 2Ψ/N_d in
+  mixed precision; ``zero.grad_accum_dtype = fp32`` or an fp32 reduction make it 4Ψ/N_d.  Stage 1's
+  shard is a view of its full gradient buffer when the dtypes agree (no extra bytes), else it is extra;
+* in fp32 training the parameter buffer is its own master where it is whole (stages 1/2; stage 3's
+  persistent small parameters), so K = 8 there; stage 3 gathers fp32 blocks straight from the master;
+* stage 3 keeps parameters below ``param_persistence_threshold`` whole (``persistent_params``).
 
-Offload (ZeRO-Offload, Ren et al. 2021; ZeRO-Infinity, Rajbhandari et al. 2021) moves the fp32 gradient
-shard, master and moments to host memory (``cpu``) or the master and moments to disk (``nvme``); the
-device then keeps a compute-dtype copy of its shard for stage 3's gathers.
+Offload (ZeRO-Offload, Ren et al. 2021; ZeRO-Infinity, Rajbhandari et al. 2021) moves the gradient shard,
+master and moments to host memory (``cpu``) or the master and moments to disk (``nvme``); the device
+then keeps a compute-dtype copy of its shard for stage 3's gathers.
 
-``buffers`` are the transient working set: stage 2/3 gradient staging buckets in flight, and for stage 3
-the gathered blocks (current + prefetched) and the root unit.
+Buffers outside the formulas are separate device lines, alive only during a step:
+
+* ``gather``: stage 3's gathered blocks, the one in use plus the prefetched one, and the root unit
+  (embeddings, head) gathered for the whole forward and backward; stages 1/2: the compute-dtype copies
+  of the updated shards that the post-step all-gather sends (alive until the next forward);
+* ``reduce``: stages 2/3's gradient staging buckets in the reduce dtype (``max_inflight_reduce + 1`` of
+  them: a bucket (stage 2) or a block (stage 3) each);
+* ``step``: the 1 MiB fp32 chunk a 16-bit gradient shard is upcast through at the optimizer step.
+
+Not counted: activations, autograd's own per-parameter gradients before they are copied into a bucket
+(at most one block's), and library workspaces (oneDNN's JIT kernels and primitive cache for 16-bit
+matmuls: ~11 MiB the first time a process runs bf16 matmuls of new shapes, measured on a 7.3M model).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 _BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+STATES = ("params", "grads", "optim")
 
 
 @dataclass
 class MemoryEstimate:
-    device: dict[str, int]   # params, grads, optim, buffers on the accelerator (the process, on a CPU)
+    device: dict[str, int]   # params, grads, optim; gather, reduce, step buffers (the process, on a CPU)
     host: dict[str, int]     # offloaded to host memory
     nvme: dict[str, int]     # offloaded to disk
 
     @property
     def device_states(self) -> int:
-        return self.device["params"] + self.device["grads"] + self.device["optim"]
+        return sum(self.device[k] for k in STATES)
+
+    @property
+    def device_buffers(self) -> int:
+        return sum(v for k, v in self.device.items() if k not in STATES)
 
     @property
     def total_states(self) -> int:
@@ -44,12 +61,13 @@ class MemoryEstimate:
 def estimate_model_states(params: int, dp: int, stage: int, precision: str = "bf16",
                           offload_optimizer: str = "none", offload_param: str = "none",
                           persistent_params: int = 0, largest_layer: int = 0, root_params: int = 0,
-                          bucket_mb: float = 25.0, max_inflight: int = 2) -> MemoryEstimate:
+                          bucket_mb: float = 25.0, max_inflight: int = 2, reduce_dtype: str | None = None,
+                          grad_accum_dtype: str | None = None) -> MemoryEstimate:
     """Bytes per rank of parameters, gradients, optimizer state and transient buffers.
 
     ``persistent_params`` (stage 3): elements of parameters below the persistence threshold, kept whole;
     ``largest_layer``/``root_params`` (stage 3): elements of the largest gathered block and of the root
-    unit (embeddings, head), for the working set.  Without them the working set is not counted.
+    unit (embeddings, head), for the working set.  Without them stage 3's buffers are not counted.
     """
     if stage not in (0, 1, 2, 3):
         raise ValueError(f"stage must be 0, 1, 2 or 3 (got {stage})")
@@ -58,13 +76,14 @@ def estimate_model_states(params: int, dp: int, stage: int, precision: str = "bf
     if offload_optimizer != "none" and stage == 0:
         raise ValueError("offload_optimizer needs stage >= 1")
     c = _BYTES[precision]
+    r = _BYTES[reduce_dtype or precision]
+    g = 4 if grad_accum_dtype == "fp32" else r  # the gradient shard's bytes per element
     n = max(1, dp)
     psi = params
     off = offload_optimizer != "none"
-    dev = {"params": 0, "grads": 0, "optim": 0, "buffers": 0}
+    dev = {"params": 0, "grads": 0, "optim": 0, "gather": 0, "reduce": 0, "step": 0}
     host = {"params": 0, "grads": 0, "optim": 0}
     nvme = {"optim": 0, "params": 0}
-    bucket = int(bucket_mb * 2**20)
     if stage == 0:  # replicated: the parameter is its own fp32 master, gradients fp32 (autocast)
         dev.update(params=4 * psi, grads=4 * psi, optim=8 * psi)
         return MemoryEstimate(dev, host, nvme)
@@ -74,9 +93,11 @@ def estimate_model_states(params: int, dp: int, stage: int, precision: str = "bf
         dev["params"] = c * psi
     else:
         dev["params"] = c * persistent_params + (c * sharded // n if (c != 4 or off or offload_param != "none") else 0)
-    # gradients: the fp32 shard (+ the full compute-dtype buffer of stage 1)
-    grad_shard = 4 * psi // n
-    (host if off else dev)["grads"] += grad_shard
+    # gradients: the shard (+ the full compute-dtype buffer of stage 1, which holds the shard when it can)
+    if offload_optimizer == "nvme":  # the NVMe optimizer accumulates fp32 gradients
+        host["grads"] += 4 * psi // n
+    elif not (stage == 1 and g == c and not off):
+        (host if off else dev)["grads"] += g * psi // n
     if stage == 1:
         dev["grads"] += c * psi
     # optimizer: moments, and the fp32 master where the parameter buffer cannot serve as it
@@ -88,14 +109,19 @@ def estimate_model_states(params: int, dp: int, stage: int, precision: str = "bf
         host["optim"] = optim
     else:
         dev["optim"] = optim
-    if stage >= 2:
-        dev["buffers"] += (max_inflight + 1) * min(bucket, c * psi)
+    if stage in (1, 2):  # the updated parameters' all-gather sources, alive from the step to the next forward
+        dev["gather"] = c * psi // n
+    if stage == 2:
+        dev["reduce"] = (max_inflight + 1) * r * min(int(bucket_mb * 2**20) // 4, psi)
     if stage == 3:
-        dev["buffers"] += c * (2 * largest_layer + root_params)
+        dev["reduce"] = (max_inflight + 1) * r * largest_layer
+        dev["gather"] = c * (2 * largest_layer + root_params)
         if offload_param == "nvme":
             nvme["params"], dev["params"] = dev["params"] - c * persistent_params, c * persistent_params
         elif offload_param == "cpu":
             host["params"], dev["params"] = dev["params"] - c * persistent_params, c * persistent_params
+    if g != 4 and offload_optimizer != "nvme":
+        dev["step"] = 4 << 18  # flat_adam.UPCAST_CHUNK fp32 elements
     return MemoryEstimate(dev, host, nvme)
 
 
@@ -105,7 +131,12 @@ def format_estimate(est: MemoryEstimate, params: int, dp: int, stage: int) -> st
     lines = [f"ZeRO stage {stage}, {params:,} parameters, dp={dp}: per-rank model states"]
     for where, d in (("device", est.device), ("host", est.host), ("nvme", est.nvme)):
         for k, v in d.items():
-            if v or where == "device":
+            if k in STATES and (v or where == "device"):
                 lines.append(f"  {where:6s} {k:8s} {gib(v)}")
     lines.append(f"  total states      {gib(est.total_states)}  (device {gib(est.device_states).strip()})")
+    lines.append("buffers during a step (device):")
+    names = {"gather": "stage 3: gathered blocks (current + prefetch) and root; 1/2: all-gather sources",
+             "reduce": "gradient staging buckets in flight", "step": "optimizer upcast chunk"}
+    for k, label in names.items():
+        lines.append(f"  {k:15s} {gib(est.device[k])}  {label}")
     return "\n".join(lines)

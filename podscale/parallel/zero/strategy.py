@@ -21,7 +21,7 @@ How each stage is built here (see :mod:`podscale.parallel.zero.layout` for the f
   Xu et al. 2020 used on TPU pods).  The all-gather overlaps until the next forward starts.
 * **Stage 2.**  As stage 1, but no full gradient buffer persists: each parameter's gradient is copied into
   its bucket's staging buffer as soon as it is accumulated and the parameter's ``.grad`` is dropped; full
-  buckets are reduce-scattered during backward and accumulated into the fp32 gradient shard (ZeRO 5.2),
+  buckets are reduce-scattered during backward and accumulated into the gradient shard (ZeRO 5.2),
   on every micro-batch (the shard is where accumulation happens, so ``no_sync`` has nothing to save).
   Under a pipeline schedule (:meth:`ZeroStrategy.accumulate_locally`) stages 2 and 3 instead accumulate
   each micro-batch's gradient in ``.grad`` as stage 1 does and reduce-scatter once per step, on the
@@ -36,10 +36,13 @@ How each stage is built here (see :mod:`podscale.parallel.zero.layout` for the f
   are reduce-scattered the storage is freed again.  Parameters with fewer than
   ``param_persistence_threshold`` elements stay whole, and the remaining top-level parameters (embeddings,
   the tied output head) form a root unit gathered for the whole forward+backward.
-  On a CPU, glibc serves the freed block buffers from its heap (fast, but the heap keeps its high-water
-  mark); ``MALLOC_MMAP_THRESHOLD_=1048576`` in the environment makes them mmapped and returned to the OS
-  on release (resident memory then follows the model states exactly, at the cost of page faults: measured
-  ~2x slower steps for stage 3 on this 2-core machine).
+  On a CPU device, glibc would serve the released block buffers from its heap, which keeps its
+  high-water mark resident; stage 3 therefore fixes glibc's mmap threshold
+  (``zero.host_mmap_threshold_mb``, see :mod:`podscale.runtime.hostmem`) so released blocks leave the
+  process (default: half the smallest block), asks for transparent huge pages on each block buffer so
+  re-faulting it stays cheap, and trims the heap once the step's gradients are reduced.  Stage 2/3
+  gradient staging buckets are reused from a small pool during backward (at most
+  ``max_inflight_reduce + 1`` bucket sizes) and dropped when the step's reduction is complete.
   ``zero.reshard_after_forward = false`` (FSDP2's name for it) keeps a block gathered from its first
   forward until its gradients are reduce-scattered: one all-gather per block and reduction instead of two
   (with a pipeline: one per step instead of ``2m``), for the memory of all of this rank's blocks at once.
@@ -51,7 +54,15 @@ all-reduce per unit that has any), so every stage reduces complete gradients, ov
 
 Mixed precision: with ``precision = bf16|fp16`` the parameters the model computes with (the unit buffers)
 are 16-bit copies and the fp32 master slice lives with the optimizer; gradients are reduced in
-``train.reduce_dtype`` (default: the compute dtype) and accumulated in fp32 on the shard.
+``train.reduce_dtype`` (default: the compute dtype) and the gradient shard keeps that dtype: 2 bytes per
+parameter in mixed precision, as in ZeRO's 2Ψ/N_d and DeepSpeed.  The fused optimizer step upcasts it in
+L2-sized chunks; loss-scale unscaling and clipping are folded into one fp32 coefficient applied there
+(never rounded in 16 bits, and fp16 gradients never underflow by unscaling).  Micro-batches accumulate
+into the 16-bit shard with one rounding per micro-batch (DeepSpeed's default ``grad_accum_dtype``; the
+relative error of an A-term sum grows like sqrt(A)·2^-9 for bf16, the order of the bf16 reduction across
+ranks itself); ``zero.grad_accum_dtype = fp32`` keeps a 4-byte shard and accumulates exactly.  With
+``reduce_dtype = fp32`` the shard is fp32 and everything is exactly the fp32 path.  Stage 1's shard is a
+view of its full gradient buffer when both have the same dtype (no extra memory: 2Ψ + 2Ψ + 12Ψ/N_d).
 
 Offload (ZeRO-Offload, Ren et al. 2021; ZeRO-Infinity, Rajbhandari et al. 2021): with
 ``offload_optimizer = cpu`` the fp32 master, moments and gradient shard live in (pinned, on CUDA) host
@@ -61,6 +72,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import math
 import time
 
 import torch
@@ -69,7 +81,7 @@ import torch.nn as nn
 from podscale.optim.flat_adam import FlatAdamW, Segment
 from podscale.parallel.zero.layout import Unit, bucket_units, layer_units
 from podscale.parallel.zero import state as zstate
-from podscale.runtime import comm
+from podscale.runtime import comm, hostmem
 from podscale.storage.aio import aligned_empty
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -157,10 +169,17 @@ class ZeroStrategy:
             raise ZeroError("zero.offload_param='nvme' is implemented together with "
                             "zero.offload_optimizer='nvme': set both to nvme")
         self.betas, self.eps = (train.beta1, train.beta2), train.eps
+        # gradient shard dtype: the reduce dtype (ZeRO's 2Ψ/N_d), fp32 on request or for LAMB/LARS (their
+        # trust ratios read the gradient directly)
+        wide = getattr(zero, "grad_accum_dtype", None) == "fp32" or getattr(zero, "optimizer", "adamw") != "adamw"
+        self.gdtype = torch.float32 if wide else self.rdtype
+        self.narrow = self.gdtype != torch.float32 and zero.offload_optimizer != "nvme"
         self.pin = self.opt_device.type == "cpu" and self.device.type == "cuda"
         self.weight_decay = train.weight_decay
         self._sync = True
         self._inflight: collections.deque = collections.deque()
+        self._staging_pool: list[torch.Tensor] = []  # stages 2/3: free staging buffers, during backward
+        self._huge = False  # stage 3 on a CPU: block buffers are mmapped; ask for huge pages on them
         self._param_gathers: list = []
         self._ck: dict[str, torch.Tensor] = {}
         self._written: set[int] = set()
@@ -187,6 +206,16 @@ class ZeroStrategy:
         self._tp_ranges = {id(u): _merge([(o, n) for p, o, n in zip(u.params, u.offsets, u.numels)
                                           if sp and getattr(p, "sequence_parallel", False)]) for u in self.units}
         self._layer_ids = {id(u) for u in self.layers}
+        if self.stage == 3 and self.device.type == "cpu" and self.layers:
+            mb = getattr(zero, "host_mmap_threshold_mb", None)
+            # default: every gathered block (and staging bucket) is above it, while smaller allocations
+            # (activations, per-parameter gradients) stay on the heap and its fast reuse: 4 KiB page
+            # faults on those cost more than the huge-page faults of the blocks (measured 11 ms vs 2.5 ms
+            # to allocate and fill 28 MB; 0.55 ms from the heap).  glibc caps the threshold at 32 MiB.
+            nbytes = (min(32 << 20, min(u.padded for u in self.layers) * self.cdtype.itemsize // 2)
+                      if mb is None else int(mb * 2**20))
+            if nbytes > 0:
+                self._huge = hostmem.set_mmap_threshold(nbytes)
         self.param_init = param_init
         self._owners: dict[int, list] = {}
         for mod in module.modules():
@@ -194,6 +223,8 @@ class ZeroStrategy:
                 if p is not None:
                     self._owners.setdefault(id(p), []).append((mod, attr))
         self._allocate()
+        if self._huge:  # the model's original weights, freed into the heap by the move into unit buffers
+            hostmem.trim_heap()
         self._unit_of = {id(p): u for u in self.units for p in u.params}
         self.optimizer = FlatAdamW([] if self.nvme else [self._segments(u) for u in self.units],
                                    (train.beta1, train.beta2), train.eps)
@@ -231,8 +262,6 @@ class ZeroStrategy:
             self.swap = NvmeOptimizerState(self.units, off, self.zcfg.nvme_path, self.mesh.rank, chunk,
                                            self.betas, self.eps, self.weight_decay,
                                            param_dtype=self.cdtype if self.param_nvme else None)
-            self._coef = 1.0
-            self._nonfinite = False
             self._param_reads: dict[int, tuple] = {}
             self.param_wait_s = 0.0  # time stage-3 gathers spent waiting for parameter reads
             self.param_reads = self.param_demand_reads = self.param_dropped_reads = 0  # prefetch accounting
@@ -240,7 +269,13 @@ class ZeroStrategy:
             self._sumsq = 0.0
             self._norm_exact = True
             total = 0
-        self.grad_flat = self._empty(total, torch.float32, self.opt_device)
+        # stage 1: the shard is a view of the full gradient buffer when both are in the same place and dtype
+        self.grad_in_full = self.stage == 1 and self.gdtype == self.cdtype and self.opt_device == self.device
+        self.grad_flat = self._empty(0 if self.grad_in_full else total, self.gdtype, self.opt_device)
+        # 16-bit or NVMe gradient shards: the unscale x clip factor, applied in fp32 at the step, and whether
+        # an inf/NaN (fp16 overflow) was seen
+        self._coef, self._nonfinite = 1.0, False
+        self._sumsq = 0.0
         self.exp_avg = self._empty(total, torch.float32, self.opt_device)
         self.exp_avg_sq = self._empty(total, torch.float32, self.opt_device)
         alias = [self._aliases_master(u) and not self.nvme for u in self.units]
@@ -276,7 +311,9 @@ class ZeroStrategy:
                     moff += u.shard
                     u.master.copy_(mine)
                 if not self.nvme:
-                    u.grad, u.exp_avg, u.exp_avg_sq = self.grad_flat[s], self.exp_avg[s], self.exp_avg_sq[s]
+                    u.exp_avg, u.exp_avg_sq = self.exp_avg[s], self.exp_avg_sq[s]
+                    if not self.grad_in_full:
+                        u.grad = self.grad_flat[s]
                 if not u.persistent and not self.nvme and (self.cdtype != torch.float32 or self.offload
                                                             or self.param_cpu):
                     # stage 3: the gather source; in host memory (pinned on CUDA) with offload_param=cpu
@@ -302,6 +339,8 @@ class ZeroStrategy:
                     u.grad_full = torch.zeros(u.padded, dtype=self.cdtype, device=self.device)
                     for p, o, n, shape in zip(u.params, u.offsets, u.numels, u.shapes):
                         p.grad = u.grad_full[o:o + n].view(shape)
+                    if self.grad_in_full:
+                        u.grad = u.grad_full[u.lo:u.hi]
                 del full, mine
                 if not u.persistent:
                     self._free(u)
@@ -368,6 +407,8 @@ class ZeroStrategy:
                 u.gather_handle = None
             return
         u.full.untyped_storage().resize_(u.padded * u.full.element_size())
+        if self._huge:
+            hostmem.advise_huge_pages(u.full)
         src = u.cshard if u.cshard is not None else u.master
         if src is not None and src.device != self.device:  # parameter shard offloaded to host memory
             src = u.src_tmp = src.to(self.device, non_blocking=True)
@@ -461,7 +502,7 @@ class ZeroStrategy:
     @contextlib.contextmanager
     def no_sync(self):
         """Stage 1: accumulate full gradients locally.  Stages 2/3 reduce-scatter every micro-batch into
-        the fp32 gradient shard (ZeRO 5.2), so the full gradient never has to be kept; after
+        the gradient shard (ZeRO 5.2), so the full gradient never has to be kept; after
         :meth:`accumulate_locally` they accumulate locally too."""
         prev, self._sync = self._sync, False
         self._done.clear()  # one backward per no_sync: a unit's completion is counted afresh
@@ -495,7 +536,7 @@ class ZeroStrategy:
         staging buffer) and launch the unit's reduce-scatter once all its parameters are."""
         if self.stage >= 2:
             if u.staging is None:
-                u.staging = torch.empty(u.padded, dtype=self.rdtype, device=self.device)
+                u.staging = self._take_staging(u.padded)
                 u.staging[u.numel:].zero_()
             i = u.pos[id(p)]
             # one pass: scale by 1/N_d (the mean over ranks) while copying into the bucket
@@ -516,6 +557,17 @@ class ZeroStrategy:
             done.clear()
             self._free(u)
 
+    def _take_staging(self, n: int) -> torch.Tensor:
+        """A staging bucket of ``n`` elements: the smallest free pooled buffer that fits, else a new one."""
+        fits = [i for i, b in enumerate(self._staging_pool) if b.numel() >= n]
+        if fits:
+            i = min(fits, key=lambda j: self._staging_pool[j].numel())
+            return self._staging_pool.pop(i)[:n]
+        t = torch.empty(n, dtype=self.rdtype, device=self.device)
+        if self._huge:
+            hostmem.advise_huge_pages(t)
+        return t
+
     def _launch_reduce(self, u: Unit) -> None:
         """Reduce-scatter unit ``u``'s gradients (pre-divided by N_d, so the result is the mean)."""
         if self.stage == 1:
@@ -530,9 +582,15 @@ class ZeroStrategy:
         u.ready.clear()
         if self._tp_ranges[id(u)]:
             self._sum_over_tp(wire, self._tp_ranges[id(u)])
-        out = torch.empty(u.shard, dtype=self.rdtype, device=self.device)
+        first = id(u) not in self._written  # the first gradient since zero_grad: overwrite, no memset
+        self._written.add(id(u))
+        if (first and self.stage >= 2 and not self.nvme and u.grad.dtype == self.rdtype
+                and u.grad.device == self.device):
+            out = u.grad  # reduce straight into the shard: no receive buffer, no copy
+        else:
+            out = torch.empty(u.shard, dtype=self.rdtype, device=self.device)
         h = comm.reduce_scatter(out, wire, self.mesh, self.axes, async_op=True)
-        self._inflight.append((u, out, wire, h))
+        self._inflight.append((u, out, wire, h, first))
         if self.stage == 3 and not u.persistent:
             self._free(u)
         while self.stage >= 2 and len(self._inflight) > self.max_inflight_reduce:
@@ -554,8 +612,11 @@ class ZeroStrategy:
             k += n
 
     def _retire(self) -> None:
-        u, out, _wire, h = self._inflight.popleft()
+        u, out, wire, h, first = self._inflight.popleft()
         h.wait()
+        if self.stage >= 2:
+            base = wire if wire._base is None else wire._base
+            self._staging_pool.append(base)  # reused by the next bucket of this backward
         if self.nvme:
             fresh = self.stage == 1 or id(u) not in self._fresh
             if not torch.isfinite(out).all():
@@ -566,12 +627,14 @@ class ZeroStrategy:
                 self._norm_exact = False
             self._fresh.add(id(u))
             self.swap.add_grad(u, out.to("cpu"), fresh)
-        elif self.stage == 1 or id(u) not in self._written:
-            u.grad.copy_(out, non_blocking=self.pin)  # first gradient since zero_grad: no memset needed
+        elif out is u.grad:
+            pass
+        elif self.stage == 1 or first:
+            u.grad.copy_(out, non_blocking=self.pin)
         else:
-            # blocking: the CPU add must not read the host copy before the device-to-host transfer lands
+            # a later micro-batch (stages 2/3): one rounding per micro-batch into a 16-bit shard; blocking, so
+            # the CPU add never reads the host copy before a device-to-host transfer lands
             u.grad.add_(out.to(u.grad.device))
-        self._written.add(id(u))
 
     def _flush_partial(self) -> None:
         """Reduce units whose parameters did not all receive gradients (unused in this micro-batch)."""
@@ -581,9 +644,8 @@ class ZeroStrategy:
 
     def finish_grad_sync(self) -> None:
         if self.stage == 1 and self._sync:
-            launched = {id(x[0]) for x in self._inflight}
             for u in self.units:  # buckets with unused parameters, in the same order on every rank
-                if id(u) not in launched:
+                if id(u) not in self._written:
                     self._launch_reduce(u)
         else:
             if self.accumulate:  # sums never reduced on a synced backward, deferred ones included
@@ -596,11 +658,20 @@ class ZeroStrategy:
             self._retire()
         if self.pin:  # gradient shards were copied to pinned host memory asynchronously: the CPU reads them next
             torch.cuda.current_stream(self.device).synchronize()
+        self._staging_pool.clear()  # nothing of the reduction stays between steps
+        if self._huge:  # the heap's free pages too (allocations below the threshold: activations, ...)
+            hostmem.trim_heap()
         if not self.nvme:
             for u in self.units:  # a unit that got no gradient at all this step
                 if id(u) not in self._written:
                     u.grad.zero_()
                     self._written.add(id(u))
+            if self.narrow:
+                # squared norm of the 16-bit shard, summed in fp32; inf/NaN (fp16 overflow) is what the
+                # engine's overflow check reads from found_inf()
+                self._sumsq = float(sum(torch.linalg.vector_norm(g, dtype=torch.float32).square()
+                                        for g in self._grad_tensors()))
+                self._nonfinite = not math.isfinite(self._sumsq)
         if self.root is not None and self.root.gathered:
             self._free(self.root)
         for u in self.layers:
@@ -610,31 +681,42 @@ class ZeroStrategy:
     def zero_grad(self) -> None:
         if self.nvme:
             self._fresh.clear()
-            self._coef, self._nonfinite = 1.0, False
             self._sumsq, self._norm_exact = 0.0, True
         self._written.clear()  # the next reduce-scatter overwrites each unit's gradient shard
+        self._coef, self._nonfinite = 1.0, False
         for u in self.units:
             if u.grad_full is not None:
                 u.grad_full.zero_()
 
+    def _grad_tensors(self) -> list[torch.Tensor]:
+        return [u.grad for u in self.units] if self.grad_in_full else [self.grad_flat]
+
     def grads(self) -> list[torch.Tensor]:
-        """The fp32 gradient shard this rank steps; empty with NVMe offload, where it is on disk (the
-        engine scales and checks gradients through :meth:`scale_grads` and :meth:`found_inf`)."""
-        return [] if self.nvme else [self.grad_flat]
+        """The fp32 gradient tensors this rank steps (per-unit views for stage 1); empty with a 16-bit shard
+        or NVMe offload, where the engine scales and checks gradients through :meth:`scale_grads` and
+        :meth:`found_inf` instead (the factor is applied inside the step)."""
+        return [] if (self.nvme or self.narrow) else self._grad_tensors()
 
     def scale_grads(self, coef) -> None:
-        """Multiply this rank's gradients by ``coef`` (fp16 unscaling, clipping).  With NVMe offload the
-        factor is kept and applied to each chunk as the step streams it in, instead of a pass over disk."""
-        if self.nvme:
+        """Multiply this rank's gradients by ``coef`` (fp16 unscaling, clipping).  A 16-bit shard or one on
+        NVMe keeps the factor, and the step applies it in fp32 as each chunk streams through (no rounding
+        of the unscaled gradient to 16 bits, no extra pass over disk)."""
+        if self.nvme or self.narrow:
             self._coef *= float(coef)
-        else:  # (on the host with optimizer offload, while ``coef`` comes from the device)
-            self.grad_flat.mul_(coef.to(self.grad_flat.device) if torch.is_tensor(coef) else coef)
+            return
+        for g in self._grad_tensors():  # (on the host with optimizer offload, while ``coef`` is on the device)
+            g.mul_(coef.to(g.device) if torch.is_tensor(coef) else coef)
+
+    @property
+    def pending_grad_scale(self) -> float:
+        """The factor :meth:`scale_grads` deferred to the step (1.0 when gradients are scaled in place)."""
+        return self._coef if (self.nvme or self.narrow) else 1.0
 
     def found_inf(self) -> torch.Tensor:
-        """1.0 when this rank's gradients hold inf/NaN (with NVMe offload: seen as each shard arrived)."""
-        if self.nvme:
+        """1.0 when this rank's gradients hold inf/NaN (16-bit or NVMe shards: seen as they arrived)."""
+        if self.nvme or self.narrow:
             return torch.tensor([float(self._nonfinite)])
-        return (~torch.isfinite(self.grad_flat)).any().float().reshape(1)
+        return sum((~torch.isfinite(g)).any().float() for g in self._grad_tensors()).reshape(1)
 
     def grad_norm(self) -> torch.Tensor:
         """True global L2 norm: squared norms of the disjoint shards summed over dp (padding is zero)."""
@@ -643,7 +725,11 @@ class ZeroStrategy:
             sq = torch.tensor([local], dtype=torch.float32, device=self.device)
             comm.all_reduce(sq, self.mesh, self.axes)
             return sq.sqrt()[0] * abs(self._coef)
-        sq = torch.linalg.vector_norm(self.grad_flat).square().reshape(1).to(self.device)
+        if self.narrow:
+            sq = torch.tensor([self._sumsq], dtype=torch.float32, device=self.device)
+            comm.all_reduce(sq, self.mesh, self.axes)
+            return sq.sqrt()[0] * abs(self._coef)
+        sq = sum(torch.linalg.vector_norm(g).square() for g in self._grad_tensors()).reshape(1).to(self.device)
         comm.all_reduce(sq, self.mesh, self.axes)
         return sq.sqrt()[0]
 
@@ -657,7 +743,8 @@ class ZeroStrategy:
         if self.alt_optimizer is not None:
             self.alt_optimizer.step(lr)
         else:
-            self.optimizer.step(lr)
+            coef = torch.tensor([self._coef], dtype=torch.float32, device=self.opt_device) if self.narrow else None
+            self.optimizer.step(lr, grad_coef=coef)
         self._publish()
 
     def _publish_range(self, u: Unit, lo: int, hi: int, master: torch.Tensor) -> None:

@@ -1,0 +1,85 @@
+"""Host-memory release for buffers that are allocated and freed every step (ZeRO-3 on a CPU).
+
+glibc's malloc serves a request above ``M_MMAP_THRESHOLD`` with its own ``mmap`` and unmaps it on free,
+so the pages leave the process.  The threshold is *dynamic* by default: freeing an mmapped chunk raises it
+to that chunk's size (up to 32 MiB on 64-bit), after which same-sized requests are carved from the heap,
+whose free pages stay resident (mallopt(3), "M_MMAP_THRESHOLD").  ZeRO-3 gathers and releases a block-sized
+buffer several times per step; on the 57M-parameter benchmark the heap grew to 946 MiB with 114 MiB of it
+in use, and peak resident memory was 1.6x the model states plus the working set.  Fixing the threshold
+(which also turns the dynamic adjustment off) returns every released block buffer to the OS: resident
+memory then follows the model states and the working set that :mod:`podscale.parallel.zero.memory`
+describes, at the cost of first-touch page faults on each gather.  Those are made cheap by asking for
+transparent huge pages on the block buffers (:func:`advise_huge_pages`): one fault per 2 MiB instead of
+per 4 KiB (allocating and filling 28 MB: 0.55 ms from the heap, 11 ms mmapped with 4 KiB pages, 2.5 ms
+with huge pages).  The threshold should sit just below the block size: smaller allocations (activations,
+per-parameter gradients) then keep the heap's fast reuse, and :func:`trim_heap` returns the heap's free
+pages once per step.
+"""
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+
+M_MMAP_THRESHOLD = -3  # <malloc.h>
+
+_applied: int | None = None
+
+
+def set_mmap_threshold(nbytes: int) -> bool:
+    """Serve allocations of at least ``nbytes`` with mmap (returned to the OS on free); process-wide and
+    idempotent.  Returns False, changing nothing, where the C library is not glibc or the environment
+    sets ``MALLOC_MMAP_THRESHOLD_`` itself."""
+    global _applied
+    if _applied == nbytes:
+        return True
+    if "MALLOC_MMAP_THRESHOLD_" in os.environ:  # the user's own setting (read by glibc at start) wins
+        return False
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name or "libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False
+    if not hasattr(libc, "gnu_get_libc_version"):
+        return False
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    if mallopt(M_MMAP_THRESHOLD, int(nbytes)) != 1:
+        return False
+    _applied = nbytes
+    return True
+
+
+MADV_HUGEPAGE = 14  # <sys/mman.h>
+_HUGE = 2 << 20
+_madvise = None
+
+
+def advise_huge_pages(t) -> None:
+    """Ask for transparent huge pages over the 2 MiB-aligned interior of tensor ``t``'s (untouched)
+    memory, so its first touch costs one fault per 2 MiB instead of one per 4 KiB (madvise(2),
+    MADV_HUGEPAGE; a no-op where THP is disabled or the C library lacks madvise)."""
+    global _madvise
+    if _madvise is None:
+        try:
+            libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+            _madvise = libc.madvise
+            _madvise.argtypes, _madvise.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
+        except (OSError, AttributeError):
+            _madvise = False
+    if not _madvise:
+        return
+    ptr = t.data_ptr()
+    lo, hi = (ptr + _HUGE - 1) & ~(_HUGE - 1), (ptr + t.numel() * t.element_size()) & ~(_HUGE - 1)
+    if hi > lo:
+        _madvise(lo, hi - lo, MADV_HUGEPAGE)
+
+
+def trim_heap() -> None:
+    """Give the heap's free pages back to the OS (malloc_trim(3): the top of each arena, and free
+    chunks inside it via MADV_DONTNEED); a no-op where the C library is not glibc."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
