@@ -285,11 +285,8 @@ def eval_and_sample(cfg_dicts: list[dict], eval_batch: int, n_eval: int, n_sampl
         cfg = parse_config(d)
         cfg.check_layout(info.world_size)
         mesh = Mesh.build(info.device, **cfg.mesh_sizes())
-        torch.manual_seed(cfg.run.seed)
-        engine = build_engine(GPT(gpt_config(cfg)), mesh, cfg)
-        tokens, val = split_tokens(load_tokens(cfg.data.path), cfg.data.val_fraction)
-        loader = ShardedLoader(tokens, cfg.model.block_size, cfg.train.global_batch, cfg.train.micro_batch,
-                               mesh.local_rank("dp"), mesh.size("dp"), seed=cfg.run.seed)
+        engine, loader = _engine_and_loader(cfg, mesh, cfg.run.seed)
+        _, val = split_tokens(load_tokens(cfg.data.path), cfg.data.val_fraction)
         for _ in range(cfg.run.steps):
             engine.step(loader.next_step())
         batches = eval_batches(val, cfg.model.block_size, eval_batch, n_eval, mesh.local_rank("dp"), mesh.size("dp"))
@@ -314,12 +311,8 @@ def dropout_run(cfg_dicts: list[dict]) -> list[dict]:
         cfg = parse_config(d)
         cfg.check_layout(info.world_size)
         mesh = Mesh.build(info.device, **cfg.mesh_sizes())
-        torch.manual_seed(cfg.run.seed)
-        engine = build_engine(GPT(gpt_config(cfg)), mesh, cfg)
+        engine, loader = _engine_and_loader(cfg, mesh, cfg.run.seed)
         seed_model_parallel(cfg.run.seed, mesh)
-        tokens, _ = split_tokens(load_tokens(cfg.data.path), cfg.data.val_fraction)
-        loader = ShardedLoader(tokens, cfg.model.block_size, cfg.train.global_batch, cfg.train.micro_batch,
-                               mesh.local_rank("dp"), mesh.size("dp"), seed=cfg.run.seed)
         seen = []
         hooks = [b.register_forward_hook(lambda mod, args, y: seen.append(y.detach().clone()) if len(seen) < 4
                                          else None) for b in engine.model.blocks.values()]

@@ -355,33 +355,31 @@ class ZeroStrategy:
 
         def allreduce(t):
             comm.all_reduce(t, self.mesh, self.axes)
-        if self.nvme:  # streamed in two passes over the swap file (NvmeOptimizerState._trust_step)
-            pieces, index = [], 0
+
+        def owned_pieces():
+            """(tensor index, unit, [s, e) in the unit's shard, weight decay) of every piece this rank holds;
+            every rank numbers every tensor the same way, so trust-ratio norms can be summed by index."""
+            index = 0
             for u in self.units:
                 owned = {i: (lo, hi) for i, lo, hi in u.owned()}
                 for i, p in enumerate(u.params):
                     if i in owned:
                         lo, hi = owned[i]
-                        pieces.append((index, u.goff + u.offsets[i] + lo - u.lo, hi - lo,
-                                       self.weight_decay if p.dim() >= 2 else 0.0))
+                        yield (index, u, u.offsets[i] + lo - u.lo, u.offsets[i] + hi - u.lo,
+                               self.weight_decay if p.dim() >= 2 else 0.0)
                     index += 1
-            self.swap.use_trust_ratio(name, allreduce, index, pieces)
+
+        count = sum(len(u.params) for u in self.units)
+        if self.nvme:  # streamed in two passes over the swap file (NvmeOptimizerState._trust_step)
+            pieces = [(index, u.goff + s, e - s, wd) for index, u, s, e, wd in owned_pieces()]
+            self.swap.use_trust_ratio(name, allreduce, count, pieces)
             return None
         from podscale.optim.flat_lamb import FlatLamb, FlatLars, Piece
-        pieces, index = [], 0
-        for u in self.units:
-            owned = {i: (lo, hi) for i, lo, hi in u.owned()}
-            for i, p in enumerate(u.params):
-                if i in owned:
-                    lo, hi = owned[i]
-                    s, e = u.offsets[i] + lo - u.lo, u.offsets[i] + hi - u.lo
-                    pieces.append(Piece(index, u.master[s:e], u.grad[s:e], u.exp_avg[s:e], u.exp_avg_sq[s:e],
-                                        self.weight_decay if p.dim() >= 2 else 0.0))
-                index += 1  # every rank numbers every tensor the same way
-
+        pieces = [Piece(index, u.master[s:e], u.grad[s:e], u.exp_avg[s:e], u.exp_avg_sq[s:e], wd)
+                  for index, u, s, e, wd in owned_pieces()]
         if name == "lamb":
-            return FlatLamb(pieces, index, allreduce, (train.beta1, train.beta2), train.eps)
-        return FlatLars(pieces, index, allreduce, momentum=train.beta1)
+            return FlatLamb(pieces, count, allreduce, (train.beta1, train.beta2), train.eps)
+        return FlatLars(pieces, count, allreduce, momentum=train.beta1)
 
     def _segments(self, u: Unit) -> list[Segment]:
         segs = []
