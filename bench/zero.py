@@ -65,7 +65,7 @@ def worker(kind: str, stage: int, offload: str, args: dict) -> dict:
             z["offload_optimizer"] = "cpu"
         if offload == "nvme":
             z.update(offload_optimizer="nvme", offload_param="nvme", nvme_path=args["nvme_path"], nvme_block_mb=16)
-        zero = ZeroSection(**z)
+        zero = ZeroSection(**z, **args.get("zero_set", {}))
         meta = stage == 3
         # stage 3 builds the model on the meta device: each block is materialised by GPT.init_parameter
         model, gcfg = _gpt(args["layers"], args["width"], block, meta=meta)
@@ -153,12 +153,15 @@ def main(argv=None) -> None:
     ap.add_argument("--nvme-path", default=None)
     ap.add_argument("--only", default=None, help="comma list of row names to run")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--zero-set", action="append", default=[], metavar="KEY=VALUE",
+                    help="extra podscale [zero] keys for the podscale rows, e.g. host_mmap_threshold_mb=0")
     ap.add_argument("--repeat", type=int, default=1,
                     help="run every row this many times, round robin, and keep each row's fastest run")
     a = ap.parse_args(argv)
     nvme = a.nvme_path or tempfile.mkdtemp(prefix="podscale-nvme-")
     args = {"layers": a.layers, "width": a.width, "block": a.block, "tokens": a.tokens, "steps": a.steps,
-            "warmup": a.warmup, "nvme_path": nvme}
+            "warmup": a.warmup, "nvme_path": nvme,
+            "zero_set": {k: json.loads(v) for k, v in (kv.split("=", 1) for kv in a.zero_set)}}
     rows = [("podscale", 1, "none"), ("podscale", 2, "none"), ("podscale", 3, "none"), ("podscale", 2, "cpu"),
             ("podscale", 3, "nvme"), ("fsdp2", 2, "none"), ("fsdp2", 3, "none")]
     try:

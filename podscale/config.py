@@ -91,8 +91,8 @@ class ZeroSection(_Section):
         "backward); false keeps it gathered until its gradients are reduced (fewer all-gathers, more memory)")
     host_mmap_threshold_mb: float | None = Field(
         None, ge=0.0, description="stage 3 on a CPU device: glibc serves allocations of at least this size "
-                                  "with mmap, so released block buffers leave the process (default: half the "
-                                  "smallest gathered block; 0: leave malloc alone)")
+                                  "with mmap, so released block buffers leave the process (default: 32 MiB, "
+                                  "glibc's cap; 0: leave malloc alone)")
     grad_accum_dtype: Literal["fp32"] | None = Field(
         None, description="gradient shard dtype (stages 1-3): default the reduce dtype (ZeRO's 2 bytes per "
                           "parameter in mixed precision); fp32 accumulates micro-batches without 16-bit rounding")

@@ -36,11 +36,10 @@ How each stage is built here (see :mod:`podscale.parallel.zero.layout` for the f
   are reduce-scattered the storage is freed again.  Parameters with fewer than
   ``param_persistence_threshold`` elements stay whole, and the remaining top-level parameters (embeddings,
   the tied output head) form a root unit gathered for the whole forward+backward.
-  On a CPU device, glibc would serve the released block buffers from its heap, which keeps its
-  high-water mark resident; stage 3 therefore fixes glibc's mmap threshold
-  (``zero.host_mmap_threshold_mb``, see :mod:`podscale.runtime.hostmem`) so released blocks leave the
-  process (default: half the smallest block), asks for transparent huge pages on each block buffer so
-  re-faulting it stays cheap, and trims the heap once the step's gradients are reduced.  Stage 2/3
+  On a CPU device, glibc's dynamic mmap threshold lets the heap keep its high-water mark resident; stage 3
+  therefore fixes the threshold (``zero.host_mmap_threshold_mb``, see :mod:`podscale.runtime.hostmem`;
+  default glibc's cap, 32 MiB) and the trim threshold with it, asks for transparent huge pages on each
+  block buffer, and trims the heap once the step's gradients are reduced.  Stage 2/3
   gradient staging buckets are reused from a small pool during backward (at most
   ``max_inflight_reduce + 1`` bucket sizes) and dropped when the step's reduction is complete.
   ``zero.reshard_after_forward = false`` (FSDP2's name for it) keeps a block gathered from its first
@@ -208,12 +207,13 @@ class ZeroStrategy:
         self._layer_ids = {id(u) for u in self.layers}
         if self.stage == 3 and self.device.type == "cpu" and self.layers:
             mb = getattr(zero, "host_mmap_threshold_mb", None)
-            # default: every gathered block (and staging bucket) is above it, while smaller allocations
-            # (activations, per-parameter gradients) stay on the heap and its fast reuse: 4 KiB page
-            # faults on those cost more than the huge-page faults of the blocks (measured 11 ms vs 2.5 ms
-            # to allocate and fill 28 MB; 0.55 ms from the heap).  glibc caps the threshold at 32 MiB.
-            nbytes = (min(32 << 20, min(u.padded for u in self.layers) * self.cdtype.itemsize // 2)
-                      if mb is None else int(mb * 2**20))
+            # default glibc's cap (32 MiB): blocks below it reuse heap memory (no page faults per gather),
+            # larger ones are mmapped and leave on release; a fixed threshold stops the dynamic growth that
+            # let the heap keep every released block.  Measured on bench/zero.py stage 3 (28 MB blocks, idle
+            # machine): 32 MiB 0.76-0.80 s/step at 1375-1436 MiB peak RSS; half a block (14 MB, every
+            # gather faulted in) 1.0-1.1 s at 1055-1079 MiB; glibc's dynamic default 0.66-0.75 s at
+            # 1674-1791 MiB (FSDP2: 0.98-1.05 s at 1618-1780 MiB).
+            nbytes = 32 << 20 if mb is None else int(mb * 2**20)
             if nbytes > 0:
                 self._huge = hostmem.set_mmap_threshold(nbytes)
         self.param_init = param_init
