@@ -194,7 +194,7 @@ def _memory_case(d, tokens, mesh, allocated, peak_allocated, cuda) -> dict:
     row = {"stage": stage, "precision": prec,
            "zero": {k: v for k, v in zero.items() if k not in ("nvme_path", "stage")},
            "params": n_params, "held_MiB": held / 2**20, "peak_MiB": peak / 2**20,
-           "estimate_states_MiB": dev_states / 2**20, "estimate_buffers_MiB": est.device["buffers"] / 2**20,
+           "estimate_states_MiB": dev_states / 2**20, "estimate_buffers_MiB": est.device_buffers / 2**20,
            "held_over_estimate": held / max(1, dev_states), "loss": res.loss,
            "s_per_step": (time.perf_counter() - t0) / 3}
     if hasattr(st, "remove_hooks"):
