@@ -39,7 +39,7 @@ from podscale.optim import build_adamw, cosine_lr
 from podscale.parallel.data import DataParallel
 from podscale.runtime import comm
 from podscale.runtime.mesh import AXES
-from podscale.train.precision import DynamicLossScaler, autocast
+from podscale.train.precision import DynamicLossScaler, autocast, nonfinite_flag
 
 
 def scale_grads(strategy, coef) -> None:
@@ -55,13 +55,7 @@ def scale_grads(strategy, coef) -> None:
 def found_inf(strategy) -> torch.Tensor:
     """``strategy.found_inf()`` where provided, else whether any of ``strategy.grads()`` is not finite."""
     hook = getattr(strategy, "found_inf", None)
-    if hook is not None:
-        return hook()
-    grads = strategy.grads()
-    found = torch.zeros(1, device=grads[0].device if grads else "cpu")
-    for g in grads:
-        found += (~torch.isfinite(g)).any().float()
-    return found
+    return hook() if hook is not None else nonfinite_flag(strategy.grads())
 
 
 @dataclass

@@ -26,6 +26,14 @@ def autocast(precision: str, device: torch.device):
     return torch.autocast(device_type=device.type, dtype=AUTOCAST_DTYPES[precision])
 
 
+def nonfinite_flag(grads: list[torch.Tensor]) -> torch.Tensor:
+    """A 1-element float tensor, > 0 when any of ``grads`` holds inf or NaN."""
+    found = torch.zeros(1, device=grads[0].device if grads else "cpu")
+    for g in grads:
+        found += (~torch.isfinite(g)).any().float()
+    return found
+
+
 class DynamicLossScaler:
     def __init__(self, init_scale: float = 2.0**16, window: int = 1000, factor: float = 2.0,
                  min_scale: float = 1.0):
@@ -34,12 +42,9 @@ class DynamicLossScaler:
 
     def unscale_and_check(self, grads: list[torch.Tensor], mesh=None, axes=()) -> bool:
         """Divide ``grads`` by the scale in place; True when any rank (over ``axes``) saw inf or NaN."""
-        inv = 1.0 / self.scale
-        found = torch.zeros(1, device=grads[0].device if grads else "cpu")
         for g in grads:
-            g.mul_(inv)
-            found += (~torch.isfinite(g)).any().float()
-        return self.check(found, mesh, axes)
+            g.mul_(1.0 / self.scale)
+        return self.check(nonfinite_flag(grads), mesh, axes)
 
     def check(self, found: torch.Tensor, mesh=None, axes=()) -> bool:
         """True when ``found`` (this rank's 1-element inf/NaN flag) is set on any rank over ``axes``."""
