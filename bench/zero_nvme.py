@@ -86,7 +86,7 @@ def worker(kind: str, args: dict) -> dict:
         from podscale.train.engine import Engine
         mesh = Mesh.build(info.device, dp=info.world_size)
         train = TrainSection(lr=1e-4, min_lr=1e-5, warmup_steps=0, decay_steps=1000, grad_clip=1.0,
-                             precision="bf16")
+                             precision=args["precision"])
         zero = ZeroSection(stage=3, offload_optimizer="nvme", offload_param=args["offload_param"], nvme_path=str(folder),
                            nvme_block_mb=args["block_mb"])
         model, gcfg = _gpt(args["layers"], args["width"], block, meta=True)
@@ -120,14 +120,14 @@ def worker(kind: str, args: dict) -> dict:
         zero = {"stage": 3,
                 "offload_optimizer": dict(nvme, pipeline_read=True, pipeline_write=True, buffer_count=4),
                 "offload_param": dict(nvme, buffer_count=args["ds_param_buffers"], buffer_size=int(4e7),
-                                      max_in_cpu=0)}
+                                      max_in_cpu=args["ds_max_in_cpu"])}
         if args["offload_param"] != "nvme":
             del zero["offload_param"]
         if args.get("ds_no_prefetch"):  # its NVMe parameter prefetch fails on this model (BENCHMARKS.md)
             zero["stage3_prefetch_bucket_size"] = 0
         ds_cfg = {"train_micro_batch_size_per_gpu": max(1, args["tokens"] // block), "gradient_clipping": 1.0,
                   "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.1}},
-                  "zero_optimization": zero, "bf16": {"enabled": True},
+                  "zero_optimization": zero, "bf16": {"enabled": args["precision"] == "bf16"},
                   "aio": {"block_size": 1 << 20, "queue_depth": 8, "intra_op_parallelism": 4,
                           "single_submit": False, "overlap_events": True}}
         deepspeed.init_distributed(dist_backend="gloo")
@@ -142,7 +142,9 @@ def worker(kind: str, args: dict) -> dict:
             times.append(time.perf_counter() - t0)
         io1, dev1 = _disk_io(), _device_io(folder)
     n = args["steps"]
+    import resource
     return dict(extra, step_s=statistics.median(times[args["warmup"]:]), params=gcfg.num_params(),
+                peak_rss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
                 disk_read=(io1[0] - io0[0]) / n, disk_written=(io1[1] - io0[1]) / n,
                 device_read=(dev1[0] - dev0[0]) / n, device_written=(dev1[1] - dev0[1]) / n)
 
@@ -152,7 +154,8 @@ def run(kind: str, args: dict, nproc: int) -> dict:
     from podscale.runtime.launcher import launch
     res = launch(worker, (kind, args), nproc=nproc, quiet=True, log_dir=tempfile.mkdtemp(prefix="podscale-bench-"))
     rs = list(res.values())
-    out = {"step_s": max(r["step_s"] for r in rs), "params": rs[0]["params"]}
+    out = {"step_s": max(r["step_s"] for r in rs), "params": rs[0]["params"],
+           "peak_rss": max(r["peak_rss"] for r in rs)}
     for k in ("disk_read", "disk_written", "app_read", "app_written", "optim_read", "optim_written"):
         if k in rs[0]:
             out[k] = sum(r[k] for r in rs)
@@ -193,8 +196,13 @@ def main(argv=None) -> None:
                     help="DeepSpeed: stage3_prefetch_bucket_size=0 (no parameter prefetch)")
     ap.add_argument("--untie", action="store_true",
                     help="diagnostic, DeepSpeed only: untie its output head from the input embedding")
-    ap.add_argument("--offload-param", default="nvme", choices=["nvme", "none"],
+    ap.add_argument("--offload-param", default="nvme", choices=["nvme", "cpu", "none"],
                     help="parameters on NVMe too (ZeRO-Infinity) or only the optimizer state")
+    ap.add_argument("--precision", default="bf16", choices=["bf16", "fp32"],
+                    help="compute dtype of both engines (master weights and moments are fp32 either way)")
+    ap.add_argument("--ds-max-in-cpu", type=float, default=0,
+                    help="DeepSpeed offload_param.max_in_cpu: parameter elements it may keep in host memory "
+                         "instead of on NVMe (0: all on NVMe, as podscale; DeepSpeed's default is 1e9)")
     ap.add_argument("--repeat", type=int, default=1)
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
@@ -212,7 +220,8 @@ def main(argv=None) -> None:
     args = {"layers": a.layers, "width": a.width, "block": a.block, "tokens": a.tokens, "steps": a.steps,
             "warmup": a.warmup, "nvme_path": nvme, "block_mb": a.block_mb,
             "offload_param": a.offload_param, "ds_param_buffers": a.ds_param_buffers,
-            "untie": a.untie, "ds_no_prefetch": a.ds_no_prefetch}
+            "untie": a.untie, "ds_no_prefetch": a.ds_no_prefetch, "precision": a.precision,
+            "ds_max_in_cpu": int(a.ds_max_in_cpu)}
     kinds = a.only.split(",")
     runs: dict[str, list] = {k: [] for k in kinds}
     for rep in range(a.repeat):
@@ -229,7 +238,8 @@ def main(argv=None) -> None:
                     f"  disk per step: read {r['disk_read'] / 2**20:6.0f} MiB, written {r['disk_written'] / 2**20:6.0f} MiB"
                     f"  ({(r['disk_read'] + r['disk_written']) / r['step_s'] / 1e9:.2f} GB/s, "
                     f"utilisation {utilisation(r, bw, r['step_s']):.2f}); whole device: read "
-                    f"{r['device_read'] / 2**20:.0f} MiB, written {r['device_written'] / 2**20:.0f} MiB")
+                    f"{r['device_read'] / 2**20:.0f} MiB, written {r['device_written'] / 2**20:.0f} MiB; "
+                    f"peak RSS/rank {r['peak_rss'] / 2**20:.0f} MiB")
             if kind == "podscale":
                 line += (f"\n      optimizer step {r['optim_step_s'] * 1e3:.0f} ms (I/O exposed "
                          f"{r['optim_exposed_s'] * 1e3:.0f} ms, utilisation {optim_utilisation(r, bw):.2f}), "

@@ -225,6 +225,7 @@ def nvme_budget_run(d: dict, steps: int) -> dict:
         losses.append(r.loss)
         times.append(r.step_time_s)
         trace.append(("step", current_rss_bytes() - base, peak_rss_bytes() - base))
+    strategy.complete_step()  # the last step streams during the next forward: none comes, finish it
     sb = strategy.state_bytes()
     f = strategy.swap.file
     io = {"read": f.bytes_read, "written": f.bytes_written, "read_s": f.read_s, "write_s": f.write_s}

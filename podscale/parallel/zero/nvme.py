@@ -64,6 +64,9 @@ class NvmeOptimizerState:
         if self.psize:
             self.bufs += [aligned_empty(self.C, param_dtype) for _ in range(SLOTS)]
         self._writes: list[list] = [[] for _ in range(SLOTS)]
+        self._slot_chunk = [-1] * SLOTS  # the chunk whose writes _writes[slot] holds
+        self._pending = None  # a deferred step: generator over the chunks (see step(defer=True))
+        self._done_upto = 0  # with a deferred step: elements [0, done_upto) of the file are stepped
         self._grad_writes: list = []
         self.t = 0
         self.trust = None  # "lamb" / "lars" after use_trust_ratio
@@ -89,13 +92,19 @@ class NvmeOptimizerState:
 
     # parameter offload -----------------------------------------------------------------------------
     def write_param(self, u, lo: int, t: torch.Tensor) -> None:
+        self.finish()
         self._wait_all_writes()
         self.file.write(self._poff(u.goff + lo), _staged(t)).wait()
 
     def read_param(self, u, out: torch.Tensor):
-        """Start reading unit ``u``'s compute-dtype shard into ``out`` (after the step's pending writes)."""
-        self._wait_all_writes()
-        return self.file.read(self._poff(u.goff), out)
+        """Start reading unit ``u``'s compute-dtype shard into ``out``: a deferred step is advanced past
+        the unit and the writes of the chunks that hold it are waited for (later chunks keep streaming)."""
+        lo, hi = u.goff, u.goff + u.shard
+        self.advance(hi)
+        for slot, i in enumerate(self._slot_chunk):
+            if i >= 0 and self.chunks[i][0] < hi and self.chunks[i][1] > lo:
+                self._wait_writes(slot)
+        return self.file.read(self._poff(lo), out)
 
     # initial state / gradients -------------------------------------------------------------------
     def write_master(self, u, master_fp32: torch.Tensor) -> None:
@@ -103,6 +112,7 @@ class NvmeOptimizerState:
 
     def add_grad(self, u, g: torch.Tensor, fresh: bool) -> None:
         """Store (fresh) or accumulate unit ``u``'s fp32 gradient shard on disk."""
+        self.finish()  # the step must have read the previous gradient before this one overwrites it
         g = _staged(g.float())
         if not fresh:
             self.wait_grads()
@@ -121,8 +131,7 @@ class NvmeOptimizerState:
 
     def grad_sumsq(self) -> float:
         """Sum of squares of the gradient shard, read back chunk by chunk (after accumulation)."""
-        self.wait_grads()
-        self._wait_all_writes()
+        self.flush()
         total = 0.0
         for a, b in self.chunks:
             buf = self.bufs[0][GRAD, : b - a]
@@ -147,10 +156,15 @@ class NvmeOptimizerState:
         buf = self.bufs[slot]
         return [self.file.read(self._off(k, a), buf[k, :b - a]) for k in arrays]
 
-    def _stream(self, reads, writes, body, params: bool = False) -> None:
-        """One pass over the chunks: read arrays ``reads`` of chunk i+1 while ``body(i, buf, n)`` works
-        on chunk i, then write arrays ``writes`` of chunk i behind (and, with ``params`` and parameter
-        offload, its compute-dtype parameters, converted from the new master)."""
+    def _stream(self, reads, writes, body, params: bool = False):
+        """One pass over the chunks, a generator that yields each chunk's end after stepping it: read
+        arrays ``reads`` of chunk i+1 while ``body(i, buf, n)`` works on chunk i, then write arrays
+        ``writes`` of chunk i behind (and, with ``params`` and parameter offload, its compute-dtype
+        parameters, converted from the new master).  Time spent inside it counts in ``step_s`` (waits for
+        I/O in ``step_exposed_s``), whether it runs at once or interleaved with the next forward."""
+        def timed(t0, e0):
+            self.step_s += time.perf_counter() - t0
+            self.step_exposed_s += self.file.exposed_s - e0
         t0, e0 = time.perf_counter(), self.file.exposed_s
         self._wait_all_writes()
         pending = {0: self._read(0, reads)}
@@ -167,31 +181,65 @@ class NvmeOptimizerState:
                 pbuf = self.bufs[SLOTS + slot]
                 pbuf[:n].copy_(buf[MASTER, :n])
                 w.append(self.file.write(self._poff(a), pbuf[:n]))
-            self._writes[slot] = w
-        self.step_s += time.perf_counter() - t0
-        self.step_exposed_s += self.file.exposed_s - e0
+            self._writes[slot], self._slot_chunk[slot] = w, i
+            timed(t0, e0)
+            yield b
+            t0, e0 = time.perf_counter(), self.file.exposed_s
+        timed(t0, e0)
 
-    def step(self, lr: float, coef: float, publish) -> None:
+    def _run(self, gen) -> None:
+        for _ in gen:
+            pass
+
+    def step(self, lr: float, coef: float, publish, defer: bool = False) -> None:
         """One optimizer step streamed through memory (read ahead i+1 while stepping i, write i behind).
         ``coef`` multiplies the gradient (deferred unscale/clipping); ``publish(u, lo, hi, master_view)``
         receives the new master of unit ``u``'s shard-local range [lo, hi); with parameter offload the
         chunk's compute-dtype parameters are written to the file here.  AdamW is one pass; LAMB and LARS
-        (:meth:`use_trust_ratio`) take two, since a trust ratio needs norms over whole tensors first."""
+        (:meth:`use_trust_ratio`) take two, since a trust ratio needs norms over whole tensors first.
+
+        With ``defer`` (AdamW) the step only starts: :meth:`advance` steps the chunks up to a point of the
+        file as the next forward needs each unit's new parameters, so the step's disk traffic overlaps
+        that forward's compute (the file is laid out in the order the forward uses the units); every
+        other access (gradients, checkpoints, :meth:`finish`) completes it first.  The arithmetic is the
+        same as stepping at once."""
+        self.finish()
         self.wait_grads()
         self.t += 1
         if self.trust is not None:
             return self._trust_step(lr, coef, publish)
+        step = torch.tensor(float(self.t - 1))
 
         def adamw(i, buf, n):
             if coef != 1.0:
                 buf[GRAD, :n].mul_(coef)
             segs = [Segment(buf[MASTER, o:o + k], buf[GRAD, o:o + k], buf[EXP_AVG, o:o + k],
-                            buf[EXP_AVG_SQ, o:o + k], self.wd if decay else 0.0,
-                            torch.tensor(float(self.t - 1)))
+                            buf[EXP_AVG_SQ, o:o + k], self.wd if decay else 0.0, step.clone())
                     for o, k, decay, _u, _l in self._plan[i]]
             FlatAdamW.step_segments(segs, lr, self.betas[0], self.betas[1], self.eps)
             self._publish(i, buf, publish)
-        self._stream((GRAD, MASTER, EXP_AVG, EXP_AVG_SQ), (MASTER, EXP_AVG, EXP_AVG_SQ), adamw, params=True)
+        gen = self._stream((GRAD, MASTER, EXP_AVG, EXP_AVG_SQ), (MASTER, EXP_AVG, EXP_AVG_SQ), adamw, params=True)
+        if defer:
+            self._pending, self._done_upto = gen, 0
+        else:
+            self._run(gen)
+
+    def advance(self, upto: int) -> None:
+        """Step the deferred step's chunks until elements [0, upto) of the file are updated."""
+        while self._pending is not None and self._done_upto < upto:
+            try:
+                self._done_upto = next(self._pending)
+            except StopIteration:
+                self._pending = None
+            except BaseException:
+                self._pending = None
+                raise
+
+    def finish(self) -> None:
+        """Complete a deferred step (no-op when none is in progress)."""
+        gen, self._pending = self._pending, None
+        if gen is not None:
+            self._run(gen)
 
     def _publish(self, i: int, buf, publish) -> None:
         for o, k, _d, u, lo in self._plan[i]:
@@ -236,9 +284,9 @@ class NvmeOptimizerState:
                 sq[0, idx] += float(torch.linalg.vector_norm(buf[MASTER, o:o + k]).square())
                 sq[1, idx] += float(torch.linalg.vector_norm(g).square())
         if lamb:
-            self._stream((GRAD, MASTER, EXP_AVG, EXP_AVG_SQ), (EXP_AVG, EXP_AVG_SQ), norms)
+            self._run(self._stream((GRAD, MASTER, EXP_AVG, EXP_AVG_SQ), (EXP_AVG, EXP_AVG_SQ), norms))
         else:
-            self._stream((GRAD, MASTER), (), norms)
+            self._run(self._stream((GRAD, MASTER), (), norms))
         self.allreduce(sq)
         wn, other = sq[0].sqrt(), sq[1].sqrt()
 
@@ -258,11 +306,12 @@ class NvmeOptimizerState:
                     buf[MASTER, o:o + k].sub_(buf[EXP_AVG, o:o + k])
             self._publish(i, buf, publish)
         if lamb:
-            self._stream((MASTER, EXP_AVG, EXP_AVG_SQ), (MASTER,), apply, params=True)
+            self._run(self._stream((MASTER, EXP_AVG, EXP_AVG_SQ), (MASTER,), apply, params=True))
         else:
-            self._stream((GRAD, MASTER, EXP_AVG), (MASTER, EXP_AVG), apply, params=True)
+            self._run(self._stream((GRAD, MASTER, EXP_AVG), (MASTER, EXP_AVG), apply, params=True))
 
     def flush(self) -> None:
+        self.finish()
         self.wait_grads()
         self._wait_all_writes()
 

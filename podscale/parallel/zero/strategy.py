@@ -244,8 +244,13 @@ class ZeroStrategy:
     def _allocate(self) -> None:
         """Build each unit's flat buffers from the module's current weights (rank 0's, broadcast)."""
         total = sum(u.shard for u in self.units)
+        order = self.units
+        if self.nvme and self.stage == 3:
+            # the swap file in the order the forward uses the units: a deferred step (NvmeOptimizerState.step)
+            # runs front to back while the next forward catches up with it
+            order = [u for u in self.units if u.persistent] + ([self.root] if self.root else []) + self.layers
         off = 0
-        for u in self.units:
+        for u in order:
             u.goff = off
             off += u.shard
             if self.nvme:  # swap-file shards start block-aligned (O_DIRECT transfers in place)
@@ -263,6 +268,13 @@ class ZeroStrategy:
                                            self.betas, self.eps, self.weight_decay,
                                            param_dtype=self.cdtype if self.param_nvme else None)
             self._param_reads: dict[int, tuple] = {}
+            self._persist_pending = False  # a deferred step has yet to all-gather the persistent units
+            # parameter offload with a deferred step: new compute-dtype shards taken from the step's chunk
+            # buffers for the forward that is catching up with it (no write-then-read round trip to disk)
+            self._captured: dict[int, torch.Tensor] = {}
+            self._capturing = False
+            self.param_captured = 0
+            self._head_end = max((u.goff + u.shard for u in self.units if u.persistent), default=0)
             self.param_wait_s = 0.0  # time stage-3 gathers spent waiting for parameter reads
             self.param_reads = self.param_demand_reads = self.param_dropped_reads = 0  # prefetch accounting
             self._fresh: set[int] = set()
@@ -404,6 +416,8 @@ class ZeroStrategy:
                 u.gather_handle.wait()
                 u.gather_handle = None
             return
+        if self.swap is not None:  # a deferred NVMe step: this unit's new parameters first
+            self._advance_for_forward(u.goff + u.shard)
         u.full.untyped_storage().resize_(u.padded * u.full.element_size())
         if self._huge:
             hostmem.advise_huge_pages(u.full)
@@ -416,7 +430,8 @@ class ZeroStrategy:
             self._read_param(u)
             req, buf = self._param_reads.pop(id(u))
             t0 = time.perf_counter()
-            req.wait()
+            if req is not None:  # (None: taken from the step's buffers)
+                req.wait()
             self.param_wait_s += time.perf_counter() - t0
             src = u.src_tmp = buf.to(self.device)
         with torch.no_grad():
@@ -434,6 +449,12 @@ class ZeroStrategy:
         if (u is None or not self.param_nvme or u.persistent or u.gathered or u.cshard is not None
                 or id(u) in self._param_reads):
             return
+        self._advance_for_forward(u.goff + u.shard)
+        buf = self._captured.pop(id(u), None)
+        if buf is not None:
+            self._param_reads[id(u)] = (None, buf)
+            self.param_captured += 1
+            return
         buf = aligned_empty(u.shard, self.cdtype)
         self._param_reads[id(u)] = (self.swap.read_param(u, buf), buf)
         self.param_reads += 1
@@ -441,9 +462,22 @@ class ZeroStrategy:
     def _drop_param_reads(self) -> None:
         """Discard prefetched parameter reads that no gather used (stale once the step updates them)."""
         for req, _buf in self._param_reads.values():
-            req.wait()
+            if req is not None:
+                req.wait()
             self.param_dropped_reads += 1
         self._param_reads.clear()
+        self._captured.clear()
+
+    def _advance_for_forward(self, upto: int) -> None:
+        """Step a deferred NVMe step until the swap file's elements [0, upto) are updated (the forward
+        needs them next).  With parameter offload, units whose first piece is stepped on the way keep
+        their new compute-dtype shard in memory for their gather (:meth:`_publish_range`): at most the
+        unit or two a chunk reaches past ``upto``."""
+        self._capturing = self.param_nvme
+        try:
+            self.swap.advance(upto)
+        finally:
+            self._capturing = False
 
     def _layer(self, i: int) -> Unit | None:
         return self.layers[i] if 0 <= i < len(self.layers) else None
@@ -479,6 +513,11 @@ class ZeroStrategy:
         self._read_param(self._layer(u.index - 2))
 
     def _pre_model(self, _m, _args):
+        if self.swap is not None and self._persist_pending:
+            # a deferred NVMe step: the persistent units lead the swap file; gather them once stepped
+            self._advance_for_forward(self._head_end)
+            self._persist_pending = False
+            self._publish()
         for h in self._param_gathers:  # stages 1/2: updated parameters all-gathered after the last step
             h.wait()
         self._param_gathers.clear()
@@ -734,9 +773,15 @@ class ZeroStrategy:
     # optimizer ------------------------------------------------------------------------------------
     def step(self, lr: float) -> None:
         if self.nvme:
+            self.complete_step()
             self._drop_param_reads()
-            self.swap.step(lr, self._coef, self._publish_range)
-            self._publish()
+            # stage 3: the step streams while the next forward runs (each gather waits for its unit)
+            defer = self.stage == 3
+            self.swap.step(lr, self._coef, self._publish_range, defer=defer)
+            if defer:
+                self._persist_pending = True
+            else:
+                self._publish()
             return
         if self.alt_optimizer is not None:
             self.alt_optimizer.step(lr)
@@ -749,6 +794,14 @@ class ZeroStrategy:
         # units whose parameters are offloaded too get them written by the swap's chunk write
         if u.cshard is not None:
             u.cshard[lo:hi].copy_(master, non_blocking=self.pin)
+            return
+        if not self.param_nvme or u.persistent:
+            return
+        buf = self._captured.get(id(u))
+        if buf is None and self._capturing and lo == 0:  # the unit's first piece: keep the whole shard
+            buf = self._captured[id(u)] = torch.zeros(u.shard, dtype=self.cdtype)  # (padding stays 0)
+        if buf is not None:
+            buf[lo:hi].copy_(master)
 
     @torch.no_grad()
     def _publish(self) -> None:
@@ -763,6 +816,18 @@ class ZeroStrategy:
                     u.full[u.lo:u.hi].copy_(src)
                 else:
                     self._param_gathers.append(comm.all_gather(u.full, src, self.mesh, self.axes, async_op=True))
+
+    def complete_step(self) -> None:
+        """Finish a deferred NVMe step and publish its persistent units (collective: every rank calls it
+        at the same point)."""
+        if self.swap is None:
+            return
+        self.swap.finish()
+        self._captured.clear()
+        if self._persist_pending:
+            self._persist_pending = False
+            self._publish()
+            self._wait_params()
 
     def _wait_params(self) -> None:
         for h in self._param_gathers:
@@ -798,6 +863,7 @@ class ZeroStrategy:
 
     def model_state(self) -> dict[str, torch.Tensor]:
         """fp32 master weights per parameter name (all tied names), sharded as this rank holds them."""
+        self.complete_step()
         self._wait_params()
         self._ck = {}
         out = zstate.sharded_entries(self, self._getter("master"))
@@ -806,6 +872,7 @@ class ZeroStrategy:
         return out
 
     def load_model_state(self, state: dict[str, torch.Tensor]) -> None:
+        self.complete_step()
         zstate.copy_in(self, state, self._getter("master"))
         for n, b in self.module.named_buffers():
             if n in state and state[n] is not b:
@@ -815,6 +882,7 @@ class ZeroStrategy:
         self._wait_params()
 
     def optim_state(self) -> dict[str, torch.Tensor]:
+        self.complete_step()
         out = {}
         self._ck = {}
         for key in ("exp_avg", "exp_avg_sq"):
@@ -830,6 +898,7 @@ class ZeroStrategy:
         return self.optim_state()
 
     def load_optim_state(self, flat: dict[str, torch.Tensor]) -> None:
+        self.complete_step()
         for key in ("exp_avg", "exp_avg_sq"):
             zstate.copy_in(self, {k[: -len(key) - 1]: v for k, v in flat.items() if k.endswith("." + key)},
                            self._getter(key), tied=False)
