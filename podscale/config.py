@@ -86,6 +86,9 @@ class ZeroSection(_Section):
     param_persistence_threshold: int = Field(10_000, ge=0,
                                              description="parameters with fewer elements stay whole (stage 3)")
     nvme_block_mb: float = Field(8.0, gt=0.0, description="size of one NVMe read/write request")
+    nvme_overlap_step: bool = Field(
+        True, description="stage 3 with offload_optimizer=nvme (AdamW): stream the optimizer step while the next "
+        "forward runs, each block waiting only for its own update (false: step at once after backward)")
     reshard_after_forward: bool = Field(
         True, description="stage 3: free a block's gathered parameters after its forward (gather again for "
         "backward); false keeps it gathered until its gradients are reduced (fewer all-gathers, more memory)")

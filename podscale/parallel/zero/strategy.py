@@ -183,6 +183,7 @@ class ZeroStrategy:
         self._ck: dict[str, torch.Tensor] = {}
         self._written: set[int] = set()
         self.reshard_after_forward = getattr(zero, "reshard_after_forward", True)
+        self.overlap_step = getattr(zero, "nvme_overlap_step", True)  # (NVMe, stage 3; settable between steps)
         self.accumulate = False          # stages 2/3: accumulate in .grad under no_sync (accumulate_locally)
         self._deferred: set[int] = set()  # parameters reduced only in finish_grad_sync (accumulate_locally)
         self._done: dict[int, set[int]] = {}  # stage 3, local accumulation: params whose backward ran, per unit
@@ -776,7 +777,7 @@ class ZeroStrategy:
             self.complete_step()
             self._drop_param_reads()
             # stage 3: the step streams while the next forward runs (each gather waits for its unit)
-            defer = self.stage == 3
+            defer = self.stage == 3 and self.overlap_step
             self.swap.step(lr, self._coef, self._publish_range, defer=defer)
             if defer:
                 self._persist_pending = True
