@@ -1,4 +1,4 @@
-"""ZeRO stages 1, 2, 3 (and CPU optimizer offload) match a plain single-process PyTorch loop, step for step,
+"""ZeRO stages 1, 2, 3 (with CPU optimizer and parameter offload, and NVMe offload at dp=4) match a plain single-process PyTorch loop, step for step,
 on Tiny Shakespeare: same losses, gradient norms and final parameters within floating-point tolerance."""
 
 import pytest
@@ -31,7 +31,10 @@ CASES = {
         (1, 2, "bf16", {}), (2, 2, "bf16", {}), (3, 2, "bf16", {}), (3, 2, "bf16", {"grad_accum_dtype": "fp32"}),
         (1, 1, "fp16", {}), (2, 2, "fp16", {})],
     4: [(1, 1, "fp32", {}), (2, 1, "fp32", {}), (3, 1, "fp32", {}), (3, 1, "bf16", {}),
-        (3, 1, "fp32", {"offload_optimizer": "cpu"})],
+        (3, 1, "fp32", {"offload_optimizer": "cpu"}),
+        # ZeRO-Infinity at dp=4 (dp=2 in test_zero_offload.py): the swap folder is the test's tmp_path
+        (2, 1, "fp32", {"offload_optimizer": "nvme", "nvme_block_mb": 0.1}),
+        (3, 1, "fp32", {"offload_optimizer": "nvme", "offload_param": "nvme", "nvme_block_mb": 0.1})],
 }
 
 
@@ -44,10 +47,12 @@ def references():
 
 
 @pytest.mark.parametrize("nproc", [2, 4])
-def test_zero_matches_single_process(nproc, references):
+def test_zero_matches_single_process(nproc, references, tmp_path):
     path = shakespeare()
     cases = CASES[nproc]
-    cfgs = [zero_config(path, STEPS, GLOBAL_BATCH, GLOBAL_BATCH // (nproc * accum), prec, nproc, stage, **kw)
+    swap = {"nvme_path": str(tmp_path)}
+    cfgs = [zero_config(path, STEPS, GLOBAL_BATCH, GLOBAL_BATCH // (nproc * accum), prec, nproc, stage, **kw,
+                        **(swap if "nvme" in kw.values() else {}))
             for stage, accum, prec, kw in cases]
     for c in cfgs:
         c["train"]["loss_scale_init"] = 1024.0  # fp16: a scale that does not overflow at step 1

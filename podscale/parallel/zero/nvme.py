@@ -20,6 +20,14 @@ and the buffers are page-aligned, so the transfers go to the disk in place, with
 
 Scaling of the gradient (fp16 unscale, clipping) is deferred: the strategy keeps one coefficient and the
 step applies it to each chunk (:meth:`ZeroStrategy.scale_grads`).
+
+At stage 3 the step itself can be deferred (``step(defer=True)``, config ``zero.nvme_overlap_step``): the
+strategy lays the file out in the order the forward uses its units, and each gather of the next forward
+calls :meth:`advance` up to the end of its unit, so a block's optimizer state streams through the disk
+while the previous block computes — ZeRO-Infinity's overlap of NVMe traffic with compute (section 6.3),
+applied to the optimizer step, which clipping by the global norm keeps from starting before backward ends.
+The result is the same as stepping at once; anything else that touches the file (gradients of the next
+backward, checkpoints, parameter writes) calls :meth:`finish` first.
 """
 from __future__ import annotations
 
