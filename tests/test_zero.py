@@ -1,5 +1,6 @@
-"""ZeRO stages 1, 2, 3 (with CPU optimizer and parameter offload, and NVMe offload at dp=4) match a plain single-process PyTorch loop, step for step,
-on Tiny Shakespeare: same losses, gradient norms and final parameters within floating-point tolerance."""
+"""ZeRO stages 1, 2, 3 (with CPU optimizer and parameter offload, and NVMe offload at dp=4) match a plain
+single-process PyTorch loop, step for step, on Tiny Shakespeare: same losses, gradient norms and final
+parameters within floating-point tolerance."""
 
 import pytest
 

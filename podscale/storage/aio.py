@@ -23,10 +23,12 @@ either completes whole or raises (short writes are retried to the end).
 """
 from __future__ import annotations
 
+import atexit
 import errno
 import logging
 import mmap
 import os
+import weakref
 import shutil
 import threading
 import time
@@ -137,6 +139,7 @@ class AsyncFile:
                 self.path.unlink(missing_ok=True)
                 raise
         self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="podscale-aio")
+        _open_files.add(self)
         self._lock = threading.Lock()
         self.bytes_read = self.bytes_written = 0
         self.read_s = self.write_s = 0.0
@@ -256,6 +259,20 @@ class AsyncFile:
     def __del__(self):
         try:
             self.close()
+        except Exception:
+            pass
+
+
+_open_files: "weakref.WeakSet[AsyncFile]" = weakref.WeakSet()
+
+
+@atexit.register
+def _close_open_files() -> None:
+    """Swap files are scratch space: remove any still open when the process exits normally (a worker that
+    never called ``close``), so repeated runs do not fill the disk with pid-named leftovers."""
+    for f in list(_open_files):
+        try:
+            f.close()
         except Exception:
             pass
 

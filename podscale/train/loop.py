@@ -44,6 +44,13 @@ def _gather_per_rank(value: float, mesh: Mesh) -> list[float]:
     return out.tolist()
 
 
+def _release(engine) -> None:
+    """Remove the strategy's scratch state (ZeRO-Infinity swap files) when a run ends, also a failed one."""
+    close = getattr(engine.strategy, "close", None)
+    if close is not None:
+        close()
+
+
 def run_worker(cfg: Config, resume: bool = False) -> dict:
     """Train as one rank of the job described by ``cfg``; returns a summary (rank 0's is complete)."""
     info = init_process(device=cfg.run.device)
@@ -61,97 +68,100 @@ def run_worker(cfg: Config, resume: bool = False) -> dict:
     with torch.device("meta"):
         model = GPT(gcfg)
     engine = parallelize(model, mesh, cfg)
-    train_tokens, val_tokens = split_tokens(load_tokens(cfg.data.path), cfg.data.val_fraction)
-    loader = ShardedLoader(train_tokens, gcfg.block_size, cfg.train.global_batch, cfg.train.micro_batch,
-                           dp_rank, dp, seed=cfg.run.seed)
-    val = eval_batches(val_tokens, gcfg.block_size, dp * cfg.train.micro_batch, cfg.run.eval_batches, dp_rank, dp)
-    # Dropout masks differ per sample, as in one process: per dp and pp rank, and per tp rank where
-    # activations are split over tp (the model-parallel RNG tracker).
-    seed_model_parallel(cfg.run.seed, mesh)
-    tracker = rng_tracker(mesh)
+    try:
+        train_tokens, val_tokens = split_tokens(load_tokens(cfg.data.path), cfg.data.val_fraction)
+        loader = ShardedLoader(train_tokens, gcfg.block_size, cfg.train.global_batch, cfg.train.micro_batch,
+                               dp_rank, dp, seed=cfg.run.seed)
+        val = eval_batches(val_tokens, gcfg.block_size, dp * cfg.train.micro_batch, cfg.run.eval_batches, dp_rank, dp)
+        # Dropout masks differ per sample, as in one process: per dp and pp rank, and per tp rank where
+        # activations are split over tp (the model-parallel RNG tracker).
+        seed_model_parallel(cfg.run.seed, mesh)
+        tracker = rng_tracker(mesh)
 
-    start_step = 0
-    restored = checkpoint.latest(ckpt_root) if resume or info.restart_count > 0 else None
-    if restored is not None:
-        template = {"model": engine.model_state(), "optim": engine.optim_template()}
-        meta, rank_state = checkpoint.load(restored, template, rank)
-        engine.load_model_state(template["model"])
-        engine.load_optim_state(template["optim"])
-        engine.step_count = start_step = int(meta["step"])
-        loader.load_state_dict(meta["loader"])
-        if engine.scaler is not None and meta.get("scaler"):
-            engine.scaler.load_state_dict(meta["scaler"])
-        if rank_state is not None and meta.get("world_size") == info.world_size:
-            torch.set_rng_state(rank_state["torch_rng"])
-            streams = {k.removeprefix("rng."): v for k, v in rank_state.items() if k.startswith("rng.")}
-            if streams:  # (checkpoints from before the tracker have none)
-                tracker.set_states(streams)
+        start_step = 0
+        restored = checkpoint.latest(ckpt_root) if resume or info.restart_count > 0 else None
+        if restored is not None:
+            template = {"model": engine.model_state(), "optim": engine.optim_template()}
+            meta, rank_state = checkpoint.load(restored, template, rank)
+            engine.load_model_state(template["model"])
+            engine.load_optim_state(template["optim"])
+            engine.step_count = start_step = int(meta["step"])
+            loader.load_state_dict(meta["loader"])
+            if engine.scaler is not None and meta.get("scaler"):
+                engine.scaler.load_state_dict(meta["scaler"])
+            if rank_state is not None and meta.get("world_size") == info.world_size:
+                torch.set_rng_state(rank_state["torch_rng"])
+                streams = {k.removeprefix("rng."): v for k, v in rank_state.items() if k.startswith("rng.")}
+                if streams:  # (checkpoints from before the tracker have none)
+                    tracker.set_states(streams)
 
-    tokens_per_step = cfg.train.global_batch * gcfg.block_size
-    flops_per_step = gcfg.flops_per_token() * tokens_per_step
-    peak = matmul_peak(info.device, "fp32" if cfg.train.precision == "fp32" else cfg.train.precision)
-    log = MetricsLog(run_dir / "metrics.jsonl", truncate_from_step=start_step) if rank == 0 else None
-    progress = Progress(cfg.run.steps, start_step, enabled=rank == 0)
-    if rank == 0:
-        progress.print(f"podscale: {cfg.run.name}: {gcfg.num_params() / 1e6:.2f}M params, mesh "
-                       f"{mesh.describe()}, global batch {cfg.train.global_batch} x {gcfg.block_size} tokens, "
-                       f"accumulation {loader.grad_accum}, {cfg.train.precision}, device {info.device}"
-                       + (f", resumed from {restored.name}" if restored is not None else ""))
-
-    def save(step: int) -> None:
-        meta = {"step": step, "loader": loader.state_dict(), "world_size": info.world_size,
-                "mesh": mesh.sizes, "model_config": asdict(gcfg),
-                "scaler": engine.scaler.state_dict() if engine.scaler else None, "time": time.time()}
-        rng = {"torch_rng": torch.get_rng_state(), **{f"rng.{k}": v for k, v in tracker.get_states().items()}}
-        checkpoint.save(ckpt_root, step, {"model": engine.model_state(), "optim": engine.optim_state()},
-                        meta, rng, rank, cfg.checkpoint.keep)
-
-    last = {}
-    mesh.stats.reset()
-    for step in range(start_step, cfg.run.steps):
-        faults.maybe_kill(step, rank)
-        res = engine.step(loader.next_step())
-        comm_totals, comm_axes = mesh.stats.totals(), mesh.stats.per_axis()
-        mesh.stats.reset()
-        s = res.step
-        record = {
-            "step": s, "loss": res.loss, "lr": res.lr, "grad_norm": res.grad_norm, "skipped": res.skipped,
-            "step_time_s": res.step_time_s, "tokens_per_s": tokens_per_step / res.step_time_s,
-            "tflops_per_rank": flops_per_step / res.step_time_s / info.world_size / 1e12,
-            "mfu": flops_per_step / res.step_time_s / info.world_size / peak,
-            "comm_share": comm_totals["exposed_s"] / res.step_time_s,
-            "comm": {a: {k: round(v, 6) for k, v in d.items()} for a, d in comm_axes.items()},
-        }
-        if res.loss_scale is not None:
-            record["loss_scale"] = res.loss_scale
-        if cfg.run.eval_every and (s % cfg.run.eval_every == 0 or s == cfg.run.steps):
-            record["val_loss"] = engine.evaluate(val)
-        if s % cfg.run.log_every == 0 or s == cfg.run.steps:
-            record["peak_mem_bytes"] = _gather_per_rank(peak_memory_bytes(info.device), mesh)
-        mesh.stats.reset()
-        if log is not None:
-            log.write(record)
-        progress.update(record)
-        last = record
-        if cfg.checkpoint.every and s % cfg.checkpoint.every == 0 and s < cfg.run.steps:
-            save(s)
-    if cfg.checkpoint.at_end and cfg.run.steps > start_step:
-        save(cfg.run.steps)
-    progress.close()
-
-    summary = {"rank": rank, "steps": cfg.run.steps, "final_loss": last.get("loss"),
-               "val_loss": last.get("val_loss"), "run_dir": str(run_dir)}
-    if cfg.run.sample_tokens:
-        # every rank samples (tp and pp forwards are collective) and draws the same bytes from the same seed
-        g = torch.Generator(device=info.device).manual_seed(cfg.run.seed)
-        out = engine.generate(torch.tensor([[10]], device=info.device), cfg.run.sample_tokens,
-                              temperature=0.8, top_k=50, generator=g)
-        text = bytes(out[0, 1:].tolist()).decode("utf-8", errors="replace")
+        tokens_per_step = cfg.train.global_batch * gcfg.block_size
+        flops_per_step = gcfg.flops_per_token() * tokens_per_step
+        peak = matmul_peak(info.device, "fp32" if cfg.train.precision == "fp32" else cfg.train.precision)
+        log = MetricsLog(run_dir / "metrics.jsonl", truncate_from_step=start_step) if rank == 0 else None
+        progress = Progress(cfg.run.steps, start_step, enabled=rank == 0)
         if rank == 0:
-            (run_dir / "sample.txt").write_text(text)
-            progress.print("sample:\n" + text)
-            summary["sample"] = text
-    if log is not None:
-        log.close()
-    sys.stdout.flush()
-    return summary
+            progress.print(f"podscale: {cfg.run.name}: {gcfg.num_params() / 1e6:.2f}M params, mesh "
+                           f"{mesh.describe()}, global batch {cfg.train.global_batch} x {gcfg.block_size} tokens, "
+                           f"accumulation {loader.grad_accum}, {cfg.train.precision}, device {info.device}"
+                           + (f", resumed from {restored.name}" if restored is not None else ""))
+
+        def save(step: int) -> None:
+            meta = {"step": step, "loader": loader.state_dict(), "world_size": info.world_size,
+                    "mesh": mesh.sizes, "model_config": asdict(gcfg),
+                    "scaler": engine.scaler.state_dict() if engine.scaler else None, "time": time.time()}
+            rng = {"torch_rng": torch.get_rng_state(), **{f"rng.{k}": v for k, v in tracker.get_states().items()}}
+            checkpoint.save(ckpt_root, step, {"model": engine.model_state(), "optim": engine.optim_state()},
+                            meta, rng, rank, cfg.checkpoint.keep)
+
+        last = {}
+        mesh.stats.reset()
+        for step in range(start_step, cfg.run.steps):
+            faults.maybe_kill(step, rank)
+            res = engine.step(loader.next_step())
+            comm_totals, comm_axes = mesh.stats.totals(), mesh.stats.per_axis()
+            mesh.stats.reset()
+            s = res.step
+            record = {
+                "step": s, "loss": res.loss, "lr": res.lr, "grad_norm": res.grad_norm, "skipped": res.skipped,
+                "step_time_s": res.step_time_s, "tokens_per_s": tokens_per_step / res.step_time_s,
+                "tflops_per_rank": flops_per_step / res.step_time_s / info.world_size / 1e12,
+                "mfu": flops_per_step / res.step_time_s / info.world_size / peak,
+                "comm_share": comm_totals["exposed_s"] / res.step_time_s,
+                "comm": {a: {k: round(v, 6) for k, v in d.items()} for a, d in comm_axes.items()},
+            }
+            if res.loss_scale is not None:
+                record["loss_scale"] = res.loss_scale
+            if cfg.run.eval_every and (s % cfg.run.eval_every == 0 or s == cfg.run.steps):
+                record["val_loss"] = engine.evaluate(val)
+            if s % cfg.run.log_every == 0 or s == cfg.run.steps:
+                record["peak_mem_bytes"] = _gather_per_rank(peak_memory_bytes(info.device), mesh)
+            mesh.stats.reset()
+            if log is not None:
+                log.write(record)
+            progress.update(record)
+            last = record
+            if cfg.checkpoint.every and s % cfg.checkpoint.every == 0 and s < cfg.run.steps:
+                save(s)
+        if cfg.checkpoint.at_end and cfg.run.steps > start_step:
+            save(cfg.run.steps)
+        progress.close()
+
+        summary = {"rank": rank, "steps": cfg.run.steps, "final_loss": last.get("loss"),
+                   "val_loss": last.get("val_loss"), "run_dir": str(run_dir)}
+        if cfg.run.sample_tokens:
+            # every rank samples (tp and pp forwards are collective) and draws the same bytes from the same seed
+            g = torch.Generator(device=info.device).manual_seed(cfg.run.seed)
+            out = engine.generate(torch.tensor([[10]], device=info.device), cfg.run.sample_tokens,
+                                  temperature=0.8, top_k=50, generator=g)
+            text = bytes(out[0, 1:].tolist()).decode("utf-8", errors="replace")
+            if rank == 0:
+                (run_dir / "sample.txt").write_text(text)
+                progress.print("sample:\n" + text)
+                summary["sample"] = text
+        if log is not None:
+            log.close()
+        sys.stdout.flush()
+        return summary
+    finally:
+        _release(engine)

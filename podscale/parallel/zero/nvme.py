@@ -335,5 +335,13 @@ class NvmeOptimizerState:
         self.file.write(self._off(array, 0), t.to("cpu").contiguous()).wait()
 
     def close(self) -> None:
-        self.flush()
-        self.file.close()
+        """Remove the swap file.  The rest of a deferred step is dropped (its result would go with the file);
+        requests in flight finish first; the file is removed even if one of them failed."""
+        if self._pending is not None:
+            self._pending.close()
+            self._pending = None
+        try:
+            self.wait_grads()
+            self._wait_all_writes()
+        finally:
+            self.file.close()
