@@ -230,13 +230,17 @@ def test_nvme_step_streams_under_next_forward(tmp_path):
         publish = st._publish_range
         st._publish_range = lambda u, lo, hi, m: (events.append(("step", u.index)), publish(u, lo, hi, m))[1]
         try:
-            for b in batches_for(cfg, 3):
+            evals = []
+            for i, b in enumerate(batches_for(cfg, 3)):
                 events.append(("begin", None))
                 engine.step(b)
+                if i == 1:  # a validation forward between steps catches up with the streamed step too
+                    x, y = b[0]
+                    evals.append(engine.evaluate([(x[:2], y[:2])]))
             st.complete_step()
             n = len(st.layers)
             second = events[events.index(("begin", None), 1) + 1:]
-            second = second[: second.index(("begin", None))]  # step 2: its forward, backward, then step 2
+            second = second[: second.index(("fwd", 0), second.index(("fwd", n - 1)))]  # step 2's forward (..)
             first_fwd, last_fwd = second.index(("fwd", 0)), second.index(("fwd", n - 1))
             stepped_in_fwd = [e for e in second[first_fwd:last_fwd] if e[0] == "step"]
             if overlap:  # step 1's chunks of blocks 1.. are stepped after block 0's forward began
@@ -244,7 +248,7 @@ def test_nvme_step_streams_under_next_forward(tmp_path):
                 assert st.param_captured > 0 and st.param_demand_reads == 0
             else:
                 assert not stepped_in_fwd and st.param_captured == 0, second
-            finals[overlap] = st.swap.read_array(1).clone()  # the fp32 master
+            finals[overlap] = (st.swap.read_array(1).clone(), evals)  # the fp32 master
         finally:
             st.close()
-    assert torch.equal(finals[True], finals[False])
+    assert torch.equal(finals[True][0], finals[False][0]) and finals[True][1] == finals[False][1]
