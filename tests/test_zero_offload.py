@@ -115,10 +115,8 @@ def test_disk_full_gives_clear_error_and_keeps_checkpoint(tmp_path):
     assert not list(tmp_path.glob("*.swp"))
 
 
-def test_nvme_reads_are_prefetched(tmp_path):
-    """Stage 3 with parameters and optimizer state on NVMe, one process: every parameter read is issued
-    before the gather that needs it (forward: block i+1's before block i computes), none is wasted, and
-    the step reads optimizer chunk i+1 before it computes chunk i (double buffering, write-behind)."""
+def _one_process(folder, precision: str, stage: int, **zero):
+    """A 4-block GPT under ZeRO in one process, swap chunks of 0.05 MB: (config, strategy, engine)."""
     import torch
 
     from podscale.models.gpt import GPT
@@ -126,15 +124,22 @@ def test_nvme_reads_are_prefetched(tmp_path):
     from podscale.runtime.mesh import Mesh
     from podscale.train.engine import Engine
     from podscale.train.loop import gpt_config
-    from zero_workers import batches_for
 
-    d = zero_config(shakespeare(), 3, 4, 4, "fp32", 1, 3, model={"n_layer": 4},
-                    offload_optimizer="nvme", offload_param="nvme", nvme_path=str(tmp_path), nvme_block_mb=0.05)
+    d = zero_config(shakespeare(), 3, 4, 4, precision, 1, stage, model={"n_layer": 4}, offload_optimizer="nvme",
+                    nvme_path=str(folder), nvme_block_mb=0.05, **zero)
     cfg = parse_config(d)
     torch.manual_seed(0)
-    model = GPT(gpt_config(cfg))
-    st = build_strategy(model, Mesh.build(), cfg.train, cfg.zero)
-    engine = Engine(model, st.mesh, cfg.train, strategy=st)
+    st = build_strategy(GPT(gpt_config(cfg)), Mesh.build(), cfg.train, cfg.zero)
+    return cfg, st, Engine(st.module, st.mesh, cfg.train, strategy=st)
+
+
+def test_nvme_reads_are_prefetched(tmp_path):
+    """Stage 3 with parameters and optimizer state on NVMe, one process: every parameter read is issued
+    before the gather that needs it (forward: block i+1's before block i computes), none is wasted, and
+    the step reads optimizer chunk i+1 before it computes chunk i (double buffering, write-behind)."""
+    from zero_workers import batches_for
+
+    cfg, st, engine = _one_process(tmp_path, "fp32", 3, offload_param="nvme")
     events = []
     read_param, file_read = st.swap.read_param, st.swap.file.read
     st.swap.read_param = lambda u, out: (events.append(("read", u.index)), read_param(u, out))[1]
@@ -168,20 +173,9 @@ def test_nvme_fp16_overflow_skips_step(tmp_path):
     weight and halves the loss scale, a clean step after it trains."""
     import torch
 
-    from podscale.models.gpt import GPT
-    from podscale.parallel.zero import build_strategy
-    from podscale.runtime.mesh import Mesh
-    from podscale.train.engine import Engine
-    from podscale.train.loop import gpt_config
     from zero_workers import batches_for
 
-    d = zero_config(shakespeare(), 3, 4, 4, "fp16", 1, 2, offload_optimizer="nvme", nvme_path=str(tmp_path),
-                    nvme_block_mb=0.05)
-    cfg = parse_config(d)
-    torch.manual_seed(0)
-    model = GPT(gpt_config(cfg))
-    st = build_strategy(model, Mesh.build(), cfg.train, cfg.zero)
-    engine = Engine(model, st.mesh, cfg.train, strategy=st)
+    cfg, st, engine = _one_process(tmp_path, "fp16", 2)
     try:
         assert st.grads() == []  # the gradients are on disk: no in-memory tensor to hand out
         b = batches_for(cfg, 2)
@@ -205,25 +199,13 @@ def test_nvme_step_streams_under_next_forward(tmp_path):
     written, and the weights after 3 steps equal those of stepping at once, bit for bit."""
     import torch
 
-    from podscale.models.gpt import GPT
-    from podscale.parallel.zero import build_strategy
-    from podscale.runtime.mesh import Mesh
-    from podscale.train.engine import Engine
-    from podscale.train.loop import gpt_config
     from zero_workers import batches_for
 
     finals = {}
     for overlap in (True, False):
         folder = tmp_path / str(overlap)
         folder.mkdir()
-        d = zero_config(shakespeare(), 3, 4, 4, "fp32", 1, 3, model={"n_layer": 4}, offload_optimizer="nvme",
-                        offload_param="nvme", nvme_path=str(folder), nvme_block_mb=0.05,
-                        nvme_overlap_step=overlap)
-        cfg = parse_config(d)
-        torch.manual_seed(0)
-        model = GPT(gpt_config(cfg))
-        st = build_strategy(model, Mesh.build(), cfg.train, cfg.zero)
-        engine = Engine(model, st.mesh, cfg.train, strategy=st)
+        cfg, st, engine = _one_process(folder, "fp32", 3, offload_param="nvme", nvme_overlap_step=overlap)
         events = []
         for u in st.layers:
             u.module.register_forward_pre_hook(lambda m, a, i=u.index: events.append(("fwd", i)))
