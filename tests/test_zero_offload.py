@@ -234,3 +234,22 @@ def test_nvme_step_streams_under_next_forward(tmp_path):
         finally:
             st.close()
     assert torch.equal(finals[True][0], finals[False][0]) and finals[True][1] == finals[False][1]
+
+
+def test_stale_swap_files_of_dead_runs_are_removed(tmp_path):
+    """A killed worker leaves its swap file; the next run on the host removes it (not a live process's,
+    not another host's)."""
+    import socket
+
+    from podscale.parallel.zero.nvme import remove_stale_swap_files
+
+    host = socket.gethostname().split(".")[0]
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True).stdout.strip()
+    stale = tmp_path / f"podscale-zero-{host}-rank00001-{dead}.swp"
+    live = tmp_path / f"podscale-zero-{host}-rank00000-{os.getpid()}.swp"
+    other = tmp_path / f"podscale-zero-otherhost-rank00000-{dead}.swp"
+    for f in (stale, live, other):
+        f.write_bytes(b"x")
+    assert remove_stale_swap_files(tmp_path, host) == [stale]
+    assert not stale.exists() and live.exists() and other.exists()

@@ -31,7 +31,9 @@ backward, checkpoints, parameter writes) calls :meth:`finish` first.
 """
 from __future__ import annotations
 
+import logging
 import os
+import socket
 import time
 from pathlib import Path
 
@@ -43,6 +45,34 @@ from podscale.storage.aio import ALIGN, AsyncFile, aligned_empty
 GRAD, MASTER, EXP_AVG, EXP_AVG_SQ = range(4)
 ELEM_ALIGN = ALIGN // 2  # elements: an offset that is a multiple is block-aligned for 2- and 4-byte dtypes
 SLOTS = 3
+log = logging.getLogger("podscale.zero")
+
+
+def remove_stale_swap_files(folder, host: str) -> list[Path]:
+    """Delete swap files this host's killed runs left in ``folder`` (their process no longer exists):
+    without it a crashed or restarted worker would leave its whole optimizer state on the disk.  Files
+    of live processes and of other hosts sharing the folder are left alone.  Returns what was removed."""
+    removed = []
+    for f in Path(folder).glob(f"podscale-zero-{host}-rank*-*.swp"):
+        try:
+            pid = int(f.stem.rsplit("-", 1)[1])
+        except ValueError:
+            continue
+        if pid == os.getpid():
+            continue
+        try:
+            os.kill(pid, 0)
+            continue  # alive (or not ours to signal: EPERM)
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            continue
+        f.unlink(missing_ok=True)
+        removed.append(f)
+    if removed:
+        log.warning("removed %d swap file(s) left by runs that no longer exist: %s", len(removed),
+                    ", ".join(p.name for p in removed))
+    return removed
 
 
 def _staged(t: torch.Tensor) -> torch.Tensor:
@@ -62,7 +92,9 @@ class NvmeOptimizerState:
         self.units, self.S = units, -(-int(total) // ELEM_ALIGN) * ELEM_ALIGN
         self.C = min(max(ELEM_ALIGN, int(chunk_elems) // ELEM_ALIGN * ELEM_ALIGN), self.S)
         self.betas, self.eps, self.wd = betas, eps, weight_decay
-        self.path = Path(folder) / f"podscale-zero-rank{rank:05d}-{os.getpid()}.swp"
+        host = socket.gethostname().split(".")[0] or "host"
+        remove_stale_swap_files(folder, host)
+        self.path = Path(folder) / f"podscale-zero-{host}-rank{rank:05d}-{os.getpid()}.swp"
         # optional fifth region: the compute-dtype parameter shard (ZeRO-Infinity parameter offload)
         self.pdtype = param_dtype
         self.psize = torch.empty((), dtype=param_dtype).element_size() if param_dtype is not None else 0
