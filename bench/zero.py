@@ -5,7 +5,8 @@ its own; step time is the median over the measured steps after warm-up.
     python bench/zero.py [--layers 8 --width 768 --steps 6 --warmup 2 --tokens 64]
 
 Rows: podscale stage 1/2/3, stage 2 + CPU optimizer offload, stage 3 + NVMe offload (optimizer and
-parameters); FSDP2 with reshard_after_forward=False (ZeRO-2-like) and True (ZeRO-3); DeepSpeed stage 1/2/3,
+parameters; DeepSpeed's row keeps its defaults, under which its parameters stay in host memory — the disk
+bytes each engine moved per step are printed beside the NVMe rows); FSDP2 with reshard_after_forward=False (ZeRO-2-like) and True (ZeRO-3); DeepSpeed stage 1/2/3,
 CPU and NVMe offload if ``import deepspeed`` works (``pip install -e .[peers]``).  Prints step time and
 peak RSS per rank, and the ratios podscale / peer for matching modes.
 """
@@ -24,6 +25,12 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 SHAKESPEARE = ROOT.parent / "shared" / "data" / "tinyshakespeare" / "input.txt"
+
+
+def _disk_io() -> tuple[int, int]:
+    """Bytes this process (all threads) read from / wrote to storage, from ``/proc/self/io``."""
+    vals = dict(line.split(": ") for line in Path("/proc/self/io").read_text().splitlines())
+    return int(vals["read_bytes"]), int(vals["write_bytes"])
 
 
 def _data(n_tokens: int, steps: int, rank: int, world: int, block: int):
@@ -71,18 +78,17 @@ def worker(kind: str, stage: int, offload: str, args: dict) -> dict:
         model, gcfg = _gpt(args["layers"], args["width"], block, meta=meta)
         strategy = build_strategy(model, mesh, train, zero)
         engine = Engine(model, mesh, train, strategy=strategy)
-        io0 = None
         for i, (x, y) in enumerate(batches):
-            if i == args["warmup"] and getattr(strategy, "swap", None) is not None:
-                f = strategy.swap.file
-                io0 = (f.bytes_read, f.bytes_written)
+            if i == args["warmup"]:
+                if offload == "nvme":
+                    strategy.complete_step()  # the last warm-up step streams under the next forward
+                io0 = _disk_io()
             t0 = time.perf_counter()
             engine.step([(x, y)])
             times.append(time.perf_counter() - t0)
-        io = None
-        if io0 is not None:
-            f = strategy.swap.file
-            io = (f.bytes_read - io0[0] + f.bytes_written - io0[1]) / args["steps"]
+        if offload == "nvme":
+            strategy.complete_step()
+        io1 = _disk_io()
         if hasattr(strategy, "close"):
             strategy.close()
     elif kind == "fsdp2":
@@ -120,25 +126,31 @@ def worker(kind: str, stage: int, offload: str, args: dict) -> dict:
                   "zero_optimization": zero}
         deepspeed.init_distributed(dist_backend="gloo")
         engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_cfg)
-        for x, y in batches:
+        for i, (x, y) in enumerate(batches):
+            if i == args["warmup"]:
+                io0 = _disk_io()
             t0 = time.perf_counter()
             _, loss = engine(x, y)
             engine.backward(loss)
             engine.step()
             times.append(time.perf_counter() - t0)
+        io1 = _disk_io()
     measured = times[args["warmup"]:]
-    io_per_step = io if kind == "podscale" else None
-    return {"step_s": statistics.median(measured), "io_bytes_per_step": io_per_step, "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-            "params": gcfg.num_params()}
+    io = None
+    if offload == "nvme" and kind != "fsdp2":  # bytes this process moved to and from storage, per step
+        io = ((io1[0] - io0[0]) / args["steps"], (io1[1] - io0[1]) / args["steps"])
+    return {"step_s": statistics.median(measured), "io_per_step": io,
+            "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "params": gcfg.num_params()}
 
 
 def run(kind, stage, offload, args, nproc):
     from podscale.runtime.launcher import launch
     res = launch(worker, (kind, stage, offload, args), nproc=nproc, quiet=True,
                  log_dir=tempfile.mkdtemp(prefix="podscale-bench-"))
-    io = [r.get("io_bytes_per_step") for r in res.values()]
+    io = [r.get("io_per_step") for r in res.values()]
+    both = [sum(x[k] for x in io) for k in (0, 1)] if all(x is not None for x in io) else None
     return {"step_s": max(r["step_s"] for r in res.values()), "peak_rss": max(r["peak_rss"] for r in res.values()),
-            "params": res[0]["params"], "io_bytes_per_step": sum(io) if all(x is not None for x in io) else None}
+            "params": res[0]["params"], "io_per_step": both}
 
 
 def main(argv=None) -> None:
@@ -183,8 +195,10 @@ def main(argv=None) -> None:
                 print(f"{name:22s} failed: {type(err).__name__}: {str(err).splitlines()[0][:200] if str(err) else ''}")
                 continue
             extra = ""
-            if r.get("io_bytes_per_step"):
-                extra = f"  NVMe I/O {r['io_bytes_per_step'] / r['step_s'] / 1e9:.2f} GB/s (both ranks)"
+            if r.get("io_per_step"):
+                rd, wr = r["io_per_step"]
+                extra = (f"  disk per step {rd / 2**20:.0f} MiB read + {wr / 2**20:.0f} MiB written, "
+                         f"{(rd + wr) / r['step_s'] / 1e9:.2f} GB/s (both ranks)")
             print(f"[{rep + 1}/{a.repeat}] {name:22s} {r['params'] / 1e6:6.1f}M params  step {r['step_s'] * 1e3:8.1f} ms  "
                   f"peak RSS/rank {r['peak_rss'] / 2**20:8.0f} MiB{extra}", flush=True)
             if name not in out or r["step_s"] < out[name]["step_s"]:
@@ -192,8 +206,8 @@ def main(argv=None) -> None:
     if any(k.endswith("nvme") for k in out):
         from podscale.storage.aio import measure_sequential_bandwidth
         bw = measure_sequential_bandwidth(nvme, 512 << 20)
-        print(f"\nswap folder {nvme}: sequential write (fsync) {bw['write_Bps'] / 1e9:.2f} GB/s, "
-              f"read {bw['read_Bps'] / 1e9:.2f} GB/s (reads of just-written data come from the page cache)")
+        print(f"\nswap folder {nvme}: sequential {'O_DIRECT' if bw['direct'] else 'buffered'} write (fsync) "
+              f"{bw['write_Bps'] / 1e9:.2f} GB/s, read {bw['read_Bps'] / 1e9:.2f} GB/s")
     print("\nratios podscale / peer (step time; peak RSS) — below 1 is podscale faster / smaller")
     for peer in ("fsdp2", "deepspeed"):
         for stage, off in ((1, "none"), (2, "none"), (3, "none"), (2, "cpu"), (3, "nvme")):
