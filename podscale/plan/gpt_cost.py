@@ -180,7 +180,8 @@ def predict_gpt(system: System, devices: int, model: GPT, lay: Layout, batch: in
     shard = 1 if lay.zero_stage == 0 else dpe
     local_params = (stage_dense + stage_expert) / shard
     optimizer = 0.0 if lay.offload_optimizer != "none" else stream_time(dev, ADAM_BYTES_PER_PARAM * local_params)
-    offload = _offload_time(system, lay, local_params, stage_dense + stage_expert, m, comp_fwd + comp_bwd)
+    offload = _offload_time(system, lay, local_params, stage_dense + stage_expert, m, comp_fwd + comp_bwd,
+                            m * comp_fwd)
 
     breakdown = {
         "forward": m * comp_fwd, "backward": m * comp_bwd, "recompute": m * comp_rec,
@@ -243,18 +244,23 @@ def predict_gpt(system: System, devices: int, model: GPT, lay: Layout, batch: in
 
 
 def _offload_time(system: System, lay: Layout, local_params: float, stage_params: float, m: int,
-                  compute_per_mb: float) -> float:
+                  compute_per_mb: float, forward: float = 0.0) -> float:
     """ZeRO-Offload / ZeRO-Infinity traffic that the step waits for (Ren et al. 2021; Rajbhandari et al.
     2021): the optimizer partition's gradients go down and parameters come back over PCIe, CPU Adam
     streams its state through host memory (shared by the node's devices), NVMe adds a read and a write
-    of the 12-byte state; offloaded parameters are fetched every pass, hidden behind compute if fast."""
+    of the 12-byte state; offloaded parameters are fetched every pass, hidden behind compute if fast.
+    At ZeRO-3 podscale streams the NVMe optimizer step under the next step's ``forward`` (each layer
+    waits only for its own update: ``zero.nvme_overlap_step``), so only the excess over it is exposed."""
     host, per_node = system.host, system.devices_per_node
     t = 0.0
     if lay.offload_optimizer != "none":
-        t += 4 * local_params / max(host.pcie_bw, 1.0)
-        t += ADAM_BYTES_PER_PARAM * local_params / max(host.memory_bw / per_node, 1.0)
+        opt = 4 * local_params / max(host.pcie_bw, 1.0)
+        opt += ADAM_BYTES_PER_PARAM * local_params / max(host.memory_bw / per_node, 1.0)
         if lay.offload_optimizer == "nvme":
-            t += 2 * 12 * local_params / max(host.nvme_bw / per_node, 1.0)
+            opt += 2 * 12 * local_params / max(host.nvme_bw / per_node, 1.0)
+            if lay.zero_stage == 3:
+                opt = max(0.0, opt - forward)
+        t += opt
     if lay.offload_param != "none":
         bw = host.pcie_bw if lay.offload_param == "cpu" else min(host.pcie_bw, host.nvme_bw / per_node)
         fetch = 2 * 2 * stage_params / lay.data_parallel / max(bw, 1.0)
