@@ -225,7 +225,7 @@ latency_us = {alpha * 1e6:.4g}
 memory_gib = {mem / GiB:.4g}
 memory_bw_gbps = {data["memory_bw"] * ranks / GB:.6g}
 pcie_gbps = {data["memory_bw"] / GB:.6g}
-nvme_gbps = 1
+nvme_gbps = {data.get("nvme_bw", GB) / GB:.6g}            # O_DIRECT sequential, the slower of read and write
 
 [calibration]
 ranks = {ranks}
@@ -234,12 +234,26 @@ allreduce_bytes_seconds = [{ar}]
 '''
 
 
-def calibrate(out: str | None = None, quick: bool = False, ranks: int = 2, log=print) -> Path:
+def measure_swap_disk(folder: str | None, quick: bool) -> float:
+    """Sequential O_DIRECT bandwidth of the disk holding ``folder`` (default: the temporary directory's),
+    through the same I/O path as ZeRO-Infinity's swap files: the slower of write and read, bytes/s."""
+    from podscale.storage.aio import measure_sequential_bandwidth
+    with tempfile.TemporaryDirectory(dir=folder) as tmp:
+        m = measure_sequential_bandwidth(tmp, (64 if quick else 512) << 20, threads=8)
+    return min(m["write_Bps"], m["read_Bps"])
+
+
+def calibrate(out: str | None = None, quick: bool = False, ranks: int = 2, log=print,
+              swap_dir: str | None = None) -> Path:
     """Measure and write the system file (default ``$PODSCALE_CACHE/local.toml``); return its path."""
     if ranks < 2:
         raise ValueError("--ranks must be >= 2 to measure collectives")
+    if swap_dir is not None and not Path(swap_dir).is_dir():
+        raise ValueError(f"--swap-dir '{swap_dir}' is not an existing folder: point it at the disk you would "
+                         "give zero.nvme_path")
     start = time.perf_counter()
     data = measure(ranks, quick)
+    data["nvme_bw"] = measure_swap_disk(swap_dir, quick)
     path = Path(out) if out else local_system_path()
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(system_toml(data, ranks, quick))
@@ -248,5 +262,6 @@ def calibrate(out: str | None = None, quick: bool = False, ranks: int = 2, log=p
         f"({len(data['matmul'])} shapes); memory copy {data['memory_bw'] / GB:.2f} GB/s, element-wise "
         f"{data['elementwise_bw'] / GB:.2f} GB/s per rank; kernel {data['kernel_overhead'] * 1e6:.1f} us; "
         f"gloo all-reduce ({ranks} ranks): latency {alpha * 1e6:.0f} us, bandwidth {bw / GB:.2f} GB/s; "
+        f"swap disk {data['nvme_bw'] / GB:.2f} GB/s; "
         f"{time.perf_counter() - start:.1f} s")
     return path

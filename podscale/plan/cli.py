@@ -4,7 +4,7 @@ list systems and models.
     podscale plan --model gpt-175b --system dgx-a100-superpod --devices 1024 --batch 1536
     podscale plan predict --system NAME --devices N --batch B --model JSON --layout JSON --json
     podscale plan validate
-    podscale plan calibrate [--out PATH] [--quick]
+    podscale plan calibrate [--out PATH] [--quick] [--swap-dir FOLDER]
     podscale plan systems | podscale plan models
 
 Errors print one line ``podscale: error: ...`` on stderr and exit with status 2.
@@ -145,7 +145,7 @@ def cmd_validate(args) -> int:
 
 def cmd_calibrate(args) -> int:
     from .calibrate import calibrate
-    path = calibrate(out=args.out, quick=args.quick, ranks=args.ranks, log=print)
+    path = calibrate(out=args.out, quick=args.quick, ranks=args.ranks, log=print, swap_dir=args.swap_dir)
     print(f"wrote {path}")
     return 0
 
@@ -211,6 +211,8 @@ def add_plan_parser(subparsers) -> None:
     p.add_argument("--out", help="output TOML (default $PODSCALE_CACHE/local.toml or ~/.cache/podscale/local.toml)")
     p.add_argument("--quick", action="store_true", help="few, small measurements (a few seconds)")
     p.add_argument("--ranks", type=int, default=2, help="gloo ranks for the collective measurements (default 2)")
+    p.add_argument("--swap-dir", help="a folder on the disk for NVMe offload, whose bandwidth becomes the local "
+                                      "system's nvme_gbps (default: the temporary directory's disk)")
     p.set_defaults(plan_func=_guarded(cmd_calibrate))
 
     p = sub.add_parser("systems", help="list the hardware catalog")
