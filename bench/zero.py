@@ -13,9 +13,11 @@ peak RSS per rank, and the ratios podscale / peer for matching modes.
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
 import resource
+import shutil
 import statistics
 import tempfile
 import time
@@ -171,6 +173,8 @@ def main(argv=None) -> None:
                     help="run every row this many times, round robin, and keep each row's fastest run")
     a = ap.parse_args(argv)
     nvme = a.nvme_path or tempfile.mkdtemp(prefix="podscale-nvme-")
+    if not a.nvme_path:  # the engines' swap files (DeepSpeed leaves its own behind) go with the folder
+        atexit.register(shutil.rmtree, nvme, True)
     args = {"layers": a.layers, "width": a.width, "block": a.block, "tokens": a.tokens, "steps": a.steps,
             "warmup": a.warmup, "nvme_path": nvme,
             "zero_set": {k: json.loads(v) for k, v in (kv.split("=", 1) for kv in a.zero_set)}}

@@ -21,8 +21,10 @@ DeepSpeed needs its ``async_io`` op: ``libaio-dev`` installed and a JIT build on
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
+import shutil
 import statistics
 import tempfile
 import time
@@ -221,6 +223,8 @@ def main(argv=None) -> None:
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
     nvme = a.nvme_path or tempfile.mkdtemp(prefix="podscale-nvme-", dir="/var/tmp")
+    if not a.nvme_path:  # the engines' swap files (DeepSpeed leaves its own behind) go with the folder
+        atexit.register(shutil.rmtree, nvme, True)
     from podscale.storage.aio import measure_sequential_bandwidth
     bw = {"write_Bps": 0.0, "read_Bps": 0.0}
     for threads in (4, 16, 4, 16):  # the disk's best: several queue depths, twice (a shared machine)
