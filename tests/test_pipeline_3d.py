@@ -22,7 +22,7 @@ def reference():
     return reference_run(make_config(shakespeare(), STEPS, GLOBAL_BATCH, GLOBAL_BATCH, 1, model=MODEL))
 
 
-def test_pp_dp_zero23_and_tp_sp_zero23(reference):
+def test_pp_dp_zero23_and_tp_sp_zero23(reference, tmp_path):
     # (pp, dp) = (2, 2), 4 micro-batches of 1 per step: the gradients accumulate over the micro-batches and
     # each chunk's last backward reduce-scatters them; the tied embedding is summed over its two stages first
     layouts = [(f"(2,2,1) {s} v={v} ZeRO-{z}", _cfg(4, 1, pp=2, dp=2, schedule=s, virtual_stages=v, zero=_zero(z)))
@@ -40,6 +40,13 @@ def test_pp_dp_zero23_and_tp_sp_zero23(reference):
                 for z in (1, 2, 3)]
     layouts.append(("(1,2,2) sp ZeRO-3, blocks stay gathered until reduced",
                     _cfg(4, 2, tp=2, dp=2, sequence_parallel=True, zero=_zero(3, reshard_after_forward=False))))
+    # ZeRO-Infinity under tensor + sequence parallelism: the clipping norm from per-parameter norms of the
+    # shards on disk (read back after the second micro-batch accumulates), tp-split ones summed over tp
+    nvme = {"offload_optimizer": "nvme", "nvme_path": str(tmp_path), "nvme_block_mb": 0.05}
+    layouts.append(("(1,2,2) sp ZeRO-2, optimizer on NVMe", _cfg(4, 2, tp=2, dp=2, sequence_parallel=True,
+                                                                 zero=_zero(2, **nvme))))
+    layouts.append(("(1,2,2) ZeRO-3, optimizer and parameters on NVMe",
+                    _cfg(4, 2, tp=2, dp=2, zero=_zero(3, offload_param="nvme", **nvme))))
     # bf16: ZeRO-3's 16-bit compute copies travel through the pipeline (loss curve only)
     bf16 = _cfg(4, 1, pp=2, dp=2, schedule="interleaved", virtual_stages=2, zero=_zero(3))
     bf16["train"]["precision"] = "bf16"

@@ -91,6 +91,25 @@ def test_checkpoint_from_pipeline_zero3(tmp_path):
     layouts = [("(2,2,1) interleaved ZeRO-3", dict(_cfg(path, pp=2, schedule="interleaved", virtual_stages=2),
                                                    zero={**ZERO3, "reshard_after_forward": False})),
                ("(1,2,2) sp ZeRO-2", _cfg(path, tp=2, sequence_parallel=True, zero=2)),
+               ("(2,1,2) 1f1b", _cfg(path, pp=2, tp=2)),
+               ("(1,2,2) sp ZeRO-3, optimizer and parameters on NVMe",
+                dict(_cfg(path, tp=2, sequence_parallel=True), zero=_nvme(tmp_path)))]
+    results = launch(checkpoint_roundtrip, ([d for _, d in layouts], str(tmp_path), 2, 2), nproc=4)
+    _check_resumed(layouts, results)
+
+
+def _nvme(tmp_path) -> dict:
+    swap = tmp_path / "swap"
+    swap.mkdir(exist_ok=True)
+    return {**ZERO3, "offload_optimizer": "nvme", "offload_param": "nvme", "nvme_path": str(swap),
+            "nvme_block_mb": 0.05}
+
+
+def test_checkpoint_from_tensor_parallel_nvme(tmp_path):
+    """Written by (1, 2, 2) ZeRO-3 with the optimizer state and parameters on NVMe (each rank's pieces read
+    from its swap file), loaded by the replicated (2, 1, 2) pipeline."""
+    path = shakespeare()
+    layouts = [("(1,2,2) ZeRO-3 on NVMe", dict(_cfg(path, tp=2), zero=_nvme(tmp_path))),
                ("(2,1,2) 1f1b", _cfg(path, pp=2, tp=2))]
     results = launch(checkpoint_roundtrip, ([d for _, d in layouts], str(tmp_path), 2, 2), nproc=4)
     _check_resumed(layouts, results)

@@ -36,6 +36,8 @@ the same model in every layout.  All communication goes through :mod:`podscale.r
 """
 from __future__ import annotations
 
+import math
+
 from contextlib import nullcontext
 
 import torch
@@ -513,6 +515,9 @@ def grad_pieces(strategy, params) -> tuple[list[tuple[nn.Parameter, torch.Tensor
     units = getattr(strategy, "units", None)
     if units is None or not hasattr(units[0], "owned"):
         return [(p, p.grad) for p in params if p.grad is not None], False
+    if getattr(strategy, "swap", None) is not None:
+        # ZeRO-Infinity: the gradient is on disk; each part stands as its L2 norm (same sum of squares)
+        return [(p, torch.tensor([math.sqrt(sq)])) for p, sq in strategy.grad_piece_norms()], True
     pieces = []
     for u in units:  # (a scale the strategy defers to its step is applied by the caller: pending_grad_scale)
         for i, lo, hi in u.owned():

@@ -169,15 +169,19 @@ class NvmeOptimizerState:
             req.wait()
         self._grad_writes.clear()
 
-    def grad_sumsq(self) -> float:
-        """Sum of squares of the gradient shard, read back chunk by chunk (after accumulation)."""
+    def grad_sumsq(self, ranges: list[tuple[int, int]]) -> list[float]:
+        """Sum of squares of the gradient over each element range [lo, hi) of the file, read back chunk by
+        chunk (after accumulation, when the sums taken as shards arrived no longer hold)."""
         self.flush()
-        total = 0.0
+        out = [0.0] * len(ranges)
         for a, b in self.chunks:
             buf = self.bufs[0][GRAD, : b - a]
             self.file.read(self._off(GRAD, a), buf).wait()
-            total += float(torch.linalg.vector_norm(buf).square())
-        return total
+            for k, (lo, hi) in enumerate(ranges):
+                lo, hi = max(lo, a), min(hi, b)
+                if hi > lo:
+                    out[k] += float(torch.linalg.vector_norm(buf[lo - a:hi - a]).square())
+        return out
 
     # the step --------------------------------------------------------------------------------------
     def _wait_writes(self, slot: int) -> None:

@@ -281,6 +281,7 @@ class ZeroStrategy:
             self._fresh: set[int] = set()
             self._sumsq = 0.0
             self._norm_exact = True
+            self._piece_sq: dict[tuple[int, int], float] = {}  # (unit, parameter index) -> squared norm
             total = 0
         # stage 1: the shard is a view of the full gradient buffer when both are in the same place and dtype
         self.grad_in_full = self.stage == 1 and self.gdtype == self.cdtype and self.opt_device == self.device
@@ -659,8 +660,11 @@ class ZeroStrategy:
             fresh = self.stage == 1 or id(u) not in self._fresh
             if not torch.isfinite(out).all():
                 self._nonfinite = True  # fp16 overflow: the engine's check sees it in found_inf()
-            if fresh:
-                self._sumsq += float(torch.linalg.vector_norm(out.float()).square())
+            if fresh:  # squared norm per parameter piece (the model-parallel norm needs them by kind)
+                for i, a, b in self._piece_ranges(u):
+                    sq = float(torch.linalg.vector_norm(out[a:b].float()).square())
+                    self._piece_sq[(id(u), i)] = sq
+                    self._sumsq += sq
             else:
                 self._norm_exact = False
             self._fresh.add(id(u))
@@ -720,6 +724,7 @@ class ZeroStrategy:
         if self.nvme:
             self._fresh.clear()
             self._sumsq, self._norm_exact = 0.0, True
+            self._piece_sq.clear()
         self._written.clear()  # the next reduce-scatter overwrites each unit's gradient shard
         self._coef, self._nonfinite = 1.0, False
         for u in self.units:
@@ -756,10 +761,25 @@ class ZeroStrategy:
             return torch.tensor([float(self._nonfinite)])
         return sum((~torch.isfinite(g)).any().float() for g in self._grad_tensors()).reshape(1)
 
+    @staticmethod
+    def _piece_ranges(u: Unit) -> list[tuple[int, int, int]]:
+        """(parameter index, start, end) of each parameter's part in unit ``u``'s shard (shard-local)."""
+        return [(i, u.offsets[i] + lo - u.lo, u.offsets[i] + hi - u.lo) for i, lo, hi in u.owned()]
+
+    def grad_piece_norms(self) -> list[tuple[nn.Parameter, float]]:
+        """NVMe offload: (parameter, squared L2 norm of the part of its gradient this rank holds), from the
+        shards as they arrived or, after accumulation over micro-batches, read back from the swap file."""
+        keys = [(u, i, a, b) for u in self.units for i, a, b in self._piece_ranges(u)]
+        if self._norm_exact:
+            sq = [self._piece_sq.get((id(u), i), 0.0) for u, i, _a, _b in keys]
+        else:
+            sq = self.swap.grad_sumsq([(u.goff + a, u.goff + b) for u, _i, a, b in keys])
+        return [(u.params[i], s) for (u, i, _a, _b), s in zip(keys, sq)]
+
     def grad_norm(self) -> torch.Tensor:
         """True global L2 norm: squared norms of the disjoint shards summed over dp (padding is zero)."""
         if self.nvme:
-            local = self._sumsq if self._norm_exact else self.swap.grad_sumsq()
+            local = self._sumsq if self._norm_exact else self.swap.grad_sumsq([(0, self.swap.S)])[0]
             sq = torch.tensor([local], dtype=torch.float32, device=self.device)
             comm.all_reduce(sq, self.mesh, self.axes)
             return sq.sqrt()[0] * abs(self._coef)
