@@ -217,10 +217,6 @@ class Config(_Section):
             raise ConfigError(f"model.block_size={m.block_size} (the sequence length) is not divisible by "
                               f"parallel.tp={p.tp} with sequence parallelism: use a multiple of {p.tp} or set "
                               "parallel.sequence_parallel = false")
-        if self.zero.offload_optimizer == "nvme" and p.pp > 1:
-            raise ConfigError("zero.offload_optimizer='nvme' is not available with parallel.pp > 1 yet (a stage "
-                              "accumulates its micro-batches' gradients in memory for the whole step): use "
-                              "zero.offload_optimizer='cpu', or pp = 1")
         chunks = p.pp * p.virtual_stages
         if p.virtual_stages > 1 and p.schedule != "interleaved":
             raise ConfigError(f"parallel.virtual_stages={p.virtual_stages} needs parallel.schedule = "

@@ -47,6 +47,11 @@ def test_pp_dp_zero23_and_tp_sp_zero23(reference, tmp_path):
                                                                  zero=_zero(2, **nvme))))
     layouts.append(("(1,2,2) ZeRO-3, optimizer and parameters on NVMe",
                     _cfg(4, 2, tp=2, dp=2, zero=_zero(3, offload_param="nvme", **nvme))))
+    # ... and under pipelines: each stage's once-per-step reduce-scatter goes to its swap file
+    layouts.append(("(2,2,1) 1f1b ZeRO-3, optimizer and parameters on NVMe",
+                    _cfg(4, 1, pp=2, dp=2, zero=_zero(3, offload_param="nvme", **nvme))))
+    layouts.append(("(2,2,1) interleaved v=2 ZeRO-2, optimizer on NVMe",
+                    _cfg(4, 1, pp=2, dp=2, schedule="interleaved", virtual_stages=2, zero=_zero(2, **nvme))))
     # bf16: ZeRO-3's 16-bit compute copies travel through the pipeline (loss curve only)
     bf16 = _cfg(4, 1, pp=2, dp=2, schedule="interleaved", virtual_stages=2, zero=_zero(3))
     bf16["train"]["precision"] = "bf16"

@@ -107,10 +107,11 @@ def _nvme(tmp_path) -> dict:
 
 def test_checkpoint_from_tensor_parallel_nvme(tmp_path):
     """Written by (1, 2, 2) ZeRO-3 with the optimizer state and parameters on NVMe (each rank's pieces read
-    from its swap file), loaded by the replicated (2, 1, 2) pipeline."""
+    from its swap file), loaded by the replicated (2, 1, 2) pipeline and by (2, 2, 1) ZeRO-3 on NVMe."""
     path = shakespeare()
     layouts = [("(1,2,2) ZeRO-3 on NVMe", dict(_cfg(path, tp=2), zero=_nvme(tmp_path))),
-               ("(2,1,2) 1f1b", _cfg(path, pp=2, tp=2))]
+               ("(2,1,2) 1f1b", _cfg(path, pp=2, tp=2)),
+               ("(2,2,1) 1f1b ZeRO-3 on NVMe", dict(_cfg(path, pp=2), zero=_nvme(tmp_path)))]
     results = launch(checkpoint_roundtrip, ([d for _, d in layouts], str(tmp_path), 2, 2), nproc=4)
     _check_resumed(layouts, results)
 

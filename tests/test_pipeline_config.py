@@ -34,8 +34,6 @@ def _check(nproc=4, parallel=None, model=None, train=None, **sections):
     (dict(parallel={"pp": 2, "schedule": "interleaved"}), "virtual_stages >= 2"),
     (dict(parallel={"pp": 2, "pipeline_layers": [1, 2]}), "sum to model.n_layer=4"),
     (dict(parallel={"pp": 2}, zero={"stage": 2, "reshard_after_forward": False}), "needs zero.stage=3"),
-    (dict(parallel={"pp": 2}, zero={"stage": 3, "offload_optimizer": "nvme", "nvme_path": "/tmp"}),
-     "use zero.offload_optimizer='cpu', or pp = 1"),
 ])
 def test_bad_layouts_name_the_fix(kw, fragment):
     with pytest.raises(ConfigError, match=None) as err:
