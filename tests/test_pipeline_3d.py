@@ -1,7 +1,7 @@
 """3-D parallelism with ZeRO on dp matches one process on Tiny Shakespeare: (pp, dp) with ZeRO-2 and
 ZeRO-3 under each schedule, (tp, dp) with sequence parallelism and ZeRO-2/3, and (pp, dp, tp) = (2, 2, 2)
 with ZeRO-1 and ZeRO-3 on 8 ranks (the other 3-D layout, (2, 1, 2) interleaved, is in
-test_pipeline_parallel.py)."""
+test_pipeline_parallel.py); NVMe offload under tp/sp and pp; fp16 overflow skipped in step on every rank."""
 import pytest
 
 from conftest import shakespeare
@@ -90,3 +90,22 @@ def test_3d_222_zero1_zero3(reference):
     c = results[0][0]["comm"]
     # every axis carried traffic, and the metrics show each
     assert c["tp/all_reduce"]["calls"] > 0 and c["pp/send"]["calls"] > 0 and c["dp/reduce_scatter"]["calls"] > 0
+
+
+def test_fp16_overflow_skips_on_every_rank_with_pipelines_and_tp():
+    """fp16 with an absurd initial loss scale under (pp, dp) with ZeRO-2/3 and (tp, dp) sequence-parallel
+    ZeRO-3: the overflow, seen by whichever stage or tp rank holds the inf, is agreed by all four ranks, so
+    they skip the same steps; the scale halves until it fits and training then proceeds."""
+    layouts = [_cfg(4, 1, pp=2, dp=2, zero=_zero(2)), _cfg(4, 1, pp=2, dp=2, zero=_zero(3)),
+               _cfg(4, 2, tp=2, dp=2, sequence_parallel=True, zero=_zero(3))]
+    for d in layouts:
+        d["run"]["steps"] = 14
+        d["train"].update(precision="fp16", loss_scale_init=2.0 ** 24)
+    results = launch(train_layouts, (layouts,), nproc=4)
+    for i in range(len(layouts)):
+        skips = [results[r][i]["skipped"] for r in range(4)]
+        assert all(s == skips[0] for s in skips), (i, skips)
+        n = sum(skips[0])
+        assert 0 < n < 14 and skips[0] == [True] * n + [False] * (14 - n), (i, skips[0])
+        losses = results[0][i]["losses"]
+        assert losses[-1] < losses[n] - 0.1, (i, losses)

@@ -125,7 +125,7 @@ def train_layouts(cfg_dicts: list[dict]) -> list[dict]:
         tokens, _ = split_tokens(load_tokens(cfg.data.path), cfg.data.val_fraction)
         loader = ShardedLoader(tokens, cfg.model.block_size, cfg.train.global_batch, cfg.train.micro_batch,
                                mesh.local_rank("dp"), mesh.size("dp"), seed=cfg.run.seed)
-        losses, norms, grads1 = [], [], None
+        losses, norms, skipped, grads1 = [], [], [], None
         for step in range(cfg.run.steps):
             if step == 0:  # step 1 also keeps its reduced gradients, read just before the optimizer step
                 r, grads1 = _first_step(engine, loader, mesh)
@@ -133,10 +133,11 @@ def train_layouts(cfg_dicts: list[dict]) -> list[dict]:
                 r = engine.step(loader.next_step())
             losses.append(r.loss)
             norms.append(r.grad_norm)
+            skipped.append(r.skipped)
         params = full_named(engine, mesh)
         inner = getattr(engine.strategy, "inner", engine.strategy)
         out_meta["zero_units"] = [len(getattr(inner, "units", [])), len(getattr(inner, "layers", []))]
-        out.append({**out_meta, "losses": losses, "grad_norms": norms,
+        out.append({**out_meta, "losses": losses, "grad_norms": norms, "skipped": skipped,
                     "params": params if info.rank == 0 else None,
                     "grads1": grads1 if info.rank == 0 else None,
                     "comm": mesh.stats.snapshot(), "pipeline": _pipeline_stats(engine)})
