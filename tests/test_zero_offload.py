@@ -1,6 +1,7 @@
 """ZeRO-Infinity NVMe offload: training matches one process, a model whose optimizer state on disk is 4x a
 RAM budget trains with the process's peak memory growth under that budget, and bad offload setups fail
 with a clear message before training (or at the failing step) and leave checkpoints alone."""
+import errno
 import math
 import os
 import subprocess
@@ -253,3 +254,28 @@ def test_stale_swap_files_of_dead_runs_are_removed(tmp_path):
         f.write_bytes(b"x")
     assert remove_stale_swap_files(tmp_path, host) == [stale]
     assert not stale.exists() and live.exists() and other.exists()
+
+
+def test_disk_full_during_a_streamed_step_is_a_clear_error(tmp_path, monkeypatch):
+    """The disk fills while the optimizer step streams under the next forward: that step fails with the
+    storage error naming the swap file and the fix, nothing is left half-done to continue from silently,
+    and closing still removes the swap file."""
+    from podscale.storage import aio
+    from podscale.storage.aio import StorageFullError
+    from zero_workers import batches_for
+
+    cfg, st, engine = _one_process(tmp_path, "fp32", 3, offload_param="nvme")
+    batches = batches_for(cfg, 3)
+    try:
+        engine.step(batches[0])
+        real = os.pwritev
+
+        def full(fd, buffers, offset):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        monkeypatch.setattr(aio.os, "pwritev", full)
+        with pytest.raises(StorageFullError, match="disk full while swapping .* point zero.nvme_path"):
+            engine.step(batches[1])  # the first step's writes behind the chunks, in this forward
+        monkeypatch.setattr(aio.os, "pwritev", real)
+    finally:
+        st.close()
+    assert not list(tmp_path.glob("*.swp"))

@@ -372,12 +372,16 @@ class NvmeOptimizerState:
 
     def close(self) -> None:
         """Remove the swap file.  The rest of a deferred step is dropped (its result would go with the file);
-        requests in flight finish first; the file is removed even if one of them failed."""
+        requests in flight finish first, and their errors (already raised where they mattered, e.g. a full
+        disk at the step) are not raised again: the state they belong to is being discarded."""
         if self._pending is not None:
             self._pending.close()
             self._pending = None
-        try:
-            self.wait_grads()
-            self._wait_all_writes()
-        finally:
-            self.file.close()
+        for req in [r for r, _ in self._grad_writes] + [r for w in self._writes for r in w]:
+            try:
+                req.wait()
+            except OSError:
+                pass
+        self._grad_writes.clear()
+        self._writes = [[] for _ in range(SLOTS)]
+        self.file.close()
