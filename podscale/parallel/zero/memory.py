@@ -15,8 +15,8 @@ it is the paper's table, with these refinements:
 * stage 3 keeps parameters below ``param_persistence_threshold`` whole (``persistent_params``).
 
 Offload (ZeRO-Offload, Ren et al. 2021; ZeRO-Infinity, Rajbhandari et al. 2021) moves the gradient shard,
-master and moments to host memory (``cpu``) or the master and moments to disk (``nvme``); the device
-then keeps a compute-dtype copy of its shard for stage 3's gathers.
+master and moments to host memory (``cpu``) or to disk (``nvme``: the gradient shard in fp32, written as
+it is reduced); the device then keeps a compute-dtype copy of its shard for stage 3's gathers.
 
 Buffers outside the formulas are separate device lines, alive only during a step:
 
@@ -83,7 +83,7 @@ def estimate_model_states(params: int, dp: int, stage: int, precision: str = "bf
     off = offload_optimizer != "none"
     dev = {"params": 0, "grads": 0, "optim": 0, "gather": 0, "reduce": 0, "step": 0}
     host = {"params": 0, "grads": 0, "optim": 0}
-    nvme = {"optim": 0, "params": 0}
+    nvme = {"params": 0, "grads": 0, "optim": 0}
     if stage == 0:  # replicated: the parameter is its own fp32 master, gradients fp32 (autocast)
         dev.update(params=4 * psi, grads=4 * psi, optim=8 * psi)
         return MemoryEstimate(dev, host, nvme)
@@ -94,8 +94,8 @@ def estimate_model_states(params: int, dp: int, stage: int, precision: str = "bf
     else:
         dev["params"] = c * persistent_params + (c * sharded // n if (c != 4 or off or offload_param != "none") else 0)
     # gradients: the shard (+ the full compute-dtype buffer of stage 1, which holds the shard when it can)
-    if offload_optimizer == "nvme":  # the NVMe optimizer accumulates fp32 gradients
-        host["grads"] += 4 * psi // n
+    if offload_optimizer == "nvme":  # fp32 gradient shards go to the swap file as they are reduced
+        nvme["grads"] += 4 * psi // n
     elif not (stage == 1 and g == c and not off):
         (host if off else dev)["grads"] += g * psi // n
     if stage == 1:
