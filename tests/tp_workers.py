@@ -68,9 +68,8 @@ def full_named(engine, mesh, what: str = "param") -> dict[str, torch.Tensor]:
         on_disk = inner.swap.read_array(0) if getattr(inner, "swap", None) is not None else None  # NVMe
         for u in inner.units:
             grad = u.grad if on_disk is None else on_disk[u.goff:u.goff + u.shard]
-            for i, lo, hi in u.owned():
-                start = u.offsets[i] + lo - u.lo
-                zero_grads[id(u.params[i])][lo:hi] = grad[start:start + hi - lo].float() * scale
+            for (i, lo, hi), (_i, a, b) in zip(u.owned(), u.shard_ranges()):
+                zero_grads[id(u.params[i])][lo:hi] = grad[a:b].float() * scale
         for g in zero_grads.values():
             comm.all_reduce(g, mesh, "dp")
     named = engine.strategy.named_parameters() if hasattr(engine.strategy, "named_parameters") \
@@ -169,6 +168,16 @@ def _pipeline_stats(engine) -> dict | None:
     return {"peak_in_flight": st.peak_in_flight, "peak_activation_bytes": st.peak_activation_bytes,
             "wait_s": st.wait_s, "compute_s": st.compute_s, "total_s": st.total_s,
             "chunks": [c.pipeline for c in engine.strategy.chunks]}
+
+
+def _layouts(cfg_dicts: list[dict]):
+    """Join the process group once, then (config, mesh) of each layout in turn."""
+    info = init_process()
+    torch.set_num_threads(1)
+    for d in cfg_dicts:
+        cfg = parse_config(d)
+        cfg.check_layout(info.world_size)
+        yield cfg, Mesh.build(info.device, **cfg.mesh_sizes())
 
 
 def _engine_and_loader(cfg, mesh, seed: int):
@@ -282,13 +291,8 @@ def eval_and_sample(cfg_dicts: list[dict], eval_batch: int, n_eval: int, n_sampl
     (``Engine.generate``, as ``podscale train`` samples)."""
     from podscale.train.data import eval_batches
 
-    info = init_process()
-    torch.set_num_threads(1)
     out = []
-    for d in cfg_dicts:
-        cfg = parse_config(d)
-        cfg.check_layout(info.world_size)
-        mesh = Mesh.build(info.device, **cfg.mesh_sizes())
+    for cfg, mesh in _layouts(cfg_dicts):
         engine, loader = _engine_and_loader(cfg, mesh, cfg.run.seed)
         _, val = split_tokens(load_tokens(cfg.data.path), cfg.data.val_fraction)
         for _ in range(cfg.run.steps):
@@ -308,13 +312,8 @@ def dropout_run(cfg_dicts: list[dict]) -> list[dict]:
     outside the model-parallel stream differs across tp ranks."""
     from podscale.parallel.rng import rng_tracker, seed_model_parallel
 
-    info = init_process()
-    torch.set_num_threads(1)
     out = []
-    for d in cfg_dicts:
-        cfg = parse_config(d)
-        cfg.check_layout(info.world_size)
-        mesh = Mesh.build(info.device, **cfg.mesh_sizes())
+    for cfg, mesh in _layouts(cfg_dicts):
         engine, loader = _engine_and_loader(cfg, mesh, cfg.run.seed)
         seed_model_parallel(cfg.run.seed, mesh)
         seen = []

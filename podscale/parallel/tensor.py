@@ -37,7 +37,6 @@ the same model in every layout.  All communication goes through :mod:`podscale.r
 from __future__ import annotations
 
 import math
-
 from contextlib import nullcontext
 
 import torch
@@ -520,9 +519,8 @@ def grad_pieces(strategy, params) -> tuple[list[tuple[nn.Parameter, torch.Tensor
         return [(p, torch.tensor([math.sqrt(sq)])) for p, sq in strategy.grad_piece_norms()], True
     pieces = []
     for u in units:  # (a scale the strategy defers to its step is applied by the caller: pending_grad_scale)
-        for i, lo, hi in u.owned():
-            start = u.offsets[i] + lo - u.lo
-            pieces.append((u.params[i], u.grad[start:start + hi - lo]))
+        for i, a, b in u.shard_ranges():
+            pieces.append((u.params[i], u.grad[a:b]))
     return pieces, True
 
 

@@ -96,6 +96,11 @@ class Unit:
                 out.append((s - self.lo, e - self.lo, decay))
         return out
 
+    def shard_ranges(self) -> list[tuple[int, int, int]]:
+        """Per parameter this rank holds a part of: (param index, start, end) of that part in the rank's
+        shard (shard-local offsets, as :meth:`segments`)."""
+        return [(i, self.offsets[i] + lo - self.lo, self.offsets[i] + hi - self.lo) for i, lo, hi in self.owned()]
+
     def owned(self, rank: int | None = None):
         """Per parameter: (param index, flat lo, flat hi) inside the parameter, for ``rank``'s slice."""
         r = self.dp_rank if rank is None else rank

@@ -279,7 +279,6 @@ class ZeroStrategy:
             self.param_wait_s = 0.0  # time stage-3 gathers spent waiting for parameter reads
             self.param_reads = self.param_demand_reads = self.param_dropped_reads = 0  # prefetch accounting
             self._fresh: set[int] = set()
-            self._sumsq = 0.0
             self._norm_exact = True
             self._piece_sq: dict[tuple[int, int], float] = {}  # (unit, parameter index) -> squared norm
             total = 0
@@ -375,12 +374,10 @@ class ZeroStrategy:
             every rank numbers every tensor the same way, so trust-ratio norms can be summed by index."""
             index = 0
             for u in self.units:
-                owned = {i: (lo, hi) for i, lo, hi in u.owned()}
+                held = {i: (a, b) for i, a, b in u.shard_ranges()}
                 for i, p in enumerate(u.params):
-                    if i in owned:
-                        lo, hi = owned[i]
-                        yield (index, u, u.offsets[i] + lo - u.lo, u.offsets[i] + hi - u.lo,
-                               self.weight_decay if p.dim() >= 2 else 0.0)
+                    if i in held:
+                        yield (index, u, *held[i], self.weight_decay if p.dim() >= 2 else 0.0)
                     index += 1
 
         count = sum(len(u.params) for u in self.units)
@@ -661,10 +658,8 @@ class ZeroStrategy:
             if not torch.isfinite(out).all():
                 self._nonfinite = True  # fp16 overflow: the engine's check sees it in found_inf()
             if fresh:  # squared norm per parameter piece (the model-parallel norm needs them by kind)
-                for i, a, b in self._piece_ranges(u):
-                    sq = float(torch.linalg.vector_norm(out[a:b].float()).square())
-                    self._piece_sq[(id(u), i)] = sq
-                    self._sumsq += sq
+                for i, a, b in u.shard_ranges():
+                    self._piece_sq[(id(u), i)] = float(torch.linalg.vector_norm(out[a:b].float()).square())
             else:
                 self._norm_exact = False
             self._fresh.add(id(u))
@@ -723,7 +718,7 @@ class ZeroStrategy:
     def zero_grad(self) -> None:
         if self.nvme:
             self._fresh.clear()
-            self._sumsq, self._norm_exact = 0.0, True
+            self._norm_exact = True
             self._piece_sq.clear()
         self._written.clear()  # the next reduce-scatter overwrites each unit's gradient shard
         self._coef, self._nonfinite = 1.0, False
@@ -761,15 +756,10 @@ class ZeroStrategy:
             return torch.tensor([float(self._nonfinite)])
         return sum((~torch.isfinite(g)).any().float() for g in self._grad_tensors()).reshape(1)
 
-    @staticmethod
-    def _piece_ranges(u: Unit) -> list[tuple[int, int, int]]:
-        """(parameter index, start, end) of each parameter's part in unit ``u``'s shard (shard-local)."""
-        return [(i, u.offsets[i] + lo - u.lo, u.offsets[i] + hi - u.lo) for i, lo, hi in u.owned()]
-
     def grad_piece_norms(self) -> list[tuple[nn.Parameter, float]]:
         """NVMe offload: (parameter, squared L2 norm of the part of its gradient this rank holds), from the
         shards as they arrived or, after accumulation over micro-batches, read back from the swap file."""
-        keys = [(u, i, a, b) for u in self.units for i, a, b in self._piece_ranges(u)]
+        keys = [(u, i, a, b) for u in self.units for i, a, b in u.shard_ranges()]
         if self._norm_exact:
             sq = [self._piece_sq.get((id(u), i), 0.0) for u, i, _a, _b in keys]
         else:
@@ -779,7 +769,7 @@ class ZeroStrategy:
     def grad_norm(self) -> torch.Tensor:
         """True global L2 norm: squared norms of the disjoint shards summed over dp (padding is zero)."""
         if self.nvme:
-            local = self._sumsq if self._norm_exact else self.swap.grad_sumsq([(0, self.swap.S)])[0]
+            local = sum(self._piece_sq.values()) if self._norm_exact else self.swap.grad_sumsq([(0, self.swap.S)])[0]
             sq = torch.tensor([local], dtype=torch.float32, device=self.device)
             comm.all_reduce(sq, self.mesh, self.axes)
             return sq.sqrt()[0] * abs(self._coef)
