@@ -64,7 +64,7 @@ def full_named(engine, mesh, what: str = "param") -> dict[str, torch.Tensor]:
         for u in inner.units:
             for p in u.params:
                 zero_grads[id(p)] = torch.zeros(p.numel())
-        scale = getattr(inner, "pending_grad_scale", 1.0)  # (clipping a 16-bit or on-disk shard defers)
+        scale = inner.pending_grad_scale()  # (clipping a 16-bit or on-disk shard defers)
         on_disk = inner.swap.read_array(0) if getattr(inner, "swap", None) is not None else None  # NVMe
         for u in inner.units:
             grad = u.grad if on_disk is None else on_disk[u.goff:u.goff + u.shard]

@@ -16,7 +16,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
+from podscale.parallel.strategy import DataParallelStrategy, LocalMicroBatches
 from podscale.runtime import comm
+from podscale.train.precision import nonfinite_flag
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, None: None}
 
@@ -31,14 +33,17 @@ class _Bucket:
     pending: set = field(default_factory=set)
 
 
-class DataParallel:
+class DataParallel(LocalMicroBatches, DataParallelStrategy):
     """Replicates ``module`` over the mesh axes ``axes`` and averages gradients across them.
 
     Use ``no_sync()`` around all but the last micro-batch of a gradient-accumulation step, and call
     ``finish_grad_sync()`` after the last backward, before reading gradients.  With an ``optimizer`` it is a
-    complete training strategy for the :class:`~podscale.train.engine.Engine` (see ``Strategy`` there):
-    every replica steps the whole model.
+    complete training strategy (:class:`~podscale.parallel.strategy.Strategy`): every replica steps the
+    whole model.
     """
+
+    reduce_commutes = True          # a mean over dp: tp and pp sums may follow it
+    sums_sequence_parallel = False  # the model-parallel wrapper sums them after the all-reduce
 
     def __init__(self, module: nn.Module, mesh, axes: tuple[str, ...] = ("dp",), bucket_mb: float = 25.0,
                  reduce_dtype: str | None = None, optimizer: torch.optim.Optimizer | None = None):
@@ -142,6 +147,30 @@ class DataParallel:
     def grads(self) -> list[torch.Tensor]:
         return [b.buffer for b in self.buckets]
 
+    def scale_grads(self, coef) -> None:
+        for g in self.grads():
+            g.mul_(coef.to(g.device) if torch.is_tensor(coef) else coef)
+
+    def found_inf(self) -> torch.Tensor:
+        return nonfinite_flag(self.grads())
+
+    def grad_pieces(self, params):
+        """Every replica holds the whole averaged gradient of each parameter."""
+        return [(p, p.grad) for p in params if p.grad is not None], False
+
+    def pending_grad_scale(self) -> float:
+        return 1.0
+
+    def accumulate_locally(self, deferred=()) -> None:
+        """Nothing to switch: under ``no_sync`` gradients already add up in the buckets, and a tied
+        parameter's all-reduce (a mean) commutes with the caller's sum of its pipeline copies."""
+
+    def begin_forward(self) -> None:
+        """Nothing per step: the replicas hold their parameters."""
+
+    def end_forward(self) -> None:
+        """Nothing per step."""
+
     # optimizer side of the strategy ---------------------------------------------------------------
     def step(self, lr: float) -> None:
         for group in self.optimizer.param_groups:
@@ -180,3 +209,10 @@ class DataParallel:
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
+
+    def close(self) -> None:
+        """Wait for a reduction still in flight; the replicas hold no scratch state."""
+        for b in self.buckets:
+            if b.handle is not None:
+                b.handle.wait()
+                b.handle = None

@@ -36,7 +36,6 @@ the same model in every layout.  All communication goes through :mod:`podscale.r
 """
 from __future__ import annotations
 
-import math
 from contextlib import nullcontext
 
 import torch
@@ -45,6 +44,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from podscale.parallel.sharded_state import ShardedCheckpointState
+from podscale.parallel.strategy import DataParallelStrategy, LocalMicroBatches, Strategy
 from podscale.parallel.rng import ForkedDropout, rng_tracker
 from podscale.runtime import comm
 
@@ -508,28 +508,6 @@ def sync_sequence_parallel_grads(params, mesh) -> None:
         offset += g.numel()
 
 
-def grad_pieces(strategy, params) -> tuple[list[tuple[nn.Parameter, torch.Tensor]], bool]:
-    """(parameter, the part of its reduced gradient this rank holds) and whether those parts are sharded
-    over dp: ZeRO keeps each rank's slice of the flat gradient, replicated data parallelism all of it."""
-    units = getattr(strategy, "units", None)
-    if units is None or not hasattr(units[0], "owned"):
-        return [(p, p.grad) for p in params if p.grad is not None], False
-    if getattr(strategy, "swap", None) is not None:
-        # ZeRO-Infinity: the gradient is on disk; each part stands as its L2 norm (same sum of squares)
-        return [(p, torch.tensor([math.sqrt(sq)])) for p, sq in strategy.grad_piece_norms()], True
-    pieces = []
-    for u in units:  # (a scale the strategy defers to its step is applied by the caller: pending_grad_scale)
-        for i, a, b in u.shard_ranges():
-            pieces.append((u.params[i], u.grad[a:b]))
-    return pieces, True
-
-
-def pending_grad_scale(strategy) -> float:
-    """The factor (fp16 unscale x clip) a strategy has been given by ``scale_grads`` but applies only at its
-    step (ZeRO's 16-bit gradient shards): the stored gradients times it are the true ones."""
-    return abs(getattr(strategy, "pending_grad_scale", 1.0))
-
-
 def global_grad_norm(pieces, mesh, dp_sharded: bool = False) -> torch.Tensor:
     """The L2 norm of the gradient of the whole (unsharded, single-copy) model.
 
@@ -559,26 +537,40 @@ def global_grad_norm(pieces, mesh, dp_sharded: bool = False) -> torch.Tensor:
 # the strategy around a data-parallel one
 
 
-class WrapsDataParallel:
-    """A model-parallel strategy wrapped around a data-parallel one (``self.inner``: replicated or ZeRO):
-    whatever the wrapper does not define (step, zero_grad, grads, buckets, ...) is the inner strategy's."""
+class WrapsDataParallel(Strategy):
+    """A model-parallel strategy wrapped around a data-parallel one (``self.inner``: replicated or ZeRO).
+    What the wrapper adds nothing to is the inner strategy's, each method delegated by name."""
 
-    def __getattr__(self, name):
-        if name == "inner":  # not yet set (during construction or unpickling): no recursion
-            raise AttributeError(name)
-        return getattr(self.inner, name)
+    inner: DataParallelStrategy
 
     def no_sync(self):
         return self.inner.no_sync()
 
+    def grads(self) -> list[torch.Tensor]:
+        return self.inner.grads()
 
-def reduce_commutes(inner) -> bool:
-    """True for the replicated DataParallel strategy, whose dp all-reduce commutes with sums over tp/pp."""
-    from podscale.parallel.data import DataParallel
-    return isinstance(inner, DataParallel)
+    def scale_grads(self, coef) -> None:
+        self.inner.scale_grads(coef)
+
+    def found_inf(self) -> torch.Tensor:
+        return self.inner.found_inf()
+
+    def zero_grad(self) -> None:
+        self.inner.zero_grad()
+
+    def step(self, lr: float) -> None:
+        self.inner.step(lr)
+
+    def close(self) -> None:
+        self.inner.close()
+
+    def grad_norm(self) -> torch.Tensor:
+        """The model's true global norm: the pieces the inner strategy holds, summed over tp and pp."""
+        pieces, dp_sharded = self.inner.grad_pieces(self.params)
+        return global_grad_norm(pieces, self.mesh, dp_sharded) * abs(self.inner.pending_grad_scale())
 
 
-class TensorParallelStrategy(ShardedCheckpointState, WrapsDataParallel):
+class TensorParallelStrategy(LocalMicroBatches, ShardedCheckpointState, WrapsDataParallel):
     """Wraps a data-parallel strategy (replicated :class:`DataParallel` or ZeRO over dp) for a model with
     tensor- and/or sequence-parallel layers: sequence-parallel gradients are summed over tp and the
     gradient norm is the model's true global norm."""
@@ -589,8 +581,8 @@ class TensorParallelStrategy(ShardedCheckpointState, WrapsDataParallel):
         # Sums over tp commute with the replicated strategy's dp all-reduce (a mean), so its all-reduce
         # overlaps backward and the tp sums follow.  A sharding strategy (ZeRO) needs the full sums before
         # its reduce-scatter: it adds them itself, unit by unit, inside backward.
-        self.reduce_first = reduce_commutes(inner)
-        if not self.reduce_first and not getattr(inner, "sums_sequence_parallel", False):
+        self.reduce_first = inner.reduce_commutes
+        if not self.reduce_first and not inner.sums_sequence_parallel:
             raise TypeError(f"{type(inner).__name__} neither commutes with the tp sums nor sums the "
                             "sequence-parallel gradients itself")
 
@@ -601,10 +593,6 @@ class TensorParallelStrategy(ShardedCheckpointState, WrapsDataParallel):
         self.inner.finish_grad_sync()
         if self.reduce_first:
             sync_sequence_parallel_grads(self.params, self.mesh)
-
-    def grad_norm(self) -> torch.Tensor:
-        pieces, dp_sharded = grad_pieces(self.inner, self.params)
-        return global_grad_norm(pieces, self.mesh, dp_sharded) * pending_grad_scale(self.inner)
 
     @torch.no_grad()
     def next_logits(self, idx: torch.Tensor) -> torch.Tensor:

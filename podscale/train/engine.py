@@ -5,28 +5,13 @@ strategy's ``no_sync``), waits for the gradient reduction, unscales and checks f
 global gradient norm, steps the optimizer with the scheduled learning rate and returns the loss averaged
 over the whole global batch.
 
-A *strategy* owns how gradients are reduced and how the optimizer steps; the engine only sequences it.
-It provides::
-
-    no_sync()            context: accumulate locally, no communication
-    finish_grad_sync()   wait until this rank's gradients are reduced
-    grads()              the gradient tensors this rank steps (fp16 unscaling, overflow check, clipping)
-    scale_grads(coef)    optional: multiply every gradient this rank steps by ``coef`` (float or 0-dim
-                         tensor); default: ``g.mul_(coef)`` for g in grads().  A strategy whose gradients
-                         are not in memory (ZeRO NVMe offload) defers the factor to its step.
-    found_inf()          optional: 1-element float tensor, > 0 when this rank's gradients hold inf/NaN;
-                         default: checks grads()
-    grad_norm()          the true global L2 norm of all gradients
-    zero_grad()
-    step(lr)             optimizer step on what this rank owns
-    model_state() / load_model_state(sd); optim_state() / optim_template() / load_optim_state(sd)
-                         checkpoint tensors (DCP reshards them when the layout changes)
-
-:class:`~podscale.parallel.data.DataParallel` with an optimizer is the replicated strategy.
+A *strategy* (:class:`~podscale.parallel.strategy.Strategy`) owns how gradients are reduced and how the
+optimizer steps; the engine only sequences it.  A *loss function* ``loss_fn(module, batch)`` says what a
+micro-batch is: by default (:func:`model_computes_loss`) a tuple of tensors moved to the device and passed
+to the model, which returns ``(output, loss)``; a task passes its own.
 """
 from __future__ import annotations
 
-import contextlib
 import time
 from dataclasses import dataclass
 
@@ -37,25 +22,19 @@ from podscale.config import TrainSection
 from podscale.models.gpt import sample
 from podscale.optim import build_adamw, cosine_lr
 from podscale.parallel.data import DataParallel
+from podscale.parallel.strategy import LossFn, Strategy
 from podscale.runtime import comm
 from podscale.runtime.mesh import AXES
-from podscale.train.precision import DynamicLossScaler, autocast, nonfinite_flag
+from podscale.train.precision import DynamicLossScaler, autocast
 
 
-def scale_grads(strategy, coef) -> None:
-    """``strategy.scale_grads(coef)`` where provided, else an in-place multiply of ``strategy.grads()``."""
-    hook = getattr(strategy, "scale_grads", None)
-    if hook is not None:
-        hook(coef)
-        return
-    for g in strategy.grads():  # (offloaded gradients live in host memory)
-        g.mul_(coef.to(g.device) if torch.is_tensor(coef) else coef)
-
-
-def found_inf(strategy) -> torch.Tensor:
-    """``strategy.found_inf()`` where provided, else whether any of ``strategy.grads()`` is not finite."""
-    hook = getattr(strategy, "found_inf", None)
-    return hook() if hook is not None else nonfinite_flag(strategy.grads())
+def model_computes_loss(precision: str, device: torch.device) -> LossFn:
+    """The default loss function: ``batch`` is a tuple of tensors, moved to ``device`` and passed to the
+    model under ``precision``'s autocast; the model returns ``(output, loss)``."""
+    def loss_fn(module: nn.Module, batch) -> torch.Tensor:
+        with autocast(precision, device):
+            return module(*(t.to(device, non_blocking=True) for t in batch))[1]
+    return loss_fn
 
 
 @dataclass
@@ -72,7 +51,8 @@ class StepResult:
 class Engine:
     """Owns the parallel model, the optimizer and the loss scaler; ``step(micro_batches)`` trains."""
 
-    def __init__(self, model: nn.Module, mesh, train: TrainSection, bucket_mb: float = 25.0, strategy=None):
+    def __init__(self, model: nn.Module, mesh, train: TrainSection, bucket_mb: float = 25.0,
+                 strategy: Strategy | None = None, loss_fn: LossFn | None = None):
         self.mesh, self.cfg = mesh, train
         self.device = mesh.device
         self.model = model.to(self.device)
@@ -82,6 +62,7 @@ class Engine:
             strategy = DataParallel(self.model, mesh, ("dp",), bucket_mb=bucket_mb,
                                     reduce_dtype=train.reduce_dtype, optimizer=optimizer)
         self.strategy = strategy
+        self.loss_fn = loss_fn if loss_fn is not None else model_computes_loss(train.precision, self.device)
         self.scaler = DynamicLossScaler(train.loss_scale_init, train.loss_scale_window) \
             if train.precision == "fp16" else None
         self.step_count = 0
@@ -90,27 +71,26 @@ class Engine:
         c = self.cfg
         return cosine_lr(step, c.lr, c.min_lr, c.warmup_steps, c.decay_steps or 1)
 
-    def step(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> StepResult:
+    def step(self, micro_batches: list) -> StepResult:
         t0 = time.perf_counter()
         self.model.train()
         lr = self.lr_at(self.step_count)
         n = len(micro_batches)
         loss_scale = self.scaler.scale if self.scaler is not None else None
-        forward_backward = getattr(self.strategy, "forward_backward", self.forward_backward)
-        loss_sum = forward_backward(micro_batches, loss_scale)
+        loss_sum = self.strategy.forward_backward(micro_batches, loss_scale, self.loss_fn)
         self.strategy.finish_grad_sync()
 
         skipped, scale = False, None
         if self.scaler is not None:
             scale = self.scaler.scale
-            scale_grads(self.strategy, 1.0 / scale)
-            skipped = self.scaler.check(found_inf(self.strategy), self.mesh, AXES)
+            self.strategy.scale_grads(1.0 / scale)
+            skipped = self.scaler.check(self.strategy.found_inf(), self.mesh, AXES)
             self.scaler.update(skipped)
         norm = self.strategy.grad_norm()
         if not skipped:
             if self.cfg.grad_clip > 0:
                 # Same rule as torch.nn.utils.clip_grad_norm_: scale by max_norm / (norm + 1e-6), capped at 1.
-                scale_grads(self.strategy, torch.clamp(self.cfg.grad_clip / (norm + 1e-6), max=1.0))
+                self.strategy.scale_grads(torch.clamp(self.cfg.grad_clip / (norm + 1e-6), max=1.0))
             self.strategy.step(lr)
         self.strategy.zero_grad()
 
@@ -121,41 +101,13 @@ class Engine:
         return StepResult(self.step_count, float(mean_loss), lr, float(norm), skipped,
                           time.perf_counter() - t0, scale)
 
-    def forward_backward(self, micro_batches, loss_scale: float | None) -> torch.Tensor:
-        """Forward and backward of each micro-batch, gradients summed as the mean over all of them;
-        returns the sum of the micro-batch losses.  A strategy that schedules micro-batches itself
-        (pipeline parallelism) provides its own ``forward_backward`` with this contract."""
-        n = len(micro_batches)
-        loss_sum = torch.zeros((), device=self.device)
-        for i, (x, y) in enumerate(micro_batches):
-            x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
-            sync = contextlib.nullcontext() if i == n - 1 else self.strategy.no_sync()
-            with sync:
-                with autocast(self.cfg.precision, self.device):
-                    _, loss = self.model(x, y)
-                scaled = loss / n
-                if loss_scale is not None:
-                    scaled = scaled * loss_scale
-                scaled.backward()
-            loss_sum += loss.detach().float()
-        return loss_sum
-
     @torch.no_grad()
-    def evaluate(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
-        """Mean loss over ``batches`` (this rank's shares), averaged over the dp axis.  A strategy that
-        runs the model itself (pipeline parallelism) provides ``forward_only(batches)``: the sum of the
-        batches' losses, on every rank."""
+    def evaluate(self, batches: list) -> float:
+        """Mean loss over ``batches`` (this rank's shares), averaged over the dp axis."""
         self.model.eval()
-        forward_only = getattr(self.strategy, "forward_only", None)
-        if forward_only is not None:
-            total = forward_only(batches)
-        else:
-            total = torch.zeros((), device=self.device)
-            for x, y in batches:
-                with autocast(self.cfg.precision, self.device):
-                    _, loss = self.model(x.to(self.device), y.to(self.device))
-                total += loss.float()
-        total /= max(1, len(batches))
+        total = self.strategy.forward_only(batches, self.loss_fn)
+        total = total if total is not None else torch.zeros((), device=self.device)
+        total = total / max(1, len(batches))
         comm.all_reduce(total, self.mesh, "dp")
         return float(total) / self.mesh.size("dp")
 
@@ -164,16 +116,15 @@ class Engine:
                  top_k: int | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
         """Sample from the model as :meth:`GPT.generate` does, on any layout: every rank must call it (tp
         and pp forwards are collective) and every rank gets the same tokens for the same ``generator``
-        seed.  A model-parallel strategy provides ``next_logits(context)`` (vocab shards gathered, the last
-        pipeline stage's logits broadcast)."""
+        seed (the strategy's ``next_logits`` gathers vocabulary shards and broadcasts the last stage's)."""
         self.model.eval()
-        next_logits = getattr(self.strategy, "next_logits", None)
-        if next_logits is None:
-            def next_logits(ctx):
-                return self.model(ctx.to(self.device))[0][:, -1, :]
         gpt = self.model[0] if isinstance(self.model, nn.ModuleList) else self.model
-        return sample(next_logits, idx.to(self.device), max_new_tokens, gpt.cfg.block_size, temperature,
-                      top_k, generator)
+        return sample(self.strategy.next_logits, idx.to(self.device), max_new_tokens, gpt.cfg.block_size,
+                      temperature, top_k, generator)
+
+    def close(self) -> None:
+        """Release the strategy's scratch state (swap files) and drain its communication."""
+        self.strategy.close()
 
     # checkpoint state: tensors only (DCP would pickle anything else) --------------------------------
     def model_state(self) -> dict[str, torch.Tensor]:

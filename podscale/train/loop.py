@@ -44,13 +44,6 @@ def _gather_per_rank(value: float, mesh: Mesh) -> list[float]:
     return out.tolist()
 
 
-def _release(engine) -> None:
-    """Remove the strategy's scratch state (ZeRO-Infinity swap files) when a run ends, also a failed one."""
-    close = getattr(engine.strategy, "close", None)
-    if close is not None:
-        close()
-
-
 def run_worker(cfg: Config, resume: bool = False) -> dict:
     """Train as one rank of the job described by ``cfg``; returns a summary (rank 0's is complete)."""
     info = init_process(device=cfg.run.device)
@@ -164,4 +157,4 @@ def run_worker(cfg: Config, resume: bool = False) -> dict:
         sys.stdout.flush()
         return summary
     finally:
-        _release(engine)
+        engine.close()  # the strategy's scratch state (swap files), also when the run failed

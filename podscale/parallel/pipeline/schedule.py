@@ -31,8 +31,7 @@ from podscale.models.gpt import GPT
 from podscale.parallel.pipeline.partition import PipelineError, layer_costs, split_chunk, stage_layers
 from podscale.parallel.sharded_state import ShardedCheckpointState
 from podscale.parallel.tensor import (WrapsDataParallel, apply_recompute, apply_tensor_parallel, gather_vocab_logits,
-                                      global_grad_norm, grad_pieces, pad_to_shards, pending_grad_scale,
-                                      reduce_commutes, sync_sequence_parallel_grads)
+                                      pad_to_shards, sync_sequence_parallel_grads)
 from podscale.runtime import comm
 from podscale.runtime.mesh import AXES
 from podscale.train.precision import autocast
@@ -154,11 +153,8 @@ def _completed(h: comm.Handle) -> bool:
 
 
 class _Chunks(nn.ModuleList):
-    """The model chunks of this pipeline rank.  Calling it runs no layer, only the forward hooks a
-    data-parallel strategy registered on the model (the schedule calls the chunks themselves)."""
-
-    def forward(self) -> None:
-        return None
+    """The model chunks of this pipeline rank (the schedule calls the chunks themselves, and starts the
+    data-parallel strategy's per-step work through :meth:`DataParallelStrategy.begin_forward`)."""
 
     def gather_units(self) -> list[nn.Module]:
         """ZeRO-3's gather units: every block of every chunk, in this rank's forward order (the embeddings
@@ -201,10 +197,9 @@ class PipelineParallel(ShardedCheckpointState, WrapsDataParallel):
         self.recv_ahead = recv_ahead
         self.params = [q for c in chunks for q in c.parameters() if q.requires_grad]
         self.stats = StepStats()
-        if hasattr(inner, "accumulate_locally"):
-            # ZeRO: gradients accumulate over the micro-batches and each chunk's last backward reduce-scatters
-            # them; the tied embedding's copies wait for their sum across first and last stage
-            inner.accumulate_locally(deferred=self._tied_copy())
+        # ZeRO: gradients accumulate over the micro-batches and each chunk's last backward reduce-scatters
+        # them; the tied embedding's copies wait for their sum across first and last stage
+        inner.accumulate_locally(deferred=self._tied_copy())
 
     def _tied_copy(self) -> list[nn.Parameter]:
         """This rank's copy of the embedding tied between the first and the last stage (none in between)."""
@@ -258,18 +253,14 @@ class PipelineParallel(ShardedCheckpointState, WrapsDataParallel):
         # Each chunk's last backward started its dp reduction.  Replicated dp: the tp and pp sums commute
         # with its all-reduce and follow.  ZeRO: it summed the sequence-parallel gradients over tp before
         # each reduce-scatter and kept the tied embedding's back: the pp sum first, then its reduce-scatter.
-        overlap = reduce_commutes(self.inner)
+        overlap = self.inner.reduce_commutes
         if overlap:
             self.inner.finish_grad_sync()
-        if not getattr(self.inner, "sums_sequence_parallel", False):
+        if not self.inner.sums_sequence_parallel:
             sync_sequence_parallel_grads(self.params, self.mesh)
         self._sync_tied_embedding()
         if not overlap:
             self.inner.finish_grad_sync()
-
-    def grad_norm(self) -> torch.Tensor:
-        pieces, dp_sharded = grad_pieces(self.inner, self.params)
-        return global_grad_norm(pieces, self.mesh, dp_sharded) * pending_grad_scale(self.inner)
 
     def _sync_tied_embedding(self) -> None:
         """Sum the gradients of the input embedding (first stage) and its copy in the output layer (last
@@ -301,6 +292,7 @@ class PipelineParallel(ShardedCheckpointState, WrapsDataParallel):
         dtype = next(self.module.parameters()).dtype
         sends, out = [], []
         with torch.no_grad():
+            self.inner.begin_forward()
             for mb, (x, y) in enumerate(inputs):
                 shape = (x.shape[0], x.shape[1] // self.seq_shards, self.activation_shape[-1])
                 for c, chunk in enumerate(self.chunks):
@@ -317,12 +309,15 @@ class PipelineParallel(ShardedCheckpointState, WrapsDataParallel):
                     else:
                         sends.append(_send(h.contiguous(), self.ranks[(s + 1) % p], self.mesh,
                                            _tag(mb, s + 1, False, stages)))
+            self.inner.end_forward()
         for h in sends:
             h.wait()
         return out
 
-    def forward_only(self, batches) -> torch.Tensor:
-        """The sum of the losses of ``batches`` (evaluation), computed on the last stage, on every rank."""
+    def forward_only(self, batches, loss_fn=None) -> torch.Tensor:
+        """The sum of the losses of ``batches`` (evaluation), computed on the last stage, on every rank.
+        The GPT chunks compute the loss themselves on the last stage: ``loss_fn`` is not called (only the
+        GPT task runs under a pipeline)."""
         losses = self._forward_pipeline(batches, lambda h, loss: loss.float())
         total = torch.stack(losses).sum() if losses else torch.zeros((), device=self.mesh.device)
         comm.broadcast(total, self.p - 1, self.mesh, "pp")
@@ -343,9 +338,11 @@ class PipelineParallel(ShardedCheckpointState, WrapsDataParallel):
         return logits
 
     # the schedule -------------------------------------------------------------------------------------
-    def forward_backward(self, micro_batches, loss_scale: float | None) -> torch.Tensor:
+    def forward_backward(self, micro_batches, loss_scale: float | None, loss_fn=None) -> torch.Tensor:
+        """Run the schedule over ``micro_batches`` (``(x, y)`` token pairs); the last stage's GPT chunk
+        computes the loss, so ``loss_fn`` is not called (only the GPT task runs under a pipeline)."""
         m = len(micro_batches)
-        self.module()  # the dp strategy's per-step forward hooks (ZeRO waits for its parameter all-gather)
+        self.inner.begin_forward()  # the dp strategy's per-step work (ZeRO waits for its parameter all-gather)
         actions = schedule_actions(self.schedule, self.p, m, self.v)[self.stage_rank]
         stages, p, dev = self.p * self.v, self.p, self.mesh.device
         stash: dict[tuple[int, int], tuple] = {}

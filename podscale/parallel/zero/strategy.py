@@ -78,6 +78,7 @@ import torch
 import torch.nn as nn
 
 from podscale.optim.flat_adam import FlatAdamW, Segment
+from podscale.parallel.strategy import DataParallelStrategy, LocalMicroBatches
 from podscale.parallel.zero.layout import Unit, bucket_units, layer_units
 from podscale.parallel.zero import state as zstate
 from podscale.runtime import comm, hostmem
@@ -134,7 +135,7 @@ def _merge(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
     return out
 
 
-class ZeroStrategy:
+class ZeroStrategy(LocalMicroBatches, DataParallelStrategy):
     """ZeRO-``stage`` data parallelism over the mesh's ``dp`` axis (see the module docstring).
 
     ``module`` is a plain model on ``mesh.device``; ``train`` is the :class:`~podscale.config.TrainSection`
@@ -146,6 +147,7 @@ class ZeroStrategy:
 
     max_inflight_reduce = 2  # stage 2/3 staging buffers alive at once (bounds gradient memory)
     sums_sequence_parallel = True  # wrappers leave the tp sum of sequence-parallel gradients to ZeRO
+    reduce_commutes = False        # a reduce-scatter needs the full tp/pp sums first
 
     def __init__(self, module: nn.Module, mesh, train, zero, param_init=None):
         if zero.stage not in (1, 2, 3):
@@ -512,6 +514,13 @@ class ZeroStrategy:
         self._read_param(self._layer(u.index - 2))
 
     def _pre_model(self, _m, _args):
+        self.begin_forward()
+
+    def begin_forward(self) -> None:
+        """Before the step's first forward (the model's forward pre-hook, or a pipeline schedule that runs
+        its chunks itself): complete a deferred NVMe step's persistent units, wait for the updated
+        parameters' all-gathers (stages 1/2), flush partial stage-2 accumulation, read and gather the root
+        unit and prefetch the first block (stage 3)."""
         if self.swap is not None and self._persist_pending:
             # a deferred NVMe step: the persistent units lead the swap file; gather them once stepped
             self._advance_for_forward(self._head_end)
@@ -530,9 +539,14 @@ class ZeroStrategy:
             self._gather(self.layers[0], async_op=True)
 
     def _post_model(self, _m, _args, out):
+        self.end_forward()
+        return out
+
+    def end_forward(self) -> None:
+        """After a forward without autograd (validation, sampling): stage 3 frees the root unit (a training
+        forward keeps it gathered for backward)."""
         if self.root is not None and not torch.is_grad_enabled():
             self._free(self.root)
-        return out
 
     # gradients -------------------------------------------------------------------------------------
     @contextlib.contextmanager
@@ -745,7 +759,6 @@ class ZeroStrategy:
         for g in self._grad_tensors():  # (on the host with optimizer offload, while ``coef`` is on the device)
             g.mul_(coef.to(g.device) if torch.is_tensor(coef) else coef)
 
-    @property
     def pending_grad_scale(self) -> float:
         """The factor :meth:`scale_grads` deferred to the step (1.0 when gradients are scaled in place)."""
         return self._coef if (self.nvme or self.narrow) else 1.0
@@ -753,8 +766,17 @@ class ZeroStrategy:
     def found_inf(self) -> torch.Tensor:
         """1.0 when this rank's gradients hold inf/NaN (16-bit or NVMe shards: seen as they arrived)."""
         if self.nvme or self.narrow:
-            return torch.tensor([float(self._nonfinite)])
-        return sum((~torch.isfinite(g)).any().float() for g in self._grad_tensors()).reshape(1)
+            return torch.tensor([float(self._nonfinite)], device=self.device)
+        return sum((~torch.isfinite(g)).any().float() for g in self._grad_tensors()).reshape(1).to(self.device)
+
+    def grad_pieces(self, params):
+        """Each rank's slice of the flat gradient, cut at parameter boundaries (the caller applies
+        :meth:`pending_grad_scale`); with NVMe offload each slice stands as a 1-element tensor holding its
+        L2 norm (same sum of squares), from :meth:`grad_piece_norms`.  ``params`` is every parameter this
+        strategy holds."""
+        if self.nvme:
+            return [(p, torch.tensor([math.sqrt(sq)])) for p, sq in self.grad_piece_norms()], True
+        return [(u.params[i], u.grad[a:b]) for u in self.units for i, a, b in u.shard_ranges()], True
 
     def grad_piece_norms(self) -> list[tuple[nn.Parameter, float]]:
         """NVMe offload: (parameter, squared L2 norm of the part of its gradient this rank holds), from the
