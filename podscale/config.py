@@ -6,6 +6,7 @@ that do not fit the number of processes, batches that do not divide, data paths 
 """
 from __future__ import annotations
 
+import importlib.util
 import math
 import os
 import tomllib
@@ -34,6 +35,8 @@ class RunSection(_Section):
     eval_every: int = Field(0, ge=0, description="0 disables periodic validation")
     eval_batches: int = Field(4, ge=1)
     sample_tokens: int = Field(0, ge=0, description="bytes of text sampled at the end of the run")
+    tensorboard: bool = Field(False, description="also write the metrics as TensorBoard event files "
+                                                 "(runs/NAME/tensorboard; needs the tensorboard package)")
     device: Literal["auto", "cpu", "cuda"] = Field(
         "auto", description="auto: one GPU per rank where CUDA is visible (NCCL), else the CPU (gloo)")
 
@@ -282,6 +285,9 @@ def parse_config(data: dict, base_dir: Path | None = None) -> Config:
             raise ConfigError(f"data.path: '{cfg.data.path}' is too small for block_size "
                               f"{cfg.model.block_size}: use a larger corpus or a smaller model.block_size")
         cfg.data.path = str(path.resolve())
+    if cfg.run.tensorboard and importlib.util.find_spec("tensorboard") is None:
+        raise ConfigError("run.tensorboard = true needs the tensorboard package: pip install tensorboard "
+                          "(or podscale[tensorboard]), or set run.tensorboard = false")
     if cfg.train.decay_steps is None:
         cfg.train.decay_steps = cfg.run.steps
     return cfg

@@ -79,10 +79,50 @@ def peak_memory_bytes(device: torch.device) -> int:
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
 
-class MetricsLog:
-    """Appends one JSON object per line to ``path``; written by one rank."""
+def scalars(record: dict, prefix: str = "") -> dict[str, float]:
+    """The numbers of a metrics record under '/'-joined names (TensorBoard tags): nested dicts become
+    paths (``comm/tp/all_reduce/bytes``), per-rank lists get a rank suffix (``peak_mem_bytes/rank1``),
+    booleans count as 0/1; anything else (text) is left out."""
+    out: dict[str, float] = {}
+    for key, value in record.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            out.update(scalars(value, name + "/"))
+        elif isinstance(value, (list, tuple)):
+            out.update({f"{name}/rank{i}": float(v) for i, v in enumerate(value) if isinstance(v, (int, float))})
+        elif isinstance(value, (bool, int, float)) and key != "step":
+            out[name] = float(value)
+    return out
 
-    def __init__(self, path: Path, truncate_from_step: int | None = None):
+
+class TensorBoardLog:
+    """Writes each metrics record's numbers as TensorBoard scalars at its step, into ``folder``
+    (``tensorboard --logdir runs/NAME/tensorboard``).  Needs the ``tensorboard`` package (the
+    ``[tensorboard]`` extra); its absence is a one-line error naming the fix."""
+
+    def __init__(self, folder: Path, purge_step: int | None = None):
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError:
+            raise RuntimeError("run.tensorboard = true needs the tensorboard package: pip install tensorboard "
+                               "(or podscale[tensorboard]), or set run.tensorboard = false") from None
+        # purge_step: on resume, TensorBoard hides what an interrupted run logged after its checkpoint
+        self._w = SummaryWriter(str(folder), purge_step=purge_step)
+
+    def write(self, record: dict) -> None:
+        step = int(record["step"])
+        for tag, value in scalars(record).items():
+            self._w.add_scalar(tag, value, step)
+
+    def close(self) -> None:
+        self._w.close()
+
+
+class MetricsLog:
+    """Appends one JSON object per line to ``path``, and with ``tensorboard`` the same numbers to TensorBoard
+    event files in ``path``'s folder under ``tensorboard/``; written by one rank."""
+
+    def __init__(self, path: Path, truncate_from_step: int | None = None, tensorboard: bool = False):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         if truncate_from_step is not None and self.path.exists():
@@ -92,13 +132,20 @@ class MetricsLog:
             tmp = self.path.with_suffix(".tmp")
             tmp.write_text("".join(k + "\n" for k in kept))
             os.replace(tmp, self.path)
+        self._tb = TensorBoardLog(self.path.parent / "tensorboard",
+                                  purge_step=truncate_from_step + 1 if truncate_from_step else None) \
+            if tensorboard else None
         self._f = open(self.path, "a", buffering=1)
 
     def write(self, record: dict) -> None:
         self._f.write(json.dumps(record) + "\n")
+        if self._tb is not None:
+            self._tb.write(record)
 
     def close(self) -> None:
         self._f.close()
+        if self._tb is not None:
+            self._tb.close()
 
 
 def read_metrics(path: Path) -> list[dict]:

@@ -91,7 +91,8 @@ def run_worker(cfg: Config, resume: bool = False) -> dict:
         tokens_per_step = cfg.train.global_batch * gcfg.block_size
         flops_per_step = gcfg.flops_per_token() * tokens_per_step
         peak = matmul_peak(info.device, "fp32" if cfg.train.precision == "fp32" else cfg.train.precision)
-        log = MetricsLog(run_dir / "metrics.jsonl", truncate_from_step=start_step) if rank == 0 else None
+        log = MetricsLog(run_dir / "metrics.jsonl", truncate_from_step=start_step,
+                         tensorboard=cfg.run.tensorboard) if rank == 0 else None
         progress = Progress(cfg.run.steps, start_step, enabled=rank == 0)
         if rank == 0:
             progress.print(f"podscale: {cfg.run.name}: {gcfg.num_params() / 1e6:.2f}M params, mesh "
