@@ -119,7 +119,8 @@ def cmd_export(args) -> int:
         if found is None:
             return _fail(f"no checkpoint in '{args.checkpoint}': give a run directory or a step_XXXXXXXX folder")
         path = found
-    out = checkpoint.export(path, Path(args.out))
+    fmt = args.format or ("safetensors" if args.out.endswith(".safetensors") else "torch")
+    out = checkpoint.export(path, Path(args.out), fmt)
     print(f"podscale: exported {path} to {out}")
     return 0
 
@@ -156,9 +157,11 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--out", help="folder for the plots (default: the run directory)")
     r.set_defaults(func=cmd_report)
 
-    e = sub.add_parser("export", help="consolidate a checkpoint's model into one plain torch file")
+    e = sub.add_parser("export", help="consolidate a checkpoint's model into one plain file (torch or safetensors)")
     e.add_argument("checkpoint", help="a run directory or one of its checkpoints/step_XXXXXXXX folders")
-    e.add_argument("out", help="output file, e.g. model.pt")
+    e.add_argument("out", help="output file, e.g. model.pt or model.safetensors")
+    e.add_argument("--format", choices=("torch", "safetensors"), default=None,
+                   help="file format (default: safetensors for a .safetensors name, else torch)")
     e.set_defaults(func=cmd_export)
 
     from podscale.parallel.zero.cli import add_memory_parser

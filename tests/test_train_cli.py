@@ -64,7 +64,7 @@ def _losses(run: Path) -> dict[int, float]:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("train")
-    full = _train(tmp, "full")
+    full = _train(tmp, "full", STEPS, "--set", "run.tensorboard=true")
     assert full.returncode == 0, full.stderr[-3000:]
     return tmp
 
@@ -87,6 +87,12 @@ def test_uninterrupted_run_writes_metrics_checkpoints_and_plots(runs):
     assert out.returncode == 0, out.stderr
     for png in ("loss.png", "throughput.png"):
         assert (run / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    acc = EventAccumulator(str(run / "tensorboard"))
+    acc.Reload()
+    assert [(e.step, e.value) for e in acc.Scalars("loss")] == [(r["step"], pytest.approx(r["loss"])) for r in rows]
+    assert len(acc.Scalars("comm/dp/bytes")) == STEPS and len(acc.Scalars("peak_mem_bytes/rank1")) == len(mem)
 
 
 def test_resume_reproduces_the_uninterrupted_curve(runs):
@@ -127,16 +133,23 @@ def test_crash_during_save_keeps_the_previous_checkpoint(runs):
     assert not (root / ".step_00000010.partial").exists()  # replaced by the completed save
 
 
-def test_export_consolidates_the_model(runs, tmp_path):
+@pytest.mark.parametrize("fmt", ["torch", "safetensors"])
+def test_export_consolidates_the_model(runs, tmp_path, fmt):
     from podscale.models.gpt import GPT, GPTConfig
+    from podscale.train.checkpoint import read_safetensors
     run = runs / "runs" / "full"
-    out = subprocess.run([sys.executable, "-m", "podscale", "export", str(run), str(tmp_path / "model.pt")],
+    name = "model.pt" if fmt == "torch" else "model.safetensors"
+    out = subprocess.run([sys.executable, "-m", "podscale", "export", str(run), str(tmp_path / name)],
                          capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
-    blob = torch.load(tmp_path / "model.pt", weights_only=True)
-    assert blob["step"] == STEPS
-    model = GPT(GPTConfig(**blob["model_config"]))
-    model.load_state_dict(blob["model"])
+    if fmt == "torch":
+        blob = torch.load(tmp_path / name, weights_only=True)
+        state, model_config, step = blob["model"], blob["model_config"], blob["step"]
+    else:
+        state, model_config, step = read_safetensors(tmp_path / name)
+    assert step == STEPS
+    model = GPT(GPTConfig(**model_config))
+    model.load_state_dict(state)
     # the exported weights are the trained ones: validation loss matches the run's last measurement
     from podscale.train.data import eval_batches, load_tokens, split_tokens
     _, val = split_tokens(load_tokens(shakespeare()), 0.1)

@@ -111,12 +111,18 @@ def load(path: Path, template: dict, rank: int) -> tuple[dict, dict | None]:
     return meta, rank_state
 
 
-def export(path: Path, out: Path) -> Path:
-    """Consolidate the model weights of checkpoint ``path`` into one plain ``torch.save`` file.
+EXPORT_FORMATS = ("torch", "safetensors")
 
-    The file holds ``{"model": state_dict, "model_config": dict, "step": int}`` and loads with
-    ``torch.load(out, weights_only=True)``.
+
+def export(path: Path, out: Path, fmt: str = "torch") -> Path:
+    """Consolidate the model weights of checkpoint ``path`` into one plain file.
+
+    ``torch``: ``{"model": state_dict, "model_config": dict, "step": int}``, loadable with
+    ``torch.load(out, weights_only=True)``.  ``safetensors``: the tensors under their single-process names,
+    with ``model_config`` (JSON) and ``step`` in the file's metadata header (:func:`read_safetensors`).
     """
+    if fmt not in EXPORT_FORMATS:
+        raise ValueError(f"export format '{fmt}' is unknown: use one of {', '.join(EXPORT_FORMATS)}")
     meta = read_meta(path)
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -125,8 +131,33 @@ def export(path: Path, out: Path) -> Path:
         from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
         dcp_to_torch_save(str(path), str(full))
         state = torch.load(full, weights_only=True)
-        tmp = Path(tmpdir) / "out.pt"
-        torch.save({"model": state["model"], "model_config": meta.get("model_config", {}),
-                    "step": meta["step"]}, tmp)
+        tmp = Path(tmpdir) / "out"
+        if fmt == "safetensors":
+            write_safetensors(state["model"], meta.get("model_config", {}), int(meta["step"]), tmp)
+        else:
+            torch.save({"model": state["model"], "model_config": meta.get("model_config", {}),
+                        "step": meta["step"]}, tmp)
         os.replace(tmp, out)
     return out
+
+
+def write_safetensors(model: dict[str, torch.Tensor], model_config: dict, step: int, out: Path) -> None:
+    """``model``'s tensors in the safetensors format (no pickle: a JSON header and raw bytes), the model
+    config and step as header metadata.  Tensors that share storage (a tied embedding) are written once
+    each, as separate contiguous copies, which safetensors requires."""
+    from safetensors.torch import save_file
+    tensors = {k: v.detach().to("cpu").contiguous().clone() for k, v in model.items()}
+    save_file(tensors, str(out), metadata={"model_config": json.dumps(model_config), "step": str(step),
+                                           "format": "pt", "producer": "podscale"})
+
+
+def read_safetensors(path: Path) -> tuple[dict[str, torch.Tensor], dict, int]:
+    """(state dict, model config, step) of a file written by :func:`write_safetensors`."""
+    from safetensors import safe_open
+    with safe_open(str(path), framework="pt") as f:
+        header = f.metadata() or {}
+        state = {k: f.get_tensor(k) for k in f.keys()}
+    if "model_config" not in header:
+        raise ValueError(f"'{path}' has no podscale model_config in its safetensors header: export it with "
+                         "`podscale export RUN OUT.safetensors`")
+    return state, json.loads(header["model_config"]), int(header.get("step", 0))
