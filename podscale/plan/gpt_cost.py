@@ -29,7 +29,8 @@ from . import network as net
 from .compute import gemm_time, linear_time, stream_time
 from .hardware import System
 from .layout import Layout, LayoutError
-from .memory import activation_bytes_per_layer, pipeline_inflight_layers, zero_model_state_bytes
+from .memory import (activation_bytes_per_layer, pipeline_inflight_layers, precision_of, zero3_gathered_bytes,
+                     zero_model_state_bytes)
 from .models import GPT
 from .prediction import Prediction
 
@@ -201,11 +202,14 @@ def predict_gpt(system: System, devices: int, model: GPT, lay: Layout, batch: in
     working = 0.0
     if lay.recompute == "full":   # one layer re-materialised during its backward
         working = activation_bytes_per_layer(recompute="none", mlp_scale=mlp_scale, **act_kw)
-    states = zero_model_state_bytes(stage_dense, dpe, lay.zero_stage, lay.offload_optimizer, lay.offload_param)
+    prec = precision_of(dev.dtype_bytes)
+    states = zero_model_state_bytes(stage_dense, dpe, lay.zero_stage, lay.offload_optimizer, lay.offload_param,
+                                    prec)
     if stage_expert:
-        es = zero_model_state_bytes(stage_expert, lay.dp, lay.zero_stage, lay.offload_optimizer, lay.offload_param)
+        es = zero_model_state_bytes(stage_expert, lay.dp, lay.zero_stage, lay.offload_optimizer, lay.offload_param,
+                                    prec)
         states = type(states)(states.device + es.device, states.host + es.host, states.nvme + es.nvme)
-    gathered = 2 * 2 * moe_layer / t if lay.zero_stage == 3 else 0.0    # current + prefetched layer
+    gathered = zero3_gathered_bytes(moe_layer / t, prec) if lay.zero_stage == 3 else 0.0  # current + prefetched
     # ZeRO-2/3 on a pipeline: the stage's full 16-bit gradient is accumulated over the micro-batches before
     # its one reduce-scatter (the partitioned gradient in ``states`` is the part that outlives the step)
     pipeline_grads = grad_bytes * (1 - 1 / dpe) if lay.zero_stage >= 2 and p > 1 else 0.0
