@@ -33,6 +33,7 @@ from .memory import (activation_bytes_per_layer, pipeline_inflight_layers, preci
                      zero_model_state_bytes)
 from .models import GPT
 from .prediction import Prediction
+from .stages import pipeline_chunks, pipeline_rank_layers
 
 ADAM_BYTES_PER_PARAM = 30      # fp32 master r/w, m r/w, v r/w, grad read, fp16 param write
 CROSS_ENTROPY_BYTES = 36       # per logit, fwd + bwd: fp16 -> fp32 cast, max, exp, sum, grad
@@ -51,9 +52,7 @@ def check_gpt_layout(system: System, devices: int, model: GPT, layout: Layout, b
                           f"choose tp among {[d for d in range(1, model.heads + 1) if model.heads % d == 0][:12]}")
     if model.ffn % layout.tp:
         raise LayoutError(f"tp={layout.tp} does not divide ffn={model.ffn}")
-    if model.layers % (layout.pp * layout.interleave):
-        raise LayoutError(f"pp*interleave = {layout.pp * layout.interleave} does not divide the "
-                          f"{model.layers} layers; each virtual stage needs a whole number of layers")
+    pipeline_chunks(model, layout)       # raises LayoutError for a split that cannot exist
     if layout.ep > 1 and (model.experts == 1 or model.experts % layout.ep):
         raise LayoutError(f"ep={layout.ep} needs an MoE model whose experts ({model.experts}) it divides")
     if system.data_parallel_only and (layout.tp, layout.pp, layout.ep) != (1, 1, 1):
@@ -104,16 +103,22 @@ def _layer_times(system: System, model: GPT, lay: Layout, moe: bool) -> dict:
 
 
 def predict_gpt(system: System, devices: int, model: GPT, lay: Layout, batch: int) -> Prediction:
+    """Step time and memory of one layout. Pipeline ranks may hold different numbers of layers
+    (``stage_layers``: the trainer's split, or the layout's ``pipeline_layers``); rank 0 also holds the
+    embeddings, the last rank the output layer and loss. With per-micro-batch times T_r of the p ranks,
+    a 1F1B / GPipe / interleaved schedule takes m * max T_r for the bottleneck rank plus a fill and
+    drain of (sum T_r - max T_r) / v (Narayanan et al. SC'21, Sec. 2.2; for equal T_r this is the
+    familiar bubble (p - 1)/(v m)). Memory is that of the fullest rank."""
     m = check_gpt_layout(system, devices, model, lay, batch)
     dev = system.device
     b, s, h, V, t, p, v = lay.microbatch, model.seq, model.hidden, model.vocab, lay.tp, lay.pp, lay.interleave
     L = model.layers
-    per_dev_layers = L // p
+    rank_layers = pipeline_rank_layers(model, lay)
     moe_frac = model.moe_layers / L
     dense_t = _layer_times(system, model, lay, moe=False)
     moe_t = _layer_times(system, model, lay, moe=True) if model.moe_layers else dense_t
 
-    def per_layer(key):  # average over dense and MoE layers of this stage
+    def per_layer(key):  # average over dense and MoE layers
         return (1 - moe_frac) * dense_t[key] + moe_frac * moe_t[key]
 
     gemm, attn, ew = per_layer("gemm"), per_layer("attn"), per_layer("ew")
@@ -133,21 +138,30 @@ def predict_gpt(system: System, devices: int, model: GPT, lay: Layout, batch: in
     stride_pp = lay.dp * lay.ep * t
     p2p = 2 * v * net.p2p_time(system, act_msg, stride_pp) if p > 1 else 0.0
 
-    comp_fwd = per_dev_layers * fwd
-    comp_bwd = per_dev_layers * bwd
-    comp_rec = per_dev_layers * recompute
-    comm_tp = per_dev_layers * (tp_comm + ep_comm)
-    t_mb = comp_fwd + comp_bwd + comp_rec + comm_tp + head + p2p
-    bubble = t_mb * (p - 1) / v
+    per_layer_mb = fwd + bwd + recompute + tp_comm + ep_comm
+    rank_time = [n * per_layer_mb + (head if r == p - 1 else 0.0) + p2p for r, n in enumerate(rank_layers)]
+    slow = max(range(p), key=lambda r: (rank_time[r], r))     # the bottleneck rank (the last one on ties)
+    n_slow = rank_layers[slow]
+    comp_fwd, comp_bwd, comp_rec = n_slow * fwd, n_slow * bwd, n_slow * recompute
+    bubble = (sum(rank_time) - rank_time[slow]) / v
 
-    # Parameters held by the heaviest device (first/last stage also hold the embedding).
+    # Parameters of each rank (rank 0 and the last also hold the word embedding: tied, one copy each).
     dense_layer = model.layer_params(moe=False)
     moe_layer = model.layer_params(moe=True) if model.moe_layers else dense_layer
     expert_params = (moe_layer - dense_layer) if model.moe_layers else 0
-    stage_dense = per_dev_layers * ((1 - moe_frac) * dense_layer + moe_frac * (moe_layer - expert_params)) / t
-    # pp = 1: embeddings and the final layer norm; pp > 1: the (tied) word embedding of an end stage.
-    stage_dense += (model.embedding_params + 2 * h) / t if p == 1 else model.vocab * h / t
-    stage_expert = per_dev_layers * moe_frac * expert_params / t / lay.ep
+    trunk = (1 - moe_frac) * dense_layer + moe_frac * (moe_layer - expert_params)
+
+    def rank_params(r: int) -> tuple[float, float]:
+        dense = rank_layers[r] * trunk / t
+        # pp = 1: embeddings and the final layer norm; pp > 1: the (tied) word embedding of an end stage.
+        if p == 1:
+            dense += (model.embedding_params + 2 * h) / t
+        elif r in (0, p - 1):
+            dense += model.vocab * h / t
+        return dense, rank_layers[r] * moe_frac * expert_params / t / lay.ep
+
+    params = [rank_params(r) for r in range(p)]
+    stage_dense, stage_expert = max(params, key=lambda x: x[0] + x[1])
     dpe, dp_stride = lay.data_parallel, t
     grad_bytes = dev.dtype_bytes * stage_dense
     expert_grad_bytes = dev.dtype_bytes * stage_expert
@@ -175,7 +189,7 @@ def predict_gpt(system: System, devices: int, model: GPT, lay: Layout, batch: in
     if p > 1:   # tied input/output embedding gradients between first and last stage
         dp_red += net.all_reduce_time(system, 2 * model.vocab * h / t, 2, (p - 1) * stride_pp)
     window = comp_bwd if lay.overlap_grad_reduce else 0.0
-    last_bucket = dp_red / max(per_dev_layers, 1)
+    last_bucket = dp_red / max(n_slow, 1)
     dp_exposed = max(dp_red - window, last_bucket if lay.overlap_grad_reduce else dp_red) + zero3_gather
 
     shard = 1 if lay.zero_stage == 0 else dpe
@@ -186,42 +200,41 @@ def predict_gpt(system: System, devices: int, model: GPT, lay: Layout, batch: in
 
     breakdown = {
         "forward": m * comp_fwd, "backward": m * comp_bwd, "recompute": m * comp_rec,
-        "tp_communication": m * per_dev_layers * tp_comm, "ep_communication": m * per_dev_layers * ep_comm,
-        "output_layer": m * head, "pp_p2p": m * p2p, "pipeline_bubble": bubble,
+        "tp_communication": m * n_slow * tp_comm, "ep_communication": m * n_slow * ep_comm,
+        "output_layer": m * head if slow == p - 1 else 0.0, "pp_p2p": m * p2p, "pipeline_bubble": bubble,
         "dp_communication": dp_exposed, "optimizer": optimizer, "offload": offload,
     }
     step = sum(breakdown.values())
 
-    # Memory: first stage (most activations in flight) vs last stage (logits buffer).
+    # Memory of every pipeline rank; the fullest one is reported.
     mlp_scale = model.top_k * model.capacity_factor if model.moe_layers else 1.0
     act_kw = dict(seq=s, microbatch=b, hidden=h, heads=model.heads, tp=t,
                   sequence_parallel=lay.sequence_parallel, ffn=model.ffn)
     act_layer = ((1 - moe_frac) * activation_bytes_per_layer(recompute=lay.recompute, **act_kw)
                  + moe_frac * activation_bytes_per_layer(recompute=lay.recompute, mlp_scale=mlp_scale, **act_kw))
-    inflight = pipeline_inflight_layers(per_dev_layers, p, m, lay.schedule, v)
     working = 0.0
     if lay.recompute == "full":   # one layer re-materialised during its backward
         working = activation_bytes_per_layer(recompute="none", mlp_scale=mlp_scale, **act_kw)
     prec = precision_of(dev.dtype_bytes)
-    states = zero_model_state_bytes(stage_dense, dpe, lay.zero_stage, lay.offload_optimizer, lay.offload_param,
-                                    prec)
-    if stage_expert:
-        es = zero_model_state_bytes(stage_expert, lay.dp, lay.zero_stage, lay.offload_optimizer, lay.offload_param,
-                                    prec)
-        states = type(states)(states.device + es.device, states.host + es.host, states.nvme + es.nvme)
     gathered = zero3_gathered_bytes(moe_layer / t, prec) if lay.zero_stage == 3 else 0.0  # current + prefetched
-    # ZeRO-2/3 on a pipeline: the stage's full 16-bit gradient is accumulated over the micro-batches before
-    # its one reduce-scatter (the partitioned gradient in ``states`` is the part that outlives the step)
-    pipeline_grads = grad_bytes * (1 - 1 / dpe) if lay.zero_stage >= 2 and p > 1 else 0.0
     logits_buf = 6 * logits_elems          # fp16 logits + fp32 softmax of the vocab-parallel loss
-    first = act_layer * inflight + working
-    last = act_layer * (per_dev_layers if p > 1 else inflight) + working + logits_buf
-    activations = max(first, last)
-    memory = {"model_states": states.device, "activations": activations - (logits_buf if last >= first else 0),
-              "logits": logits_buf if last >= first else 0.0, "zero3_gathered": gathered,
-              "pipeline_grads": pipeline_grads,
-              "reserved": dev.reserved_bytes}
-    total_mem = sum(memory.values())
+    memory, states, total_mem = {}, None, -1.0
+    for r in range(p):
+        dense_r, expert_r = params[r]
+        st = zero_model_state_bytes(dense_r, dpe, lay.zero_stage, lay.offload_optimizer, lay.offload_param, prec)
+        if expert_r:
+            es = zero_model_state_bytes(expert_r, lay.dp, lay.zero_stage, lay.offload_optimizer,
+                                        lay.offload_param, prec)
+            st = type(st)(st.device + es.device, st.host + es.host, st.nvme + es.nvme)
+        # ZeRO-2/3 on a pipeline: the stage's full 16-bit gradient is accumulated over the micro-batches
+        # before its one reduce-scatter (the partitioned gradient in ``st`` is what outlives the step)
+        pipeline_grads = dev.dtype_bytes * dense_r * (1 - 1 / dpe) if lay.zero_stage >= 2 and p > 1 else 0.0
+        logits = logits_buf if r == p - 1 else 0.0
+        acts = act_layer * pipeline_inflight_layers(rank_layers[r], p, m, lay.schedule, v, rank=r) + working
+        mem = {"model_states": st.device, "activations": acts, "logits": logits, "zero3_gathered": gathered,
+               "pipeline_grads": pipeline_grads, "reserved": dev.reserved_bytes}
+        if sum(mem.values()) > total_mem:
+            memory, states, total_mem = mem, st, sum(mem.values())
 
     if system.data_parallel_only:
         _weight_streaming(system, model, breakdown, memory, m, comp_fwd + comp_bwd + comp_rec)
@@ -238,8 +251,11 @@ def predict_gpt(system: System, devices: int, model: GPT, lay: Layout, batch: in
     notes = []
     if total_mem > dev.memory_bytes:
         notes.append(f"does not fit: needs {total_mem / 2**30:.1f} GiB of {dev.memory_bytes / 2**30:.1f} GiB")
+    layout = lay.to_dict()
+    if p > 1:
+        layout["pipeline_layers"] = list(pipeline_chunks(model, lay))
     return Prediction(
-        system=system.name, devices=devices, batch=batch, model=model.name, layout=lay.to_dict(),
+        system=system.name, devices=devices, batch=batch, model=model.name, layout=layout,
         step_time_s=step, time_breakdown_s=breakdown, memory_per_device_bytes=total_mem,
         memory_breakdown_bytes=memory, memory_capacity_bytes=dev.memory_bytes,
         host_memory_per_device_bytes=states.host, hardware_flops_per_step=model_flops + extra,

@@ -33,6 +33,8 @@ class Layout:
     offload_optimizer: str = "none"
     offload_param: str = "none"
     overlap_grad_reduce: bool = True
+    pipeline_layers: tuple = ()   # blocks per model chunk (pp * interleave of them), as the trainer's
+                                  # parallel.pipeline_layers; () -> the trainer's parameter-balanced split
 
     def __post_init__(self):
         for f in ("tp", "pp", "dp", "ep", "microbatch", "interleave"):
@@ -56,6 +58,10 @@ class Layout:
             raise LayoutError("offload_param needs zero_stage 3 (only ZeRO-3 partitions parameters)")
         if self.offload_optimizer != "none" and self.zero_stage == 0:
             raise LayoutError("offload_optimizer needs zero_stage >= 1")
+        if not isinstance(self.pipeline_layers, tuple):
+            object.__setattr__(self, "pipeline_layers", tuple(self.pipeline_layers))
+        if any(not isinstance(n, int) or isinstance(n, bool) for n in self.pipeline_layers):
+            raise LayoutError(f"pipeline_layers must be a list of integers, got {list(self.pipeline_layers)}")
         if self.sequence_parallel and self.tp == 1:
             raise LayoutError("sequence_parallel needs tp > 1")
 
@@ -75,7 +81,9 @@ class Layout:
         return batch // per
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        d = asdict(self)
+        d["pipeline_layers"] = list(self.pipeline_layers)
+        return d
 
     def short(self) -> str:
         s = f"tp{self.tp} pp{self.pp} dp{self.dp}"
@@ -96,6 +104,8 @@ class Layout:
             s += f" rc-{self.recompute}"
         if self.sequence_parallel:
             s += " sp"
+        if self.pipeline_layers and len(set(self.pipeline_layers)) > 1:
+            s += " layers " + "/".join(map(str, self.pipeline_layers))
         return s
 
 

@@ -83,14 +83,17 @@ def activation_bytes_per_layer(seq: int, microbatch: int, hidden: int, heads: in
 
 
 def pipeline_inflight_layers(layers_per_stage: float, pp: int, microbatches: int, schedule: str,
-                             interleave: int = 1) -> float:
-    """Layers' worth of activations the first pipeline stage holds at its peak (Korthikanti et al. 2022,
-    Sec. 4.2.3): GPipe keeps all m micro-batches, 1F1B at most p, interleaved 1F1B p (1 + (p-1)/(p v))."""
+                             interleave: int = 1, rank: int = 0) -> float:
+    """Layers' worth of activations pipeline rank ``rank`` holds at its peak (Korthikanti et al. 2022,
+    Sec. 4.2.3; Narayanan et al. SC'21, Sec. 2.2): GPipe keeps all m micro-batches; 1F1B keeps the
+    pp - rank micro-batches it runs forward before its first backward; interleaved 1F1B warms up
+    2 (pp - rank - 1) + (v - 1) pp chunk passes, plus the one in flight, of layers/v each, which is
+    p (1 + (p-1)/(p v)) micro-batches' worth on rank 0."""
     if pp == 1:
         return layers_per_stage
     if schedule == "gpipe":
         return layers_per_stage * microbatches
-    inflight = min(microbatches, pp)
-    if schedule == "interleaved" and microbatches >= pp:
-        return layers_per_stage * pp * (1 + (pp - 1) / (pp * interleave))
-    return layers_per_stage * inflight
+    if schedule == "interleaved":
+        chunks = min(microbatches * interleave, 2 * (pp - rank - 1) + (interleave - 1) * pp + 1)
+        return layers_per_stage / interleave * chunks
+    return layers_per_stage * min(microbatches, pp - rank)

@@ -1,0 +1,57 @@
+"""How the planner splits a GPT's layers over pipeline stages: as ``podscale train`` does.
+
+The trainer cuts the blocks into pp * interleave contiguous chunks (model chunk k on pipeline rank
+k % pp, Narayanan et al. SC'21, Sec. 2.2), either as the user lists them (``parallel.pipeline_layers``)
+or balanced by parameter count with the embeddings counted with the first block and the output layer
+with the last (:func:`podscale.parallel.pipeline.partition.layer_costs` /
+:func:`~podscale.parallel.pipeline.partition.contiguous_partition`). The planner calls the same
+partition function on the same costs, so a 70-layer model on 12 stages gets the trainer's uneven split,
+and a layout may name the split with ``pipeline_layers`` as training does.
+"""
+from __future__ import annotations
+
+from functools import lru_cache
+
+from podscale.parallel.pipeline.partition import PipelineError, contiguous_partition
+
+from .layout import Layout, LayoutError
+from .models import GPT
+
+
+def layer_param_costs(model: GPT) -> list[float]:
+    """Parameters of each block, embeddings added to the first and the output layer (its own copy of
+    the tied embedding when pipelined) and final norm to the last: the trainer's ``balance = "params"``."""
+    dense, moe = model.layer_params(moe=False), model.layer_params(moe=True)
+    costs = [float(moe if model.experts > 1 and (i + 1) % model.moe_every == 0 else dense)
+             for i in range(model.layers)]
+    costs[0] += model.embedding_params
+    costs[-1] += model.vocab * model.hidden + 2 * model.hidden
+    return costs
+
+
+@lru_cache(maxsize=4096)
+def _balanced(model: GPT, chunks: int) -> tuple:
+    return tuple(contiguous_partition(layer_param_costs(model), chunks))
+
+
+def pipeline_chunks(model: GPT, lay: Layout) -> tuple:
+    """Block counts of the pp * interleave model chunks, in order."""
+    chunks = lay.pp * lay.interleave
+    if lay.pipeline_layers:
+        given = tuple(lay.pipeline_layers)
+        if len(given) != chunks or sum(given) != model.layers or min(given) < 1:
+            raise LayoutError(f"pipeline_layers={list(given)} must give {chunks} positive block counts "
+                              f"(pp * interleave) summing to the model's {model.layers} layers")
+        return given
+    if chunks == 1:
+        return (model.layers,)
+    try:
+        return _balanced(model, chunks)
+    except PipelineError as e:
+        raise LayoutError(str(e)) from None
+
+
+def pipeline_rank_layers(model: GPT, lay: Layout) -> list[int]:
+    """Layers held by each pipeline rank (chunk k runs on rank k % pp)."""
+    sizes = pipeline_chunks(model, lay)
+    return [sum(sizes[r::lay.pp]) for r in range(lay.pp)]
