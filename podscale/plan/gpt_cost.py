@@ -65,9 +65,25 @@ def check_gpt_layout(system: System, devices: int, model: GPT, layout: Layout, b
     return m
 
 
+_LAYER_CACHE: dict = {}
+
+
 def _layer_times(system: System, model: GPT, lay: Layout, moe: bool) -> dict:
     """Per-device seconds of one layer for one micro-batch: forward GEMMs, attention part,
-    element-wise, tensor-parallel and expert-parallel communication per pass."""
+    element-wise, tensor-parallel and expert-parallel communication per pass. Memoised on what they
+    depend on (a search predicts thousands of layouts that share them)."""
+    key = (system.topology, system.devices_per_node, system.device, system.intra, system.inter, system.ici,
+           system.torus, system.stream, model, moe, lay.microbatch, lay.tp, lay.ep, lay.sequence_parallel,
+           lay.tp_overlap)
+    hit = _LAYER_CACHE.get(key)
+    if hit is None:
+        if len(_LAYER_CACHE) > 50_000:
+            _LAYER_CACHE.clear()
+        hit = _LAYER_CACHE[key] = _layer_times_uncached(system, model, lay, moe)
+    return hit
+
+
+def _layer_times_uncached(system: System, model: GPT, lay: Layout, moe: bool) -> dict:
     dev = system.device
     b, s, h, a, f, t = lay.microbatch, model.seq, model.hidden, model.heads, model.ffn, lay.tp
     tokens = b * s
@@ -98,8 +114,30 @@ def _layer_times(system: System, model: GPT, lay: Layout, moe: bool) -> dict:
     act_bytes = e * sbh                                       # one [s, b, h] activation tensor
     tp_ar = net.all_reduce_time(system, act_bytes, t, 1) if t > 1 else 0.0
     a2a = net.all_to_all_time(system, act_bytes * scale, lay.ep, t) if moe and lay.ep > 1 else 0.0
+    # Weight-gradient GEMMs of the two column-parallel linears (QKV, MLP-in), which Megatron's asynchronous
+    # tensor-parallel backward runs while the input gradient's collective is in flight.
+    wgrad = [] if moe else [gemm_time(dev, h, 3 * h / t, tokens, bytes_per_element=e),
+                            gemm_time(dev, h, f / t, tokens, bytes_per_element=e)]
     return {"gemm": dense, "gemm_bwd": dense_bwd, "attn": attn + ew_attn, "ew": ew, "tp_ar": tp_ar, "a2a": a2a,
-            "kernels": KERNELS_PER_LAYER * dev.kernel_overhead}
+            "kernels": KERNELS_PER_LAYER * dev.kernel_overhead, "tp_bwd": _tp_backward(lay, tp_ar, wgrad)}
+
+
+def _tp_backward(lay: Layout, ar: float, wgrad: list) -> float:
+    """Exposed tensor-parallel communication of one layer's backward (Shoeybi et al. 2019, Fig. 3: one
+    all-reduce of the input gradient per column-parallel linear, two per layer; with sequence parallelism
+    a reduce-scatter each, plus the all-gather of the layer input that Korthikanti et al. 2022, Sec. 4.2.2,
+    redo in the backward rather than keep). With ``tp_overlap`` (Megatron-LM's asynchronous tensor-parallel
+    all-reduce, 2022) the input-gradient collective runs under the weight-gradient GEMM of the same linear,
+    so only what exceeds it is exposed."""
+    if ar == 0.0:
+        return 0.0
+    sp = lay.sequence_parallel
+    # the input-gradient collective of each column-parallel linear: an all-reduce, or (sp) a reduce-scatter
+    collective = ar / 2 if sp else ar
+    redo_gather = ar / 2 if sp else 0.0     # sp: all-gather the input again for the weight gradient
+    if not lay.tp_overlap or not wgrad:
+        return 2 * (collective + redo_gather) if sp else 2 * ar
+    return sum(redo_gather + max(0.0, collective - w) for w in wgrad)
 
 
 def predict_gpt(system: System, devices: int, model: GPT, lay: Layout, batch: int) -> Prediction:
@@ -127,23 +165,30 @@ def predict_gpt(system: System, devices: int, model: GPT, lay: Layout, batch: in
     bwd = per_layer("gemm_bwd") + BWD_OVER_FWD * (attn + ew + launch)
     recompute = {"none": 0.0, "selective": attn, "full": fwd}[lay.recompute]
     n_tp = 4 + (2 if lay.recompute == "full" else 0)      # all-reduces (or AG+RS pairs) per layer
-    tp_comm = n_tp * per_layer("tp_ar")
+    n_fwd = n_tp - 2                                      # forward passes' (incl. recompute's) collectives
+    tp_comm = n_fwd * per_layer("tp_ar") + per_layer("tp_bwd")
     ep_comm = n_tp * moe_frac * moe_t["a2a"]
     # Last stage: vocabulary projection and cross-entropy (Megatron places them there).
     logits_elems = b * s * V / t
     head = (3 * gemm_time(dev, b * s, V / t, h, bytes_per_element=dev.dtype_bytes)
             + stream_time(dev, CROSS_ENTROPY_BYTES * logits_elems))
     head += 2 * net.all_reduce_time(system, 4 * b * s, t, 1) if t > 1 else 0.0   # vocab-parallel CE
-    act_msg = dev.dtype_bytes * b * s * h / t            # scatter-gather send of one micro-batch boundary (Sec. 4.1)
+    # One micro-batch boundary between stages: Megatron's scatter-gather sends 1/t of it per tp rank
+    # (Narayanan et al. SC'21, Sec. 4.1); DeepSpeed's pipeline engine sends the whole tensor from every rank.
+    act_msg = dev.dtype_bytes * b * s * h / (t if lay.pp_scatter_gather else 1)
     stride_pp = lay.dp * lay.ep * t
     p2p = 2 * v * net.p2p_time(system, act_msg, stride_pp) if p > 1 else 0.0
 
     per_layer_mb = fwd + bwd + recompute + tp_comm + ep_comm
-    rank_time = [n * per_layer_mb + (head if r == p - 1 else 0.0) + p2p for r, n in enumerate(rank_layers)]
-    slow = max(range(p), key=lambda r: (rank_time[r], r))     # the bottleneck rank (the last one on ties)
-    n_slow = rank_layers[slow]
+    # Per-micro-batch time of each rank: its layers, the output layer on the last, the stage sends.
+    n_max, n_last = max(rank_layers), rank_layers[-1]
+    t_last = n_last * per_layer_mb + head + p2p
+    t_other = max((n for n in rank_layers[:-1]), default=0) * per_layer_mb + p2p
+    slow_last = p == 1 or t_last >= t_other
+    n_slow = n_last if slow_last else n_max
+    t_slow = t_last if slow_last else t_other
     comp_fwd, comp_bwd, comp_rec = n_slow * fwd, n_slow * bwd, n_slow * recompute
-    bubble = (sum(rank_time) - rank_time[slow]) / v
+    bubble = (L * per_layer_mb + head + p * p2p - t_slow) / v
 
     # Parameters of each rank (rank 0 and the last also hold the word embedding: tied, one copy each).
     dense_layer = model.layer_params(moe=False)
@@ -160,8 +205,11 @@ def predict_gpt(system: System, devices: int, model: GPT, lay: Layout, batch: in
             dense += model.vocab * h / t
         return dense, rank_layers[r] * moe_frac * expert_params / t / lay.ep
 
-    params = [rank_params(r) for r in range(p)]
-    stage_dense, stage_expert = max(params, key=lambda x: x[0] + x[1])
+    # Ranks that can hold the most (parameters or activations): the two ends (embedding, head, logits)
+    # and, per distinct layer count, the earliest rank with it (the most micro-batches in flight).
+    candidates = sorted({0, p - 1} | {rank_layers.index(n) for n in set(rank_layers)})
+    params = {r: rank_params(r) for r in candidates}
+    stage_dense, stage_expert = max(params.values(), key=lambda x: x[0] + x[1])
     dpe, dp_stride = lay.data_parallel, t
     grad_bytes = dev.dtype_bytes * stage_dense
     expert_grad_bytes = dev.dtype_bytes * stage_expert
@@ -201,7 +249,7 @@ def predict_gpt(system: System, devices: int, model: GPT, lay: Layout, batch: in
     breakdown = {
         "forward": m * comp_fwd, "backward": m * comp_bwd, "recompute": m * comp_rec,
         "tp_communication": m * n_slow * tp_comm, "ep_communication": m * n_slow * ep_comm,
-        "output_layer": m * head if slow == p - 1 else 0.0, "pp_p2p": m * p2p, "pipeline_bubble": bubble,
+        "output_layer": m * head if slow_last else 0.0, "pp_p2p": m * p2p, "pipeline_bubble": bubble,
         "dp_communication": dp_exposed, "optimizer": optimizer, "offload": offload,
     }
     step = sum(breakdown.values())
@@ -219,7 +267,7 @@ def predict_gpt(system: System, devices: int, model: GPT, lay: Layout, batch: in
     gathered = zero3_gathered_bytes(moe_layer / t, prec) if lay.zero_stage == 3 else 0.0  # current + prefetched
     logits_buf = 6 * logits_elems          # fp16 logits + fp32 softmax of the vocab-parallel loss
     memory, states, total_mem = {}, None, -1.0
-    for r in range(p):
+    for r in candidates:
         dense_r, expert_r = params[r]
         st = zero_model_state_bytes(dense_r, dpe, lay.zero_stage, lay.offload_optimizer, lay.offload_param, prec)
         if expert_r:

@@ -7,7 +7,7 @@ micro-step, and the global batch = dp * ep * microbatch * num_microbatches.
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass, fields
 
 RECOMPUTE = ("none", "selective", "full")
 OFFLOAD = ("none", "cpu", "nvme")
@@ -33,6 +33,9 @@ class Layout:
     offload_optimizer: str = "none"
     offload_param: str = "none"
     overlap_grad_reduce: bool = True
+    tp_overlap: bool = False      # Megatron-LM's asynchronous tensor-parallel backward: the input
+                                  # gradient's collective under the weight-gradient GEMM (2022 on)
+    pp_scatter_gather: bool = True  # Megatron's scatter-gather pipeline sends (False: DeepSpeed's engine)
     pipeline_layers: tuple = ()   # blocks per model chunk (pp * interleave of them), as the trainer's
                                   # parallel.pipeline_layers; () -> the trainer's parameter-balanced split
 
@@ -81,7 +84,7 @@ class Layout:
         return batch // per
 
     def to_dict(self) -> dict:
-        d = asdict(self)
+        d = {f.name: getattr(self, f.name) for f in _FIELDS}
         d["pipeline_layers"] = list(self.pipeline_layers)
         return d
 
@@ -107,6 +110,9 @@ class Layout:
         if self.pipeline_layers and len(set(self.pipeline_layers)) > 1:
             s += " layers " + "/".join(map(str, self.pipeline_layers))
         return s
+
+
+_FIELDS = fields(Layout)
 
 
 def layout_from_dict(data: dict) -> Layout:
