@@ -59,3 +59,25 @@ def test_plan_predict_accepts_pipeline_layers(capsys):
     assert d["layout"]["pipeline_layers"] == split and d["step_time_s"] > 0
     assert main(args + [json.dumps({"tp": 8, "pp": 12, "dp": 1, "microbatch": 1, "pipeline_layers": [6] * 12})]) == 2
     assert "summing to the model's 70 layers" in capsys.readouterr().err
+
+
+def test_cerebras_cs2_is_modelled_as_weight_streaming():
+    """A CS-2 holds no model states: weights and Adam state live in MemoryX, stream in layer by layer (twice
+    per micro-batch) and gradients stream out; larger micro-batches amortise the stream."""
+    from podscale.plan import search
+    from podscale.plan.hardware import load_system
+    from podscale.plan.models import PRESETS
+    cs2, model = load_system("cerebras-cs2"), PRESETS["gpt-1.3b"]
+    small = predict(cs2, 16, model, Layout(dp=16, microbatch=1, recompute="full"), 1024)
+    big = predict(cs2, 16, model, Layout(dp=16, microbatch=16, recompute="full"), 1024)
+    assert small.memory_breakdown_bytes["model_states"] == 0 and small.host_memory_per_device_bytes > 0
+    ws_small = small.time_breakdown_s["weight_streaming"]
+    # per micro-batch every layer streams 3 x 2 bytes per parameter over the wafer's I/O, hidden by compute
+    per_layer = 3 * 2 * model.layer_params() / cs2.stream.effective
+    assert ws_small > 0 and ws_small <= 64 * (model.layers * per_layer + 3 * 2 * model.vocab * model.hidden
+                                             / cs2.stream.effective)
+    assert big.time_breakdown_s["weight_streaming"] < ws_small and big.step_time_s < small.step_time_s
+    assert big.memory_breakdown_bytes["activations"] > small.memory_breakdown_bytes["activations"]
+    best = search(cs2, 16, model, 1024, top=1).ranked[0]
+    assert best.layout["tp"] == best.layout["pp"] == 1 and best.mfu > 0.2
+    assert any("not validated" in n for n in best.notes)

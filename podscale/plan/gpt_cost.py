@@ -148,6 +148,8 @@ def predict_gpt(system: System, devices: int, model: GPT, lay: Layout, batch: in
     drain of (sum T_r - max T_r) / v (Narayanan et al. SC'21, Sec. 2.2; for equal T_r this is the
     familiar bubble (p - 1)/(v m)). Memory is that of the fullest rank."""
     m = check_gpt_layout(system, devices, model, lay, batch)
+    if system.data_parallel_only:
+        return predict_weight_streaming(system, devices, model, lay, batch, m)
     dev = system.device
     b, s, h, V, t, p, v = lay.microbatch, model.seq, model.hidden, model.vocab, lay.tp, lay.pp, lay.interleave
     L = model.layers
@@ -284,18 +286,8 @@ def predict_gpt(system: System, devices: int, model: GPT, lay: Layout, batch: in
         if sum(mem.values()) > total_mem:
             memory, states, total_mem = mem, st, sum(mem.values())
 
-    if system.data_parallel_only:
-        _weight_streaming(system, model, breakdown, memory, m, comp_fwd + comp_bwd + comp_rec)
-        step, total_mem = sum(breakdown.values()), sum(memory.values())
-        states = type(states)(memory["model_states"], 0.0, 0.0)
-
     tokens = batch * s
-    # 8 T h^2 (QKV, output), 4 T s h (scores, values), 4 T h ffn (MLP; top_k experts per token in MoE)
-    mlp_fwd = 4 * tokens * h * model.ffn * (1 - moe_frac + moe_frac * model.top_k)
-    layer_fwd_flops = 8 * tokens * h * h + 4 * tokens * s * h + mlp_fwd
-    head_flops = 6 * tokens * h * V
-    model_flops = 3 * L * layer_fwd_flops + head_flops
-    extra = {"none": 0.0, "selective": L * 4 * tokens * s * h, "full": L * layer_fwd_flops}[lay.recompute]
+    model_flops, extra = _flops(model, lay, tokens)
     notes = []
     if total_mem > dev.memory_bytes:
         notes.append(f"does not fit: needs {total_mem / 2**30:.1f} GiB of {dev.memory_bytes / 2**30:.1f} GiB")
@@ -309,6 +301,19 @@ def predict_gpt(system: System, devices: int, model: GPT, lay: Layout, batch: in
         host_memory_per_device_bytes=states.host, hardware_flops_per_step=model_flops + extra,
         model_flops_per_step=model_flops, tokens_per_step=tokens, peak_flops_per_device=dev.peak_flops,
         notes=notes)
+
+
+def _flops(model: GPT, lay: Layout, tokens: float) -> tuple[float, float]:
+    """(model FLOPs, recompute FLOPs) of one step: per layer 8 T h^2 (QKV, output), 4 T s h (scores,
+    values), 4 T h ffn (MLP; top_k experts per token in MoE), x3 for forward and backward, plus the
+    vocabulary projection 6 T h V (Narayanan et al. SC'21, Sec. 5.1)."""
+    h, s, L = model.hidden, model.seq, model.layers
+    moe_frac = model.moe_layers / L
+    mlp_fwd = 4 * tokens * h * model.ffn * (1 - moe_frac + moe_frac * model.top_k)
+    layer_fwd_flops = 8 * tokens * h * h + 4 * tokens * s * h + mlp_fwd
+    model_flops = 3 * L * layer_fwd_flops + 6 * tokens * h * model.vocab
+    extra = {"none": 0.0, "selective": L * 4 * tokens * s * h, "full": L * layer_fwd_flops}[lay.recompute]
+    return model_flops, extra
 
 
 def _offload_time(system: System, lay: Layout, local_params: float, stage_params: float, m: int,
@@ -336,13 +341,78 @@ def _offload_time(system: System, lay: Layout, local_params: float, stage_params
     return t
 
 
-def _weight_streaming(system: System, model: GPT, breakdown: dict, memory: dict, m: int,
-                      compute_per_mb: float) -> None:
-    """Cerebras weight streaming (Hot Chips 33): per micro-batch every layer's fp16 weights stream in
-    for the forward and again for the backward, and fp16 gradients stream out to SwarmX/MemoryX,
-    which reduces them across wafers and runs the optimizer. Streaming overlaps compute layer by layer,
-    so only the excess is exposed; the wafer holds activations plus the layer in flight."""
-    stream = 6 * model.params / system.stream.effective
-    breakdown["dp_communication"] = m * max(0.0, stream - compute_per_mb) + system.stream.latency * model.layers
-    breakdown["optimizer"] = 0.0
-    memory["model_states"] = 2 * 2 * model.layer_params(moe=model.moe_layers > 0)
+def predict_weight_streaming(system: System, devices: int, model: GPT, lay: Layout, batch: int,
+                             m: int) -> Prediction:
+    """A Cerebras CS-2 cluster in weight-streaming mode (Lie, "Cerebras Architecture Deep Dive", Hot Chips
+    34, 2022; Hot Chips 33, 2021): every wafer runs the whole model, layer by layer, on its share of the
+    batch (data parallelism only). Weights live in MemoryX, which also keeps the optimizer state and runs
+    the update; for each micro-batch every layer's 16-bit weights stream in for the forward and again for
+    the backward, and its 16-bit gradients stream out, SwarmX broadcasting the weights to and reducing
+    the gradients of all wafers in a tree on the way (so the reduction costs no extra wafer I/O).
+    Streaming of layer i+1 overlaps the compute of layer i, so a layer takes the longer of the two:
+
+        micro-batch = sum over layers of max(compute_layer, 3 x 2 bytes x layer params / I/O bandwidth)
+        step        = m x micro-batch + output layer + MemoryX's optimizer pass over the 16-byte state
+
+    The wafer's SRAM holds the micro-batch's activations and the streamed layer (current and next, weights
+    and gradients); it holds no model states. The micro-batch is the wafer's batch per pass: larger ones
+    amortise the streamed weights."""
+    dev = system.device
+    b, s, h, V = lay.microbatch, model.seq, model.hidden, model.vocab
+    L = model.layers
+    moe_frac = model.moe_layers / L
+    dense_t = _layer_times(system, model, lay, moe=False)
+    moe_t = _layer_times(system, model, lay, moe=True) if model.moe_layers else dense_t
+
+    def per_layer(key):
+        return (1 - moe_frac) * dense_t[key] + moe_frac * moe_t[key]
+
+    attn, ew = per_layer("attn"), per_layer("ew")
+    fwd = per_layer("gemm") + attn + ew
+    bwd = per_layer("gemm_bwd") + BWD_OVER_FWD * (attn + ew)
+    rec = {"none": 0.0, "selective": attn, "full": fwd}[lay.recompute]
+    layer_params = (1 - moe_frac) * model.layer_params(moe=False) + moe_frac * model.layer_params(moe=True)
+    io = system.stream.effective
+    stream_layer = 3 * dev.dtype_bytes * layer_params / io + system.stream.latency * _tree_depth(devices)
+    compute_layer = fwd + bwd + rec
+    exposed = max(0.0, stream_layer - compute_layer)
+    head = (3 * gemm_time(dev, b * s, V, h, bytes_per_element=dev.dtype_bytes)
+            + stream_time(dev, CROSS_ENTROPY_BYTES * b * s * V))
+    head_stream = max(0.0, 3 * dev.dtype_bytes * V * h / io - head)     # the (tied) embedding streams too
+    optimizer = ADAM_BYTES_PER_PARAM * model.params / max(system.host.memory_bw, 1.0)
+    breakdown = {"forward": m * L * fwd, "backward": m * L * bwd, "recompute": m * L * rec,
+                 "tp_communication": 0.0, "output_layer": m * head,
+                 "weight_streaming": m * (L * exposed + head_stream), "dp_communication": 0.0,
+                 "optimizer": optimizer}
+    step = sum(breakdown.values())
+
+    act_kw = dict(seq=s, microbatch=b, hidden=h, heads=model.heads, tp=1, ffn=model.ffn)
+    act = L * activation_bytes_per_layer(recompute=lay.recompute, **act_kw)
+    if lay.recompute == "full":
+        act += activation_bytes_per_layer(recompute="none", **act_kw)
+    largest = max(model.layer_params(moe=model.moe_layers > 0), V * h)
+    memory = {"activations": act, "logits": 6 * b * s * V,
+              "streamed_layers": 2 * 2 * dev.dtype_bytes * largest,     # current + next, weights + gradients
+              "model_states": 0.0, "reserved": dev.reserved_bytes}
+    total_mem = sum(memory.values())
+    model_flops, extra = _flops(model, lay, batch * s)
+    notes = []
+    if total_mem > dev.memory_bytes:
+        notes.append(f"does not fit: needs {total_mem / 2**30:.1f} GiB of {dev.memory_bytes / 2**30:.1f} GiB "
+                     "of wafer memory; use a smaller micro-batch or recompute")
+    memx = 16 * model.params                                    # weights + Adam state in MemoryX
+    return Prediction(
+        system=system.name, devices=devices, batch=batch, model=model.name, layout=lay.to_dict(),
+        step_time_s=step, time_breakdown_s=breakdown, memory_per_device_bytes=total_mem,
+        memory_breakdown_bytes=memory, memory_capacity_bytes=dev.memory_bytes,
+        host_memory_per_device_bytes=memx / devices, hardware_flops_per_step=model_flops + extra,
+        model_flops_per_step=model_flops, tokens_per_step=batch * s, peak_flops_per_device=dev.peak_flops,
+        notes=notes)
+
+
+def _tree_depth(n: int) -> int:
+    """Levels of SwarmX's broadcast/reduce tree over n wafers (binary fan-out)."""
+    depth = 0
+    while (1 << depth) < n:
+        depth += 1
+    return depth

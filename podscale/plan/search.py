@@ -40,6 +40,8 @@ def candidate_layouts(system: System, devices: int, model, batch: int, microbatc
         return
     tp_max = system.devices_per_node if system.topology in ("switch", "fat-tree", "host") else 64
     ws = system.data_parallel_only
+    if ws:   # a wafer runs whole micro-batches layer by layer: larger ones amortise the streamed weights
+        microbatches = tuple(sorted(set(microbatches) | {64, 128, 256, 512}))
     eps = _divisors(model.experts) if model.experts > 1 else [1]
     for tp in ([1] if ws else [d for d in _divisors(model.heads) if d <= tp_max and model.ffn % d == 0]):
         for pp in ([1] if ws else _divisors(model.layers)):
