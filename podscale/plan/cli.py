@@ -172,8 +172,11 @@ def cmd_validate(args) -> int:
 
 
 def cmd_calibrate(args) -> int:
-    from .calibrate import calibrate
-    path = calibrate(out=args.out, quick=args.quick, ranks=args.ranks, log=print, swap_dir=args.swap_dir)
+    from .calibrate import calibrate, calibrate_gpu
+    if args.gpu:
+        path = calibrate_gpu(out=args.out, log=print)
+    else:
+        path = calibrate(out=args.out, quick=args.quick, ranks=args.ranks, log=print, swap_dir=args.swap_dir)
     print(f"wrote {path}")
     return 0
 
@@ -239,6 +242,8 @@ def add_plan_parser(subparsers) -> None:
     p.add_argument("--out", help="output TOML (default $PODSCALE_CACHE/local.toml or ~/.cache/podscale/local.toml)")
     p.add_argument("--quick", action="store_true", help="few, small measurements (a few seconds)")
     p.add_argument("--ranks", type=int, default=2, help="gloo ranks for the collective measurements (default 2)")
+    p.add_argument("--gpu", action="store_true", help="calibrate this machine's GPUs: fit the GEMM shape model "
+                                                       "(e_mm, k0) to measured GEMMs")
     p.add_argument("--swap-dir", help="a folder on the disk for NVMe offload, whose bandwidth becomes the local "
                                       "system's nvme_gbps (default: the temporary directory's disk)")
     p.set_defaults(plan_func=_guarded(cmd_calibrate))
