@@ -81,3 +81,15 @@ def test_cerebras_cs2_is_modelled_as_weight_streaming():
     best = search(cs2, 16, model, 1024, top=1).ranked[0]
     assert best.layout["tp"] == best.layout["pp"] == 1 and best.mfu > 0.2
     assert any("not validated" in n for n in best.notes)
+
+
+def test_fused_attention_drops_the_score_matrix_traffic_and_memory():
+    """FlashAttention / SDPA (what podscale's GPT runs): no s x s softmax and dropout passes and no s x s
+    activations kept; Megatron's unfused attention (the validation runs) keeps both."""
+    model = GPT(layers=24, hidden=1024, heads=16, seq=1024, vocab=256)
+    plain = predict("dgx-h100", 1, model, Layout(microbatch=8), 8)
+    fused = predict("dgx-h100", 1, model, Layout(microbatch=8, fused_attention=True), 8)
+    assert fused.step_time_s < plain.step_time_s
+    assert fused.memory_breakdown_bytes["activations"] < plain.memory_breakdown_bytes["activations"]
+    sel = predict("dgx-h100", 1, model, Layout(microbatch=8, recompute="selective"), 8)
+    assert fused.memory_breakdown_bytes["activations"] == pytest.approx(sel.memory_breakdown_bytes["activations"])

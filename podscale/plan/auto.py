@@ -11,6 +11,7 @@ calibration (BENCHMARKS.md, "--layout auto").
 from __future__ import annotations
 
 import copy
+import dataclasses
 from dataclasses import dataclass, field
 
 from .cost import predict
@@ -80,6 +81,7 @@ def choose_layout(cfg, world_size: int, system: System | str = "local", keep: in
     for lay in candidate_layouts(system, world_size, model, batch, microbatches=mbs):
         if lay.ep != 1:
             continue
+        lay = dataclasses.replace(lay, fused_attention=True)   # podscale's GPT runs torch's SDPA
         try:
             pred = predict(system, world_size, model, lay, batch)
         except LayoutError:

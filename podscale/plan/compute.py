@@ -73,18 +73,22 @@ def _tiled(device: Device, m: float, n: float, k: float, batch: float, e_mm: flo
     return best
 
 
+def gemm_rate(device: Device, m: float, n: float, k: float, batch: float = 1.0) -> float:
+    """FLOP/s of the arithmetic side of a GEMM (the measured table, the tile model, or peak * e_mm)."""
+    flops = 2.0 * m * n * k * batch
+    if device.matmul_table:
+        return _table_flops(device, m, n, k)
+    if device.sm_count:
+        return flops / tiled_gemm_time(device, m, n, k, batch)
+    return device.peak_flops * device.matmul_efficiency
+
+
 def gemm_time(device: Device, m: float, n: float, k: float, batch: float = 1.0,
               bytes_per_element: int = 2) -> float:
     """Seconds for ``batch`` independent (m x k) @ (k x n) products on one device."""
     if m <= 0 or n <= 0 or k <= 0 or batch <= 0:
         return 0.0
-    flops = 2.0 * m * n * k * batch
-    if device.matmul_table:
-        arith = flops / _table_flops(device, m, n, k)
-    elif device.sm_count:
-        arith = tiled_gemm_time(device, m, n, k, batch)
-    else:
-        arith = flops / (device.peak_flops * device.matmul_efficiency)
+    arith = 2.0 * m * n * k * batch / gemm_rate(device, m, n, k, batch)
     traffic = bytes_per_element * (m * k + k * n + m * n) * batch
     return max(arith, traffic / (device.memory_bw * device.memory_efficiency))
 

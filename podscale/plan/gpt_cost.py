@@ -26,7 +26,7 @@ from __future__ import annotations
 
 
 from . import network as net
-from .compute import gemm_time, linear_time, stream_time
+from .compute import gemm_rate as _gemm_rate, gemm_time, linear_time, stream_time
 from .hardware import System
 from .layout import Layout, LayoutError
 from .memory import (activation_bytes_per_layer, pipeline_inflight_layers, precision_of, zero3_gathered_bytes,
@@ -38,6 +38,7 @@ from .stages import pipeline_chunks, pipeline_rank_layers
 ADAM_BYTES_PER_PARAM = 30      # fp32 master r/w, m r/w, v r/w, grad read, fp16 param write
 CROSS_ENTROPY_BYTES = 36       # per logit, fwd + bwd: fp16 -> fp32 cast, max, exp, sum, grad
 BWD_OVER_FWD = 2.0             # backward of attention and element-wise work: ~2x the forward
+FUSED_ATTN_BWD_OVER_FWD = 2.5  # FlashAttention-2 backward: 5 GEMMs for the forward's 2 (Dao 2023, Sec. 3.1.2)
 KERNELS_PER_LAYER = 20         # forward kernels of one layer (2 norms, 4 linears + biases, attention
                                # core, GeLU, dropouts, residual adds); host overhead counts on CPUs only
 
@@ -74,7 +75,7 @@ def _layer_times(system: System, model: GPT, lay: Layout, moe: bool) -> dict:
     depend on (a search predicts thousands of layouts that share them)."""
     key = (system.topology, system.devices_per_node, system.device, system.intra, system.inter, system.ici,
            system.torus, system.stream, model, moe, lay.microbatch, lay.tp, lay.ep, lay.sequence_parallel,
-           lay.tp_overlap)
+           lay.tp_overlap, lay.fused_attention)
     hit = _LAYER_CACHE.get(key)
     if hit is None:
         if len(_LAYER_CACHE) > 50_000:
@@ -102,15 +103,24 @@ def _layer_times_uncached(system: System, model: GPT, lay: Layout, moe: bool) ->
         gemms.append(linear_time(dev, tokens, h, f / t, bytes_per_element=e))
     dense, dense_bwd = sum(g[0] for g in gemms), sum(g[1] for g in gemms)
     heads_local = b * a / t
-    attn = (gemm_time(dev, s, s, h / a, batch=heads_local, bytes_per_element=e)
-            + gemm_time(dev, s, h / a, s, batch=heads_local, bytes_per_element=e))
+    if lay.fused_attention:
+        # FlashAttention (Dao et al. 2022; torch's scaled_dot_product_attention): the score and value GEMMs
+        # in one kernel that never writes the s x s matrix, so its time is their arithmetic only (the
+        # GEMM model's rate with q, k, v, o as the only traffic), no softmax or dropout pass over memory.
+        d = h / a
+        attn_flops = 4.0 * s * s * d * heads_local
+        attn = max(attn_flops / _gemm_rate(dev, s, s, d, heads_local),
+                   stream_time(dev, 4 * e * s * d * heads_local))
+    else:
+        attn = (gemm_time(dev, s, s, h / a, batch=heads_local, bytes_per_element=e)
+                + gemm_time(dev, s, h / a, s, batch=heads_local, bytes_per_element=e))
     sbh = tokens * h
     # Byte counts of the module docstring are for 16-bit elements; e / 2 rescales them (fp32 on CPU).
     replicated = 22 * sbh / (t if lay.sequence_parallel else 1)
     sharded = (4 * f / h * scale + 8) * sbh / t
     softmax = 9 * a * s * s * b / t
     ew = stream_time(dev, (replicated + sharded) * e / 2)
-    ew_attn = stream_time(dev, softmax * e / 2)
+    ew_attn = 0.0 if lay.fused_attention else stream_time(dev, softmax * e / 2)
     act_bytes = e * sbh                                       # one [s, b, h] activation tensor
     tp_ar = net.all_reduce_time(system, act_bytes, t, 1) if t > 1 else 0.0
     a2a = net.all_to_all_time(system, act_bytes * scale, lay.ep, t) if moe and lay.ep > 1 else 0.0
@@ -118,7 +128,11 @@ def _layer_times_uncached(system: System, model: GPT, lay: Layout, moe: bool) ->
     # tensor-parallel backward runs while the input gradient's collective is in flight.
     wgrad = [] if moe else [gemm_time(dev, h, 3 * h / t, tokens, bytes_per_element=e),
                             gemm_time(dev, h, f / t, tokens, bytes_per_element=e)]
-    return {"gemm": dense, "gemm_bwd": dense_bwd, "attn": attn + ew_attn, "ew": ew, "tp_ar": tp_ar, "a2a": a2a,
+    # backward of the attention core: twice its forward; fused, 2.5x (five GEMMs for the forward's two,
+    # the scores recomputed: Dao 2023, FlashAttention-2, Sec. 3.1.2)
+    attn_bwd = (FUSED_ATTN_BWD_OVER_FWD if lay.fused_attention else BWD_OVER_FWD) * (attn + ew_attn)
+    return {"gemm": dense, "gemm_bwd": dense_bwd, "attn": attn + ew_attn, "attn_bwd": attn_bwd, "ew": ew,
+            "tp_ar": tp_ar, "a2a": a2a,
             "kernels": KERNELS_PER_LAYER * dev.kernel_overhead, "tp_bwd": _tp_backward(lay, tp_ar, wgrad)}
 
 
@@ -164,8 +178,9 @@ def predict_gpt(system: System, devices: int, model: GPT, lay: Layout, batch: in
     gemm, attn, ew = per_layer("gemm"), per_layer("attn"), per_layer("ew")
     launch = per_layer("kernels")
     fwd = gemm + attn + ew + launch
-    bwd = per_layer("gemm_bwd") + BWD_OVER_FWD * (attn + ew + launch)
-    recompute = {"none": 0.0, "selective": attn, "full": fwd}[lay.recompute]
+    bwd = per_layer("gemm_bwd") + per_layer("attn_bwd") + BWD_OVER_FWD * (ew + launch)
+    # selective recompute re-runs the attention core; a fused kernel recomputes it in its backward anyway
+    recompute = {"none": 0.0, "selective": 0.0 if lay.fused_attention else attn, "full": fwd}[lay.recompute]
     n_tp = 4 + (2 if lay.recompute == "full" else 0)      # all-reduces (or AG+RS pairs) per layer
     n_fwd = n_tp - 2                                      # forward passes' (incl. recompute's) collectives
     tp_comm = n_fwd * per_layer("tp_ar") + per_layer("tp_bwd")
@@ -260,8 +275,10 @@ def predict_gpt(system: System, devices: int, model: GPT, lay: Layout, batch: in
     mlp_scale = model.top_k * model.capacity_factor if model.moe_layers else 1.0
     act_kw = dict(seq=s, microbatch=b, hidden=h, heads=model.heads, tp=t,
                   sequence_parallel=lay.sequence_parallel, ffn=model.ffn)
-    act_layer = ((1 - moe_frac) * activation_bytes_per_layer(recompute=lay.recompute, **act_kw)
-                 + moe_frac * activation_bytes_per_layer(recompute=lay.recompute, mlp_scale=mlp_scale, **act_kw))
+    # a fused attention kernel keeps no s x s tensors for its backward, as selective recompute does
+    kept = "selective" if lay.fused_attention and lay.recompute == "none" else lay.recompute
+    act_layer = ((1 - moe_frac) * activation_bytes_per_layer(recompute=kept, **act_kw)
+                 + moe_frac * activation_bytes_per_layer(recompute=kept, mlp_scale=mlp_scale, **act_kw))
     working = 0.0
     if lay.recompute == "full":   # one layer re-materialised during its backward
         working = activation_bytes_per_layer(recompute="none", mlp_scale=mlp_scale, **act_kw)
@@ -369,8 +386,8 @@ def predict_weight_streaming(system: System, devices: int, model: GPT, lay: Layo
 
     attn, ew = per_layer("attn"), per_layer("ew")
     fwd = per_layer("gemm") + attn + ew
-    bwd = per_layer("gemm_bwd") + BWD_OVER_FWD * (attn + ew)
-    rec = {"none": 0.0, "selective": attn, "full": fwd}[lay.recompute]
+    bwd = per_layer("gemm_bwd") + per_layer("attn_bwd") + BWD_OVER_FWD * ew
+    rec = {"none": 0.0, "selective": 0.0 if lay.fused_attention else attn, "full": fwd}[lay.recompute]
     layer_params = (1 - moe_frac) * model.layer_params(moe=False) + moe_frac * model.layer_params(moe=True)
     io = system.stream.effective
     stream_layer = 3 * dev.dtype_bytes * layer_params / io + system.stream.latency * _tree_depth(devices)
@@ -387,7 +404,8 @@ def predict_weight_streaming(system: System, devices: int, model: GPT, lay: Layo
     step = sum(breakdown.values())
 
     act_kw = dict(seq=s, microbatch=b, hidden=h, heads=model.heads, tp=1, ffn=model.ffn)
-    act = L * activation_bytes_per_layer(recompute=lay.recompute, **act_kw)
+    kept = "selective" if lay.fused_attention and lay.recompute == "none" else lay.recompute
+    act = L * activation_bytes_per_layer(recompute=kept, **act_kw)
     if lay.recompute == "full":
         act += activation_bytes_per_layer(recompute="none", **act_kw)
     largest = max(model.layer_params(moe=model.moe_layers > 0), V * h)

@@ -35,6 +35,8 @@ class Layout:
     overlap_grad_reduce: bool = True
     tp_overlap: bool = False      # Megatron-LM's asynchronous tensor-parallel backward: the input
                                   # gradient's collective under the weight-gradient GEMM (2022 on)
+    fused_attention: bool = False   # FlashAttention / torch SDPA (what podscale's GPT runs) instead of
+                                    # Megatron's separate score GEMM, softmax, dropout and value GEMM
     pp_scatter_gather: bool = True  # Megatron's scatter-gather pipeline sends (False: DeepSpeed's engine)
     pipeline_layers: tuple = ()   # blocks per model chunk (pp * interleave of them), as the trainer's
                                   # parallel.pipeline_layers; () -> the trainer's parameter-balanced split
@@ -107,6 +109,8 @@ class Layout:
             s += f" rc-{self.recompute}"
         if self.sequence_parallel:
             s += " sp"
+        if self.fused_attention:
+            s += " flash"
         if self.pipeline_layers and len(set(self.pipeline_layers)) > 1:
             s += " layers " + "/".join(map(str, self.pipeline_layers))
         return s
