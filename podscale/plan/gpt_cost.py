@@ -107,10 +107,14 @@ def _layer_times_uncached(system: System, model: GPT, lay: Layout, moe: bool) ->
         # FlashAttention (Dao et al. 2022; torch's scaled_dot_product_attention): the score and value GEMMs
         # in one kernel that never writes the s x s matrix, so its time is their arithmetic only (the
         # GEMM model's rate with q, k, v, o as the only traffic), no softmax or dropout pass over memory.
+        # A causal kernel skips the blocks above the diagonal: half of the s x s scores. On a calibrated CPU
+        # (a measured element-wise rate) the softmax's exponentials inside the kernel cost that rate too.
         d = h / a
-        attn_flops = 4.0 * s * s * d * heads_local
-        attn = max(attn_flops / _gemm_rate(dev, s, s, d, heads_local),
+        scores = s * s / 2 * heads_local
+        attn = max(4.0 * scores * d / _gemm_rate(dev, s, s, d, heads_local),
                    stream_time(dev, 4 * e * s * d * heads_local))
+        if dev.elementwise_bw:
+            attn += stream_time(dev, 2 * e * scores)
     else:
         attn = (gemm_time(dev, s, s, h / a, batch=heads_local, bytes_per_element=e)
                 + gemm_time(dev, s, h / a, s, batch=heads_local, bytes_per_element=e))
@@ -179,8 +183,8 @@ def predict_gpt(system: System, devices: int, model: GPT, lay: Layout, batch: in
     launch = per_layer("kernels")
     fwd = gemm + attn + ew + launch
     bwd = per_layer("gemm_bwd") + per_layer("attn_bwd") + BWD_OVER_FWD * (ew + launch)
-    # selective recompute re-runs the attention core; a fused kernel recomputes it in its backward anyway
-    recompute = {"none": 0.0, "selective": 0.0 if lay.fused_attention else attn, "full": fwd}[lay.recompute]
+    # selective recompute re-runs the attention core's forward (fused or not) before its backward
+    recompute = {"none": 0.0, "selective": attn, "full": fwd}[lay.recompute]
     n_tp = 4 + (2 if lay.recompute == "full" else 0)      # all-reduces (or AG+RS pairs) per layer
     n_fwd = n_tp - 2                                      # forward passes' (incl. recompute's) collectives
     tp_comm = n_fwd * per_layer("tp_ar") + per_layer("tp_bwd")
@@ -387,7 +391,7 @@ def predict_weight_streaming(system: System, devices: int, model: GPT, lay: Layo
     attn, ew = per_layer("attn"), per_layer("ew")
     fwd = per_layer("gemm") + attn + ew
     bwd = per_layer("gemm_bwd") + per_layer("attn_bwd") + BWD_OVER_FWD * ew
-    rec = {"none": 0.0, "selective": 0.0 if lay.fused_attention else attn, "full": fwd}[lay.recompute]
+    rec = {"none": 0.0, "selective": attn, "full": fwd}[lay.recompute]
     layer_params = (1 - moe_frac) * model.layer_params(moe=False) + moe_frac * model.layer_params(moe=True)
     io = system.stream.effective
     stream_layer = 3 * dev.dtype_bytes * layer_params / io + system.stream.latency * _tree_depth(devices)
