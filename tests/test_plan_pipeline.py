@@ -93,3 +93,18 @@ def test_fused_attention_drops_the_score_matrix_traffic_and_memory():
     assert fused.memory_breakdown_bytes["activations"] < plain.memory_breakdown_bytes["activations"]
     sel = predict("dgx-h100", 1, model, Layout(microbatch=8, recompute="selective"), 8)
     assert fused.memory_breakdown_bytes["activations"] == pytest.approx(sel.memory_breakdown_bytes["activations"])
+
+
+def test_fast_partition_equals_the_trainers():
+    import random
+    from podscale.parallel.pipeline.partition import contiguous_partition
+    from podscale.plan.stages import balanced_partition, layer_param_costs
+    rng = random.Random(1)
+    cases = [([1.0] * n, p) for n in (7, 24, 70, 96) for p in (1, 2, 3, 5, 12, n) if p <= n]
+    cases += [([rng.choice((1.0, 2.0, 3.0)) for _ in range(n)], p) for n in (10, 33) for p in (2, 4, 7)]
+    cases += [([rng.random() for _ in range(n)], p) for n in (13, 40) for p in (3, 6, 11)]
+    for layers, hidden, vocab in ((96, 12288, 51200), (70, 14336, 250880), (24, 2304, 51200), (30, 3072, 51200)):
+        costs = layer_param_costs(GPT(layers=layers, hidden=hidden, heads=16, seq=2048, vocab=vocab))
+        cases += [(costs, p) for p in (2, 3, 4, 5, 8, 12, 16, 24) if p <= layers]
+    for costs, parts in cases:
+        assert balanced_partition(costs, parts) == contiguous_partition(costs, parts), (len(costs), parts)

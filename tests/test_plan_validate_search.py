@@ -100,7 +100,8 @@ def test_search_rejects_layouts_that_do_not_fit():
 def test_candidates_respect_divisibility_and_system_rules():
     s = load_system("dgx-a100-80g")
     lays = list(candidate_layouts(s, 64, PRESETS["megatron-3.6b"], 512))
-    assert lays and all(l.devices == 64 and 32 % l.tp == 0 and 30 % (l.pp * l.interleave) == 0 for l in lays)
+    assert lays and all(l.devices == 64 and 32 % l.tp == 0 and l.pp * l.interleave <= 30 for l in lays)
+    assert any(30 % l.pp for l in lays)      # uneven pipelines (30 layers on 4, 8, 16 stages) are searched
     assert max(l.tp for l in lays) <= 8
     cs2 = list(candidate_layouts(load_system("cerebras-cs2"), 4, PRESETS["gpt-1.3b"], 256))
     assert cs2 and all((l.tp, l.pp) == (1, 1) for l in cs2)

@@ -25,6 +25,7 @@ MLP part, which reduces to Korthikanti's numbers at ffn = 4h, dense.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 from podscale.parallel.zero.memory import (deepspeed_zero2_estimate, deepspeed_zero3_estimate,  # noqa: F401
                                           estimate_model_states)
@@ -45,6 +46,7 @@ def precision_of(dtype_bytes: int) -> str:
     return "fp32" if dtype_bytes == 4 else "bf16"
 
 
+@lru_cache(maxsize=65536)
 def zero_model_state_bytes(params: float, dp: int, stage: int, offload_optimizer: str = "none",
                            offload_param: str = "none", precision: str = "bf16") -> ModelStateBytes:
     """Bytes of parameters, gradients and Adam state held per data-parallel rank, summed by where they
