@@ -2,10 +2,14 @@
 
 The step of one pipeline rank is built from per-micro-batch pieces (Narayanan et al. SC'21, Sec. 2-3):
 
-    t_mb   = forward + backward (+ recompute) of its layers, tensor-parallel all-reduces, MoE
-             all-to-alls, pipeline sends              (the slowest stage sets the pace)
-    step   = t_mb * (m + (p - 1)/v)                   (bubble (p-1)/(v m) of 1F1B / interleaved / GPipe)
+    T_r    = forward + backward (+ recompute) of rank r's layers, tensor-parallel collectives, MoE
+             all-to-alls, pipeline sends, and the output layer on the last rank
+    step   = m * max_r T_r + (sum_r T_r - max_r T_r) / v     (the slowest rank sets the pace; with equal
+             T_r the bubble (p-1)/(v m) of 1F1B / interleaved / GPipe)
            + exposed data-parallel gradient reduction + optimizer step + offload traffic
+
+Ranks hold the layers the trainer gives them (``stages.py``: its parameter-balanced split, or the layout's
+``pipeline_layers``), so pipelines need not divide the layers.
 
 FLOPs per layer and micro-batch of b sequences (forward; backward = 2 x forward):
     24 b s h^2 (ffn = 4h, dense) + 4 b s^2 h (attention scores and values)
