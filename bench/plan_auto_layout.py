@@ -28,7 +28,8 @@ MODEL = ["model.n_layer=8", "model.n_head=8", "model.n_embd=256", "model.block_s
          "train.global_batch=16", "train.micro_batch=4", "run.eval_every=0", "run.sample_tokens=0",
          "checkpoint.every=100000"]
 EXTRA = [Layout(dp=2, microbatch=4), Layout(dp=2, microbatch=8, zero_stage=3), Layout(tp=2, microbatch=8),
-         Layout(pp=2, microbatch=4), Layout(dp=2, microbatch=2, zero_stage=1), Layout(dp=2, microbatch=16)]
+         Layout(pp=2, microbatch=4), Layout(dp=2, microbatch=2, zero_stage=1), Layout(dp=2, microbatch=8, zero_stage=2),
+         Layout(pp=2, microbatch=2)]
 
 
 def measure(overrides: list, steps: int, out: Path, name: str) -> float:
@@ -58,6 +59,8 @@ def main(argv=None) -> int:
                                  for p, _ in choice.ranked[1:]]
     for lay in EXTRA:
         lay = dataclasses.replace(lay, fused_attention=True)
+        if cfg.train.global_batch % (lay.dp * lay.microbatch):
+            continue
         if all(lay.short() != seen.short() for seen in layouts):
             layouts.append(lay)
     model = gpt_of(cfg)
