@@ -190,8 +190,9 @@ def cmd_systems(args) -> int:
             print(f"{name:<20} ({e})")
             continue
         limit = f"max {s.max_devices}" if s.max_devices else "any number of nodes"
+        checked = "validated" if s.validated else ("measured" if name == "local" else "unvalidated")
         print(f"{name:<20} {s.device.peak_flops / 1e12:>7.0f} TFLOP/s {s.device.memory_bytes / 2**30:>6.1f} GiB  "
-              f"{s.topology:<16} {limit:<20} {s.description}")
+              f"{s.topology:<16} {limit:<20} {checked:<12} {s.description}")
     return 0
 
 
