@@ -4,12 +4,14 @@ For each layout below this script runs `podscale train` (2 gloo ranks on this CP
 embedded corpus) for a few steps, takes the 20th-percentile step time after warm-up from the run's
 metrics.jsonl (calibration uses the same statistic: on a shared machine it estimates the uncontended time),
 and prints it next to `podscale.plan.predict` on system `local` for the same model and layout, with the
-ratio predicted/measured (goal: within 25%).
+ratio predicted/measured. Goal (issue 15): within 15 % for dp, ZeRO-1/2/3, tp and pp layouts, on models
+other than the ones the calibration was tuned with (the calibration measures kernels, not models: every
+model here is "other"; the 12 x 640 cases are the ones the issue reports).
 
-    python -m podscale.plan calibrate          # once (writes $PODSCALE_CACHE/local.toml)
-    python bench/plan_local_vs_train.py [--steps 30] [--calibrate]
+    python -m podscale.plan calibrate          # once, on an idle machine (writes $PODSCALE_CACHE/local.toml)
+    python bench/plan_local_vs_train.py [--steps 30] [--calibrate] [--only SUBSTRING]
 
-Absolute times on a shared machine are noisy; the ratios come from runs made back to back in one go.
+Absolute times on a shared machine are noisy; run it on an idle machine and record the ratios.
 """
 from __future__ import annotations
 
@@ -24,30 +26,37 @@ from podscale.plan import load_system, predict
 from podscale.plan.calibrate import low_percentile
 
 SMALL = dict(n_layer=4, n_head=4, n_embd=128, block_size=128)
-# (label, model overrides, global batch, micro batch, layout {tp, pp, dp})
+ISSUE = dict(n_layer=12, n_head=10, n_embd=640, block_size=128)     # issue 15's 12-layer 640-wide GPT
+# (label, model overrides, global batch, micro batch, layout {tp, pp, dp}, ZeRO stage)
 CASES = [
-    ("dp2 L4 h128 mb8", SMALL, 16, 8, dict(tp=1, pp=1, dp=2)),
-    ("dp2 L4 h128 mb4 (accum 2)", SMALL, 16, 4, dict(tp=1, pp=1, dp=2)),
-    ("tp2 L4 h128 mb8 (accum 2)", SMALL, 16, 8, dict(tp=2, pp=1, dp=1)),
-    ("pp2 1f1b L4 h128 mb4 (m 4)", SMALL, 16, 4, dict(tp=1, pp=2, dp=1)),
-    ("dp2 L4 h256 mb8", dict(n_layer=4, n_head=8, n_embd=256, block_size=128), 16, 8, dict(tp=1, pp=1, dp=2)),
-    ("dp2 L8 h192 s256 mb4", dict(n_layer=8, n_head=6, n_embd=192, block_size=256), 16, 4, dict(tp=1, pp=1, dp=2)),
+    ("dp2 L4 h128 mb8", SMALL, 16, 8, dict(tp=1, pp=1, dp=2), 0),
+    ("dp2 L4 h128 mb4 (accum 2)", SMALL, 16, 4, dict(tp=1, pp=1, dp=2), 0),
+    ("tp2 L4 h128 mb8 (accum 2)", SMALL, 16, 8, dict(tp=2, pp=1, dp=1), 0),
+    ("pp2 1f1b L4 h128 mb4 (m 4)", SMALL, 16, 4, dict(tp=1, pp=2, dp=1), 0),
+    ("dp2 L4 h256 mb8", dict(n_layer=4, n_head=8, n_embd=256, block_size=128), 16, 8, dict(tp=1, pp=1, dp=2), 0),
+    ("dp2 L8 h192 s256 mb4", dict(n_layer=8, n_head=6, n_embd=192, block_size=256), 16, 4, dict(tp=1, pp=1, dp=2), 0),
+    ("dp2 L12 h640 mb4 z0", ISSUE, 8, 4, dict(tp=1, pp=1, dp=2), 0),
+    ("dp2 L12 h640 mb4 z1", ISSUE, 8, 4, dict(tp=1, pp=1, dp=2), 1),
+    ("dp2 L12 h640 mb4 z2", ISSUE, 8, 4, dict(tp=1, pp=1, dp=2), 2),
+    ("dp2 L12 h640 mb4 z3", ISSUE, 8, 4, dict(tp=1, pp=1, dp=2), 3),
+    ("tp2 L12 h640 mb4", ISSUE, 4, 4, dict(tp=2, pp=1, dp=1), 0),
+    ("pp2 L12 h640 mb2 (m 4)", ISSUE, 8, 2, dict(tp=1, pp=2, dp=1), 0),
 ]
 
 
-def run_train(overrides: dict, global_batch: int, micro_batch: int, layout: dict, steps: int, out: Path,
-              name: str) -> float:
+def run_train(overrides: dict, global_batch: int, micro_batch: int, layout: dict, zero: int, steps: int,
+              out: Path, name: str) -> float:
     sets = [f"model.{k}={v}" for k, v in overrides.items()]
     sets += [f"train.global_batch={global_batch}", f"train.micro_batch={micro_batch}",
-             f"parallel.tp={layout['tp']}", f"parallel.pp={layout['pp']}",
+             f"parallel.tp={layout['tp']}", f"parallel.pp={layout['pp']}", f"zero.stage={zero}",
              "run.eval_every=0", "run.sample_tokens=0", "checkpoint.every=100000"]
     cmd = [sys.executable, "-m", "podscale.cli", "train", "--nproc", "2", "--steps", str(steps),
            "--out-dir", str(out), "--name", name, "--fresh"]
     for s in sets:
         cmd += ["--set", s]
-    subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=600)
+    subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=1800)
     rows = [json.loads(line) for line in (out / name / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    times = [r["step_time_s"] for r in rows[len(rows) // 4:]]       # drop warm-up
+    times = [r["step_time_s"] for r in rows if "step_time_s" in r][len(rows) // 4:]     # drop warm-up
     return low_percentile(times)                                    # same statistic as calibration
 
 
@@ -56,6 +65,8 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--calibrate", action="store_true", help="recalibrate first")
     ap.add_argument("--repeat", type=int, default=2, help="runs per layout; the fastest counts (default 2)")
+    ap.add_argument("--only", default="", help="run only the cases whose label contains this")
+    ap.add_argument("--goal", type=float, default=0.15)
     args = ap.parse_args(argv)
     if args.calibrate:
         from podscale.plan.calibrate import calibrate
@@ -65,17 +76,22 @@ def main(argv=None) -> int:
     print(f"{'layout (2 ranks)':<40}{'measured s':>12}{'predicted s':>13}{'pred/meas':>11}")
     ratios = []
     with tempfile.TemporaryDirectory() as tmp:
-        for i, (label, ov, gb, mb, lay) in enumerate(CASES):
-            measured = min(run_train(ov, gb, mb, lay, args.steps, Path(tmp), f"case{i}") for _ in range(args.repeat))
+        for i, (label, ov, gb, mb, lay, zero) in enumerate(CASES):
+            if args.only not in label:
+                continue
+            measured = min(run_train(ov, gb, mb, lay, zero, args.steps, Path(tmp), f"case{i}")
+                           for _ in range(args.repeat))
             model = {"layers": ov["n_layer"], "hidden": ov["n_embd"], "heads": ov["n_head"],
                      "seq": ov["block_size"], "vocab": 256}
-            pred = predict(system, 2, model, {**lay, "microbatch": mb}, gb)
+            # podscale's GPT runs torch's scaled_dot_product_attention: a fused attention kernel
+            pred = predict(system, 2, model, {**lay, "microbatch": mb, "zero_stage": zero, "fused_attention": True},
+                           gb)
             ratio = pred.step_time_s / measured
             ratios.append(ratio)
             print(f"{label:<40}{measured:>12.4f}{pred.step_time_s:>13.4f}{ratio:>11.2f}", flush=True)
     worst = max(abs(r - 1) for r in ratios)
-    print(f"max |predicted/measured - 1| = {worst:.0%} (goal <= 25%)")
-    return 0 if worst <= 0.25 else 1
+    print(f"max |predicted/measured - 1| = {worst:.0%} (goal <= {args.goal:.0%})")
+    return 0 if worst <= args.goal else 1
 
 
 if __name__ == "__main__":

@@ -38,6 +38,13 @@ def cmd_train(args) -> int:
         cfg = load_config(args.config, overrides)
         if under_launcher():  # torchrun decides the world; the config's nproc only counts local spawns
             cfg.parallel.nproc = int(os.environ["WORLD_SIZE"])
+        if args.layout == "auto":  # the planner's fastest layout that fits (podscale.plan.auto)
+            from podscale.plan.auto import choose_layout
+            choice = choose_layout(cfg, cfg.parallel.nproc, args.system)
+            print(choice.describe(), flush=True)
+            nproc = cfg.parallel.nproc
+            cfg = load_config(args.config, overrides + choice.overrides)
+            cfg.parallel.nproc = nproc
         cfg.check_layout(cfg.parallel.nproc)
         from podscale.runtime.process import device_kind
         local = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if under_launcher() else cfg.parallel.nproc
@@ -141,6 +148,12 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--max-restarts", type=int, default=0, help="restarts of the worker group on failure")
     t.add_argument("--host", default="127.0.0.1", help="rendezvous address (default: loopback only)")
     t.add_argument("--port", type=int, default=None, help="rendezvous port (default: a free one)")
+    t.add_argument("--layout", choices=("config", "auto"), default="config",
+                   help="auto: train with the planner's fastest layout that fits (tp, pp, dp, ZeRO stage, "
+                        "offload, micro-batch, recompute); default: the config's")
+    t.add_argument("--system", default="local",
+                   help="with --layout auto: the system to plan for (default: 'local', from `podscale plan "
+                        "calibrate`)")
     t.set_defaults(func=cmd_train)
 
     la = sub.add_parser("launch", help="run a Python script on N local workers (like torchrun)")

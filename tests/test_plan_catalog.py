@@ -5,7 +5,7 @@ from podscale.plan import network as net
 from podscale.plan.hardware import BUILTIN_DIR, CatalogError, load_system, system_names
 
 BUILTIN = ["dgx-a100-40g", "dgx-a100-80g", "dgx-h100", "dgx-a100-superpod", "dgx-h100-superpod",
-           "tpu-v3-pod", "tpu-v4-pod", "cerebras-cs2"]
+           "tpu-v3-pod", "tpu-v4-pod", "cerebras-cs2", "jean-zay-a100"]
 
 
 @pytest.mark.parametrize("name", BUILTIN)
@@ -26,6 +26,10 @@ def test_catalog_names_and_datasheet_numbers():
     assert load_system("dgx-h100").device.peak_flops == 989e12
     assert load_system("tpu-v4-pod").torus == (16, 16, 16)
     assert load_system("cerebras-cs2").data_parallel_only
+    # which descriptions were checked against published runs (plan validate), which were not
+    assert load_system("dgx-a100-80g").validated and load_system("jean-zay-a100").validated
+    assert not load_system("dgx-h100").validated and not load_system("tpu-v4-pod").validated
+    assert a100.device.sm_count == 108 and a100.device.gemm_tiles[0] == (256, 128)
 
 
 def test_user_toml_system_by_path_and_by_name(tmp_path, monkeypatch):

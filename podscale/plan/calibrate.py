@@ -265,3 +265,147 @@ def calibrate(out: str | None = None, quick: bool = False, ranks: int = 2, log=p
         f"swap disk {data['nvme_bw'] / GB:.2f} GB/s; "
         f"{time.perf_counter() - start:.1f} s")
     return path
+
+
+# ---------------------------------------------------------------------------------------------------------
+# GPU: the GEMM shape model's parameters from microbenchmarks (podscale plan calibrate --gpu)
+
+# Square GEMMs, transformer GEMMs (tokens x 3h/t x h, tokens x h x 4h/t, ...) and shapes that are not tile
+# multiples, so that both the per-SM rate e_mm and the per-tile fill/drain k0 are identifiable.
+GPU_GEMM_SHAPES = tuple(
+    [(n, n, n) for n in (512, 1024, 2048, 4096, 8192)]
+    + [(t, n, k) for t in (2048, 8192) for n, k in ((3 * 768, 6144), (6144, 768), (3072, 6144), (6144, 3072),
+                                                    (9600, 25600), (25600, 3200))]
+    + [(4096, 4096, k) for k in (64, 128, 256, 512, 1024, 16384)]
+    + [(m, 4096, 4096) for m in (1000, 1500, 3000, 5000)]
+)
+GPU_TILES = ((256, 128), (128, 128), (128, 64), (64, 64))
+# Dense 16-bit tensor-core peaks by device name (NVIDIA datasheets), the rate e_mm is a fraction of.
+GPU_PEAK_TFLOPS = {"A100": 312, "H100": 989, "H200": 989, "H800": 989, "A800": 312, "L40S": 362, "B200": 2250}
+
+
+def measure_gpu_gemms(shapes=GPU_GEMM_SHAPES, dtype: str = "bf16", reps: int = 10) -> list:
+    """[(m, n, k, seconds)] of torch.matmul on the current CUDA device, timed with CUDA events (median)."""
+    import torch
+    dt = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+    out = []
+    for m, n, k in shapes:
+        a = torch.randn(m, k, device="cuda", dtype=dt)
+        b = torch.randn(k, n, device="cuda", dtype=dt)
+        for _ in range(3):
+            torch.matmul(a, b)
+        times = []
+        for _ in range(reps):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            torch.matmul(a, b)
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        out.append((m, n, k, sorted(times)[len(times) // 2]))
+    return out
+
+
+def fit_gemm_shape_model(samples, device, e_grid=None, k0_grid=None) -> tuple[float, float, float]:
+    """(e_mm, k0, mean |log(predicted / measured)|) of the tile/wave-quantised roofline
+    (:func:`podscale.plan.compute.tiled_gemm_time`) over measured (m, n, k, seconds), by grid search on
+    the relative (log) error, so small and large GEMMs weigh alike."""
+    import math as _m
+    from .compute import tiled_gemm_time
+    e_grid = e_grid or [i / 100 for i in range(30, 121)]
+    k0_grid = k0_grid or list(range(0, 513, 16))
+    mem = device.memory_bw * device.memory_efficiency
+    best = (_m.inf, 0.0, 0.0)
+    for e in e_grid:
+        for k0 in k0_grid:
+            err = 0.0
+            for m, n, k, sec in samples:
+                pred = max(tiled_gemm_time(device, m, n, k, 1.0, e, k0), 2 * (m * k + k * n + m * n) / mem)
+                err += abs(_m.log(pred / sec))
+            if err < best[0]:
+                best = (err, e, float(k0))
+    return best[1], best[2], best[0] / len(samples)
+
+
+def calibrate_gpu(out: str | None = None, log=print) -> Path:
+    """Measure the current CUDA device's GEMMs and memory bandwidth, fit the GEMM shape model, and write a
+    ``local`` system whose devices are this machine's GPUs. Collectives are not measured here: the links
+    are nominal NVLink / InfiniBand figures (edit them, or use a catalog system for multi-node plans)."""
+    import dataclasses
+    import torch
+    from .hardware import Device
+    if not torch.cuda.is_available():
+        raise ValueError("plan calibrate --gpu needs a CUDA device (torch.cuda.is_available() is False): "
+                         "run it on the GPU machine, or calibrate this CPU without --gpu")
+    props = torch.cuda.get_device_properties(0)
+    name = props.name
+    peak = next((v for k, v in GPU_PEAK_TFLOPS.items() if k in name), None)
+    n_el = 256 * 1024 * 1024
+    src, dst = torch.empty(n_el, device="cuda", dtype=torch.uint8), torch.empty(n_el, device="cuda",
+                                                                               dtype=torch.uint8)
+    dst.copy_(src)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(20):
+        dst.copy_(src)
+    torch.cuda.synchronize()
+    mem_bw = 2 * n_el * 20 / (time.perf_counter() - t0)
+    samples = measure_gpu_gemms()
+    best_rate = max(2 * m * n * k / s for m, n, k, s in samples)
+    peak_flops = peak * 1e12 if peak else best_rate
+    dev = Device(name=name, peak_flops=peak_flops, memory_bytes=props.total_memory, memory_bw=mem_bw,
+                 matmul_efficiency=1.0, memory_efficiency=1.0, reserved_bytes=2 * GiB,
+                 sm_count=props.multi_processor_count, gemm_tiles=GPU_TILES, gemm_tile_k=32)
+    e_mm, k0, err = fit_gemm_shape_model(samples, dev)
+    dev = dataclasses.replace(dev, matmul_efficiency=e_mm, gemm_tile_overhead_k=k0)
+    gpus = torch.cuda.device_count()
+    when = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    rows = ",\n".join(f"  [{m}, {n}, {k}, {s:.6g}]" for m, n, k, s in samples)
+    text = f'''# Written by `podscale plan calibrate --gpu` on {when}: {gpus} x {name}.
+# GEMM shape model fitted to the bf16 torch.matmul times below (mean |log error| {err:.3f}); memory bandwidth
+# from a device-to-device copy. The links are NOT measured (nominal NVLink / 400 Gb/s per GPU).
+name = "local"
+description = "this machine: {gpus} x {name}, GEMMs measured {when}"
+topology = "switch"
+devices_per_node = {gpus}
+max_devices = {gpus}
+
+[device]
+name = "{name}"
+peak_tflops = {peak_flops / 1e12:.6g}      # {"datasheet dense 16-bit peak" if peak else "best measured GEMM rate"}
+memory_gib = {props.total_memory / GiB:.4g}
+memory_bw_gbps = {mem_bw / GB:.6g}
+matmul_efficiency = {e_mm:.3g}           # fitted, per SM on a full tile
+memory_efficiency = 1.0
+reserved_gib = 2
+sm_count = {props.multi_processor_count}
+gemm_tiles = {[list(t) for t in GPU_TILES]}
+gemm_tile_k = 32
+gemm_tile_overhead_k = {k0:g}            # fitted
+# measured [m, n, k, seconds]
+gemm_samples = [
+{rows}
+]
+
+[intra_node]
+bandwidth_gbps = 300
+efficiency = 0.77
+latency_us = 10
+
+[inter_node]
+bandwidth_gbps = 50
+efficiency = 0.9
+latency_us = 6
+
+[host]
+memory_gib = {_total_memory() / GiB:.4g}
+memory_bw_gbps = 200
+pcie_gbps = 25
+nvme_gbps = 5
+'''
+    path = Path(out) if out else local_system_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    log(f"{gpus} x {name}: GEMM model e_mm {e_mm:.2f}, k0 {k0:g} (mean |log error| {err:.3f} over "
+        f"{len(samples)} shapes); best GEMM {best_rate / 1e12:.0f} TFLOP/s; copy {mem_bw / GB:.0f} GB/s")
+    return path

@@ -97,6 +97,8 @@ def _print_search(args, top, result) -> None:
                       _gib(p.memory_per_device_bytes), f"{worst} {overhead.get(worst, 0) / p.step_time_s:.0%}")
     console = Console(width=160)
     console.print(table)
+    if top and any("not validated" in n for n in top[0].notes):
+        console.print(next(n for n in top[0].notes if "not validated" in n))
     console.print(f"{result.evaluated} layouts predicted in {result.seconds:.2f} s; "
                   f"{result.rejected_memory} do not fit in memory; {len(result.ranked)} ranked.")
     for note in result.notes:
@@ -124,6 +126,8 @@ def cmd_predict(args) -> int:
     print(f"  step time        {pred.step_time_s:.4g} s   ({pred.tokens_per_s:,.0f} tokens/s, "
           f"{pred.days_to_train(args.tokens):.1f} days for {args.tokens / 1e9:g}B tokens)")
     print(f"  per device       {pred.tflops_per_device:.1f} TFLOP/s, MFU {pred.mfu:.1%}, HFU {pred.hfu:.1%}")
+    for note in pred.notes:
+        print(f"  note: {note}")
     print(f"  memory/device    {_gib(pred.memory_per_device_bytes)} GiB of {_gib(pred.memory_capacity_bytes)}"
           f"{'' if pred.fits else '  (DOES NOT FIT)'}")
     for k, v in pred.memory_breakdown_bytes.items():
@@ -135,17 +139,44 @@ def cmd_predict(args) -> int:
 
 
 def cmd_validate(args) -> int:
-    from .validate import format_table, summary, table1
+    from .hardware import load_system, system_names
+    from .validate import format_table, leave_one_out, summary, table1, validation_set
     rows = table1()
-    print("Narayanan et al. SC'21 Table 1 on dgx-a100-80g (one system description for all rows)")
+    print("Fitting set: Narayanan et al. SC'21 Table 1 on dgx-a100-80g (the A100's matmul efficiency is fitted "
+          "to these ten rows)")
     print(format_table(rows))
+    loo = leave_one_out()
+    lm, lw = summary([err for _, err in loo])
+    print(f"leave-one-out (efficiency fitted on the other nine rows, "
+          f"{min(e for e, _ in loo):.2f}-{max(e for e, _ in loo):.2f}): mean |error| {100 * lm:.1f}%, "
+          f"max {100 * lw:.1f}%")
+    print()
+    print("Validation set: published runs nothing in the planner is fitted to (sources in podscale/plan/validate.py)")
+    vrows = validation_set()
+    print(format_table(vrows, goal=False))
+    for source in sorted({r.source.split(",")[0].split(" (")[0] for r in vrows}):
+        sub = [r for r in vrows if r.source.startswith(source)]
+        vm, vw = summary(sub)
+        print(f"  {source}: {len(sub)} runs, mean |error| {100 * vm:.1f}%, max {100 * vw:.1f}%")
+    print()
+    unvalidated = []
+    for name in system_names():
+        if name == "local":
+            continue
+        if not load_system(name).validated:
+            unvalidated.append(name)
+    print("systems without a published result to validate against (predictions are estimates): "
+          + ", ".join(unvalidated))
     mean, worst = summary(rows)
     return 0 if (mean <= 0.03 and worst <= 0.08) else 1
 
 
 def cmd_calibrate(args) -> int:
-    from .calibrate import calibrate
-    path = calibrate(out=args.out, quick=args.quick, ranks=args.ranks, log=print, swap_dir=args.swap_dir)
+    from .calibrate import calibrate, calibrate_gpu
+    if args.gpu:
+        path = calibrate_gpu(out=args.out, log=print)
+    else:
+        path = calibrate(out=args.out, quick=args.quick, ranks=args.ranks, log=print, swap_dir=args.swap_dir)
     print(f"wrote {path}")
     return 0
 
@@ -159,8 +190,9 @@ def cmd_systems(args) -> int:
             print(f"{name:<20} ({e})")
             continue
         limit = f"max {s.max_devices}" if s.max_devices else "any number of nodes"
+        checked = "validated" if s.validated else ("measured" if name == "local" else "unvalidated")
         print(f"{name:<20} {s.device.peak_flops / 1e12:>7.0f} TFLOP/s {s.device.memory_bytes / 2**30:>6.1f} GiB  "
-              f"{s.topology:<16} {limit:<20} {s.description}")
+              f"{s.topology:<16} {limit:<20} {checked:<12} {s.description}")
     return 0
 
 
@@ -211,6 +243,8 @@ def add_plan_parser(subparsers) -> None:
     p.add_argument("--out", help="output TOML (default $PODSCALE_CACHE/local.toml or ~/.cache/podscale/local.toml)")
     p.add_argument("--quick", action="store_true", help="few, small measurements (a few seconds)")
     p.add_argument("--ranks", type=int, default=2, help="gloo ranks for the collective measurements (default 2)")
+    p.add_argument("--gpu", action="store_true", help="calibrate this machine's GPUs: fit the GEMM shape model "
+                                                       "(e_mm, k0) to measured GEMMs")
     p.add_argument("--swap-dir", help="a folder on the disk for NVMe offload, whose bandwidth becomes the local "
                                       "system's nvme_gbps (default: the temporary directory's disk)")
     p.set_defaults(plan_func=_guarded(cmd_calibrate))

@@ -1,14 +1,23 @@
 """Time of one device's kernels: matrix multiplies by shape, and memory-bound element-wise work.
 
 A GEMM of (m x k) @ (k x n) in 16-bit does 2mkn FLOPs and moves at least 2(mk + kn + mn) bytes. Its
-time is the roofline bound (Williams, Waterman, Patterson, "Roofline", CACM 2009)
+time is the roofline bound (Williams, Waterman, Patterson, "Roofline", CACM 2009) with the arithmetic
+side quantised as a GPU runs it (the tile and wave quantisation of NVIDIA's "Matrix Multiplication
+Background" guide, as Calculon (Isaev et al. SC'23) and vTrain (Bang et al. MICRO'24) model it):
 
-    T = max( 2mkn / (peak * e_mm),  2(mk + kn + mn) / (B_mem * e_mem) )
+    T = max( T_tiles,  2(mk + kn + mn) / (B_mem * e_mem) )
+    T_tiles = min over tiles (tm x tn) of  waves * 2 tm tn (ceil(k / tk) tk + k0) / (F_sm * e_mm * e_tile)
+    waves   = ceil( ceil(m/tm) ceil(n/tn) batch / SMs ),   F_sm = peak / SMs
+    e_tile  = min(1, (tm tn / (tm + tn)) / (F_sm / B_L2,sm))     (operand loads of a tile per FLOP vs
+                                                               what an SM's share of L2 can feed)
 
-so large transformer GEMMs run at the achievable fraction e_mm of peak while the attention GEMMs,
-whose inner dimension is the head size (64-160), become bandwidth-bound: that is the "achieved
-matmul efficiency as a function of shape". On a calibrated machine (``local``) the measured FLOP/s
-of the nearest measured shape (in log space) replaces peak * e_mm.
+Every tile computes a full tm x tn x k block however little of it is inside the matrix (tile
+quantisation), the last wave may leave SMs idle (wave quantisation), and each tile pays a fill and
+drain of its software pipeline, ``k0`` in units of k (which is why GEMMs with a long inner dimension,
+those of large models, run closer to peak). SM count and L2 bandwidth are datasheet numbers; the
+achievable fraction e_mm of the tensor-core peak and k0 are the system's GEMM parameters. Without
+``sm_count`` a system uses the plain roofline with peak * e_mm. On a calibrated machine (``local``)
+the measured FLOP/s of the nearest measured shape (in log space) replaces the arithmetic side.
 
 Element-wise kernels (layer norm, bias + GeLU, softmax, dropout, residual adds) are pure memory
 traffic: T = bytes / (B_mem * e_mem).
@@ -16,6 +25,7 @@ traffic: T = bytes / (B_mem * e_mem).
 from __future__ import annotations
 
 import math
+from functools import lru_cache
 
 from .hardware import Device
 
@@ -33,18 +43,54 @@ def _table_flops(device: Device, m: float, n: float, k: float) -> float:
     return 1.0 / sec_per_flop
 
 
+def tile_efficiency(device: Device, tm: int, tn: int) -> float:
+    """Fraction of an SM's achievable rate a tm x tn tile sustains when its operand loads
+    (tm + tn bytes-pairs per k step for 2 tm tn FLOPs) are fed from the SM's share of L2 bandwidth."""
+    if not device.l2_bw:
+        return 1.0
+    need = device.peak_flops / device.l2_bw          # FLOP per byte of operands an SM must reach
+    return min(1.0, (tm * tn / (tm + tn)) / need)
+
+
+def tiled_gemm_time(device: Device, m: float, n: float, k: float, batch: float = 1.0,
+                    e_mm: float | None = None, k0: float | None = None) -> float:
+    """The arithmetic side of a GEMM with tile and wave quantisation (module docstring)."""
+    e_mm = device.matmul_efficiency if e_mm is None else e_mm
+    k0 = device.gemm_tile_overhead_k if k0 is None else k0
+    return _tiled(device, float(m), float(n), float(k), float(batch), e_mm, k0)
+
+
+@lru_cache(maxsize=65536)
+def _tiled(device: Device, m: float, n: float, k: float, batch: float, e_mm: float, k0: float) -> float:
+    sms, tk = device.sm_count, device.gemm_tile_k
+    per_sm = device.peak_flops / sms * e_mm
+    k_work = math.ceil(k / tk) * tk + k0
+    best = math.inf
+    for tm, tn in device.gemm_tiles:
+        for a, c in ((tm, tn), (tn, tm)):                 # either orientation of the output tile
+            waves = math.ceil(math.ceil(m / a) * math.ceil(n / c) * batch / sms)
+            best = min(best, waves * 2.0 * a * c * k_work / (per_sm * tile_efficiency(device, a, c)))
+    return best
+
+
+def gemm_rate(device: Device, m: float, n: float, k: float, batch: float = 1.0) -> float:
+    """FLOP/s of the arithmetic side of a GEMM (the measured table, the tile model, or peak * e_mm)."""
+    flops = 2.0 * m * n * k * batch
+    if device.matmul_table:
+        return _table_flops(device, m, n, k)
+    if device.sm_count:
+        return flops / tiled_gemm_time(device, m, n, k, batch)
+    return device.peak_flops * device.matmul_efficiency
+
+
 def gemm_time(device: Device, m: float, n: float, k: float, batch: float = 1.0,
               bytes_per_element: int = 2) -> float:
     """Seconds for ``batch`` independent (m x k) @ (k x n) products on one device."""
     if m <= 0 or n <= 0 or k <= 0 or batch <= 0:
         return 0.0
-    flops = 2.0 * m * n * k * batch
-    if device.matmul_table:
-        rate = _table_flops(device, m, n, k)
-    else:
-        rate = device.peak_flops * device.matmul_efficiency
+    arith = 2.0 * m * n * k * batch / gemm_rate(device, m, n, k, batch)
     traffic = bytes_per_element * (m * k + k * n + m * n) * batch
-    return max(flops / rate, traffic / (device.memory_bw * device.memory_efficiency))
+    return max(arith, traffic / (device.memory_bw * device.memory_efficiency))
 
 
 def stream_time(device: Device, nbytes: float) -> float:

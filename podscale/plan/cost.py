@@ -24,7 +24,13 @@ def predict(system: System | str, devices: int, model, layout: Layout | dict, ba
     if batch < 1:
         raise ValueError(f"--batch must be >= 1, got {batch}")
     if isinstance(model, DLRM):
-        return predict_dlrm(system, devices, model, layout, batch)
-    if isinstance(model, GPT):
-        return predict_gpt(system, devices, model, layout, batch)
-    raise TypeError(f"cannot predict a {type(model).__name__}")
+        pred = predict_dlrm(system, devices, model, layout, batch)
+    elif isinstance(model, GPT):
+        pred = predict_gpt(system, devices, model, layout, batch)
+    else:
+        raise TypeError(f"cannot predict a {type(model).__name__}")
+    if not system.validated and system.topology != "host":
+        pred.notes.append(f"system {system.name} is not validated against a published training result: "
+                          "its predictions are estimates (see `podscale plan validate`)")
+    pred.validated = bool(system.validated)
+    return pred

@@ -2,10 +2,14 @@
 
 The step of one pipeline rank is built from per-micro-batch pieces (Narayanan et al. SC'21, Sec. 2-3):
 
-    t_mb   = forward + backward (+ recompute) of its layers, tensor-parallel all-reduces, MoE
-             all-to-alls, pipeline sends              (the slowest stage sets the pace)
-    step   = t_mb * (m + (p - 1)/v)                   (bubble (p-1)/(v m) of 1F1B / interleaved / GPipe)
+    T_r    = forward + backward (+ recompute) of rank r's layers, tensor-parallel collectives, MoE
+             all-to-alls, pipeline sends, and the output layer on the last rank
+    step   = m * max_r T_r + (sum_r T_r - max_r T_r) / v     (the slowest rank sets the pace; with equal
+             T_r the bubble (p-1)/(v m) of 1F1B / interleaved / GPipe)
            + exposed data-parallel gradient reduction + optimizer step + offload traffic
+
+Ranks hold the layers the trainer gives them (``stages.py``: its parameter-balanced split, or the layout's
+``pipeline_layers``), so pipelines need not divide the layers.
 
 FLOPs per layer and micro-batch of b sequences (forward; backward = 2 x forward):
     24 b s h^2 (ffn = 4h, dense) + 4 b s^2 h (attention scores and values)
@@ -26,16 +30,19 @@ from __future__ import annotations
 
 
 from . import network as net
-from .compute import gemm_time, linear_time, stream_time
+from .compute import gemm_rate as _gemm_rate, gemm_time, linear_time, stream_time
 from .hardware import System
 from .layout import Layout, LayoutError
-from .memory import activation_bytes_per_layer, pipeline_inflight_layers, zero_model_state_bytes
+from .memory import (activation_bytes_per_layer, pipeline_inflight_layers, precision_of, zero3_gathered_bytes,
+                     zero_model_state_bytes)
 from .models import GPT
 from .prediction import Prediction
+from .stages import pipeline_chunks, pipeline_rank_layers
 
 ADAM_BYTES_PER_PARAM = 30      # fp32 master r/w, m r/w, v r/w, grad read, fp16 param write
 CROSS_ENTROPY_BYTES = 36       # per logit, fwd + bwd: fp16 -> fp32 cast, max, exp, sum, grad
 BWD_OVER_FWD = 2.0             # backward of attention and element-wise work: ~2x the forward
+FUSED_ATTN_BWD_OVER_FWD = 2.5  # FlashAttention-2 backward: 5 GEMMs for the forward's 2 (Dao 2023, Sec. 3.1.2)
 KERNELS_PER_LAYER = 20         # forward kernels of one layer (2 norms, 4 linears + biases, attention
                                # core, GeLU, dropouts, residual adds); host overhead counts on CPUs only
 
@@ -50,9 +57,7 @@ def check_gpt_layout(system: System, devices: int, model: GPT, layout: Layout, b
                           f"choose tp among {[d for d in range(1, model.heads + 1) if model.heads % d == 0][:12]}")
     if model.ffn % layout.tp:
         raise LayoutError(f"tp={layout.tp} does not divide ffn={model.ffn}")
-    if model.layers % (layout.pp * layout.interleave):
-        raise LayoutError(f"pp*interleave = {layout.pp * layout.interleave} does not divide the "
-                          f"{model.layers} layers; each virtual stage needs a whole number of layers")
+    pipeline_chunks(model, layout)       # raises LayoutError for a split that cannot exist
     if layout.ep > 1 and (model.experts == 1 or model.experts % layout.ep):
         raise LayoutError(f"ep={layout.ep} needs an MoE model whose experts ({model.experts}) it divides")
     if system.data_parallel_only and (layout.tp, layout.pp, layout.ep) != (1, 1, 1):
@@ -65,9 +70,25 @@ def check_gpt_layout(system: System, devices: int, model: GPT, layout: Layout, b
     return m
 
 
+_LAYER_CACHE: dict = {}
+
+
 def _layer_times(system: System, model: GPT, lay: Layout, moe: bool) -> dict:
     """Per-device seconds of one layer for one micro-batch: forward GEMMs, attention part,
-    element-wise, tensor-parallel and expert-parallel communication per pass."""
+    element-wise, tensor-parallel and expert-parallel communication per pass. Memoised on what they
+    depend on (a search predicts thousands of layouts that share them)."""
+    key = (system.topology, system.devices_per_node, system.device, system.intra, system.inter, system.ici,
+           system.torus, system.stream, model, moe, lay.microbatch, lay.tp, lay.ep, lay.sequence_parallel,
+           lay.tp_overlap, lay.fused_attention)
+    hit = _LAYER_CACHE.get(key)
+    if hit is None:
+        if len(_LAYER_CACHE) > 50_000:
+            _LAYER_CACHE.clear()
+        hit = _LAYER_CACHE[key] = _layer_times_uncached(system, model, lay, moe)
+    return hit
+
+
+def _layer_times_uncached(system: System, model: GPT, lay: Layout, moe: bool) -> dict:
     dev = system.device
     b, s, h, a, f, t = lay.microbatch, model.seq, model.hidden, model.heads, model.ffn, lay.tp
     tokens = b * s
@@ -86,67 +107,134 @@ def _layer_times(system: System, model: GPT, lay: Layout, moe: bool) -> dict:
         gemms.append(linear_time(dev, tokens, h, f / t, bytes_per_element=e))
     dense, dense_bwd = sum(g[0] for g in gemms), sum(g[1] for g in gemms)
     heads_local = b * a / t
-    attn = (gemm_time(dev, s, s, h / a, batch=heads_local, bytes_per_element=e)
-            + gemm_time(dev, s, h / a, s, batch=heads_local, bytes_per_element=e))
+    if lay.fused_attention:
+        # FlashAttention (Dao et al. 2022; torch's scaled_dot_product_attention): the score and value GEMMs
+        # in one kernel that never writes the s x s matrix, so its time is their arithmetic only (the
+        # GEMM model's rate with q, k, v, o as the only traffic), no softmax or dropout pass over memory.
+        # A causal kernel skips the blocks above the diagonal: half of the s x s scores. On a calibrated CPU
+        # (a measured element-wise rate) the softmax's exponentials inside the kernel cost that rate too.
+        d = h / a
+        scores = s * s / 2 * heads_local
+        attn = max(4.0 * scores * d / _gemm_rate(dev, s, s, d, heads_local),
+                   stream_time(dev, 4 * e * s * d * heads_local))
+        if dev.elementwise_bw:
+            attn += stream_time(dev, 2 * e * scores)
+    else:
+        attn = (gemm_time(dev, s, s, h / a, batch=heads_local, bytes_per_element=e)
+                + gemm_time(dev, s, h / a, s, batch=heads_local, bytes_per_element=e))
     sbh = tokens * h
     # Byte counts of the module docstring are for 16-bit elements; e / 2 rescales them (fp32 on CPU).
     replicated = 22 * sbh / (t if lay.sequence_parallel else 1)
     sharded = (4 * f / h * scale + 8) * sbh / t
     softmax = 9 * a * s * s * b / t
     ew = stream_time(dev, (replicated + sharded) * e / 2)
-    ew_attn = stream_time(dev, softmax * e / 2)
+    ew_attn = 0.0 if lay.fused_attention else stream_time(dev, softmax * e / 2)
     act_bytes = e * sbh                                       # one [s, b, h] activation tensor
     tp_ar = net.all_reduce_time(system, act_bytes, t, 1) if t > 1 else 0.0
     a2a = net.all_to_all_time(system, act_bytes * scale, lay.ep, t) if moe and lay.ep > 1 else 0.0
-    return {"gemm": dense, "gemm_bwd": dense_bwd, "attn": attn + ew_attn, "ew": ew, "tp_ar": tp_ar, "a2a": a2a,
-            "kernels": KERNELS_PER_LAYER * dev.kernel_overhead}
+    # Weight-gradient GEMMs of the two column-parallel linears (QKV, MLP-in), which Megatron's asynchronous
+    # tensor-parallel backward runs while the input gradient's collective is in flight.
+    wgrad = [] if moe else [gemm_time(dev, h, 3 * h / t, tokens, bytes_per_element=e),
+                            gemm_time(dev, h, f / t, tokens, bytes_per_element=e)]
+    # backward of the attention core: twice its forward; fused, 2.5x (five GEMMs for the forward's two,
+    # the scores recomputed: Dao 2023, FlashAttention-2, Sec. 3.1.2)
+    attn_bwd = (FUSED_ATTN_BWD_OVER_FWD if lay.fused_attention else BWD_OVER_FWD) * (attn + ew_attn)
+    return {"gemm": dense, "gemm_bwd": dense_bwd, "attn": attn + ew_attn, "attn_bwd": attn_bwd, "ew": ew,
+            "tp_ar": tp_ar, "a2a": a2a,
+            "kernels": KERNELS_PER_LAYER * dev.kernel_overhead, "tp_bwd": _tp_backward(lay, tp_ar, wgrad)}
+
+
+def _tp_backward(lay: Layout, ar: float, wgrad: list) -> float:
+    """Exposed tensor-parallel communication of one layer's backward (Shoeybi et al. 2019, Fig. 3: one
+    all-reduce of the input gradient per column-parallel linear, two per layer; with sequence parallelism
+    a reduce-scatter each, plus the all-gather of the layer input that Korthikanti et al. 2022, Sec. 4.2.2,
+    redo in the backward rather than keep). With ``tp_overlap`` (Megatron-LM's asynchronous tensor-parallel
+    all-reduce, 2022) the input-gradient collective runs under the weight-gradient GEMM of the same linear,
+    so only what exceeds it is exposed."""
+    if ar == 0.0:
+        return 0.0
+    sp = lay.sequence_parallel
+    # the input-gradient collective of each column-parallel linear: an all-reduce, or (sp) a reduce-scatter
+    collective = ar / 2 if sp else ar
+    redo_gather = ar / 2 if sp else 0.0     # sp: all-gather the input again for the weight gradient
+    if not lay.tp_overlap or not wgrad:
+        return 2 * (collective + redo_gather) if sp else 2 * ar
+    return sum(redo_gather + max(0.0, collective - w) for w in wgrad)
 
 
 def predict_gpt(system: System, devices: int, model: GPT, lay: Layout, batch: int) -> Prediction:
+    """Step time and memory of one layout. Pipeline ranks may hold different numbers of layers
+    (``stage_layers``: the trainer's split, or the layout's ``pipeline_layers``); rank 0 also holds the
+    embeddings, the last rank the output layer and loss. With per-micro-batch times T_r of the p ranks,
+    a 1F1B / GPipe / interleaved schedule takes m * max T_r for the bottleneck rank plus a fill and
+    drain of (sum T_r - max T_r) / v (Narayanan et al. SC'21, Sec. 2.2; for equal T_r this is the
+    familiar bubble (p - 1)/(v m)). Memory is that of the fullest rank."""
     m = check_gpt_layout(system, devices, model, lay, batch)
+    if system.data_parallel_only:
+        return predict_weight_streaming(system, devices, model, lay, batch, m)
     dev = system.device
     b, s, h, V, t, p, v = lay.microbatch, model.seq, model.hidden, model.vocab, lay.tp, lay.pp, lay.interleave
     L = model.layers
-    per_dev_layers = L // p
+    rank_layers = pipeline_rank_layers(model, lay)
     moe_frac = model.moe_layers / L
     dense_t = _layer_times(system, model, lay, moe=False)
     moe_t = _layer_times(system, model, lay, moe=True) if model.moe_layers else dense_t
 
-    def per_layer(key):  # average over dense and MoE layers of this stage
+    def per_layer(key):  # average over dense and MoE layers
         return (1 - moe_frac) * dense_t[key] + moe_frac * moe_t[key]
 
     gemm, attn, ew = per_layer("gemm"), per_layer("attn"), per_layer("ew")
     launch = per_layer("kernels")
     fwd = gemm + attn + ew + launch
-    bwd = per_layer("gemm_bwd") + BWD_OVER_FWD * (attn + ew + launch)
+    bwd = per_layer("gemm_bwd") + per_layer("attn_bwd") + BWD_OVER_FWD * (ew + launch)
+    # selective recompute re-runs the attention core's forward (fused or not) before its backward
     recompute = {"none": 0.0, "selective": attn, "full": fwd}[lay.recompute]
     n_tp = 4 + (2 if lay.recompute == "full" else 0)      # all-reduces (or AG+RS pairs) per layer
-    tp_comm = n_tp * per_layer("tp_ar")
+    n_fwd = n_tp - 2                                      # forward passes' (incl. recompute's) collectives
+    tp_comm = n_fwd * per_layer("tp_ar") + per_layer("tp_bwd")
     ep_comm = n_tp * moe_frac * moe_t["a2a"]
     # Last stage: vocabulary projection and cross-entropy (Megatron places them there).
     logits_elems = b * s * V / t
     head = (3 * gemm_time(dev, b * s, V / t, h, bytes_per_element=dev.dtype_bytes)
             + stream_time(dev, CROSS_ENTROPY_BYTES * logits_elems))
     head += 2 * net.all_reduce_time(system, 4 * b * s, t, 1) if t > 1 else 0.0   # vocab-parallel CE
-    act_msg = dev.dtype_bytes * b * s * h / t            # scatter-gather send of one micro-batch boundary (Sec. 4.1)
+    # One micro-batch boundary between stages: Megatron's scatter-gather sends 1/t of it per tp rank
+    # (Narayanan et al. SC'21, Sec. 4.1); DeepSpeed's pipeline engine sends the whole tensor from every rank.
+    act_msg = dev.dtype_bytes * b * s * h / (t if lay.pp_scatter_gather else 1)
     stride_pp = lay.dp * lay.ep * t
     p2p = 2 * v * net.p2p_time(system, act_msg, stride_pp) if p > 1 else 0.0
 
-    comp_fwd = per_dev_layers * fwd
-    comp_bwd = per_dev_layers * bwd
-    comp_rec = per_dev_layers * recompute
-    comm_tp = per_dev_layers * (tp_comm + ep_comm)
-    t_mb = comp_fwd + comp_bwd + comp_rec + comm_tp + head + p2p
-    bubble = t_mb * (p - 1) / v
+    per_layer_mb = fwd + bwd + recompute + tp_comm + ep_comm
+    # Per-micro-batch time of each rank: its layers, the output layer on the last, the stage sends.
+    n_max, n_last = max(rank_layers), rank_layers[-1]
+    t_last = n_last * per_layer_mb + head + p2p
+    t_other = max((n for n in rank_layers[:-1]), default=0) * per_layer_mb + p2p
+    slow_last = p == 1 or t_last >= t_other
+    n_slow = n_last if slow_last else n_max
+    t_slow = t_last if slow_last else t_other
+    comp_fwd, comp_bwd, comp_rec = n_slow * fwd, n_slow * bwd, n_slow * recompute
+    bubble = (L * per_layer_mb + head + p * p2p - t_slow) / v
 
-    # Parameters held by the heaviest device (first/last stage also hold the embedding).
+    # Parameters of each rank (rank 0 and the last also hold the word embedding: tied, one copy each).
     dense_layer = model.layer_params(moe=False)
     moe_layer = model.layer_params(moe=True) if model.moe_layers else dense_layer
     expert_params = (moe_layer - dense_layer) if model.moe_layers else 0
-    stage_dense = per_dev_layers * ((1 - moe_frac) * dense_layer + moe_frac * (moe_layer - expert_params)) / t
-    # pp = 1: embeddings and the final layer norm; pp > 1: the (tied) word embedding of an end stage.
-    stage_dense += (model.embedding_params + 2 * h) / t if p == 1 else model.vocab * h / t
-    stage_expert = per_dev_layers * moe_frac * expert_params / t / lay.ep
+    trunk = (1 - moe_frac) * dense_layer + moe_frac * (moe_layer - expert_params)
+
+    def rank_params(r: int) -> tuple[float, float]:
+        dense = rank_layers[r] * trunk / t
+        # pp = 1: embeddings and the final layer norm; pp > 1: the (tied) word embedding of an end stage.
+        if p == 1:
+            dense += (model.embedding_params + 2 * h) / t
+        elif r in (0, p - 1):
+            dense += model.vocab * h / t
+        return dense, rank_layers[r] * moe_frac * expert_params / t / lay.ep
+
+    # Ranks that can hold the most (parameters or activations): the two ends (embedding, head, logits)
+    # and, per distinct layer count, the earliest rank with it (the most micro-batches in flight).
+    candidates = sorted({0, p - 1} | {rank_layers.index(n) for n in set(rank_layers)})
+    params = {r: rank_params(r) for r in candidates}
+    stage_dense, stage_expert = max(params.values(), key=lambda x: x[0] + x[1])
     dpe, dp_stride = lay.data_parallel, t
     grad_bytes = dev.dtype_bytes * stage_dense
     expert_grad_bytes = dev.dtype_bytes * stage_expert
@@ -174,7 +262,7 @@ def predict_gpt(system: System, devices: int, model: GPT, lay: Layout, batch: in
     if p > 1:   # tied input/output embedding gradients between first and last stage
         dp_red += net.all_reduce_time(system, 2 * model.vocab * h / t, 2, (p - 1) * stride_pp)
     window = comp_bwd if lay.overlap_grad_reduce else 0.0
-    last_bucket = dp_red / max(per_dev_layers, 1)
+    last_bucket = dp_red / max(n_slow, 1)
     dp_exposed = max(dp_red - window, last_bucket if lay.overlap_grad_reduce else dp_red) + zero3_gather
 
     shard = 1 if lay.zero_stage == 0 else dpe
@@ -185,62 +273,72 @@ def predict_gpt(system: System, devices: int, model: GPT, lay: Layout, batch: in
 
     breakdown = {
         "forward": m * comp_fwd, "backward": m * comp_bwd, "recompute": m * comp_rec,
-        "tp_communication": m * per_dev_layers * tp_comm, "ep_communication": m * per_dev_layers * ep_comm,
-        "output_layer": m * head, "pp_p2p": m * p2p, "pipeline_bubble": bubble,
+        "tp_communication": m * n_slow * tp_comm, "ep_communication": m * n_slow * ep_comm,
+        "output_layer": m * head if slow_last else 0.0, "pp_p2p": m * p2p, "pipeline_bubble": bubble,
         "dp_communication": dp_exposed, "optimizer": optimizer, "offload": offload,
     }
     step = sum(breakdown.values())
 
-    # Memory: first stage (most activations in flight) vs last stage (logits buffer).
+    # Memory of every pipeline rank; the fullest one is reported.
     mlp_scale = model.top_k * model.capacity_factor if model.moe_layers else 1.0
     act_kw = dict(seq=s, microbatch=b, hidden=h, heads=model.heads, tp=t,
                   sequence_parallel=lay.sequence_parallel, ffn=model.ffn)
-    act_layer = ((1 - moe_frac) * activation_bytes_per_layer(recompute=lay.recompute, **act_kw)
-                 + moe_frac * activation_bytes_per_layer(recompute=lay.recompute, mlp_scale=mlp_scale, **act_kw))
-    inflight = pipeline_inflight_layers(per_dev_layers, p, m, lay.schedule, v)
+    # a fused attention kernel keeps no s x s tensors for its backward, as selective recompute does
+    kept = "selective" if lay.fused_attention and lay.recompute == "none" else lay.recompute
+    act_layer = ((1 - moe_frac) * activation_bytes_per_layer(recompute=kept, **act_kw)
+                 + moe_frac * activation_bytes_per_layer(recompute=kept, mlp_scale=mlp_scale, **act_kw))
     working = 0.0
     if lay.recompute == "full":   # one layer re-materialised during its backward
         working = activation_bytes_per_layer(recompute="none", mlp_scale=mlp_scale, **act_kw)
-    states = zero_model_state_bytes(stage_dense, dpe, lay.zero_stage, lay.offload_optimizer, lay.offload_param)
-    if stage_expert:
-        es = zero_model_state_bytes(stage_expert, lay.dp, lay.zero_stage, lay.offload_optimizer, lay.offload_param)
-        states = type(states)(states.device + es.device, states.host + es.host, states.nvme + es.nvme)
-    gathered = 2 * 2 * moe_layer / t if lay.zero_stage == 3 else 0.0    # current + prefetched layer
-    # ZeRO-2/3 on a pipeline: the stage's full 16-bit gradient is accumulated over the micro-batches before
-    # its one reduce-scatter (the partitioned gradient in ``states`` is the part that outlives the step)
-    pipeline_grads = grad_bytes * (1 - 1 / dpe) if lay.zero_stage >= 2 and p > 1 else 0.0
+    prec = precision_of(dev.dtype_bytes)
+    gathered = zero3_gathered_bytes(moe_layer / t, prec) if lay.zero_stage == 3 else 0.0  # current + prefetched
     logits_buf = 6 * logits_elems          # fp16 logits + fp32 softmax of the vocab-parallel loss
-    first = act_layer * inflight + working
-    last = act_layer * (per_dev_layers if p > 1 else inflight) + working + logits_buf
-    activations = max(first, last)
-    memory = {"model_states": states.device, "activations": activations - (logits_buf if last >= first else 0),
-              "logits": logits_buf if last >= first else 0.0, "zero3_gathered": gathered,
-              "pipeline_grads": pipeline_grads,
-              "reserved": dev.reserved_bytes}
-    total_mem = sum(memory.values())
-
-    if system.data_parallel_only:
-        _weight_streaming(system, model, breakdown, memory, m, comp_fwd + comp_bwd + comp_rec)
-        step, total_mem = sum(breakdown.values()), sum(memory.values())
-        states = type(states)(memory["model_states"], 0.0, 0.0)
+    memory, states, total_mem = {}, None, -1.0
+    for r in candidates:
+        dense_r, expert_r = params[r]
+        st = zero_model_state_bytes(dense_r, dpe, lay.zero_stage, lay.offload_optimizer, lay.offload_param, prec)
+        if expert_r:
+            es = zero_model_state_bytes(expert_r, lay.dp, lay.zero_stage, lay.offload_optimizer,
+                                        lay.offload_param, prec)
+            st = type(st)(st.device + es.device, st.host + es.host, st.nvme + es.nvme)
+        # ZeRO-2/3 on a pipeline: the stage's full 16-bit gradient is accumulated over the micro-batches
+        # before its one reduce-scatter (the partitioned gradient in ``st`` is what outlives the step)
+        pipeline_grads = dev.dtype_bytes * dense_r * (1 - 1 / dpe) if lay.zero_stage >= 2 and p > 1 else 0.0
+        logits = logits_buf if r == p - 1 else 0.0
+        acts = act_layer * pipeline_inflight_layers(rank_layers[r], p, m, lay.schedule, v, rank=r) + working
+        mem = {"model_states": st.device, "activations": acts, "logits": logits, "zero3_gathered": gathered,
+               "pipeline_grads": pipeline_grads, "reserved": dev.reserved_bytes}
+        if sum(mem.values()) > total_mem:
+            memory, states, total_mem = mem, st, sum(mem.values())
 
     tokens = batch * s
-    # 8 T h^2 (QKV, output), 4 T s h (scores, values), 4 T h ffn (MLP; top_k experts per token in MoE)
-    mlp_fwd = 4 * tokens * h * model.ffn * (1 - moe_frac + moe_frac * model.top_k)
-    layer_fwd_flops = 8 * tokens * h * h + 4 * tokens * s * h + mlp_fwd
-    head_flops = 6 * tokens * h * V
-    model_flops = 3 * L * layer_fwd_flops + head_flops
-    extra = {"none": 0.0, "selective": L * 4 * tokens * s * h, "full": L * layer_fwd_flops}[lay.recompute]
+    model_flops, extra = _flops(model, lay, tokens)
     notes = []
     if total_mem > dev.memory_bytes:
         notes.append(f"does not fit: needs {total_mem / 2**30:.1f} GiB of {dev.memory_bytes / 2**30:.1f} GiB")
+    layout = lay.to_dict()
+    if p > 1:
+        layout["pipeline_layers"] = list(pipeline_chunks(model, lay))
     return Prediction(
-        system=system.name, devices=devices, batch=batch, model=model.name, layout=lay.to_dict(),
+        system=system.name, devices=devices, batch=batch, model=model.name, layout=layout,
         step_time_s=step, time_breakdown_s=breakdown, memory_per_device_bytes=total_mem,
         memory_breakdown_bytes=memory, memory_capacity_bytes=dev.memory_bytes,
         host_memory_per_device_bytes=states.host, hardware_flops_per_step=model_flops + extra,
         model_flops_per_step=model_flops, tokens_per_step=tokens, peak_flops_per_device=dev.peak_flops,
         notes=notes)
+
+
+def _flops(model: GPT, lay: Layout, tokens: float) -> tuple[float, float]:
+    """(model FLOPs, recompute FLOPs) of one step: per layer 8 T h^2 (QKV, output), 4 T s h (scores,
+    values), 4 T h ffn (MLP; top_k experts per token in MoE), x3 for forward and backward, plus the
+    vocabulary projection 6 T h V (Narayanan et al. SC'21, Sec. 5.1)."""
+    h, s, L = model.hidden, model.seq, model.layers
+    moe_frac = model.moe_layers / L
+    mlp_fwd = 4 * tokens * h * model.ffn * (1 - moe_frac + moe_frac * model.top_k)
+    layer_fwd_flops = 8 * tokens * h * h + 4 * tokens * s * h + mlp_fwd
+    model_flops = 3 * L * layer_fwd_flops + 6 * tokens * h * model.vocab
+    extra = {"none": 0.0, "selective": L * 4 * tokens * s * h, "full": L * layer_fwd_flops}[lay.recompute]
+    return model_flops, extra
 
 
 def _offload_time(system: System, lay: Layout, local_params: float, stage_params: float, m: int,
@@ -268,13 +366,79 @@ def _offload_time(system: System, lay: Layout, local_params: float, stage_params
     return t
 
 
-def _weight_streaming(system: System, model: GPT, breakdown: dict, memory: dict, m: int,
-                      compute_per_mb: float) -> None:
-    """Cerebras weight streaming (Hot Chips 33): per micro-batch every layer's fp16 weights stream in
-    for the forward and again for the backward, and fp16 gradients stream out to SwarmX/MemoryX,
-    which reduces them across wafers and runs the optimizer. Streaming overlaps compute layer by layer,
-    so only the excess is exposed; the wafer holds activations plus the layer in flight."""
-    stream = 6 * model.params / system.stream.effective
-    breakdown["dp_communication"] = m * max(0.0, stream - compute_per_mb) + system.stream.latency * model.layers
-    breakdown["optimizer"] = 0.0
-    memory["model_states"] = 2 * 2 * model.layer_params(moe=model.moe_layers > 0)
+def predict_weight_streaming(system: System, devices: int, model: GPT, lay: Layout, batch: int,
+                             m: int) -> Prediction:
+    """A Cerebras CS-2 cluster in weight-streaming mode (Lie, "Cerebras Architecture Deep Dive", Hot Chips
+    34, 2022; Hot Chips 33, 2021): every wafer runs the whole model, layer by layer, on its share of the
+    batch (data parallelism only). Weights live in MemoryX, which also keeps the optimizer state and runs
+    the update; for each micro-batch every layer's 16-bit weights stream in for the forward and again for
+    the backward, and its 16-bit gradients stream out, SwarmX broadcasting the weights to and reducing
+    the gradients of all wafers in a tree on the way (so the reduction costs no extra wafer I/O).
+    Streaming of layer i+1 overlaps the compute of layer i, so a layer takes the longer of the two:
+
+        micro-batch = sum over layers of max(compute_layer, 3 x 2 bytes x layer params / I/O bandwidth)
+        step        = m x micro-batch + output layer + MemoryX's optimizer pass over the 16-byte state
+
+    The wafer's SRAM holds the micro-batch's activations and the streamed layer (current and next, weights
+    and gradients); it holds no model states. The micro-batch is the wafer's batch per pass: larger ones
+    amortise the streamed weights."""
+    dev = system.device
+    b, s, h, V = lay.microbatch, model.seq, model.hidden, model.vocab
+    L = model.layers
+    moe_frac = model.moe_layers / L
+    dense_t = _layer_times(system, model, lay, moe=False)
+    moe_t = _layer_times(system, model, lay, moe=True) if model.moe_layers else dense_t
+
+    def per_layer(key):
+        return (1 - moe_frac) * dense_t[key] + moe_frac * moe_t[key]
+
+    attn, ew = per_layer("attn"), per_layer("ew")
+    fwd = per_layer("gemm") + attn + ew
+    bwd = per_layer("gemm_bwd") + per_layer("attn_bwd") + BWD_OVER_FWD * ew
+    rec = {"none": 0.0, "selective": attn, "full": fwd}[lay.recompute]
+    layer_params = (1 - moe_frac) * model.layer_params(moe=False) + moe_frac * model.layer_params(moe=True)
+    io = system.stream.effective
+    stream_layer = 3 * dev.dtype_bytes * layer_params / io + system.stream.latency * _tree_depth(devices)
+    compute_layer = fwd + bwd + rec
+    exposed = max(0.0, stream_layer - compute_layer)
+    head = (3 * gemm_time(dev, b * s, V, h, bytes_per_element=dev.dtype_bytes)
+            + stream_time(dev, CROSS_ENTROPY_BYTES * b * s * V))
+    head_stream = max(0.0, 3 * dev.dtype_bytes * V * h / io - head)     # the (tied) embedding streams too
+    optimizer = ADAM_BYTES_PER_PARAM * model.params / max(system.host.memory_bw, 1.0)
+    breakdown = {"forward": m * L * fwd, "backward": m * L * bwd, "recompute": m * L * rec,
+                 "tp_communication": 0.0, "output_layer": m * head,
+                 "weight_streaming": m * (L * exposed + head_stream), "dp_communication": 0.0,
+                 "optimizer": optimizer}
+    step = sum(breakdown.values())
+
+    act_kw = dict(seq=s, microbatch=b, hidden=h, heads=model.heads, tp=1, ffn=model.ffn)
+    kept = "selective" if lay.fused_attention and lay.recompute == "none" else lay.recompute
+    act = L * activation_bytes_per_layer(recompute=kept, **act_kw)
+    if lay.recompute == "full":
+        act += activation_bytes_per_layer(recompute="none", **act_kw)
+    largest = max(model.layer_params(moe=model.moe_layers > 0), V * h)
+    memory = {"activations": act, "logits": 6 * b * s * V,
+              "streamed_layers": 2 * 2 * dev.dtype_bytes * largest,     # current + next, weights + gradients
+              "model_states": 0.0, "reserved": dev.reserved_bytes}
+    total_mem = sum(memory.values())
+    model_flops, extra = _flops(model, lay, batch * s)
+    notes = []
+    if total_mem > dev.memory_bytes:
+        notes.append(f"does not fit: needs {total_mem / 2**30:.1f} GiB of {dev.memory_bytes / 2**30:.1f} GiB "
+                     "of wafer memory; use a smaller micro-batch or recompute")
+    memx = 16 * model.params                                    # weights + Adam state in MemoryX
+    return Prediction(
+        system=system.name, devices=devices, batch=batch, model=model.name, layout=lay.to_dict(),
+        step_time_s=step, time_breakdown_s=breakdown, memory_per_device_bytes=total_mem,
+        memory_breakdown_bytes=memory, memory_capacity_bytes=dev.memory_bytes,
+        host_memory_per_device_bytes=memx / devices, hardware_flops_per_step=model_flops + extra,
+        model_flops_per_step=model_flops, tokens_per_step=batch * s, peak_flops_per_device=dev.peak_flops,
+        notes=notes)
+
+
+def _tree_depth(n: int) -> int:
+    """Levels of SwarmX's broadcast/reduce tree over n wafers (binary fan-out)."""
+    depth = 0
+    while (1 << depth) < n:
+        depth += 1
+    return depth

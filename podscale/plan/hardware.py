@@ -50,6 +50,14 @@ class Device:
     kernel_overhead: float = 0.0
     # Measured matmul throughput by shape (local calibration only): tuples (m, n, k, flop/s).
     matmul_table: tuple = ()
+    # GEMM shape model (compute.gemm_time): streaming multiprocessors, the output tiles a GEMM library
+    # picks from, the k step of its main loop, the per-tile fill/drain in k, and the operand bytes per
+    # second one SM can load (L2), which makes small tiles slower. sm_count = 0: no shape model.
+    sm_count: int = 0
+    gemm_tiles: tuple = ()
+    gemm_tile_k: int = 32
+    gemm_tile_overhead_k: float = 0.0
+    l2_bw: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -89,6 +97,8 @@ class System:
     stream: Link | None = None   # weight-streaming I/O per wafer (Cerebras)
     source: str = ""             # file the description came from
     extra: dict = field(default_factory=dict)
+    # Published results this description was checked against (plan validate); () -> unvalidated.
+    validated: tuple = ()
 
     @property
     def data_parallel_only(self) -> bool:
@@ -134,8 +144,16 @@ def system_from_dict(data: dict, source: str = "") -> System:
             elementwise_bw=float(dev.get("elementwise_gbps", 0.0)) * GB,
             kernel_overhead=float(dev.get("kernel_overhead_us", 0.0)) * 1e-6,
             matmul_table=table,
+            sm_count=int(dev.get("sm_count", 0)),
+            gemm_tiles=tuple(tuple(int(x) for x in t) for t in dev.get("gemm_tiles", ())),
+            gemm_tile_k=int(dev.get("gemm_tile_k", 32)),
+            gemm_tile_overhead_k=float(dev.get("gemm_tile_overhead_k", 0.0)),
+            l2_bw=float(dev.get("l2_bw_gbps", 0.0)) * GB,
         )
+        if device.sm_count and not device.gemm_tiles:
+            raise CatalogError(f"{source}: [device] sm_count needs gemm_tiles = [[rows, cols], ...]")
         h = data.get("host", {})
+        validated = data.get("validated", [])
         host = Host(memory_bytes=float(h.get("memory_gib", 0)) * GiB,
                     memory_bw=float(h.get("memory_bw_gbps", 0)) * GB,
                     pcie_bw=float(h.get("pcie_gbps", 0)) * GB, nvme_bw=float(h.get("nvme_gbps", 0)) * GB)
@@ -149,6 +167,7 @@ def system_from_dict(data: dict, source: str = "") -> System:
             ici=_link(data["ici"], "link_gbps") if "ici" in data else None,
             stream=_link(data["stream"], "io_gbps") if "stream" in data else None,
             source=source, extra={k: v for k, v in data.items() if k == "calibration"},
+            validated=tuple(str(x) for x in validated),
         )
     except KeyError as e:
         raise CatalogError(f"system file {source or '<dict>'} lacks key {e.args[0]!r}") from None

@@ -7,7 +7,7 @@ micro-step, and the global batch = dp * ep * microbatch * num_microbatches.
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass, fields
 
 RECOMPUTE = ("none", "selective", "full")
 OFFLOAD = ("none", "cpu", "nvme")
@@ -33,6 +33,13 @@ class Layout:
     offload_optimizer: str = "none"
     offload_param: str = "none"
     overlap_grad_reduce: bool = True
+    tp_overlap: bool = False      # Megatron-LM's asynchronous tensor-parallel backward: the input
+                                  # gradient's collective under the weight-gradient GEMM (2022 on)
+    fused_attention: bool = False   # FlashAttention / torch SDPA (what podscale's GPT runs) instead of
+                                    # Megatron's separate score GEMM, softmax, dropout and value GEMM
+    pp_scatter_gather: bool = True  # Megatron's scatter-gather pipeline sends (False: DeepSpeed's engine)
+    pipeline_layers: tuple = ()   # blocks per model chunk (pp * interleave of them), as the trainer's
+                                  # parallel.pipeline_layers; () -> the trainer's parameter-balanced split
 
     def __post_init__(self):
         for f in ("tp", "pp", "dp", "ep", "microbatch", "interleave"):
@@ -56,6 +63,10 @@ class Layout:
             raise LayoutError("offload_param needs zero_stage 3 (only ZeRO-3 partitions parameters)")
         if self.offload_optimizer != "none" and self.zero_stage == 0:
             raise LayoutError("offload_optimizer needs zero_stage >= 1")
+        if not isinstance(self.pipeline_layers, tuple):
+            object.__setattr__(self, "pipeline_layers", tuple(self.pipeline_layers))
+        if any(not isinstance(n, int) or isinstance(n, bool) for n in self.pipeline_layers):
+            raise LayoutError(f"pipeline_layers must be a list of integers, got {list(self.pipeline_layers)}")
         if self.sequence_parallel and self.tp == 1:
             raise LayoutError("sequence_parallel needs tp > 1")
 
@@ -75,7 +86,9 @@ class Layout:
         return batch // per
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        d = {f.name: getattr(self, f.name) for f in _FIELDS}
+        d["pipeline_layers"] = list(self.pipeline_layers)
+        return d
 
     def short(self) -> str:
         s = f"tp{self.tp} pp{self.pp} dp{self.dp}"
@@ -96,7 +109,14 @@ class Layout:
             s += f" rc-{self.recompute}"
         if self.sequence_parallel:
             s += " sp"
+        if self.fused_attention:
+            s += " flash"
+        if self.pipeline_layers and len(set(self.pipeline_layers)) > 1:
+            s += " layers " + "/".join(map(str, self.pipeline_layers))
         return s
+
+
+_FIELDS = fields(Layout)
 
 
 def layout_from_dict(data: dict) -> Layout:

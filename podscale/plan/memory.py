@@ -1,17 +1,12 @@
 """Memory per device: model states per ZeRO stage and activations per transformer layer.
 
-Model states follow Rajbhandari et al., "ZeRO: Memory Optimizations Toward Training Trillion
-Parameter Models" (SC'20), Sec. 3 and Fig. 1: mixed-precision Adam keeps 2 bytes of fp16 parameters,
-2 bytes of fp16 gradients and K = 12 bytes of fp32 optimizer state (master weights, momentum,
-variance) per parameter; ZeRO stage 1 partitions the optimizer state over the Nd data-parallel ranks,
-stage 2 also the gradients, stage 3 also the parameters:
-
-    stage 0: (2 + 2 + K) P        stage 1: 2P + 2P + K P / Nd
-    stage 2: 2P + (2 + K) P / Nd  stage 3: (2 + 2 + K) P / Nd
-
-``deepspeed_zero2_estimate`` / ``deepspeed_zero3_estimate`` reproduce the formulas of DeepSpeed's
-``estimate_zero2_model_states_mem_needs`` / ``estimate_zero3_model_states_mem_needs`` (which assume
-fp32 gradient partitions, hence 16 and 18 bytes), so ``podscale memory`` can print both.
+Model states are ZeRO's (Rajbhandari et al., "ZeRO: Memory Optimizations Toward Training Trillion
+Parameter Models", SC'20, Sec. 3 and Fig. 1): 2 + 2 + K = 12 bytes per parameter of 16-bit parameters,
+16-bit gradients and fp32 Adam state, partitioned over the data-parallel ranks by stage. There is one
+ZeRO memory model in podscale, :func:`podscale.parallel.zero.memory.estimate_model_states`, which
+``podscale memory`` prints and which is tested against what ZeRO runs allocate; the planner sums its
+lines by where they live (:func:`zero_model_state_bytes`). DeepSpeed's own estimators
+(``deepspeed_zero2_estimate`` / ``deepspeed_zero3_estimate``) live there too and are re-exported here.
 
 Activations follow Korthikanti et al., "Reducing Activation Recomputation in Large Transformer
 Models" (2022), Sec. 4 and Table 2, bytes per layer with s = sequence, b = micro-batch, h = hidden,
@@ -30,11 +25,10 @@ MLP part, which reduces to Korthikanti's numbers at ffn = 4h, dense.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
-PARAM_BYTES = 2          # fp16/bf16 weights
-GRAD_BYTES = 2           # fp16/bf16 gradients
-OPTIMIZER_BYTES = 12     # fp32 master weights + Adam m + v
-
+from podscale.parallel.zero.memory import (deepspeed_zero2_estimate, deepspeed_zero3_estimate,  # noqa: F401
+                                          estimate_model_states)
 
 @dataclass(frozen=True)
 class ModelStateBytes:
@@ -47,80 +41,25 @@ class ModelStateBytes:
         return self.device + self.host + self.nvme
 
 
+def precision_of(dtype_bytes: int) -> str:
+    """The training precision a device's element size stands for: 16-bit mixed precision or fp32 (CPU)."""
+    return "fp32" if dtype_bytes == 4 else "bf16"
+
+
+@lru_cache(maxsize=65536)
 def zero_model_state_bytes(params: float, dp: int, stage: int, offload_optimizer: str = "none",
-                           offload_param: str = "none", param_bytes: int = PARAM_BYTES,
-                           grad_bytes: int = GRAD_BYTES, optimizer_bytes: int = OPTIMIZER_BYTES
-                           ) -> ModelStateBytes:
-    """Bytes of parameters, gradients and Adam state held per data-parallel rank (ZeRO paper, Fig. 1).
-
-    ``params`` is the number of parameters this rank's replica holds (already divided by tensor and
-    pipeline parallelism). Offloaded optimizer state (ZeRO-Offload, Ren et al. 2021) moves the K-byte
-    partition, and for stage >= 2 the gradient partition it updates, to CPU or NVMe; offloaded
-    parameters (ZeRO-Infinity, Rajbhandari et al. 2021) move the stage-3 parameter partition too.
-    """
-    if stage not in (0, 1, 2, 3):
-        raise ValueError(f"ZeRO stage must be 0..3, got {stage}")
-    if dp < 1:
-        raise ValueError("dp must be >= 1")
-    p, g, k = params * param_bytes, params * grad_bytes, params * optimizer_bytes
-    shard_p = p / dp if stage >= 3 else p
-    shard_g = g / dp if stage >= 2 else g
-    shard_k = k / dp if stage >= 1 else k
-    moved = {"none": 0.0, "cpu": 0.0, "nvme": 0.0}   # bytes moved off the device, by target
-    device_bytes = shard_p + shard_g + shard_k
-    if offload_optimizer != "none":
-        # The optimizer runs where its state lives, so the gradient partition it consumes goes along.
-        opt = shard_k + (shard_g if stage >= 2 else 0.0)
-        device_bytes -= opt
-        moved[offload_optimizer] += opt
-    if offload_param != "none":
-        if stage != 3:
-            raise ValueError("offload_param needs ZeRO stage 3")
-        device_bytes -= shard_p
-        moved[offload_param] += shard_p
-    return ModelStateBytes(device=device_bytes, host=moved["cpu"], nvme=moved["nvme"])
+                           offload_param: str = "none", precision: str = "bf16") -> ModelStateBytes:
+    """Bytes of parameters, gradients and Adam state held per data-parallel rank, summed by where they
+    live. The formulas are :func:`podscale.parallel.zero.memory.estimate_model_states` (ZeRO paper,
+    Fig. 1, with what podscale's ZeRO allocates), the one ZeRO memory model that ``podscale memory``
+    prints too; ``params`` is what this rank's replica holds (already divided by tp and pp)."""
+    est = estimate_model_states(params, dp, stage, precision, offload_optimizer, offload_param)
+    return ModelStateBytes(device=est.device_states, host=sum(est.host.values()), nvme=sum(est.nvme.values()))
 
 
-def deepspeed_zero2_estimate(total_params: float, num_gpus_per_node: int = 1, num_nodes: int = 1,
-                             cpu_offload: bool = True, additional_buffer_factor: float = 1.5
-                             ) -> tuple[int, int]:
-    """(cpu_bytes, gpu_bytes) as DeepSpeed's ZeRO-2 estimator computes them (stage_1_and_2.py):
-    GPU 4P + 16P/N without offload, 2P with; CPU 4P per GPU of a node (buffer factor 1.5), or
-    max(4N, 16) P with offload."""
-    n = num_nodes * num_gpus_per_node
-    if cpu_offload:
-        gpu = 2 * total_params
-        cpu = total_params * max(4 * n, 16) * additional_buffer_factor
-    else:
-        gpu = 4 * total_params + int(16 * total_params / n)
-        cpu = total_params * 4 * num_gpus_per_node * additional_buffer_factor
-    return int(cpu), int(gpu)
-
-
-def deepspeed_zero3_estimate(total_params: float, largest_layer_params: float, num_gpus_per_node: int = 1,
-                             num_nodes: int = 1, cpu_offload: bool = True, cpu_offload_params: bool = True,
-                             zero_init: bool = True, additional_buffer_factor: float = 1.5
-                             ) -> tuple[int, int]:
-    """(cpu_bytes, gpu_bytes) as DeepSpeed's ZeRO-3 estimator computes them (stage3.py): the GPU
-    always holds the largest layer gathered in fp32-equivalent 4 bytes, plus 18P/N (no offload) or
-    2P/N (optimizer offloaded, parameters kept); CPU needs 18 or 16 bytes per parameter per node."""
-    n = num_nodes * num_gpus_per_node
-    per_node = 1 / num_nodes
-    largest = 4 * largest_layer_params
-    if cpu_offload:
-        k = 18 if cpu_offload_params else 16
-        gpu = largest if cpu_offload_params else largest + int(2 * total_params / n)
-        if zero_init:
-            cpu = total_params * k * per_node * additional_buffer_factor
-        else:
-            cpu = total_params * max(4 * num_gpus_per_node, k * per_node) * additional_buffer_factor
-    else:
-        gpu = largest + int(18 * total_params / n)
-        if zero_init:
-            cpu = largest_layer_params * 4 * num_gpus_per_node * additional_buffer_factor
-        else:
-            cpu = total_params * 4 * num_gpus_per_node * additional_buffer_factor
-    return int(cpu), int(gpu)
+def zero3_gathered_bytes(largest_layer: float, precision: str = "bf16") -> float:
+    """Stage 3's gathered blocks on the device (current + prefetched), from the same estimator."""
+    return estimate_model_states(largest_layer, 1, 3, precision, largest_layer=largest_layer).device["gather"]
 
 
 def activation_bytes_per_layer(seq: int, microbatch: int, hidden: int, heads: int, tp: int = 1,
@@ -146,14 +85,17 @@ def activation_bytes_per_layer(seq: int, microbatch: int, hidden: int, heads: in
 
 
 def pipeline_inflight_layers(layers_per_stage: float, pp: int, microbatches: int, schedule: str,
-                             interleave: int = 1) -> float:
-    """Layers' worth of activations the first pipeline stage holds at its peak (Korthikanti et al. 2022,
-    Sec. 4.2.3): GPipe keeps all m micro-batches, 1F1B at most p, interleaved 1F1B p (1 + (p-1)/(p v))."""
+                             interleave: int = 1, rank: int = 0) -> float:
+    """Layers' worth of activations pipeline rank ``rank`` holds at its peak (Korthikanti et al. 2022,
+    Sec. 4.2.3; Narayanan et al. SC'21, Sec. 2.2): GPipe keeps all m micro-batches; 1F1B keeps the
+    pp - rank micro-batches it runs forward before its first backward; interleaved 1F1B warms up
+    2 (pp - rank - 1) + (v - 1) pp chunk passes, plus the one in flight, of layers/v each, which is
+    p (1 + (p-1)/(p v)) micro-batches' worth on rank 0."""
     if pp == 1:
         return layers_per_stage
     if schedule == "gpipe":
         return layers_per_stage * microbatches
-    inflight = min(microbatches, pp)
-    if schedule == "interleaved" and microbatches >= pp:
-        return layers_per_stage * pp * (1 + (pp - 1) / (pp * interleave))
-    return layers_per_stage * inflight
+    if schedule == "interleaved":
+        chunks = min(microbatches * interleave, 2 * (pp - rank - 1) + (interleave - 1) * pp + 1)
+        return layers_per_stage / interleave * chunks
+    return layers_per_stage * min(microbatches, pp - rank)

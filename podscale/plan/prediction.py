@@ -24,6 +24,7 @@ class Prediction:
     tokens_per_step: float          # samples per step for DLRM
     peak_flops_per_device: float
     notes: list = field(default_factory=list)
+    validated: bool = False         # the system was checked against a published result
 
     @property
     def fits(self) -> bool:
@@ -69,5 +70,6 @@ class Prediction:
             "fits": self.fits,
             "hardware_flops_per_step": self.hardware_flops_per_step,
             "model_flops_per_step": self.model_flops_per_step,
+            "validated": self.validated,
             "notes": self.notes,
         }

@@ -4,7 +4,8 @@ memory, rank the rest by predicted throughput (tokens/s; samples/s for DLRM).
 
 Tensor parallelism is limited to one node's fast domain on switched systems (tp <= devices per node),
 as Narayanan et al. SC'21 (Sec. 3.3, takeaway #1) recommend; every other axis is unrestricted apart
-from divisibility. Each layout costs one pure-Python ``predict`` call (tens of microseconds).
+from divisibility of the devices and the batch: pipeline stages need not divide the layers (the
+trainer's uneven split, ``stages.py``). Each layout costs one pure-Python ``predict`` call (tens of microseconds).
 """
 from __future__ import annotations
 
@@ -40,9 +41,12 @@ def candidate_layouts(system: System, devices: int, model, batch: int, microbatc
         return
     tp_max = system.devices_per_node if system.topology in ("switch", "fat-tree", "host") else 64
     ws = system.data_parallel_only
+    if ws:   # a wafer runs whole micro-batches layer by layer: larger ones amortise the streamed weights
+        microbatches = tuple(sorted(set(microbatches) | {64, 128, 256, 512}))
     eps = _divisors(model.experts) if model.experts > 1 else [1]
     for tp in ([1] if ws else [d for d in _divisors(model.heads) if d <= tp_max and model.ffn % d == 0]):
-        for pp in ([1] if ws else _divisors(model.layers)):
+        # pipelines need not divide the layers (the trainer splits them unevenly); a stage needs one layer
+        for pp in ([1] if ws else [d for d in _divisors(devices) if d <= model.layers]):
             for ep in ([1] if ws else eps):
                 if devices % (tp * pp * ep):
                     continue
@@ -55,7 +59,7 @@ def candidate_layouts(system: System, devices: int, model, batch: int, microbatc
                     if pp > 1:
                         scheds.append(("gpipe", 1))
                         scheds += [("interleaved", v) for v in range(2, max_interleave + 1)
-                                   if model.layers % (pp * v) == 0 and m % pp == 0]
+                                   if pp * v <= model.layers and m % pp == 0]
                     for sched, v in scheds:
                         for rc in ("none", "selective", "full"):
                             for sp in ((False, True) if tp > 1 else (False,)):

@@ -125,6 +125,48 @@ def estimate_model_states(params: int, dp: int, stage: int, precision: str = "bf
     return MemoryEstimate(dev, host, nvme)
 
 
+def deepspeed_zero2_estimate(total_params: float, num_gpus_per_node: int = 1, num_nodes: int = 1,
+                             cpu_offload: bool = True, additional_buffer_factor: float = 1.5
+                             ) -> tuple[int, int]:
+    """(cpu_bytes, gpu_bytes) as DeepSpeed's ZeRO-2 estimator computes them (stage_1_and_2.py):
+    GPU 4P + 16P/N without offload, 2P with; CPU 4P per GPU of a node (buffer factor 1.5), or
+    max(4N, 16) P with offload."""
+    n = num_nodes * num_gpus_per_node
+    if cpu_offload:
+        gpu = 2 * total_params
+        cpu = total_params * max(4 * n, 16) * additional_buffer_factor
+    else:
+        gpu = 4 * total_params + int(16 * total_params / n)
+        cpu = total_params * 4 * num_gpus_per_node * additional_buffer_factor
+    return int(cpu), int(gpu)
+
+
+def deepspeed_zero3_estimate(total_params: float, largest_layer_params: float, num_gpus_per_node: int = 1,
+                             num_nodes: int = 1, cpu_offload: bool = True, cpu_offload_params: bool = True,
+                             zero_init: bool = True, additional_buffer_factor: float = 1.5
+                             ) -> tuple[int, int]:
+    """(cpu_bytes, gpu_bytes) as DeepSpeed's ZeRO-3 estimator computes them (stage3.py): the GPU
+    always holds the largest layer gathered in fp32-equivalent 4 bytes, plus 18P/N (no offload) or
+    2P/N (optimizer offloaded, parameters kept); CPU needs 18 or 16 bytes per parameter per node."""
+    n = num_nodes * num_gpus_per_node
+    per_node = 1 / num_nodes
+    largest = 4 * largest_layer_params
+    if cpu_offload:
+        k = 18 if cpu_offload_params else 16
+        gpu = largest if cpu_offload_params else largest + int(2 * total_params / n)
+        if zero_init:
+            cpu = total_params * k * per_node * additional_buffer_factor
+        else:
+            cpu = total_params * max(4 * num_gpus_per_node, k * per_node) * additional_buffer_factor
+    else:
+        gpu = largest + int(18 * total_params / n)
+        if zero_init:
+            cpu = largest_layer_params * 4 * num_gpus_per_node * additional_buffer_factor
+        else:
+            cpu = total_params * 4 * num_gpus_per_node * additional_buffer_factor
+    return int(cpu), int(gpu)
+
+
 def format_estimate(est: MemoryEstimate, params: int, dp: int, stage: int) -> str:
     def gib(b):
         return f"{b / 2**30:9.3f} GiB"

@@ -1,0 +1,105 @@
+"""``--layout auto``: the fastest layout of a training config that fits the devices in use.
+
+Like GShard's automatic sharding and DeepSpeed's autotuning, but by prediction rather than by trial:
+every layout the planner can enumerate for the config's GPT, world size and global batch
+(:func:`podscale.plan.search.candidate_layouts`: tp x pp x dp, ZeRO stage, optimizer offload, micro-batch,
+recompute, sequence parallelism, schedule) is predicted on the system (the calibrated ``local`` one by
+default), the ones that do not fit are dropped, and the fastest that the trainer's own config validator
+accepts is returned as config overrides. Nothing is measured here; the choice is as good as the
+calibration (BENCHMARKS.md, "--layout auto").
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+from dataclasses import dataclass, field
+
+from .cost import predict
+from .hardware import System, load_system
+from .layout import Layout, LayoutError
+from .models import GPT
+from .search import candidate_layouts
+
+
+@dataclass
+class AutoChoice:
+    layout: Layout
+    prediction: object                       # Prediction of the chosen layout
+    overrides: list                          # "section.key=value" strings that make the config use it
+    ranked: list = field(default_factory=list)   # (Prediction, overrides) of the runnable layouts, best first
+    evaluated: int = 0
+
+    def describe(self) -> str:
+        p = self.prediction
+        mem = p.memory_per_device_bytes / 2**30
+        return (f"layout auto: {self.layout.short()} on {p.devices} x {p.system}: predicted step "
+                f"{p.step_time_s:.4g} s, {mem:.2f} GiB per device ({self.evaluated} layouts predicted; "
+                f"{len(self.ranked)} runnable)")
+
+
+def gpt_of(cfg) -> GPT:
+    """The planner's description of a training config's model."""
+    kind = getattr(cfg.model, "kind", "gpt")
+    if kind != "gpt":
+        raise ValueError(f"--layout auto plans GPT models only (model.kind = {kind!r}): set the layout by hand")
+    m = cfg.model
+    return GPT(layers=m.n_layer, hidden=m.n_embd, heads=m.n_head, seq=m.block_size, vocab=m.vocab_size,
+               name=getattr(cfg.run, "name", "config"))
+
+
+def layout_overrides(lay: Layout) -> list:
+    """Config overrides that make ``podscale train`` run ``lay``."""
+    return [f"parallel.tp={lay.tp}", f"parallel.pp={lay.pp}", f"parallel.dp={lay.dp}", f"parallel.ep={lay.ep}",
+            f"parallel.sequence_parallel={'true' if lay.sequence_parallel else 'false'}",
+            f"parallel.schedule='{lay.schedule}'", f"parallel.virtual_stages={lay.interleave}",
+            f"parallel.recompute='{lay.recompute}'", f"train.micro_batch={lay.microbatch}",
+            f"zero.stage={lay.zero_stage}", f"zero.offload_optimizer='{lay.offload_optimizer}'",
+            f"zero.offload_param='{lay.offload_param}'"]
+
+
+def _runnable(cfg, world_size: int, overrides: list) -> bool:
+    from podscale.config import ConfigError, apply_override, parse_config
+    data = copy.deepcopy(cfg.model_dump(mode="json"))
+    try:
+        for item in overrides:
+            apply_override(data, item)
+        parse_config(data).check_layout(world_size)
+    except (ConfigError, ValueError):
+        return False
+    return True
+
+
+def choose_layout(cfg, world_size: int, system: System | str = "local", keep: int = 0) -> AutoChoice:
+    """The fastest predicted layout of ``cfg`` on ``world_size`` devices of ``system`` that fits in device
+    memory and that the trainer accepts; ``keep`` > 0 also returns that many runners-up in ``ranked``."""
+    system = load_system(system) if isinstance(system, str) else system
+    system.check_devices(world_size)
+    model = gpt_of(cfg)
+    batch = cfg.train.global_batch
+    mbs = tuple(d for d in range(1, batch + 1) if batch % d == 0 and d <= 64)
+    preds, evaluated = [], 0
+    for lay in candidate_layouts(system, world_size, model, batch, microbatches=mbs):
+        if lay.ep != 1:
+            continue
+        lay = dataclasses.replace(lay, fused_attention=True)   # podscale's GPT runs torch's SDPA
+        try:
+            pred = predict(system, world_size, model, lay, batch)
+        except LayoutError:
+            continue
+        evaluated += 1
+        if pred.fits:
+            preds.append((pred.step_time_s, len(preds), pred, lay))
+    preds.sort(key=lambda x: (x[0], x[1]))
+    ranked = []
+    for _, _, pred, lay in preds:
+        over = layout_overrides(lay)
+        if _runnable(cfg, world_size, over):
+            ranked.append((pred, over, lay))
+            if len(ranked) > max(keep, 0):
+                break
+    if not ranked:
+        raise ValueError(f"--layout auto found no layout of this model that fits {world_size} devices of "
+                         f"{system.name} ({evaluated} predicted): use more processes or a smaller model")
+    best_pred, best_over, best_lay = ranked[0]
+    return AutoChoice(layout=best_lay, prediction=best_pred, overrides=best_over,
+                      ranked=[(p, o) for p, o, _ in ranked], evaluated=evaluated)

@@ -1,0 +1,110 @@
+"""Uneven pipelines: layers that do not divide the stages predict, with the trainer's own split."""
+import json
+
+import pytest
+import torch
+
+from podscale.models.gpt import GPT as TrainGPT, GPTConfig
+from podscale.parallel.pipeline.partition import stage_layers
+from podscale.plan import Layout, predict
+from podscale.plan.cli import main
+from podscale.plan.models import GPT
+from podscale.plan.stages import pipeline_chunks
+
+
+@pytest.mark.parametrize("layers,chunks", [(70, 12), (24, 5), (30, 4), (13, 6), (24, 4)])
+def test_planner_splits_layers_as_the_trainer_does(layers, chunks):
+    cfg = GPTConfig(vocab_size=256, block_size=128, n_layer=layers, n_head=4, n_embd=64)
+    with torch.device("meta"):
+        trainer_model = TrainGPT(cfg)
+    trainer = [len(g) for g in stage_layers(trainer_model, chunks)]
+    plan_model = GPT(layers=layers, hidden=64, heads=4, seq=128, vocab=256)
+    assert list(pipeline_chunks(plan_model, Layout(pp=chunks, dp=1, microbatch=1))) == trainer
+
+
+def test_70_layers_on_12_stages_predicts_and_the_slowest_stage_sets_the_pace():
+    # BLOOM's shape (Le Scao et al. 2022): 70 layers, hidden 14336, 112 heads, tp 4 x pp 12 x dp 8
+    bloom = GPT(layers=70, hidden=14336, heads=112, seq=2048, vocab=250880, name="bloom")
+    lay = Layout(tp=4, pp=12, dp=8, microbatch=2, recompute="full")
+    p = predict("dgx-a100-80g", 384, bloom, lay, 2048)
+    split = p.layout["pipeline_layers"]
+    assert sum(split) == 70 and len(split) == 12 and len(set(split)) > 1
+    # the embedding (250880 x 14336 = 3.6B parameters, ~1.5 layers) leaves the end stages fewer layers
+    assert split[0] < max(split) and split[-1] < max(split)
+    # an even-as-possible split that ignores the embedding is slower: its end stage sets the pace
+    naive = Layout(tp=4, pp=12, dp=8, microbatch=2, recompute="full", pipeline_layers=(6,) * 10 + (5, 5))
+    q = predict("dgx-a100-80g", 384, bloom, naive, 2048)
+    assert q.step_time_s > p.step_time_s
+
+
+def test_uneven_stage_bubble_reduces_to_the_even_formula():
+    model = GPT(layers=24, hidden=2048, heads=16, seq=2048, vocab=51200)
+    even = predict("dgx-a100-80g", 32, model, Layout(tp=8, pp=4, dp=1, microbatch=1,
+                                                     pipeline_layers=(6, 6, 6, 6)), 32)
+    t = even.time_breakdown_s
+    per_mb = (sum(v for k, v in t.items() if k not in ("pipeline_bubble", "dp_communication", "optimizer",
+                                                      "offload")) / 32)
+    head = t["output_layer"] / 32
+    # fill and drain: the three other ranks' micro-batch time, which lacks the output layer
+    assert t["pipeline_bubble"] == pytest.approx(3 * (per_mb - head), rel=1e-9)
+
+
+def test_plan_predict_accepts_pipeline_layers(capsys):
+    model = json.dumps({"layers": 70, "hidden": 4096, "heads": 32, "seq": 2048, "vocab": 51200})
+    args = ["plan", "predict", "--system", "dgx-a100-80g", "--devices", "96", "--batch", "96", "--model", model,
+            "--json", "--layout"]
+    split = [5] + [6] * 10 + [5]
+    assert main(args + [json.dumps({"tp": 8, "pp": 12, "dp": 1, "microbatch": 1, "pipeline_layers": split})]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["layout"]["pipeline_layers"] == split and d["step_time_s"] > 0
+    assert main(args + [json.dumps({"tp": 8, "pp": 12, "dp": 1, "microbatch": 1, "pipeline_layers": [6] * 12})]) == 2
+    assert "summing to the model's 70 layers" in capsys.readouterr().err
+
+
+def test_cerebras_cs2_is_modelled_as_weight_streaming():
+    """A CS-2 holds no model states: weights and Adam state live in MemoryX, stream in layer by layer (twice
+    per micro-batch) and gradients stream out; larger micro-batches amortise the stream."""
+    from podscale.plan import search
+    from podscale.plan.hardware import load_system
+    from podscale.plan.models import PRESETS
+    cs2, model = load_system("cerebras-cs2"), PRESETS["gpt-1.3b"]
+    small = predict(cs2, 16, model, Layout(dp=16, microbatch=1, recompute="full"), 1024)
+    big = predict(cs2, 16, model, Layout(dp=16, microbatch=16, recompute="full"), 1024)
+    assert small.memory_breakdown_bytes["model_states"] == 0 and small.host_memory_per_device_bytes > 0
+    ws_small = small.time_breakdown_s["weight_streaming"]
+    # per micro-batch every layer streams 3 x 2 bytes per parameter over the wafer's I/O, hidden by compute
+    per_layer = 3 * 2 * model.layer_params() / cs2.stream.effective
+    assert ws_small > 0 and ws_small <= 64 * (model.layers * per_layer + 3 * 2 * model.vocab * model.hidden
+                                             / cs2.stream.effective)
+    assert big.time_breakdown_s["weight_streaming"] < ws_small and big.step_time_s < small.step_time_s
+    assert big.memory_breakdown_bytes["activations"] > small.memory_breakdown_bytes["activations"]
+    best = search(cs2, 16, model, 1024, top=1).ranked[0]
+    assert best.layout["tp"] == best.layout["pp"] == 1 and best.mfu > 0.2
+    assert any("not validated" in n for n in best.notes)
+
+
+def test_fused_attention_drops_the_score_matrix_traffic_and_memory():
+    """FlashAttention / SDPA (what podscale's GPT runs): no s x s softmax and dropout passes and no s x s
+    activations kept; Megatron's unfused attention (the validation runs) keeps both."""
+    model = GPT(layers=24, hidden=1024, heads=16, seq=1024, vocab=256)
+    plain = predict("dgx-h100", 1, model, Layout(microbatch=8), 8)
+    fused = predict("dgx-h100", 1, model, Layout(microbatch=8, fused_attention=True), 8)
+    assert fused.step_time_s < plain.step_time_s
+    assert fused.memory_breakdown_bytes["activations"] < plain.memory_breakdown_bytes["activations"]
+    sel = predict("dgx-h100", 1, model, Layout(microbatch=8, recompute="selective"), 8)
+    assert fused.memory_breakdown_bytes["activations"] == pytest.approx(sel.memory_breakdown_bytes["activations"])
+
+
+def test_fast_partition_equals_the_trainers():
+    import random
+    from podscale.parallel.pipeline.partition import contiguous_partition
+    from podscale.plan.stages import balanced_partition, layer_param_costs
+    rng = random.Random(1)
+    cases = [([1.0] * n, p) for n in (7, 24, 70, 96) for p in (1, 2, 3, 5, 12, n) if p <= n]
+    cases += [([rng.choice((1.0, 2.0, 3.0)) for _ in range(n)], p) for n in (10, 33) for p in (2, 4, 7)]
+    cases += [([rng.random() for _ in range(n)], p) for n in (13, 40) for p in (3, 6, 11)]
+    for layers, hidden, vocab in ((96, 12288, 51200), (70, 14336, 250880), (24, 2304, 51200), (30, 3072, 51200)):
+        costs = layer_param_costs(GPT(layers=layers, hidden=hidden, heads=16, seq=2048, vocab=vocab))
+        cases += [(costs, p) for p in (2, 3, 4, 5, 8, 12, 16, 24) if p <= layers]
+    for costs, parts in cases:
+        assert balanced_partition(costs, parts) == contiguous_partition(costs, parts), (len(costs), parts)
