@@ -114,7 +114,8 @@ def load(path: Path, template: dict, rank: int) -> tuple[dict, dict | None]:
 def export(path: Path, out: Path) -> Path:
     """Consolidate the model weights of checkpoint ``path`` into one plain ``torch.save`` file.
 
-    The file holds ``{"model": state_dict, "model_config": dict, "step": int}`` and loads with
+    The file holds ``{"model": state_dict, "model_config": dict, "task": str, "step": int}`` (the task's
+    class as ``module:Class`` and its :meth:`~podscale.tasks.Task.model_config`) and loads with
     ``torch.load(out, weights_only=True)``.
     """
     meta = read_meta(path)
@@ -127,6 +128,6 @@ def export(path: Path, out: Path) -> Path:
         state = torch.load(full, weights_only=True)
         tmp = Path(tmpdir) / "out.pt"
         torch.save({"model": state["model"], "model_config": meta.get("model_config", {}),
-                    "step": meta["step"]}, tmp)
+                    "task": meta.get("task", "podscale.tasks.gpt:GPTTask"), "step": meta["step"]}, tmp)
         os.replace(tmp, out)
     return out

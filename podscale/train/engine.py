@@ -23,6 +23,9 @@ It provides::
                          checkpoint tensors (DCP reshards them when the layout changes)
 
 :class:`~podscale.parallel.data.DataParallel` with an optimizer is the replicated strategy.
+
+The engine knows no model family: batches are opaque and the loss is the task's ``loss_fn`` (see
+:mod:`podscale.tasks`); sampling text is the GPT task's (:func:`podscale.tasks.gpt.generate`).
 """
 from __future__ import annotations
 
@@ -34,12 +37,11 @@ import torch
 import torch.nn as nn
 
 from podscale.config import TrainSection
-from podscale.models.gpt import sample
-from podscale.optim import build_adamw, cosine_lr
-from podscale.parallel.data import DataParallel
+from podscale.optim import cosine_lr
+from podscale.parallel.strategy import LossFn
 from podscale.runtime import comm
 from podscale.runtime.mesh import AXES
-from podscale.train.precision import DynamicLossScaler, autocast, nonfinite_flag
+from podscale.train.precision import DynamicLossScaler, nonfinite_flag
 
 
 def scale_grads(strategy, coef) -> None:
@@ -70,18 +72,18 @@ class StepResult:
 
 
 class Engine:
-    """Owns the parallel model, the optimizer and the loss scaler; ``step(micro_batches)`` trains."""
+    """Owns the parallel model, the strategy and the loss scaler; ``step(micro_batches)`` trains."""
 
-    def __init__(self, model: nn.Module, mesh, train: TrainSection, bucket_mb: float = 25.0, strategy=None):
+    def __init__(self, model: nn.Module, mesh, train: TrainSection, strategy, loss_fn: LossFn):
+        """``strategy`` reduces gradients and steps the optimizer (:mod:`podscale.parallel.strategy`);
+        ``loss_fn(module, batch)`` is the task's loss for one of the task's batches, moved to the device and
+        run under the precision's autocast (:meth:`podscale.tasks.Task.loss_fn`).  The engine never looks
+        inside a batch."""
         self.mesh, self.cfg = mesh, train
         self.device = mesh.device
         self.model = model.to(self.device)
-        if strategy is None:
-            optimizer = build_adamw(self.model, train.lr, (train.beta1, train.beta2), train.eps,
-                                    train.weight_decay)
-            strategy = DataParallel(self.model, mesh, ("dp",), bucket_mb=bucket_mb,
-                                    reduce_dtype=train.reduce_dtype, optimizer=optimizer)
         self.strategy = strategy
+        self.loss_fn = loss_fn
         self.scaler = DynamicLossScaler(train.loss_scale_init, train.loss_scale_window) \
             if train.precision == "fp16" else None
         self.step_count = 0
@@ -90,7 +92,8 @@ class Engine:
         c = self.cfg
         return cosine_lr(step, c.lr, c.min_lr, c.warmup_steps, c.decay_steps or 1)
 
-    def step(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> StepResult:
+    def step(self, micro_batches: list) -> StepResult:
+        """One optimizer step over this rank's ``micro_batches`` (the task's batches)."""
         t0 = time.perf_counter()
         self.model.train()
         lr = self.lr_at(self.step_count)
@@ -127,12 +130,10 @@ class Engine:
         (pipeline parallelism) provides its own ``forward_backward`` with this contract."""
         n = len(micro_batches)
         loss_sum = torch.zeros((), device=self.device)
-        for i, (x, y) in enumerate(micro_batches):
-            x, y = x.to(self.device, non_blocking=True), y.to(self.device, non_blocking=True)
+        for i, batch in enumerate(micro_batches):
             sync = contextlib.nullcontext() if i == n - 1 else self.strategy.no_sync()
             with sync:
-                with autocast(self.cfg.precision, self.device):
-                    _, loss = self.model(x, y)
+                loss = self.loss_fn(self.model, batch)
                 scaled = loss / n
                 if loss_scale is not None:
                     scaled = scaled * loss_scale
@@ -141,39 +142,23 @@ class Engine:
         return loss_sum
 
     @torch.no_grad()
-    def evaluate(self, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
-        """Mean loss over ``batches`` (this rank's shares), averaged over the dp axis.  A strategy that
-        runs the model itself (pipeline parallelism) provides ``forward_only(batches)``: the sum of the
-        batches' losses, on every rank."""
+    def evaluate(self, batches: list, metric: LossFn | None = None) -> float:
+        """The mean of ``metric(module, batch)`` (default: the loss) over ``batches`` (this rank's shares),
+        averaged over the dp axis; every rank gets the same value.  A strategy that runs the model itself
+        (pipeline parallelism) provides ``forward_only(batches)``: the sum of the batches' losses, on every
+        rank (the pipeline runs only the GPT, whose only metric is its loss)."""
         self.model.eval()
+        fn = metric if metric is not None else self.loss_fn
         forward_only = getattr(self.strategy, "forward_only", None)
         if forward_only is not None:
             total = forward_only(batches)
         else:
             total = torch.zeros((), device=self.device)
-            for x, y in batches:
-                with autocast(self.cfg.precision, self.device):
-                    _, loss = self.model(x.to(self.device), y.to(self.device))
-                total += loss.float()
+            for batch in batches:
+                total += fn(self.model, batch).float()
         total /= max(1, len(batches))
         comm.all_reduce(total, self.mesh, "dp")
         return float(total) / self.mesh.size("dp")
-
-    @torch.no_grad()
-    def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
-                 top_k: int | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
-        """Sample from the model as :meth:`GPT.generate` does, on any layout: every rank must call it (tp
-        and pp forwards are collective) and every rank gets the same tokens for the same ``generator``
-        seed.  A model-parallel strategy provides ``next_logits(context)`` (vocab shards gathered, the last
-        pipeline stage's logits broadcast)."""
-        self.model.eval()
-        next_logits = getattr(self.strategy, "next_logits", None)
-        if next_logits is None:
-            def next_logits(ctx):
-                return self.model(ctx.to(self.device))[0][:, -1, :]
-        gpt = self.model[0] if isinstance(self.model, nn.ModuleList) else self.model
-        return sample(next_logits, idx.to(self.device), max_new_tokens, gpt.cfg.block_size, temperature,
-                      top_k, generator)
 
     # checkpoint state: tensors only (DCP would pickle anything else) --------------------------------
     def model_state(self) -> dict[str, torch.Tensor]:
