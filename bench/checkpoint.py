@@ -52,7 +52,7 @@ def worker(layout: str, root: str, saves: int) -> list[dict]:
     from podscale.runtime.mesh import Mesh
     from podscale.runtime.process import init_process
     from podscale.train import checkpoint
-    from podscale.train.loop import gpt_config
+    from podscale.tasks.gpt import gpt_config
 
     info = init_process()
     torch.set_num_threads(1)

@@ -40,7 +40,7 @@ def worker(micro: int, m: int, steps: int, rounds: int, only: list[str] | None =
     from podscale.parallel.compose import build_engine
     from podscale.runtime.mesh import Mesh
     from podscale.runtime.process import init_process
-    from podscale.train.loop import gpt_config
+    from podscale.tasks.gpt import gpt_config
 
     info = init_process()
     torch.set_num_threads(1)

@@ -26,6 +26,8 @@ from podscale.runtime.launcher import launch
 from podscale.runtime.mesh import Mesh
 from podscale.runtime.process import init_process
 from podscale.train.data import ShardedLoader, load_tokens
+from podscale.parallel.data import DataParallel
+from podscale.tasks.gpt import gpt_loss_fn
 from podscale.train.engine import Engine
 
 DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "tinyshakespeare" / "input.txt"
@@ -41,7 +43,11 @@ def _worker(args) -> dict:
     tokens = load_tokens(str(DATA) if DATA.is_file() else None)
 
     torch.manual_seed(0)
-    ours = Engine(GPT(gcfg), mesh, train)
+    model = GPT(gcfg).to(mesh.device)
+    replicated = DataParallel(model, mesh, ("dp",), bucket_mb=25.0,
+                              optimizer=build_adamw(model, train.lr, (train.beta1, train.beta2), train.eps,
+                                                    train.weight_decay))
+    ours = Engine(model, mesh, train, replicated, gpt_loss_fn(train.precision, mesh.device))
     torch.manual_seed(0)
     ref_model = GPT(gcfg)
     ddp = DDP(ref_model, bucket_cap_mb=25, gradient_as_bucket_view=True)

@@ -162,7 +162,7 @@ def _memory_case(d, tokens, mesh, allocated, peak_allocated, cuda) -> dict:
     from podscale.parallel.compose import build_engine
     from podscale.parallel.zero.memory import estimate_model_states
     from podscale.train.data import ShardedLoader
-    from podscale.train.loop import gpt_config
+    from podscale.tasks.gpt import gpt_config
 
     stage, prec, zero = d["zero"]["stage"], d["train"]["precision"], d["zero"]
     cfg = parse_config(d)
@@ -210,7 +210,7 @@ def plain_torch(data: str, steps: int, device: str = "cuda", big: dict = BIG) ->
     from podscale.config import load_config
     from podscale.models.gpt import GPT
     from podscale.train.data import ShardedLoader, load_tokens, split_tokens
-    from podscale.train.loop import gpt_config
+    from podscale.tasks.gpt import gpt_config
 
     cfg = load_config(None, [f"{k}={json.dumps(v)}" for k, v in dict(big, **{"data.path": data}).items()])
     dev = torch.device(device)
@@ -304,7 +304,7 @@ def _profile_worker(data: str, out: str, device: str, big: dict) -> dict:
     from podscale.runtime.mesh import Mesh
     from podscale.runtime.process import init_process
     from podscale.train.data import ShardedLoader, load_tokens, split_tokens
-    from podscale.train.loop import gpt_config
+    from podscale.tasks.gpt import gpt_config
 
     info = init_process(device=device)
     mesh = Mesh.build(info.device, pp=1, dp=1, ep=1, tp=1)

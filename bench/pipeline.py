@@ -57,7 +57,7 @@ def worker(micro: int, m: int, steps: int, rounds: int, schedules: tuple[str, ..
     from podscale.parallel.pipeline.partition import split_chunk, stage_layers
     from podscale.runtime.mesh import Mesh
     from podscale.runtime.process import init_process
-    from podscale.train.loop import gpt_config
+    from podscale.tasks.gpt import gpt_config
 
     info = init_process()
     torch.set_num_threads(1)

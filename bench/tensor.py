@@ -36,7 +36,7 @@ def worker(hiddens: list[int], steps: int, sp: bool) -> list[dict]:
     from podscale.parallel.compose import build_engine
     from podscale.runtime.mesh import Mesh
     from podscale.runtime.process import init_process
-    from podscale.train.loop import gpt_config
+    from podscale.tasks.gpt import gpt_config
 
     info = init_process()
     torch.set_num_threads(1)

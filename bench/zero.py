@@ -66,6 +66,7 @@ def worker(kind: str, stage: int, offload: str, args: dict) -> dict:
         from podscale.config import TrainSection, ZeroSection
         from podscale.parallel.zero import build_strategy
         from podscale.runtime.mesh import Mesh
+        from podscale.tasks.gpt import gpt_loss_fn
         from podscale.train.engine import Engine
         mesh = Mesh.build(info.device, dp=info.world_size)
         train = TrainSection(lr=1e-4, min_lr=1e-5, warmup_steps=0, decay_steps=1000, grad_clip=1.0)
@@ -79,7 +80,7 @@ def worker(kind: str, stage: int, offload: str, args: dict) -> dict:
         # stage 3 builds the model on the meta device: each block is materialised by GPT.init_parameter
         model, gcfg = _gpt(args["layers"], args["width"], block, meta=meta)
         strategy = build_strategy(model, mesh, train, zero)
-        engine = Engine(model, mesh, train, strategy=strategy)
+        engine = Engine(model, mesh, train, strategy, gpt_loss_fn(train.precision, mesh.device))
         for i, (x, y) in enumerate(batches):
             if i == args["warmup"]:
                 if offload == "nvme":

@@ -85,6 +85,7 @@ def worker(kind: str, args: dict) -> dict:
         from podscale.config import TrainSection, ZeroSection
         from podscale.parallel.zero import build_strategy
         from podscale.runtime.mesh import Mesh
+        from podscale.tasks.gpt import gpt_loss_fn
         from podscale.train.engine import Engine
         mesh = Mesh.build(info.device, dp=info.world_size)
         train = TrainSection(lr=1e-4, min_lr=1e-5, warmup_steps=0, decay_steps=1000, grad_clip=1.0,
@@ -93,7 +94,7 @@ def worker(kind: str, args: dict) -> dict:
                            nvme_block_mb=args["block_mb"])
         model, gcfg = _gpt(args["layers"], args["width"], block, meta=True)
         st = build_strategy(model, mesh, train, zero)
-        engine = Engine(model, mesh, train, strategy=st)
+        engine = Engine(model, mesh, train, st, gpt_loss_fn(train.precision, mesh.device))
         for i, (x, y) in enumerate(batches[:-1]):
             if i == args["warmup"]:
                 st.complete_step()  # the last warm-up step's optimizer step, outside the window

@@ -37,10 +37,13 @@ def init(cfg: Config | None = None, **sizes: int):
     return Mesh.build(info.device, **sizes)
 
 
-def parallelize(model, mesh, cfg: Config):
+def parallelize(model, mesh, cfg: Config, task=None):
     """Apply ``cfg``'s layout to a plain ``model`` on ``mesh`` and return a training :class:`Engine`:
     pipeline stages on ``pp``, tensor/sequence parallelism on ``tp``, then the data-parallel strategy on
-    ``dp`` (replicated, or ZeRO when ``zero.stage`` > 0); see :mod:`podscale.parallel.compose`."""
+    ``dp`` (replicated, or ZeRO when ``zero.stage`` > 0); see :mod:`podscale.parallel.compose`.  The
+    engine trains with ``task``'s loss (a :class:`podscale.tasks.Task`; default: the one ``cfg``'s
+    ``[model]`` names, the GPT unless ``kind`` says otherwise), so ``engine.step`` takes that task's
+    batches."""
     from podscale.parallel.compose import build_engine
 
-    return build_engine(model, mesh, cfg)
+    return build_engine(model, mesh, cfg, task)

@@ -136,7 +136,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="podscale", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    t = sub.add_parser("train", help="train the GPT of a TOML config on local worker processes")
+    t = sub.add_parser("train", help="train the task of a TOML config ([model] kind) on local worker processes")
     t.add_argument("config", nargs="?", help="TOML config (default: the bundled examples/gpt-small.toml)")
     t.add_argument("--nproc", type=int, help="local worker processes (overrides parallel.nproc)")
     t.add_argument("--steps", type=int, help="training steps (overrides run.steps)")

@@ -11,9 +11,10 @@ import math
 import os
 import tomllib
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, PrivateAttr, Tag, ValidationError, \
+    model_validator
 
 Precision = Literal["fp32", "bf16", "fp16"]
 
@@ -34,14 +35,17 @@ class RunSection(_Section):
     log_every: int = Field(10, ge=1)
     eval_every: int = Field(0, ge=0, description="0 disables periodic validation")
     eval_batches: int = Field(4, ge=1)
-    sample_tokens: int = Field(0, ge=0, description="bytes of text sampled at the end of the run")
+    sample_tokens: int = Field(0, ge=0, description="bytes of text the GPT samples at the end of the run")
     tensorboard: bool = Field(False, description="also write the metrics as TensorBoard event files "
                                                  "(runs/NAME/tensorboard; needs the tensorboard package)")
     device: Literal["auto", "cpu", "cuda"] = Field(
         "auto", description="auto: one GPU per rank where CUDA is visible (NCCL), else the CPU (gloo)")
 
 
-class ModelSection(_Section):
+class GPTModelSection(_Section):
+    """``[model] kind = "gpt"`` (the default): the byte-level GPT of :mod:`podscale.tasks.gpt`."""
+
+    kind: Literal["gpt"] = "gpt"
     n_layer: int = Field(4, ge=1)
     n_head: int = Field(4, ge=1)
     n_embd: int = Field(128, ge=1)
@@ -56,6 +60,117 @@ class ModelSection(_Section):
             raise ValueError(f"model.n_embd={self.n_embd} is not divisible by model.n_head={self.n_head}: "
                              "choose n_embd as a multiple of n_head")
         return self
+
+    def task_class(self) -> type:
+        from podscale.tasks.gpt import GPTTask
+        return GPTTask
+
+    def check_data(self, path: Path, given: str) -> None:
+        """The corpus at ``path`` must hold enough windows of ``block_size + 1`` bytes."""
+        if path.stat().st_size < 2 * (self.block_size + 1) * 10:
+            raise ConfigError(f"data.path: '{given}' is too small for block_size "
+                              f"{self.block_size}: use a larger corpus or a smaller model.block_size")
+
+    def check_layout(self, cfg: "Config") -> None:
+        """Tensor, sequence and pipeline parallelism: what the GPT and the batch must satisfy."""
+        p, m, t = cfg.parallel, self, cfg.train
+        if m.n_head % p.tp:
+            raise ConfigError(f"model.n_head={m.n_head} is not divisible by parallel.tp={p.tp}: use a head "
+                              f"count that is a multiple of {p.tp} or a smaller tp")
+        if m.n_embd % p.tp:
+            raise ConfigError(f"model.n_embd={m.n_embd} is not divisible by parallel.tp={p.tp}: use a hidden "
+                              f"size that is a multiple of {p.tp} or a smaller tp")
+        if p.sequence_parallel and m.block_size % p.tp:
+            raise ConfigError(f"model.block_size={m.block_size} (the sequence length) is not divisible by "
+                              f"parallel.tp={p.tp} with sequence parallelism: use a multiple of {p.tp} or set "
+                              "parallel.sequence_parallel = false")
+        chunks = p.pp * p.virtual_stages
+        if p.pipeline_layers is not None:
+            if len(p.pipeline_layers) != chunks or sum(p.pipeline_layers) != m.n_layer \
+                    or min(p.pipeline_layers) < 1:
+                raise ConfigError(f"parallel.pipeline_layers={p.pipeline_layers} must list {chunks} positive "
+                                  f"block counts (pp * virtual_stages) that sum to model.n_layer={m.n_layer}")
+        elif p.pp > 1 and m.n_layer < chunks:
+            raise ConfigError(f"model.n_layer={m.n_layer} is fewer than the {chunks} pipeline stages "
+                              f"(pp * virtual_stages): use at least {chunks} layers or fewer stages")
+        if p.pp > 1:
+            micro = cfg.grad_accum
+            if p.schedule == "interleaved" and micro % p.pp:
+                raise ConfigError(f"interleaved 1F1B needs the micro-batches per step (global_batch / (dp * "
+                                  f"micro_batch) = {micro}) to be a multiple of parallel.pp={p.pp}: set "
+                                  f"train.global_batch to a multiple of {p.pp * cfg.dp * t.micro_batch}")
+
+
+class CustomModelSection(BaseModel):
+    """``[model] kind = "custom"``: a task from the user's own code.  ``task = "package.module:Class"`` names
+    a :class:`podscale.tasks.Task` subclass that every worker can import (installed, or on ``PYTHONPATH``,
+    which spawned workers inherit); every other key of the section is one of that task's options, validated
+    by its ``Options`` model.  Nothing is registered anywhere: the config names the class."""
+
+    model_config = ConfigDict(extra="allow", validate_assignment=True)
+
+    kind: Literal["custom"]
+    task: str = Field(description="package.module:Class of a podscale.tasks.Task subclass")
+    _task_class: type | None = PrivateAttr(None)
+    _options: BaseModel | None = PrivateAttr(None)
+
+    @model_validator(mode="after")
+    def _load_task(self):
+        from podscale.tasks.base import import_task
+        cls = import_task(self.task)  # ValueError with one line when it cannot be imported
+        try:
+            self._options = cls.Options.model_validate(self.model_extra or {})
+        except ValidationError as err:
+            raise ValueError(_option_error(err, self.task, cls)) from None
+        self._task_class = cls
+        return self
+
+    @property
+    def options(self) -> BaseModel:
+        """The task's options (its ``Options`` model) as given in this section."""
+        return self._options
+
+    def task_class(self) -> type:
+        return self._task_class
+
+    def check_data(self, path: Path, given: str) -> None:
+        """The task reads ``data.path`` itself; the trunk only checks that the file exists."""
+
+    def check_layout(self, cfg: "Config") -> None:
+        """A task trains under tensor or pipeline parallelism only when its class says it can."""
+        from podscale.tasks.base import check_task_layout
+        p = cfg.parallel
+        try:
+            check_task_layout(self._task_class, p.tp, p.sequence_parallel, p.pp)
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
+
+
+#: ``[model] kind`` -> its section (a fixed table: a user's own task is ``kind = "custom"`` with ``task``)
+MODEL_KINDS: dict[str, type] = {"gpt": GPTModelSection, "custom": CustomModelSection}
+
+
+def _model_kind(value) -> str:
+    """The ``kind`` of a ``[model]`` section; ``gpt`` when it names none (configs from before kinds)."""
+    if isinstance(value, dict):
+        return value.get("kind", "gpt")
+    return value.kind
+
+
+ModelSection = Annotated[
+    Union[Annotated[GPTModelSection, Tag("gpt")], Annotated[CustomModelSection, Tag("custom")]],
+    Discriminator(_model_kind, custom_error_type="unknown_model_kind", custom_error_message="unknown model kind"),
+]
+
+
+def _option_error(err: ValidationError, task: str, cls: type) -> str:
+    e = err.errors()[0]
+    key = "model." + ".".join(str(x) for x in e["loc"])
+    if e["type"] == "extra_forbidden":
+        valid = ", ".join(["kind", "task", *cls.Options.model_fields])
+        return f"unknown key '{key}' for task {task}: valid keys in [model] are {valid}"
+    msg = e["msg"].removeprefix("Value error, ")
+    return f"{key}: {msg}" + (f" (got {e['input']!r})" if "input" in e and not isinstance(e["input"], dict) else "")
 
 
 class DataSection(_Section):
@@ -164,7 +279,7 @@ class CheckpointSection(_Section):
 
 class Config(_Section):
     run: RunSection = RunSection()
-    model: ModelSection = ModelSection()
+    model: ModelSection = GPTModelSection()
     data: DataSection = DataSection()
     parallel: ParallelSection = ParallelSection()
     train: TrainSection = TrainSection()
@@ -205,66 +320,57 @@ class Config(_Section):
                               f"{self.dp * t.micro_batch}")
         if p.ep > 1:
             raise ConfigError("parallel.ep > 1 is not available in this version: set parallel.ep = 1")
-        self._check_model_parallel()
-
-    def _check_model_parallel(self) -> None:
-        """Tensor, sequence and pipeline parallelism: what the model and batch must satisfy."""
-        p, m, t = self.parallel, self.model, self.train
-        if m.n_head % p.tp:
-            raise ConfigError(f"model.n_head={m.n_head} is not divisible by parallel.tp={p.tp}: use a head "
-                              f"count that is a multiple of {p.tp} or a smaller tp")
-        if m.n_embd % p.tp:
-            raise ConfigError(f"model.n_embd={m.n_embd} is not divisible by parallel.tp={p.tp}: use a hidden "
-                              f"size that is a multiple of {p.tp} or a smaller tp")
-        if p.sequence_parallel and m.block_size % p.tp:
-            raise ConfigError(f"model.block_size={m.block_size} (the sequence length) is not divisible by "
-                              f"parallel.tp={p.tp} with sequence parallelism: use a multiple of {p.tp} or set "
-                              "parallel.sequence_parallel = false")
-        chunks = p.pp * p.virtual_stages
+        p = self.parallel
         if p.virtual_stages > 1 and p.schedule != "interleaved":
             raise ConfigError(f"parallel.virtual_stages={p.virtual_stages} needs parallel.schedule = "
                               "'interleaved': set the schedule or virtual_stages = 1")
         if p.pp > 1 and p.schedule == "interleaved" and p.virtual_stages < 2:
             raise ConfigError("parallel.schedule = 'interleaved' needs parallel.virtual_stages >= 2 (model "
                               "chunks per pipeline rank): set it, or use schedule = '1f1b'")
-        if p.pipeline_layers is not None:
-            if len(p.pipeline_layers) != chunks or sum(p.pipeline_layers) != m.n_layer \
-                    or min(p.pipeline_layers) < 1:
-                raise ConfigError(f"parallel.pipeline_layers={p.pipeline_layers} must list {chunks} positive "
-                                  f"block counts (pp * virtual_stages) that sum to model.n_layer={m.n_layer}")
-        elif p.pp > 1 and m.n_layer < chunks:
-            raise ConfigError(f"model.n_layer={m.n_layer} is fewer than the {chunks} pipeline stages "
-                              f"(pp * virtual_stages): use at least {chunks} layers or fewer stages")
-        if p.pp > 1:
-            micro = self.grad_accum
-            if p.schedule == "interleaved" and micro % p.pp:
-                raise ConfigError(f"interleaved 1F1B needs the micro-batches per step (global_batch / (dp * "
-                                  f"micro_batch) = {micro}) to be a multiple of parallel.pp={p.pp}: set "
-                                  f"train.global_batch to a multiple of {p.pp * self.dp * t.micro_batch}")
+        self.model.check_layout(self)  # what the model family needs of tp, sp and pp
 
 
 def _where(loc: tuple) -> str:
-    return ".".join(str(x) for x in loc if not str(x).startswith("function-after"))
+    return ".".join(str(x) for x in _untagged(loc) if not str(x).startswith("function-after"))
+
+
+def _untagged(loc: tuple) -> tuple:
+    """``loc`` without the ``[model]`` union's tag (``("model", "gpt", "n_head")`` -> ``("model", "n_head")``)."""
+    if len(loc) >= 2 and loc[0] == "model" and loc[1] in MODEL_KINDS:
+        return loc[:1] + loc[2:]
+    return loc
 
 
 def _one_line(err: ValidationError) -> str:
     e = err.errors()[0]
     key = _where(e["loc"])
+    if e["type"] == "unknown_model_kind":
+        kind = e["input"].get("kind") if isinstance(e["input"], dict) else e["input"]
+        return (f"model.kind: unknown model kind {kind!r}: known kinds are {', '.join(MODEL_KINDS)} (a task of "
+                "your own: kind = 'custom' with task = 'package.module:Class')")
     if e["type"] == "extra_forbidden":
-        section = ".".join(str(x) for x in e["loc"][:-1])
-        valid = _known_keys(section)
+        section = ".".join(str(x) for x in _untagged(e["loc"][:-1]))
+        valid = _known_keys(e["loc"][:-1])
         return f"unknown key '{key}': valid keys{' in [' + section + ']' if section else ''} are {valid}"
     msg = e["msg"].removeprefix("Value error, ")
+    if key and (msg.startswith(key) or msg.startswith("unknown key '")):  # the message names the key itself
+        return msg
     if key:
         return f"{key}: {msg} (got {e.get('input')!r})" if "input" in e and not isinstance(
             e.get("input"), dict) else f"{key}: {msg}"
     return msg
 
 
-def _known_keys(section: str) -> str:
+def _known_keys(loc: tuple) -> str:
+    """The keys of the section at ``loc`` (a validation error's location, the model union's tag included)."""
     model = Config
-    for part in filter(None, section.split(".")):
-        model = model.model_fields[part].annotation
+    parts = [str(x) for x in loc]
+    while parts:
+        part = parts.pop(0)
+        if model is Config and part == "model":
+            model = MODEL_KINDS[parts.pop(0)] if parts and parts[0] in MODEL_KINDS else GPTModelSection
+        else:
+            model = model.model_fields[part].annotation
     return ", ".join(model.model_fields)
 
 
@@ -281,9 +387,7 @@ def parse_config(data: dict, base_dir: Path | None = None) -> Config:
         if not path.is_file():
             raise ConfigError(f"data.path: file '{cfg.data.path}' does not exist: point it at a text corpus, "
                               "or remove data.path to train on the Python standard library's source")
-        if path.stat().st_size < 2 * (cfg.model.block_size + 1) * 10:
-            raise ConfigError(f"data.path: '{cfg.data.path}' is too small for block_size "
-                              f"{cfg.model.block_size}: use a larger corpus or a smaller model.block_size")
+        cfg.model.check_data(path, cfg.data.path)
         cfg.data.path = str(path.resolve())
     if cfg.run.tensorboard and importlib.util.find_spec("tensorboard") is None:
         raise ConfigError("run.tensorboard = true needs the tensorboard package: pip install tensorboard "

@@ -8,8 +8,10 @@ from podscale.models.gpt import GPT
 from podscale.runtime.mesh import Mesh
 from podscale.runtime.process import init_process
 from podscale.train.data import ShardedLoader, load_tokens, split_tokens
+from podscale.optim import build_adamw
+from podscale.parallel.data import DataParallel
+from podscale.tasks.gpt import GPTTask, gpt_config
 from podscale.train.engine import Engine
-from podscale.train.loop import gpt_config
 
 MODEL = {"n_layer": 2, "n_head": 4, "n_embd": 64, "block_size": 64}
 
@@ -20,6 +22,17 @@ def make_config(data_path: str, steps: int, global_batch: int, micro_batch: int,
             "parallel": {"nproc": nproc, "bucket_mb": bucket_mb},
             "train": {"global_batch": global_batch, "micro_batch": micro_batch, "precision": precision,
                       "lr": 3e-3, "min_lr": 3e-4, "warmup_steps": 5, "grad_clip": 1.0}}
+
+
+def gpt_engine(model, mesh, cfg, strategy=None) -> Engine:
+    """An Engine training ``model`` (the GPT of ``cfg``) with the GPT task's loss and ``strategy``
+    (default: the replicated DataParallel over dp with ``cfg``'s optimizer and buckets)."""
+    if strategy is None:
+        t = cfg.train
+        model = model.to(mesh.device)
+        strategy = DataParallel(model, mesh, ("dp",), bucket_mb=cfg.parallel.bucket_mb, reduce_dtype=t.reduce_dtype,
+                                optimizer=build_adamw(model, t.lr, (t.beta1, t.beta2), t.eps, t.weight_decay))
+    return Engine(model, mesh, cfg.train, strategy, GPTTask(cfg).loss_fn(cfg.train.precision, mesh.device))
 
 
 def train_podscale(cfg_dicts: list[dict]) -> list[dict]:
@@ -33,7 +46,7 @@ def train_podscale(cfg_dicts: list[dict]) -> list[dict]:
         mesh = Mesh.build(info.device, **cfg.mesh_sizes())
         torch.manual_seed(cfg.run.seed)
         model = GPT(gpt_config(cfg))
-        engine = Engine(model, mesh, cfg.train, bucket_mb=cfg.parallel.bucket_mb)
+        engine = gpt_engine(model, mesh, cfg)
         tokens, _ = split_tokens(load_tokens(cfg.data.path), cfg.data.val_fraction)
         loader = ShardedLoader(tokens, cfg.model.block_size, cfg.train.global_batch, cfg.train.micro_batch,
                                mesh.local_rank("dp"), mesh.size("dp"), seed=cfg.run.seed)

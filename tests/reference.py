@@ -16,7 +16,7 @@ from podscale.models.gpt import GPT
 from podscale.optim import cosine_lr
 from podscale.optim.build import param_groups
 from podscale.train.data import ShardedLoader, load_tokens, split_tokens
-from podscale.train.loop import gpt_config
+from podscale.tasks.gpt import gpt_config
 
 
 def reference_run(d: dict) -> dict:

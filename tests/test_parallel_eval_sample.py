@@ -9,7 +9,7 @@ import torch
 from conftest import shakespeare
 from podscale.models.gpt import GPT
 from podscale.train.data import eval_batches, load_tokens, split_tokens
-from podscale.train.loop import gpt_config
+from podscale.tasks.gpt import gpt_config
 from podscale.config import parse_config
 from podscale.runtime.launcher import launch
 from test_tensor_parallel import reference_run

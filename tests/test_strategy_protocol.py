@@ -18,6 +18,7 @@ from podscale.parallel.strategy import DataParallelStrategy, Strategy
 from podscale.parallel.tensor import TensorParallelStrategy
 from podscale.parallel.zero import ZeroStrategy, build_strategy
 from podscale.runtime.mesh import Mesh
+from podscale.tasks.gpt import gpt_loss_fn
 from podscale.train.engine import Engine
 
 PACKAGE = Path(__file__).resolve().parent.parent / "podscale"
@@ -49,7 +50,7 @@ def test_no_attribute_forwarding_in_the_package():
     assert not found, f"__getattr__ forwarding in {found}"
 
 
-@pytest.mark.parametrize("module", ["train/engine.py", "train/loop.py"])
+@pytest.mark.parametrize("module", ["train/engine.py", "train/loop.py", "tasks/base.py", "tasks/gpt.py"])
 def test_the_trunk_probes_no_strategy_attributes(module):
     tree = ast.parse((PACKAGE / module).read_text())
     calls = [n.lineno for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)
@@ -72,7 +73,7 @@ def _build(kind: str, stage: int):
     inner = build_strategy(model, mesh, cfg.train, cfg.zero) if stage else DataParallel(
         model, mesh, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2))
     strategy = TensorParallelStrategy(inner, inner.module, mesh) if kind == "tp-wrapper" else inner
-    return cfg, Engine(strategy.module, mesh, cfg.train, strategy=strategy)
+    return cfg, Engine(strategy.module, mesh, cfg.train, strategy, gpt_loss_fn(cfg.train.precision, mesh.device))
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])

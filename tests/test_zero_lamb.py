@@ -12,7 +12,7 @@ from podscale.models.gpt import GPT
 from podscale.optim import cosine_lr
 from podscale.runtime.launcher import launch
 from podscale.train.data import ShardedLoader, load_tokens, split_tokens
-from podscale.train.loop import gpt_config
+from podscale.tasks.gpt import gpt_config
 from zero_workers import train_zero, zero_config
 
 STEPS = 10

@@ -123,15 +123,15 @@ def _one_process(folder, precision: str, stage: int, **zero):
     from podscale.models.gpt import GPT
     from podscale.parallel.zero import build_strategy
     from podscale.runtime.mesh import Mesh
-    from podscale.train.engine import Engine
-    from podscale.train.loop import gpt_config
+    from dp_workers import gpt_engine
+    from podscale.tasks.gpt import gpt_config
 
     d = zero_config(shakespeare(), 3, 4, 4, precision, 1, stage, model={"n_layer": 4}, offload_optimizer="nvme",
                     nvme_path=str(folder), nvme_block_mb=0.05, **zero)
     cfg = parse_config(d)
     torch.manual_seed(0)
     st = build_strategy(GPT(gpt_config(cfg)), Mesh.build(), cfg.train, cfg.zero)
-    return cfg, st, Engine(st.module, st.mesh, cfg.train, strategy=st)
+    return cfg, st, gpt_engine(st.module, st.mesh, cfg, st)
 
 
 def test_nvme_reads_are_prefetched(tmp_path):

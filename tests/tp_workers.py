@@ -13,7 +13,7 @@ from podscale.runtime import comm
 from podscale.runtime.mesh import Mesh
 from podscale.runtime.process import init_process
 from podscale.train.data import ShardedLoader, load_tokens, split_tokens
-from podscale.train.loop import gpt_config
+from podscale.tasks.gpt import generate, gpt_config
 
 MODEL = {"n_layer": 4, "n_head": 4, "n_embd": 64, "block_size": 64}
 
@@ -288,7 +288,7 @@ def layer_equivalence() -> dict:
 def eval_and_sample(cfg_dicts: list[dict], eval_batch: int, n_eval: int, n_sample: int) -> list[dict]:
     """Train each config for its steps, then the validation loss (``Engine.evaluate``) over ``n_eval``
     batches of ``eval_batch`` sequences and ``n_sample`` bytes sampled with the run's seed
-    (``Engine.generate``, as ``podscale train`` samples)."""
+    (``podscale.tasks.gpt.generate``, as ``podscale train`` samples)."""
     from podscale.train.data import eval_batches
 
     out = []
@@ -300,7 +300,8 @@ def eval_and_sample(cfg_dicts: list[dict], eval_batch: int, n_eval: int, n_sampl
         batches = eval_batches(val, cfg.model.block_size, eval_batch, n_eval, mesh.local_rank("dp"), mesh.size("dp"))
         val_loss = engine.evaluate(batches)
         g = torch.Generator().manual_seed(cfg.run.seed)
-        sampled = engine.generate(torch.tensor([[10]]), n_sample, temperature=0.8, top_k=50, generator=g)
+        sampled = generate(engine, torch.tensor([[10]]), n_sample, cfg.model.block_size, temperature=0.8, top_k=50,
+                           generator=g)
         out.append({"val_loss": val_loss, "sample": sampled[0].tolist()})
     return out
 

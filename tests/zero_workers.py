@@ -6,7 +6,7 @@ import resource
 
 import torch
 
-from dp_workers import make_config
+from dp_workers import gpt_engine, make_config
 from podscale.config import parse_config
 from podscale.models.gpt import GPT
 from podscale.parallel.zero import build_strategy
@@ -14,8 +14,7 @@ from podscale.runtime.mesh import Mesh
 from podscale.runtime.process import init_process
 from podscale.train import checkpoint
 from podscale.train.data import ShardedLoader, load_tokens, split_tokens
-from podscale.train.engine import Engine
-from podscale.train.loop import gpt_config
+from podscale.tasks.gpt import gpt_config
 
 
 def zero_config(path: str, steps: int, global_batch: int, micro_batch: int, precision: str, nproc: int,
@@ -35,7 +34,7 @@ def _build(d: dict, info):
     torch.manual_seed(cfg.run.seed)
     model = GPT(gpt_config(cfg))
     strategy = build_strategy(model, mesh, cfg.train, cfg.zero)
-    engine = Engine(model, mesh, cfg.train, bucket_mb=cfg.parallel.bucket_mb, strategy=strategy)
+    engine = gpt_engine(model, mesh, cfg, strategy)
     tokens, _ = split_tokens(load_tokens(cfg.data.path), cfg.data.val_fraction)
     loader = ShardedLoader(tokens, cfg.model.block_size, cfg.train.global_batch, cfg.train.micro_batch,
                            mesh.local_rank("dp"), mesh.size("dp"), seed=cfg.run.seed)
@@ -161,7 +160,7 @@ def measure_states(cfg_dicts: list[dict]) -> list[dict]:
         root = sum(p.numel() for p in model.parameters()
                    if id(p) not in in_blocks and p.numel() >= cfg.zero.param_persistence_threshold)
         strategy = build_strategy(model, mesh, cfg.train, cfg.zero)
-        engine = Engine(model, mesh, cfg.train, strategy=strategy)
+        engine = gpt_engine(model, mesh, cfg, strategy)
         built = current_rss_bytes()
         reset_peak_rss()
         for b in batches:
@@ -217,7 +216,7 @@ def nvme_budget_run(d: dict, steps: int) -> dict:
     with torch.device("meta"):
         model = GPT(gpt_config(cfg))
     strategy = build_strategy(model, mesh, cfg.train, cfg.zero)  # materialised by GPT.init_parameter
-    engine = Engine(model, mesh, cfg.train, strategy=strategy)
+    engine = gpt_engine(model, mesh, cfg, strategy)
     trace = [("built", current_rss_bytes() - base, peak_rss_bytes() - base)]
     losses, times = [], []
     for b in batches:

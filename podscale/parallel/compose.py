@@ -1,4 +1,4 @@
-"""Composing the layouts: one function turns a plain GPT and a config into a training engine.
+"""Composing the layouts: one function turns a plain model, its task and a config into a training engine.
 
 Order of application (each one a function of model and mesh; axis size 1 = off):
 pipeline split on ``pp`` (stages, then virtual chunks) -> tensor/sequence parallelism on ``tp`` inside each
@@ -30,28 +30,34 @@ def _data_parallel(module: nn.Module, mesh, cfg):
                         optimizer=optimizer)
 
 
-def build_engine(model: nn.Module, mesh, cfg, measure_memory: bool = False):
-    """Apply ``cfg``'s (pp, dp, tp) layout to a single-process ``model`` and return an Engine.
+def build_engine(model: nn.Module, mesh, cfg, task=None, measure_memory: bool = False):
+    """Apply ``cfg``'s (pp, dp, tp) layout to a single-process ``model`` and return an Engine that trains
+    it with ``task``'s loss (a :class:`podscale.tasks.Task`; default: the task ``cfg``'s ``[model]`` names).
 
     ``model`` may be built on the meta device (``with torch.device("meta"): GPT(cfg)``): then each rank
     gives memory only to its own pipeline chunks and tensor-parallel shards, each parameter initialised to
-    exactly its single-process value (:meth:`GPT.init_parameter`).
+    exactly its single-process value (:meth:`GPT.init_parameter`).  Tensor, sequence and pipeline
+    parallelism need a task that supports them (the GPT's).
 
     ``measure_memory``: the pipeline schedule counts the bytes each micro-batch saves for backward.
     """
+    from podscale.tasks import check_task_layout, task_for
     from podscale.train.engine import Engine
 
     p = cfg.parallel
+    task = task if task is not None else task_for(cfg)
+    check_task_layout(type(task), mesh.size("tp"), p.sequence_parallel, mesh.size("pp"))
+    loss_fn = task.loss_fn(cfg.train.precision, mesh.device)
     if mesh.size("pp") > 1:
         from podscale.parallel.pipeline.schedule import PipelineParallel
         strategy = PipelineParallel.build(model, mesh, cfg, _data_parallel, measure_memory)
-        return Engine(strategy.module, mesh, cfg.train, strategy=strategy)
+        return Engine(strategy.module, mesh, cfg.train, strategy, loss_fn)
     apply_recompute(model, p.recompute)
     if mesh.size("tp") == 1 and not p.sequence_parallel:
         if cfg.zero.stage == 0 and hasattr(model, "materialize"):
             model.materialize(mesh.device)  # (ZeRO materialises a meta-device model one unit at a time)
-        return Engine(model, mesh, cfg.train, strategy=_data_parallel(model, mesh, cfg))
+        return Engine(model, mesh, cfg.train, _data_parallel(model, mesh, cfg), loss_fn)
     apply_tensor_parallel(model, mesh, p.sequence_parallel)
     model.materialize(mesh.device)  # what tp did not shard, on a model built on the meta device
     strategy = TensorParallelStrategy(_data_parallel(model, mesh, cfg), model, mesh, cfg.train.precision)
-    return Engine(model, mesh, cfg.train, strategy=strategy)
+    return Engine(model, mesh, cfg.train, strategy, loss_fn)

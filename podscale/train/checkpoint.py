@@ -117,9 +117,11 @@ EXPORT_FORMATS = ("torch", "safetensors")
 def export(path: Path, out: Path, fmt: str = "torch") -> Path:
     """Consolidate the model weights of checkpoint ``path`` into one plain file.
 
-    ``torch``: ``{"model": state_dict, "model_config": dict, "step": int}``, loadable with
+    ``torch``: ``{"model": state_dict, "model_config": dict, "task": str, "step": int}`` (the task's class
+    as ``module:Class`` and its :meth:`~podscale.tasks.Task.model_config`), loadable with
     ``torch.load(out, weights_only=True)``.  ``safetensors``: the tensors under their single-process names,
-    with ``model_config`` (JSON) and ``step`` in the file's metadata header (:func:`read_safetensors`).
+    with ``model_config`` (JSON), ``task`` and ``step`` in the file's metadata header
+    (:func:`read_safetensors`).
     """
     if fmt not in EXPORT_FORMATS:
         raise ValueError(f"export format '{fmt}' is unknown: use one of {', '.join(EXPORT_FORMATS)}")
@@ -132,22 +134,24 @@ def export(path: Path, out: Path, fmt: str = "torch") -> Path:
         dcp_to_torch_save(str(path), str(full))
         state = torch.load(full, weights_only=True)
         tmp = Path(tmpdir) / "out"
+        task = meta.get("task", "podscale.tasks.gpt:GPTTask")
         if fmt == "safetensors":
-            write_safetensors(state["model"], meta.get("model_config", {}), int(meta["step"]), tmp)
+            write_safetensors(state["model"], meta.get("model_config", {}), task, int(meta["step"]), tmp)
         else:
             torch.save({"model": state["model"], "model_config": meta.get("model_config", {}),
-                        "step": meta["step"]}, tmp)
+                        "task": task, "step": meta["step"]}, tmp)
         os.replace(tmp, out)
     return out
 
 
-def write_safetensors(model: dict[str, torch.Tensor], model_config: dict, step: int, out: Path) -> None:
+def write_safetensors(model: dict[str, torch.Tensor], model_config: dict, task: str, step: int,
+                      out: Path) -> None:
     """``model``'s tensors in the safetensors format (no pickle: a JSON header and raw bytes), the model
-    config and step as header metadata.  Tensors that share storage (a tied embedding) are written once
+    config, task and step as header metadata.  Tensors that share storage (a tied embedding) are written once
     each, as separate contiguous copies, which safetensors requires."""
     from safetensors.torch import save_file
     tensors = {k: v.detach().to("cpu").contiguous().clone() for k, v in model.items()}
-    save_file(tensors, str(out), metadata={"model_config": json.dumps(model_config), "step": str(step),
+    save_file(tensors, str(out), metadata={"model_config": json.dumps(model_config), "task": task, "step": str(step),
                                            "format": "pt", "producer": "podscale"})
 
 

@@ -1,5 +1,9 @@
 """Byte-level corpora and a deterministic, resumable loader sharded by data-parallel rank.
 
+The sample order is generic (any task's data source can use it): :class:`SampleOrder` visits ``n`` samples in
+a fresh random permutation each epoch, and :func:`rank_micro_batches` says which global samples one dp rank
+takes in one optimizer step.  The byte-level loader below is the GPT's.
+
 The loader cuts the token stream into non-overlapping windows of ``block_size + 1`` bytes and visits
 them in a fresh random permutation each epoch (seeded by ``seed`` and the epoch number).  Optimizer step
 ``s`` consumes global samples ``[s * B, (s + 1) * B)``; inside that global batch, micro-step ``k`` of dp
@@ -44,6 +48,32 @@ def split_tokens(tokens: torch.Tensor, val_fraction: float) -> tuple[torch.Tenso
     return tokens[: len(tokens) - n_val], tokens[len(tokens) - n_val:]
 
 
+class SampleOrder:
+    """Which of ``n`` samples is the ``i``-th one drawn: epoch ``i // n`` visits all of them in a random
+    permutation seeded by ``seed`` and the epoch number, so the order is the same in every process."""
+
+    def __init__(self, n: int, seed: int):
+        self.n, self.seed = n, seed
+        self._epoch, self._perm = -1, None
+
+    def __call__(self, i: int) -> int:
+        epoch, j = divmod(i, self.n)
+        if epoch != self._epoch:
+            g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+            self._perm, self._epoch = torch.randperm(self.n, generator=g), epoch
+        return int(self._perm[j])
+
+
+def rank_micro_batches(consumed: int, global_batch: int, micro_batch: int, dp_rank: int,
+                       dp_size: int) -> list[range]:
+    """The global sample numbers of dp rank ``dp_rank``'s micro-batches in the optimizer step that starts
+    after ``consumed`` samples: micro-step ``k`` takes ``consumed + k * dp * m + rank * m ... + m``, so the
+    samples of a step do not depend on the layout (every split sees one process's global batch)."""
+    m, dp = micro_batch, dp_size
+    first = [consumed + k * dp * m + dp_rank * m for k in range(global_batch // (dp * m))]
+    return [range(f, f + m) for f in first]
+
+
 @dataclass
 class ShardedLoader:
     """Micro-batches of (inputs, targets) for one dp rank; ``consumed`` is its entire state."""
@@ -64,31 +94,21 @@ class ShardedLoader:
                              f"global_batch={self.global_batch}: use a larger corpus or smaller batch")
         if self.global_batch % (self.dp_size * self.micro_batch):
             raise ValueError("global_batch must be divisible by dp_size * micro_batch")
-        self._perm_epoch, self._perm = -1, None
+        self._order = SampleOrder(self.num_windows, self.seed)
 
     @property
     def grad_accum(self) -> int:
         return self.global_batch // (self.dp_size * self.micro_batch)
 
-    def _window(self, sample: int) -> int:
-        epoch, i = divmod(sample, self.num_windows)
-        if epoch != self._perm_epoch:
-            g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
-            self._perm, self._perm_epoch = torch.randperm(self.num_windows, generator=g), epoch
-        return int(self._perm[i])
-
     def _batch(self, samples: range) -> tuple[torch.Tensor, torch.Tensor]:
-        starts = [self._window(s) * self.block_size for s in samples]
+        starts = [self._order(s) * self.block_size for s in samples]
         rows = torch.stack([self.tokens[s: s + self.block_size + 1] for s in starts]).long()
         return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
 
     def next_step(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """This rank's micro-batches for the next optimizer step, and advance by one global batch."""
-        base, m, dp = self.consumed, self.micro_batch, self.dp_size
-        out = []
-        for k in range(self.grad_accum):
-            first = base + k * dp * m + self.dp_rank * m
-            out.append(self._batch(range(first, first + m)))
+        out = [self._batch(r) for r in rank_micro_batches(self.consumed, self.global_batch, self.micro_batch,
+                                                           self.dp_rank, self.dp_size)]
         self.consumed += self.global_batch
         return out
 

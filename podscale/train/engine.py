@@ -6,9 +6,10 @@ global gradient norm, steps the optimizer with the scheduled learning rate and r
 over the whole global batch.
 
 A *strategy* (:class:`~podscale.parallel.strategy.Strategy`) owns how gradients are reduced and how the
-optimizer steps; the engine only sequences it.  A *loss function* ``loss_fn(module, batch)`` says what a
-micro-batch is: by default (:func:`model_computes_loss`) a tuple of tensors moved to the device and passed
-to the model, which returns ``(output, loss)``; a task passes its own.
+optimizer steps; the engine only sequences it, through the protocol's methods.
+
+The engine knows no model family: batches are opaque and the loss is the task's ``loss_fn`` (see
+:mod:`podscale.tasks`); sampling text is the GPT task's (:func:`podscale.tasks.gpt.generate`).
 """
 from __future__ import annotations
 
@@ -19,22 +20,11 @@ import torch
 import torch.nn as nn
 
 from podscale.config import TrainSection
-from podscale.models.gpt import sample
-from podscale.optim import build_adamw, cosine_lr
-from podscale.parallel.data import DataParallel
+from podscale.optim import cosine_lr
 from podscale.parallel.strategy import LossFn, Strategy
 from podscale.runtime import comm
 from podscale.runtime.mesh import AXES
-from podscale.train.precision import DynamicLossScaler, autocast
-
-
-def model_computes_loss(precision: str, device: torch.device) -> LossFn:
-    """The default loss function: ``batch`` is a tuple of tensors, moved to ``device`` and passed to the
-    model under ``precision``'s autocast; the model returns ``(output, loss)``."""
-    def loss_fn(module: nn.Module, batch) -> torch.Tensor:
-        with autocast(precision, device):
-            return module(*(t.to(device, non_blocking=True) for t in batch))[1]
-    return loss_fn
+from podscale.train.precision import DynamicLossScaler
 
 
 @dataclass
@@ -49,20 +39,18 @@ class StepResult:
 
 
 class Engine:
-    """Owns the parallel model, the optimizer and the loss scaler; ``step(micro_batches)`` trains."""
+    """Owns the parallel model, the strategy and the loss scaler; ``step(micro_batches)`` trains."""
 
-    def __init__(self, model: nn.Module, mesh, train: TrainSection, bucket_mb: float = 25.0,
-                 strategy: Strategy | None = None, loss_fn: LossFn | None = None):
+    def __init__(self, model: nn.Module, mesh, train: TrainSection, strategy: Strategy, loss_fn: LossFn):
+        """``strategy`` reduces gradients and steps the optimizer (:mod:`podscale.parallel.strategy`);
+        ``loss_fn(module, batch)`` is the task's loss for one of the task's batches, moved to the device and
+        run under the precision's autocast (:meth:`podscale.tasks.Task.loss_fn`).  The engine never looks
+        inside a batch."""
         self.mesh, self.cfg = mesh, train
         self.device = mesh.device
         self.model = model.to(self.device)
-        if strategy is None:
-            optimizer = build_adamw(self.model, train.lr, (train.beta1, train.beta2), train.eps,
-                                    train.weight_decay)
-            strategy = DataParallel(self.model, mesh, ("dp",), bucket_mb=bucket_mb,
-                                    reduce_dtype=train.reduce_dtype, optimizer=optimizer)
         self.strategy = strategy
-        self.loss_fn = loss_fn if loss_fn is not None else model_computes_loss(train.precision, self.device)
+        self.loss_fn = loss_fn
         self.scaler = DynamicLossScaler(train.loss_scale_init, train.loss_scale_window) \
             if train.precision == "fp16" else None
         self.step_count = 0
@@ -72,6 +60,7 @@ class Engine:
         return cosine_lr(step, c.lr, c.min_lr, c.warmup_steps, c.decay_steps or 1)
 
     def step(self, micro_batches: list) -> StepResult:
+        """One optimizer step over this rank's ``micro_batches`` (the task's batches)."""
         t0 = time.perf_counter()
         self.model.train()
         lr = self.lr_at(self.step_count)
@@ -102,25 +91,16 @@ class Engine:
                           time.perf_counter() - t0, scale)
 
     @torch.no_grad()
-    def evaluate(self, batches: list) -> float:
-        """Mean loss over ``batches`` (this rank's shares), averaged over the dp axis."""
+    def evaluate(self, batches: list, metric: LossFn | None = None) -> float:
+        """The mean of ``metric(module, batch)`` (default: the loss) over ``batches`` (this rank's shares),
+        averaged over the dp axis; every rank gets the same value.  A pipeline runs only the GPT, whose
+        chunks compute its loss themselves (its only metric)."""
         self.model.eval()
-        total = self.strategy.forward_only(batches, self.loss_fn)
+        total = self.strategy.forward_only(batches, metric if metric is not None else self.loss_fn)
         total = total if total is not None else torch.zeros((), device=self.device)
         total = total / max(1, len(batches))
         comm.all_reduce(total, self.mesh, "dp")
         return float(total) / self.mesh.size("dp")
-
-    @torch.no_grad()
-    def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
-                 top_k: int | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
-        """Sample from the model as :meth:`GPT.generate` does, on any layout: every rank must call it (tp
-        and pp forwards are collective) and every rank gets the same tokens for the same ``generator``
-        seed (the strategy's ``next_logits`` gathers vocabulary shards and broadcasts the last stage's)."""
-        self.model.eval()
-        gpt = self.model[0] if isinstance(self.model, nn.ModuleList) else self.model
-        return sample(self.strategy.next_logits, idx.to(self.device), max_new_tokens, gpt.cfg.block_size,
-                      temperature, top_k, generator)
 
     def close(self) -> None:
         """Release the strategy's scratch state (swap files) and drain its communication."""

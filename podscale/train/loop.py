@@ -1,31 +1,27 @@
-"""The training run a worker executes: build mesh, model, data and engine; train; validate; checkpoint;
-sample.  ``podscale train`` runs ``run_worker`` in every worker process."""
+"""The training run a worker executes: build mesh, task, model, data and engine; train; validate;
+checkpoint; the task's extras at the end.  ``podscale train`` runs ``run_worker`` in every worker process.
+
+The loop knows no model family: everything specific to one comes from the :class:`~podscale.tasks.Task`
+that the config's ``[model]`` section names (batches, loss, metrics, throughput unit, FLOPs per sample).
+"""
 from __future__ import annotations
 
 import os
 import sys
 import time
-from dataclasses import asdict
 
 import torch
 
 from podscale import parallelize
 from podscale.config import Config
-from podscale.models.gpt import GPT, GPTConfig
 from podscale.parallel.rng import rng_tracker, seed_model_parallel
 from podscale.runtime import comm
 from podscale.runtime.mesh import AXES, Mesh
 from podscale.runtime.metrics import MetricsLog, matmul_peak, peak_memory_bytes
 from podscale.runtime.process import init_process
+from podscale.tasks import task_for
 from podscale.train import checkpoint, faults
-from podscale.train.data import ShardedLoader, eval_batches, load_tokens, split_tokens
 from podscale.train.progress import Progress
-
-
-def gpt_config(cfg: Config) -> GPTConfig:
-    m = cfg.model
-    return GPTConfig(vocab_size=m.vocab_size, block_size=m.block_size, n_layer=m.n_layer, n_head=m.n_head,
-                     n_embd=m.n_embd, dropout=m.dropout, bias=m.bias)
 
 
 def _set_cpu_threads(device: torch.device) -> None:
@@ -54,18 +50,13 @@ def run_worker(cfg: Config, resume: bool = False) -> dict:
     run_dir = cfg.run_dir
     ckpt_root = run_dir / "checkpoints"
 
+    task = task_for(cfg)
     torch.manual_seed(cfg.run.seed)
-    gcfg = gpt_config(cfg)
-    # Built on the meta device: each rank gives memory only to the parameters (or shards) it holds, each
-    # initialised to its single-process value, so the whole model never has to fit one process.
-    with torch.device("meta"):
-        model = GPT(gcfg)
-    engine = parallelize(model, mesh, cfg)
+    model = task.build_model()
+    engine = parallelize(model, mesh, cfg, task)
     try:
-        train_tokens, val_tokens = split_tokens(load_tokens(cfg.data.path), cfg.data.val_fraction)
-        loader = ShardedLoader(train_tokens, gcfg.block_size, cfg.train.global_batch, cfg.train.micro_batch,
-                               dp_rank, dp, seed=cfg.run.seed)
-        val = eval_batches(val_tokens, gcfg.block_size, dp * cfg.train.micro_batch, cfg.run.eval_batches, dp_rank, dp)
+        loader = task.train_data(dp_rank, dp)
+        val = task.eval_data(dp_rank, dp)
         # Dropout masks differ per sample, as in one process: per dp and pp rank, and per tp rank where
         # activations are split over tp (the model-parallel RNG tracker).
         seed_model_parallel(cfg.run.seed, mesh)
@@ -88,21 +79,23 @@ def run_worker(cfg: Config, resume: bool = False) -> dict:
                 if streams:  # (checkpoints from before the tracker have none)
                     tracker.set_states(streams)
 
-        tokens_per_step = cfg.train.global_batch * gcfg.block_size
-        flops_per_step = gcfg.flops_per_token() * tokens_per_step
+        samples_per_step = cfg.train.global_batch
+        units_per_step = samples_per_step * task.units_per_sample()
+        flops_per_step = task.flops_per_sample() * samples_per_step
+        unit = task.throughput_unit
         peak = matmul_peak(info.device, "fp32" if cfg.train.precision == "fp32" else cfg.train.precision)
         log = MetricsLog(run_dir / "metrics.jsonl", truncate_from_step=start_step,
                          tensorboard=cfg.run.tensorboard) if rank == 0 else None
         progress = Progress(cfg.run.steps, start_step, enabled=rank == 0)
         if rank == 0:
-            progress.print(f"podscale: {cfg.run.name}: {gcfg.num_params() / 1e6:.2f}M params, mesh "
-                           f"{mesh.describe()}, global batch {cfg.train.global_batch} x {gcfg.block_size} tokens, "
-                           f"accumulation {loader.grad_accum}, {cfg.train.precision}, device {info.device}"
+            progress.print(f"podscale: {cfg.run.name}: {task.describe(model)}, mesh {mesh.describe()}, "
+                           f"accumulation {cfg.grad_accum}, {cfg.train.precision}, device {info.device}"
                            + (f", resumed from {restored.name}" if restored is not None else ""))
 
         def save(step: int) -> None:
             meta = {"step": step, "loader": loader.state_dict(), "world_size": info.world_size,
-                    "mesh": mesh.sizes, "model_config": asdict(gcfg),
+                    "mesh": mesh.sizes, "task": f"{type(task).__module__}:{type(task).__qualname__}",
+                    "model_config": task.model_config(),
                     "scaler": engine.scaler.state_dict() if engine.scaler else None, "time": time.time()}
             rng = {"torch_rng": torch.get_rng_state(), **{f"rng.{k}": v for k, v in tracker.get_states().items()}}
             checkpoint.save(ckpt_root, step, {"model": engine.model_state(), "optim": engine.optim_state()},
@@ -118,7 +111,10 @@ def run_worker(cfg: Config, resume: bool = False) -> dict:
             s = res.step
             record = {
                 "step": s, "loss": res.loss, "lr": res.lr, "grad_norm": res.grad_norm, "skipped": res.skipped,
-                "step_time_s": res.step_time_s, "tokens_per_s": tokens_per_step / res.step_time_s,
+                "step_time_s": res.step_time_s,
+                # throughput in the task's unit, under a generic key and under "<unit>_per_s" (tokens_per_s)
+                "throughput": units_per_step / res.step_time_s, "throughput_unit": unit,
+                f"{unit}_per_s": units_per_step / res.step_time_s,
                 "tflops_per_rank": flops_per_step / res.step_time_s / info.world_size / 1e12,
                 "mfu": flops_per_step / res.step_time_s / info.world_size / peak,
                 "comm_share": comm_totals["exposed_s"] / res.step_time_s,
@@ -127,7 +123,7 @@ def run_worker(cfg: Config, resume: bool = False) -> dict:
             if res.loss_scale is not None:
                 record["loss_scale"] = res.loss_scale
             if cfg.run.eval_every and (s % cfg.run.eval_every == 0 or s == cfg.run.steps):
-                record["val_loss"] = engine.evaluate(val)
+                record.update({f"val_{k}": v for k, v in task.evaluate(engine, val).items()})
             if s % cfg.run.log_every == 0 or s == cfg.run.steps:
                 record["peak_mem_bytes"] = _gather_per_rank(peak_memory_bytes(info.device), mesh)
             mesh.stats.reset()
@@ -143,16 +139,7 @@ def run_worker(cfg: Config, resume: bool = False) -> dict:
 
         summary = {"rank": rank, "steps": cfg.run.steps, "final_loss": last.get("loss"),
                    "val_loss": last.get("val_loss"), "run_dir": str(run_dir)}
-        if cfg.run.sample_tokens:
-            # every rank samples (tp and pp forwards are collective) and draws the same bytes from the same seed
-            g = torch.Generator(device=info.device).manual_seed(cfg.run.seed)
-            out = engine.generate(torch.tensor([[10]], device=info.device), cfg.run.sample_tokens,
-                                  temperature=0.8, top_k=50, generator=g)
-            text = bytes(out[0, 1:].tolist()).decode("utf-8", errors="replace")
-            if rank == 0:
-                (run_dir / "sample.txt").write_text(text)
-                progress.print("sample:\n" + text)
-                summary["sample"] = text
+        summary.update(task.finish(engine, rank, run_dir, progress.print))
         if log is not None:
             log.close()
         sys.stdout.flush()

@@ -1,4 +1,6 @@
-"""Progress display for rank 0: a rich progress bar on a terminal, plain log lines otherwise."""
+"""Progress display for rank 0: a rich progress bar on a terminal, plain log lines otherwise.  It shows
+a metrics record (see :mod:`podscale.train.loop`) of any task: loss, the task's validation metrics
+(``val_*``), throughput in the task's unit, MFU, exposed communication and memory."""
 from __future__ import annotations
 
 import sys
@@ -28,13 +30,15 @@ class Progress:
         if not self.enabled:
             return
         mem = r.get("peak_mem_bytes")
+        evals = [k for k in r if k.startswith("val_")]  # the task's validation metrics, when measured
         line = (f"step {r['step']:>5}  loss {r['loss']:.4f}"
-                + (f"  val {r['val_loss']:.4f}" if "val_loss" in r else "")
-                + f"  {r['tokens_per_s']:,.0f} tok/s  mfu {100 * r['mfu']:.1f}%  comm {100 * r['comm_share']:.0f}%"
+                + "".join(f"  {k.removeprefix('val_') if k != 'val_loss' else 'val'} {r[k]:.4f}" for k in evals)
+                + f"  {r['throughput']:,.0f} {r['throughput_unit']}/s  mfu {100 * r['mfu']:.1f}%"
+                  f"  comm {100 * r['comm_share']:.0f}%"
                 + (f"  mem/rank {','.join(f'{m / 2**20:.0f}' for m in mem)} MiB" if mem else ""))
         if self.bar is not None:
             self.bar.update(self.task, advance=1, info=line.split("  ", 1)[1])
-        if mem or "val_loss" in r:
+        if mem or evals:
             self.print(line)
 
     def close(self) -> None:

@@ -1,4 +1,6 @@
-"""``podscale report RUN_DIR``: PNG plots of a run's loss and throughput from its metrics.jsonl."""
+"""``podscale report RUN_DIR``: PNG plots of a run's loss and throughput from its metrics.jsonl, for any
+task: the loss, the task's other validation metrics (``val_*`` keys, e.g. accuracy) and the throughput in
+the unit the run logged (``throughput`` and ``throughput_unit``)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -7,7 +9,8 @@ from podscale.runtime.metrics import read_metrics
 
 
 def write_report(run_dir: Path, out: Path | None = None) -> list[Path]:
-    """Write ``loss.png`` and ``throughput.png``; returns their paths."""
+    """Write ``loss.png``, ``throughput.png`` and, when the task logged validation metrics besides the
+    loss, ``metrics.png``; returns their paths."""
     path = Path(run_dir) / "metrics.jsonl"
     if not path.is_file():
         raise FileNotFoundError(f"no metrics.jsonl in '{run_dir}': give the directory of a podscale train run")
@@ -28,7 +31,7 @@ def write_report(run_dir: Path, out: Path | None = None) -> list[Path]:
     if val:
         ax.plot(*zip(*val), "o-", label="validation loss")
     ax.set_xlabel("step")
-    ax.set_ylabel("cross-entropy (nats/byte)")
+    ax.set_ylabel("loss")
     ax.set_title(f"{Path(run_dir).name}: loss")
     ax.grid(alpha=0.3)
     ax.legend()
@@ -38,9 +41,11 @@ def write_report(run_dir: Path, out: Path | None = None) -> list[Path]:
     plt.close(fig)
 
     fig, ax1 = plt.subplots(figsize=(7, 4))
-    ax1.plot(steps, [r["tokens_per_s"] for r in rows], color="tab:blue", lw=1)
+    # (runs logged before tasks existed were GPT runs with only "tokens_per_s")
+    ax1.plot(steps, [r["throughput"] if "throughput" in r else r["tokens_per_s"] for r in rows],
+             color="tab:blue", lw=1)
     ax1.set_xlabel("step")
-    ax1.set_ylabel("tokens/s", color="tab:blue")
+    ax1.set_ylabel(f"{rows[-1].get('throughput_unit', 'tokens')}/s", color="tab:blue")
     ax2 = ax1.twinx()
     ax2.plot(steps, [100 * r["mfu"] for r in rows], color="tab:orange", lw=1)
     ax2.plot(steps, [100 * r["comm_share"] for r in rows], color="tab:green", lw=1, ls="--")
@@ -51,4 +56,20 @@ def write_report(run_dir: Path, out: Path | None = None) -> list[Path]:
     tput_png = out / "throughput.png"
     fig.savefig(tput_png, dpi=110)
     plt.close(fig)
-    return [loss_png, tput_png]
+    written = [loss_png, tput_png]
+
+    metrics = sorted({k for r in rows for k in r if k.startswith("val_") and k != "val_loss"})
+    if metrics:
+        fig, ax = plt.subplots(figsize=(7, 4))
+        for k in metrics:
+            ax.plot(*zip(*[(r["step"], r[k]) for r in rows if k in r]), "o-", label=k.removeprefix("val_"))
+        ax.set_xlabel("step")
+        ax.set_title(f"{Path(run_dir).name}: validation metrics")
+        ax.grid(alpha=0.3)
+        ax.legend()
+        fig.tight_layout()
+        metrics_png = out / "metrics.png"
+        fig.savefig(metrics_png, dpi=110)
+        plt.close(fig)
+        written.append(metrics_png)
+    return written
