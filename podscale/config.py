@@ -12,7 +12,7 @@ import tomllib
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 Precision = Literal["fp32", "bf16", "fp16"]
 
@@ -36,6 +36,15 @@ class RunSection(_Section):
     sample_tokens: int = Field(0, ge=0, description="bytes of text sampled at the end of the run")
     device: Literal["auto", "cpu", "cuda"] = Field(
         "auto", description="auto: one GPU per rank where CUDA is visible (NCCL), else the CPU (gloo)")
+
+    @field_validator("name")
+    @classmethod
+    def _plain_name(cls, name: str) -> str:
+        # the run directory is out_dir/name, and --fresh deletes it: never '.', '..' (nor a path: the pattern)
+        if name in (".", ".."):
+            raise ValueError(f"'{name}' is not a run name (the run directory would be run.out_dir or its "
+                             "parent): use letters, digits, '_', '-' and '.'")
+        return name
 
 
 class ModelSection(_Section):
