@@ -62,6 +62,12 @@ def cmd_train(args) -> int:
         return _fail(f"run directory '{cfg.run_dir}' already has checkpoints: pass --resume to continue it, "
                      f"--fresh to start over, or choose another run.name")
 
+    if args.resume and (found := checkpoint.latest(cfg.run_dir / "checkpoints")) is not None:
+        try:
+            checkpoint.verify(found)  # one line here rather than a traceback on every worker
+        except ValueError as err:
+            return _fail(str(err))
+
     if under_launcher():  # already a torchrun worker: join the job instead of spawning
         from podscale.train.loop import run_worker
         run_worker(cfg, args.resume)
@@ -125,7 +131,10 @@ def cmd_export(args) -> int:
         if found is None:
             return _fail(f"no checkpoint in '{args.checkpoint}': give a run directory or a step_XXXXXXXX folder")
         path = found
-    out = checkpoint.export(path, Path(args.out))
+    try:
+        out = checkpoint.export(path, Path(args.out))
+    except ValueError as err:  # (damaged or not podscale's: one line naming the file)
+        return _fail(str(err))
     print(f"podscale: exported {path} to {out}")
     return 0
 
