@@ -111,6 +111,18 @@ class Handle:
         self._done = True
 
 
+def settle(seconds: float = 0.05) -> None:
+    """Let torch's communication threads finish with collectives that have completed.
+
+    A gloo worker thread drops its reference to a finished collective after marking it complete; when that
+    is the last reference, freeing the collective's tensors takes the GIL.  If the interpreter finalizes
+    while such a thread waits for the GIL, the thread is torn down inside C++ and the process aborts
+    ("terminate called without an active exception").  Sleeping releases the GIL, so a thread that waits
+    for it gets it; call this after every collective has been waited for (``Engine.close`` does).
+    """
+    time.sleep(seconds)
+
+
 def _axis_name(axes) -> str:
     return axes if isinstance(axes, str) else "+".join(axes)
 

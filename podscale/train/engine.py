@@ -26,8 +26,10 @@ It provides::
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
 import time
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -58,6 +60,18 @@ def found_inf(strategy) -> torch.Tensor:
     return hook() if hook is not None else nonfinite_flag(strategy.grads())
 
 
+_OPEN: "weakref.WeakSet[Engine]" = weakref.WeakSet()
+
+
+@atexit.register
+def _close_open_engines() -> None:
+    """A script that never closes its engine still exits cleanly: at interpreter exit (also after the user
+    destroyed the process group) every open engine drains what it has in flight, and torch's communication
+    threads get the GIL to drop their finished work before the interpreter finalizes."""
+    for engine in list(_OPEN):
+        engine.close()
+
+
 @dataclass
 class StepResult:
     step: int
@@ -85,12 +99,36 @@ class Engine:
         self.scaler = DynamicLossScaler(train.loss_scale_init, train.loss_scale_window) \
             if train.precision == "fp16" else None
         self.step_count = 0
+        self.closed = False
+        _OPEN.add(self)
+
+    # lifetime: ``with podscale.parallelize(...) as engine:`` or ``engine.close()`` -----------------------
+    def close(self) -> None:
+        """Wait for the collectives still in flight (ZeRO's post-step all-gathers, prefetches), release the
+        strategy's scratch state (swap files, hooks) and let the communication threads finish; call it
+        before ``dist.destroy_process_group()``.  Safe to call twice; the engine cannot step afterwards."""
+        if self.closed:
+            return
+        self.closed = True
+        _OPEN.discard(self)
+        try:
+            self.strategy.close()
+        finally:
+            comm.settle()
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def lr_at(self, step: int) -> float:
         c = self.cfg
         return cosine_lr(step, c.lr, c.min_lr, c.warmup_steps, c.decay_steps or 1)
 
     def step(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> StepResult:
+        if self.closed:
+            raise RuntimeError("Engine.step after close(): build a new engine with podscale.parallelize")
         t0 = time.perf_counter()
         self.model.train()
         lr = self.lr_at(self.step_count)
