@@ -3,8 +3,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-SHARED_DATA = ROOT.parent / "shared" / "data"
-SHAKESPEARE = SHARED_DATA / "tinyshakespeare" / "input.txt"
+# Tests need nothing outside the repository: Tiny Shakespeare (public domain) is committed under tests/data.
+SHAKESPEARE = Path(__file__).resolve().parent / "data" / "tinyshakespeare.txt"
 
 
 @pytest.fixture(autouse=True)
@@ -16,6 +16,5 @@ def _isolated_cache(tmp_path_factory, monkeypatch):
 
 
 def shakespeare() -> str:
-    if not SHAKESPEARE.is_file():
-        pytest.skip(f"{SHAKESPEARE} not found (the project's shared data folder)")
+    assert SHAKESPEARE.is_file(), f"{SHAKESPEARE} is part of the repository: restore it with git"
     return str(SHAKESPEARE)
