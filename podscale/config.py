@@ -125,6 +125,14 @@ class ZeroSection(_Section):
                              "optimizer state): set zero.stage=1, 2 or 3")
         if self.optimizer != "adamw" and self.stage == 0:
             raise ValueError(f"zero.optimizer={self.optimizer} runs on ZeRO's flat shards: set zero.stage=1, 2 or 3")
+        if self.offload_param == "nvme" and self.offload_optimizer != "nvme":
+            raise ValueError(f"zero.offload_param='nvme' needs zero.offload_optimizer='nvme' (ZeRO-Infinity keeps "
+                             f"the parameter shards in the optimizer's swap file; got offload_optimizer="
+                             f"'{self.offload_optimizer}'): set offload_optimizer='nvme'")
+        if self.offload_param == "cpu" and self.offload_optimizer == "nvme":
+            raise ValueError("zero.offload_param='cpu' with zero.offload_optimizer='nvme' is not supported (the "
+                             "parameters would stay on the device): set offload_param='nvme' or 'none', or "
+                             "offload_optimizer='cpu'")
         if "nvme" in (self.offload_optimizer, self.offload_param):
             if not self.nvme_path:
                 raise ValueError("zero.nvme_path is required for nvme offload: point it at a folder on a fast disk")
@@ -291,9 +299,18 @@ def parse_config(data: dict, base_dir: Path | None = None) -> Config:
             raise ConfigError(f"data.path: '{cfg.data.path}' is too small for block_size "
                               f"{cfg.model.block_size}: use a larger corpus or a smaller model.block_size")
         cfg.data.path = str(path.resolve())
+    _check_byte_vocab(cfg)
     if cfg.train.decay_steps is None:
         cfg.train.decay_steps = cfg.run.steps
     return cfg
+
+
+def _check_byte_vocab(cfg: Config) -> None:
+    """The language model reads its corpus as bytes (a file or the standard library's source): every one of
+    the 256 byte values is a token id, so a smaller vocabulary fails inside the workers' embedding."""
+    if cfg.model.vocab_size < 256:
+        raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the 256 byte values the "
+                          "byte-level corpus holds: set model.vocab_size >= 256 (or remove it: 256)")
 
 
 def load_config(path: str | os.PathLike | None, overrides: list[str] = ()) -> Config:
