@@ -13,6 +13,9 @@ def _isolated_cache(tmp_path_factory, monkeypatch):
     monkeypatch.setenv("PODSCALE_CACHE", str(tmp_path_factory.getbasetemp() / "cache"))
     # multi-process tests put several gloo ranks on this host, also on a machine with one GPU
     monkeypatch.setenv("PODSCALE_DEVICE", "cpu")
+    # collectives refuse tensors allocated on torch's default device: on a GPU mesh that is the CPU, which
+    # NCCL refuses, so the CPU suite catches the bug too (podscale.runtime.comm.check_devices)
+    monkeypatch.setenv("PODSCALE_STRICT_DEVICE", "1")
 
 
 def shakespeare() -> str:
