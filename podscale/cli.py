@@ -139,8 +139,15 @@ def cmd_export(args) -> int:
     return 0
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with podscale's one-line errors (exit 2) instead of a usage block; sub-commands inherit it."""
+
+    def error(self, message: str):
+        self.exit(2, f"podscale: error: {self.prog}: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="podscale", description=__doc__)
+    parser = _Parser(prog="podscale", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
     t = sub.add_parser("train", help="train the GPT of a TOML config on local worker processes")

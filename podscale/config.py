@@ -292,9 +292,21 @@ def parse_config(data: dict, base_dir: Path | None = None) -> Config:
         path = Path(os.path.expanduser(cfg.data.path))
         if not path.is_absolute() and base_dir is not None and not path.exists():
             path = base_dir / path
+        if path.is_dir():
+            raise ConfigError(f"data.path: '{cfg.data.path}' is a folder, not a file: point it at a text corpus "
+                              "file, or remove data.path to train on the Python standard library's source")
         if not path.is_file():
             raise ConfigError(f"data.path: file '{cfg.data.path}' does not exist: point it at a text corpus, "
                               "or remove data.path to train on the Python standard library's source")
+        try:
+            with open(path, "rb") as f:
+                head = f.read(1 << 16)
+        except OSError as err:
+            raise ConfigError(f"data.path: '{cfg.data.path}' cannot be read ({err.strerror}): fix its "
+                              "permissions or point data.path at a readable corpus") from None
+        if b"\0" in head:
+            raise ConfigError(f"data.path: '{cfg.data.path}' holds NUL bytes, so it is not a text corpus: point "
+                              "it at a UTF-8 text file")
         if path.stat().st_size < 2 * (cfg.model.block_size + 1) * 10:
             raise ConfigError(f"data.path: '{cfg.data.path}' is too small for block_size "
                               f"{cfg.model.block_size}: use a larger corpus or a smaller model.block_size")

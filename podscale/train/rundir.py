@@ -25,6 +25,10 @@ def resolve_run_dir(out_dir: str | os.PathLike, name: str) -> Path:
     if name in ("", ".", "..") or "/" in name or "\\" in name or (os.altsep and os.altsep in name):
         raise RunDirError(f"run.name='{name}' is not a plain folder name: use letters, digits, '_', '-' "
                           "and '.', not '.', '..' or a path")
+    for parent in (Path(os.path.expanduser(out_dir)), *Path(os.path.expanduser(out_dir)).parents):
+        if parent.exists() and not parent.is_dir():
+            raise RunDirError(f"run.out_dir '{out_dir}' cannot be a folder: '{parent}' is a file; choose "
+                              "another run.out_dir")
     out = Path(os.path.expanduser(out_dir)).resolve()
     run_dir = Path(os.path.expanduser(out_dir)) / name
     if run_dir.resolve().parent != out or run_dir.resolve() == out:
