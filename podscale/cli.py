@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import sys
 from pathlib import Path
 
@@ -52,26 +51,39 @@ def cmd_train(args) -> int:
     except (ConfigError, ValueError) as err:
         return _fail(str(err))
 
-    from podscale.train import checkpoint
+    from podscale.train import checkpoint, rundir
     if args.fresh and args.resume:
         return _fail("--fresh and --resume contradict each other: pass one of them")
     if args.fresh and under_launcher():
         return _fail("--fresh cannot delete a run directory from inside torchrun's workers: delete "
                      f"'{cfg.run_dir}' before launching, or choose another run.name")
+    try:
+        rundir.resolve_run_dir(cfg.run.out_dir, cfg.run.name)
+        if args.fresh:
+            rundir.check_fresh(cfg.run_dir)
+    except rundir.RunDirError as err:
+        return _fail(str(err))
     # A worker restarted by torchrun's agent resumes by itself (see run_worker).
     restarted = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0"
     if checkpoint.completed(cfg.run_dir / "checkpoints") and not (args.resume or args.fresh or restarted):
         return _fail(f"run directory '{cfg.run_dir}' already has checkpoints: pass --resume to continue it, "
                      f"--fresh to start over, or choose another run.name")
 
+    if args.resume and (found := checkpoint.latest(cfg.run_dir / "checkpoints")) is not None:
+        try:
+            checkpoint.verify(found)  # one line here rather than a traceback on every worker
+        except ValueError as err:
+            return _fail(str(err))
+
     if under_launcher():  # already a torchrun worker: join the job instead of spawning
         from podscale.train.loop import run_worker
         run_worker(cfg, args.resume)
         return 0
 
-    if args.fresh and cfg.run_dir.exists():
-        shutil.rmtree(cfg.run_dir)
-    cfg.run_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        rundir.prepare(cfg.run_dir, fresh=args.fresh)
+    except rundir.RunDirError as err:
+        return _fail(str(err))
     (cfg.run_dir / "config.json").write_text(cfg.model_dump_json(indent=1))
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from podscale.runtime.launcher import launch
@@ -127,13 +139,23 @@ def cmd_export(args) -> int:
             return _fail(f"no checkpoint in '{args.checkpoint}': give a run directory or a step_XXXXXXXX folder")
         path = found
     fmt = args.format or ("safetensors" if args.out.endswith(".safetensors") else "torch")
-    out = checkpoint.export(path, Path(args.out), fmt)
+    try:
+        out = checkpoint.export(path, Path(args.out), fmt)
+    except ValueError as err:  # (damaged or not podscale's: one line naming the file)
+        return _fail(str(err))
     print(f"podscale: exported {path} to {out}")
     return 0
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with podscale's one-line errors (exit 2) instead of a usage block; sub-commands inherit it."""
+
+    def error(self, message: str):
+        self.exit(2, f"podscale: error: {self.prog}: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="podscale", description=__doc__)
+    parser = _Parser(prog="podscale", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
     t = sub.add_parser("train", help="train the task of a TOML config ([model] kind) on local worker processes")
@@ -144,7 +166,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--out-dir", help="folder of run directories (overrides run.out_dir)")
     t.add_argument("--set", action="append", metavar="SECTION.KEY=VALUE", help="override any config key")
     t.add_argument("--resume", action="store_true", help="continue from the run's latest checkpoint")
-    t.add_argument("--fresh", action="store_true", help="delete the run directory and start over")
+    t.add_argument("--fresh", action="store_true",
+                   help="delete the run directory and start over (only one podscale created: it holds the "
+                        ".podscale-run marker)")
     t.add_argument("--max-restarts", type=int, default=0, help="restarts of the worker group on failure")
     t.add_argument("--host", default="127.0.0.1", help="rendezvous address (default: loopback only)")
     t.add_argument("--port", type=int, default=None, help="rendezvous port (default: a free one)")

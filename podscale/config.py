@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Annotated, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, PrivateAttr, Tag, ValidationError, \
-    model_validator
+    field_validator, model_validator
 
 Precision = Literal["fp32", "bf16", "fp16"]
 
@@ -41,6 +41,15 @@ class RunSection(_Section):
     device: Literal["auto", "cpu", "cuda"] = Field(
         "auto", description="auto: one GPU per rank where CUDA is visible (NCCL), else the CPU (gloo)")
 
+    @field_validator("name")
+    @classmethod
+    def _plain_name(cls, name: str) -> str:
+        # the run directory is out_dir/name, and --fresh deletes it: never '.', '..' (nor a path: the pattern)
+        if name in (".", ".."):
+            raise ValueError(f"'{name}' is not a run name (the run directory would be run.out_dir or its "
+                             "parent): use letters, digits, '_', '-' and '.'")
+        return name
+
 
 class GPTModelSection(_Section):
     """``[model] kind = "gpt"`` (the default): the byte-level GPT of :mod:`podscale.tasks.gpt`."""
@@ -65,11 +74,22 @@ class GPTModelSection(_Section):
         from podscale.tasks.gpt import GPTTask
         return GPTTask
 
-    def check_data(self, path: Path, given: str) -> None:
-        """The corpus at ``path`` must hold enough windows of ``block_size + 1`` bytes."""
+    def check_data(self, path: Path, given: str, head: bytes) -> None:
+        """The corpus at ``path`` (``head``: its first bytes) must be text and hold enough windows of
+        ``block_size + 1`` bytes."""
+        if b"\0" in head:
+            raise ConfigError(f"data.path: '{given}' holds NUL bytes, so it is not a text corpus: point it at a "
+                              "UTF-8 text file")
         if path.stat().st_size < 2 * (self.block_size + 1) * 10:
             raise ConfigError(f"data.path: '{given}' is too small for block_size "
                               f"{self.block_size}: use a larger corpus or a smaller model.block_size")
+
+    def check_model(self) -> None:
+        """The GPT reads its corpus as bytes (a file or the standard library's source): every one of the 256
+        byte values is a token id, so a smaller vocabulary would fail inside the workers' embedding."""
+        if self.vocab_size < 256:
+            raise ConfigError(f"model.vocab_size={self.vocab_size} is smaller than the 256 byte values the "
+                              "byte-level corpus holds: set model.vocab_size >= 256 (or remove it: 256)")
 
     def check_layout(self, cfg: "Config") -> None:
         """Tensor, sequence and pipeline parallelism: what the GPT and the batch must satisfy."""
@@ -133,8 +153,11 @@ class CustomModelSection(BaseModel):
     def task_class(self) -> type:
         return self._task_class
 
-    def check_data(self, path: Path, given: str) -> None:
-        """The task reads ``data.path`` itself; the trunk only checks that the file exists."""
+    def check_data(self, path: Path, given: str, head: bytes) -> None:
+        """The task reads ``data.path`` itself; the trunk only checks that the file exists and is readable."""
+
+    def check_model(self) -> None:
+        """The task's own options were validated by its options model."""
 
     def check_layout(self, cfg: "Config") -> None:
         """A task trains under tensor or pipeline parallelism only when its class says it can."""
@@ -234,6 +257,14 @@ class ZeroSection(_Section):
                              "optimizer state): set zero.stage=1, 2 or 3")
         if self.optimizer != "adamw" and self.stage == 0:
             raise ValueError(f"zero.optimizer={self.optimizer} runs on ZeRO's flat shards: set zero.stage=1, 2 or 3")
+        if self.offload_param == "nvme" and self.offload_optimizer != "nvme":
+            raise ValueError(f"zero.offload_param='nvme' needs zero.offload_optimizer='nvme' (ZeRO-Infinity keeps "
+                             f"the parameter shards in the optimizer's swap file; got offload_optimizer="
+                             f"'{self.offload_optimizer}'): set offload_optimizer='nvme'")
+        if self.offload_param == "cpu" and self.offload_optimizer == "nvme":
+            raise ValueError("zero.offload_param='cpu' with zero.offload_optimizer='nvme' is not supported (the "
+                             "parameters would stay on the device): set offload_param='nvme' or 'none', or "
+                             "offload_optimizer='cpu'")
         if "nvme" in (self.offload_optimizer, self.offload_param):
             if not self.nvme_path:
                 raise ValueError("zero.nvme_path is required for nvme offload: point it at a folder on a fast disk")
@@ -384,11 +415,21 @@ def parse_config(data: dict, base_dir: Path | None = None) -> Config:
         path = Path(os.path.expanduser(cfg.data.path))
         if not path.is_absolute() and base_dir is not None and not path.exists():
             path = base_dir / path
+        if path.is_dir():
+            raise ConfigError(f"data.path: '{cfg.data.path}' is a folder, not a file: point it at a text corpus "
+                              "file, or remove data.path to train on the Python standard library's source")
         if not path.is_file():
             raise ConfigError(f"data.path: file '{cfg.data.path}' does not exist: point it at a text corpus, "
                               "or remove data.path to train on the Python standard library's source")
-        cfg.model.check_data(path, cfg.data.path)
+        try:
+            with open(path, "rb") as f:
+                head = f.read(1 << 16)
+        except OSError as err:
+            raise ConfigError(f"data.path: '{cfg.data.path}' cannot be read ({err.strerror}): fix its "
+                              "permissions or point data.path at a readable file") from None
+        cfg.model.check_data(path, cfg.data.path, head)
         cfg.data.path = str(path.resolve())
+    cfg.model.check_model()
     if cfg.run.tensorboard and importlib.util.find_spec("tensorboard") is None:
         raise ConfigError("run.tensorboard = true needs the tensorboard package: pip install tensorboard "
                           "(or podscale[tensorboard]), or set run.tensorboard = false")

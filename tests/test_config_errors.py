@@ -89,3 +89,49 @@ def test_exit_code_from_the_command_line(tmp_path):
     assert out.returncode == 2
     assert out.stderr.count("\n") == 1 and "global_batch" in out.stderr
     assert not (tmp_path / "runs").exists()
+
+
+# Holes found by a new user (issue 11, item 5): each is one line before workers start, exit 2.
+HOLES = [
+    ("param on nvme without nvme optimizer",
+     {"zero": {"stage": 3, "offload_param": "nvme", "nvme_path": "{tmp}"}},
+     ["zero.offload_param='nvme' needs zero.offload_optimizer='nvme'"]),
+    ("param on nvme, optimizer on cpu",
+     {"zero": {"stage": 3, "offload_param": "nvme", "offload_optimizer": "cpu", "nvme_path": "{tmp}"}},
+     ["offload_optimizer='nvme'", "got offload_optimizer='cpu'"]),
+    ("param on cpu with nvme optimizer",
+     {"zero": {"stage": 3, "offload_param": "cpu", "offload_optimizer": "nvme", "nvme_path": "{tmp}"}},
+     ["zero.offload_param='cpu' with zero.offload_optimizer='nvme'", "offload_param='nvme'"]),
+    ("vocabulary smaller than the bytes", {"model": {"vocab_size": 100}},
+     ["model.vocab_size=100", "256"]),
+    ("vocabulary smaller than the bytes, with a corpus file", {"model": {"vocab_size": 255}, "data": {"path": "{corpus}"}},
+     ["model.vocab_size=255", "256"]),
+]
+
+
+@pytest.mark.parametrize("what,changes,words", HOLES, ids=[h[0] for h in HOLES])
+def test_config_holes_fail_before_workers_start(tmp_path, capsys, what, changes, words):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("to be or not to be " * 500)
+    data = copy.deepcopy(GOOD)
+    data["run"]["out_dir"] = str(tmp_path / "runs")
+    for section, keys in changes.items():
+        for k, v in keys.items():
+            data.setdefault(section, {})[k] = v.format(tmp=tmp_path, corpus=corpus) if isinstance(v, str) else v
+    cfg = tmp_path / "cfg.toml"
+    cfg.write_text("".join(f"[{section}]\n" + "".join(f"{k} = {_toml(v)}\n" for k, v in keys.items())
+                           for section, keys in data.items()))
+    assert main(["train", str(cfg)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("podscale: error: ") and "\n" not in err, err
+    for w in words:
+        assert w in err, (w, err)
+    assert not (tmp_path / "runs").exists()
+
+
+def test_supported_offload_combinations_still_validate(tmp_path):
+    from podscale.config import parse_config
+    for opt, param in (("nvme", "nvme"), ("cpu", "cpu"), ("none", "cpu"), ("nvme", "none"), ("cpu", "none")):
+        parse_config({"zero": {"stage": 3, "offload_optimizer": opt, "offload_param": param,
+                               "nvme_path": str(tmp_path)}})
+    parse_config({"model": {"vocab_size": 256}})

@@ -5,7 +5,7 @@ import math
 import re
 
 import torch
-from torch.distributed.checkpoint import FileSystemReader
+from podscale.train.safe_reader import SafeFileSystemReader
 
 from conftest import shakespeare
 from podscale.models.gpt import GPT, GPTConfig
@@ -42,7 +42,7 @@ def _check_written_per_rank(ckpt, results, tp: int) -> None:
     tp shard each, written by at least tp different ranks (DCP's file per rank)."""
     for r, res in results.items():
         assert res[0]["save_comm_bytes"] == 0, f"rank {r} sent {res[0]['save_comm_bytes']} bytes to save"
-    md = FileSystemReader(str(ckpt)).read_metadata()
+    md = SafeFileSystemReader(str(ckpt)).read_metadata()
     checked = 0
     for key, m in md.state_dict_metadata.items():
         if not TP_SHARDED.search(key) or len(getattr(m, "size", ())) == 0:

@@ -45,9 +45,20 @@ def test_predict_optional_fields_change_the_answer(capsys):
     assert runs["sp"]["memory_per_device_bytes"] < runs["plain"]["memory_per_device_bytes"]
     assert runs["v2"]["time_breakdown_s"]["pipeline_bubble"] == \
         pytest.approx(runs["plain"]["time_breakdown_s"]["pipeline_bubble"] / 2, rel=0.05)
-    assert runs["z1"]["memory_per_device_bytes"] == runs["z1"]["memory_per_device_bytes"]
+    # dp = 1: ZeRO-1 has nothing to shard, so neither the model states nor the total change
+    assert runs["z1"]["memory_per_device_bytes"] == pytest.approx(runs["plain"]["memory_per_device_bytes"])
     assert runs["z1"]["memory_breakdown_bytes"]["model_states"] == \
-        pytest.approx(runs["plain"]["memory_breakdown_bytes"]["model_states"])   # dp = 1: nothing to shard
+        pytest.approx(runs["plain"]["memory_breakdown_bytes"]["model_states"])
+    # dp = 4: ZeRO-1 shards the optimizer states; the total falls by exactly what the model states lose
+    dp4 = {}
+    for name, extra in {"plain": {}, "z1": {"zero_stage": 1}}.items():
+        code, out, err = _predict(capsys, {**base, "pp": 1, "dp": 4, **extra}, devices=32, batch=64, model=model)
+        assert code == 0, err
+        dp4[name] = json.loads(out)
+    saved = dp4["plain"]["memory_breakdown_bytes"]["model_states"] - dp4["z1"]["memory_breakdown_bytes"]["model_states"]
+    # (mixed precision: 16 bytes per parameter, 12 of them optimizer states, of which dp-1 = 3 quarters go)
+    assert saved == pytest.approx(dp4["plain"]["memory_breakdown_bytes"]["model_states"] * 12 / 16 * 3 / 4)
+    assert dp4["plain"]["memory_per_device_bytes"] - dp4["z1"]["memory_per_device_bytes"] == pytest.approx(saved)
 
 
 def test_zero_on_a_pipeline_holds_the_stage_gradient_and_reduces_once(capsys):

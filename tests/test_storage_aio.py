@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from podscale.storage import aio
-from podscale.storage.aio import ALIGN, AsyncFile, aligned_empty, measure_sequential_bandwidth
+from podscale.storage.aio import ALIGN, AsyncFile, aligned_empty, measure_sequential_bandwidth, round_up
 
 
 def _fs_takes_direct(folder) -> bool:
@@ -92,3 +92,38 @@ def test_sequential_bandwidth_uses_direct_io(tmp_path):
     assert bw["write_Bps"] > 0 and bw["read_Bps"] > 0
     assert bw["direct"] == _fs_takes_direct(tmp_path)
     assert not list(tmp_path.iterdir())
+
+
+def test_swap_file_never_follows_a_planted_symlink(tmp_path):
+    """Issue 11, item 6: a link planted at the (predictable) swap path is refused with one line, and the
+    file it points at is neither truncated nor written."""
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious")
+    swap = tmp_path / "x.swp"
+    swap.symlink_to(victim)
+    with pytest.raises(aio.SwapFileError) as err:
+        AsyncFile(swap, 1 << 20, block_bytes=1 << 18)
+    msg = str(err.value)
+    assert "\n" not in msg and str(swap) in msg and "symbolic link" in msg and "remove the link" in msg
+    assert victim.read_text() == "precious"
+    assert swap.is_symlink()  # podscale does not delete what it did not create either
+    # a dangling link (pointing where a file would be created) is refused the same way
+    dangling = tmp_path / "y.swp"
+    dangling.symlink_to(tmp_path / "would-be-created")
+    with pytest.raises(aio.SwapFileError):
+        AsyncFile(dangling, 1 << 20, block_bytes=1 << 18)
+    assert not (tmp_path / "would-be-created").exists()
+
+
+def test_swap_file_is_private_and_replaces_a_leftover_file(tmp_path):
+    old = tmp_path / "x.swp"
+    old.write_text("left by someone")
+    os.chmod(old, 0o666)
+    f = AsyncFile(old, 1 << 20, block_bytes=1 << 18)
+    try:
+        st = os.fstat(f.fd)
+        assert st.st_mode & 0o777 == 0o600  # created afresh by this process (not the 0666 file reused)
+        assert st.st_size == round_up(1 << 20)
+        assert os.stat(old).st_mode & 0o777 == 0o600
+    finally:
+        f.close()

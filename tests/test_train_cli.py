@@ -71,6 +71,7 @@ def runs(tmp_path_factory):
 
 def test_uninterrupted_run_writes_metrics_checkpoints_and_plots(runs):
     run = runs / "runs" / "full"
+    assert (run / ".podscale-run").is_file()  # created by podscale: --fresh may delete it
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
     assert rows[-1]["loss"] < rows[0]["loss"] - 0.5

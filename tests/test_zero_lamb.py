@@ -78,7 +78,8 @@ def test_lamb_lars_sharded_match_per_tensor(nproc):
             assert math.isclose(a, b, rel_tol=1e-5), f"{name} stage {stage} dp={nproc} step {step + 1}: {a} vs {b}"
         worst = max((ours["params"][n] - p).abs().max().item() for n, p in ref["params"].items())
         assert worst < 1e-4, (name, stage, nproc, worst)
-        assert ours["losses"][-1] < ours["losses"][0] - (0.3 if name == "lamb" else 0.0), (name, ours["losses"])
+        # trained: LAMB (lr 1e-2) falls about 0.5 in these steps, LARS (lr 0.9) about 0.35 (5.55 -> 5.20)
+        assert ours["losses"][-1] < ours["losses"][0] - (0.3 if name == "lamb" else 0.2), (name, ours["losses"])
 
 
 def test_lamb_lars_nvme_offload_match_per_tensor(tmp_path):

@@ -205,6 +205,13 @@ class DataParallel(LocalMicroBatches, DataParallelStrategy):
         names = {id(p): n for n, p in self.module.named_parameters()}
         return [(names[id(p)], p) for g in self.optimizer.param_groups for p in g["params"]]
 
+    def close(self) -> None:
+        """Wait for all-reduces still in flight (a step left unfinished); safe to call twice."""
+        for b in self.buckets:
+            if b.handle is not None:
+                b.handle.wait()
+                b.handle = None
+
     def remove_hooks(self) -> None:
         for h in self._hooks:
             h.remove()

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 EXIT_USAGE = 2
@@ -54,6 +55,17 @@ def _parse_json(text: str, what: str) -> dict:
     return data
 
 
+def _check_target_args(args, outputs: tuple[str, ...] = ()) -> None:
+    """What argparse cannot check, before any work: positive --tokens, output files in existing folders."""
+    if not args.tokens > 0:
+        raise PlanUsageError(f"--tokens must be positive, got {args.tokens:g}")
+    for flag in outputs:
+        path = getattr(args, flag)
+        if path and not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+            raise PlanUsageError(f"--{flag} {path}: folder '{os.path.dirname(os.path.abspath(path))}' does not "
+                                 "exist: create it or write elsewhere")
+
+
 def _gib(x: float) -> str:
     return f"{x / 2**30:.1f}"
 
@@ -65,6 +77,7 @@ def cmd_search(args) -> int:
         raise PlanUsageError("plan search needs --model, --system, --devices and --batch "
                              "(e.g. podscale plan --model gpt-175b --system dgx-a100-superpod "
                              "--devices 1024 --batch 1536)")
+    _check_target_args(args, ("json", "chart"))
     model = get_model(args.model)
     result = search(args.system, args.devices, model, args.batch, top=0)
     top = result.ranked[:args.top]
@@ -112,6 +125,7 @@ def cmd_predict(args) -> int:
     for flag in ("system", "devices", "batch", "model", "layout"):
         if getattr(args, flag) in (None, ""):
             raise PlanUsageError(f"plan predict needs --{flag}")
+    _check_target_args(args)
     from .hardware import load_system
     system = load_system(args.system)          # unknown systems are reported first
     system.check_devices(args.devices)

@@ -8,6 +8,7 @@ is what overlap did not hide; busy time is what the planner's cost model is cali
 """
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections import defaultdict
@@ -15,6 +16,9 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+from torch.overrides import TorchFunctionMode
+from torch.utils._device import _device_constructors
+from torch.utils.weak import WeakIdKeyDictionary
 
 # torch 2.13 renamed the flat-tensor collectives; older releases (the package supports torch >= 2.6) have
 # only the *_tensor names, with the same arguments.
@@ -111,6 +115,92 @@ class Handle:
         self._done = True
 
 
+def settle(seconds: float = 0.05) -> None:
+    """Let torch's communication threads finish with collectives that have completed.
+
+    A gloo worker thread drops its reference to a finished collective after marking it complete; when that
+    is the last reference, freeing the collective's tensors takes the GIL.  If the interpreter finalizes
+    while such a thread waits for the GIL, the thread is torn down inside C++ and the process aborts
+    ("terminate called without an active exception").  Sleeping releases the GIL, so a thread that waits
+    for it gets it; call this after every collective has been waited for (``Engine.close`` does).
+    """
+    time.sleep(seconds)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Device check: every tensor a collective is given must live on the mesh's device (NCCL refuses a CPU
+# tensor; gloo would silently take one and hide the bug on the CPU).  The check is always on.  On a CPU
+# run the mesh's device *is* the CPU, so a tensor allocated without ``device=`` (on torch's default device,
+# which on a GPU mesh is the CPU) passes unnoticed; the strict mode (PODSCALE_STRICT_DEVICE=1, on in the
+# test suite) makes that detectable: it records every tensor a factory call (torch.zeros, torch.tensor,
+# ...) made without a device, and the collectives refuse those.  ``t.to(device)`` clears the record;
+# ``t.to(dtype)`` passes it on.  Tensors made by other means (arithmetic, torch.from_numpy) are not followed.
+# ---------------------------------------------------------------------------------------------------
+STRICT_ENV = "PODSCALE_STRICT_DEVICE"
+_FACTORIES = frozenset(_device_constructors())
+_default_placed = WeakIdKeyDictionary()
+_strict_mode: "_DefaultDeviceTracker | None" = None
+
+
+class CommDeviceError(RuntimeError):
+    """A collective was given a tensor that is not on the mesh's device; the message is one line."""
+
+
+def _names_device(args, kwargs) -> bool:
+    """True when a ``Tensor.to`` call names a device (positionally, by keyword or by another tensor)."""
+    return "device" in kwargs or any(isinstance(a, (torch.device, str, torch.Tensor)) for a in args[1:])
+
+
+class _DefaultDeviceTracker(TorchFunctionMode):
+    """Records the tensors that factory calls made on torch's default device (no ``device=``)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if not isinstance(out, torch.Tensor):
+            return out
+        if func in _FACTORIES:
+            from_tensor = func in (torch.as_tensor, torch.asarray) and args and isinstance(args[0], torch.Tensor)
+            if kwargs.get("device") is None and not from_tensor:
+                _default_placed[out] = True
+        elif func is torch.Tensor.to:
+            if _names_device(args, kwargs):
+                _default_placed.pop(out, None)
+            elif args[0] in _default_placed:
+                _default_placed[out] = True
+        return out
+
+
+def enable_strict_devices() -> None:
+    """Turn on the strict device check in this process (idempotent); :meth:`Mesh.build` calls it when
+    ``PODSCALE_STRICT_DEVICE=1``.  Only tensors made after this call are recorded."""
+    global _strict_mode
+    if _strict_mode is None:
+        _strict_mode = _DefaultDeviceTracker()
+        _strict_mode.__enter__()  # (for the rest of the process, on this thread: where collectives are issued)
+
+
+def strict_devices_requested() -> bool:
+    return os.environ.get(STRICT_ENV, "0") not in ("", "0")
+
+
+def check_devices(op: str, axes, mesh, *tensors: torch.Tensor) -> None:
+    """Raise :class:`CommDeviceError` unless every tensor is on ``mesh.device`` (and, in strict mode, was
+    not allocated on torch's default device)."""
+    want = mesh.device
+    for t in tensors:
+        d = t.device
+        if d.type != want.type or (want.index is not None and d.index is not None and d.index != want.index):
+            raise CommDeviceError(
+                f"comm.{op} on axis {_axis_name(axes)} got a {t.dtype} tensor on {d}, but the mesh's device is "
+                f"{want}: allocate it with device=mesh.device (NCCL takes only tensors on the rank's GPU)")
+        if _strict_mode is not None and t in _default_placed:
+            raise CommDeviceError(
+                f"comm.{op} on axis {_axis_name(axes)} got a {t.dtype} tensor allocated on torch's default "
+                f"device (a factory call without device=), which on a GPU mesh is the CPU and NCCL refuses it: "
+                f"pass device=mesh.device (strict device check, {STRICT_ENV}=1)")
+
+
 def _axis_name(axes) -> str:
     return axes if isinstance(axes, str) else "+".join(axes)
 
@@ -141,6 +231,7 @@ def _issue(mesh, axes, op, nbytes, fn, async_op, timed: bool = True):
 
 def all_reduce(t: torch.Tensor, mesh, axes, op=dist.ReduceOp.SUM, async_op: bool = False):
     """In-place all-reduce of ``t`` over ``axes``; returns a Handle when ``async_op``."""
+    check_devices("all_reduce", axes, mesh, t)
     n = _size(mesh, axes)
     if n == 1:
         return Handle(None, mesh.stats, _axis_name(axes), "all_reduce", 0.0) if async_op else None
@@ -151,6 +242,7 @@ def all_reduce(t: torch.Tensor, mesh, axes, op=dist.ReduceOp.SUM, async_op: bool
 
 def all_gather(out: torch.Tensor, shard: torch.Tensor, mesh, axes, async_op: bool = False):
     """Gather equal ``shard``s of every rank on ``axes`` into the flat ``out`` (rank-major)."""
+    check_devices("all_gather", axes, mesh, out, shard)
     n = _size(mesh, axes)
     if n == 1:
         out.copy_(shard.reshape(out.shape))
@@ -163,6 +255,7 @@ def all_gather(out: torch.Tensor, shard: torch.Tensor, mesh, axes, async_op: boo
 def reduce_scatter(out: torch.Tensor, full: torch.Tensor, mesh, axes, op=dist.ReduceOp.SUM,
                    async_op: bool = False):
     """Reduce ``full`` over ``axes`` and leave this rank's equal slice (rank-major) in ``out``."""
+    check_devices("reduce_scatter", axes, mesh, out, full)
     n = _size(mesh, axes)
     if n == 1:
         out.copy_(full.reshape(out.shape))
@@ -175,6 +268,7 @@ def reduce_scatter(out: torch.Tensor, full: torch.Tensor, mesh, axes, op=dist.Re
 def all_to_all(out: torch.Tensor, inp: torch.Tensor, mesh, axes, out_splits=None, in_splits=None,
                async_op: bool = False):
     """All-to-all over ``axes`` with optional uneven split sizes (``all_to_all_single``: works on gloo)."""
+    check_devices("all_to_all", axes, mesh, out, inp)
     n = _size(mesh, axes)
     if n == 1:
         out.copy_(inp)
@@ -187,6 +281,7 @@ def all_to_all(out: torch.Tensor, inp: torch.Tensor, mesh, axes, out_splits=None
 
 def broadcast(t: torch.Tensor, src_local: int, mesh, axes, async_op: bool = False):
     """Broadcast from the rank with index ``src_local`` inside this rank's group over ``axes``."""
+    check_devices("broadcast", axes, mesh, t)
     n = _size(mesh, axes)
     if n == 1:
         return Handle(None, mesh.stats, _axis_name(axes), "broadcast", 0.0) if async_op else None
@@ -200,6 +295,7 @@ def broadcast(t: torch.Tensor, src_local: int, mesh, axes, async_op: bool = Fals
 def send(t: torch.Tensor, dst: int, mesh, axis: str = "pp", async_op: bool = False, tag: int = 0):
     """Point-to-point send to global rank ``dst`` (pipeline activations and gradients); messages between
     the same pair of ranks are matched by ``tag``, in issue order within a tag."""
+    check_devices("send", axis, mesh, t)
     # No completion callback: a point-to-point message completes when its peer gets to it, which is not
     # busy time, and a callback per message takes the GIL from the compute thread on each completion.
     return _issue(mesh, axis, "send", _nbytes(t), lambda: dist.isend(t, dst, tag=tag), async_op, timed=False)
@@ -207,4 +303,5 @@ def send(t: torch.Tensor, dst: int, mesh, axis: str = "pp", async_op: bool = Fal
 
 def recv(t: torch.Tensor, src: int, mesh, axis: str = "pp", async_op: bool = False, tag: int = 0):
     """Point-to-point receive from global rank ``src`` into ``t`` (the send with the same ``tag``)."""
+    check_devices("recv", axis, mesh, t)
     return _issue(mesh, axis, "recv", _nbytes(t), lambda: dist.irecv(t, src, tag=tag), async_op, timed=False)

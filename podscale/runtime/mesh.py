@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from podscale.runtime import comm
 from podscale.runtime.comm import CommStats
 
 AXES = ("pp", "dp", "ep", "tp")
@@ -60,6 +61,8 @@ class Mesh:
     @classmethod
     def build(cls, device: torch.device | None = None, **sizes: int) -> "Mesh":
         """Create the mesh and its process groups; every rank must call this with the same sizes."""
+        if comm.strict_devices_requested():  # (the test suite: see comm.check_devices)
+            comm.enable_strict_devices()
         initialized = dist.is_available() and dist.is_initialized()
         world = dist.get_world_size() if initialized else 1
         rank = dist.get_rank() if initialized else 0

@@ -82,9 +82,33 @@ def _bytes_view(t: torch.Tensor) -> memoryview:
     return memoryview(t.view(torch.uint8).reshape(-1).numpy()).cast("B")
 
 
+class SwapFileError(OSError):
+    """A swap file podscale refuses to open (a symlink or someone else's file at its path); one line."""
+
+
+def _create_private(path: Path) -> int:
+    """Create ``path`` for this process alone: mode 0600, never through a symlink (``O_NOFOLLOW``), never an
+    existing file reused (``O_EXCL``: a regular file left at the name is replaced, a link is refused)."""
+    flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    try:
+        return os.open(path, flags, 0o600)
+    except FileExistsError:
+        if path.is_symlink():
+            raise SwapFileError(errno.EEXIST, f"swap file '{path}' is a symbolic link (to '{os.readlink(path)}'), "
+                                "which podscale never follows: remove the link (it was not made by podscale) "
+                                "or point zero.nvme_path at a folder only you can write") from None
+        try:
+            path.unlink()  # a file of an earlier run at this name: start afresh, with our owner and mode
+        except OSError as err:
+            raise SwapFileError(err.errno, f"swap file '{path}' exists and cannot be replaced "
+                                f"({os.strerror(err.errno)}): remove it or point zero.nvme_path at a folder "
+                                "only you can write") from None
+        return os.open(path, flags, 0o600)
+
+
 def _open_direct(path: Path) -> int:
     """Open ``path`` read-write with ``O_DIRECT`` (a separate function so tests can refuse it)."""
-    return os.open(path, os.O_RDWR | os.O_DIRECT)
+    return os.open(path, os.O_RDWR | os.O_DIRECT | os.O_NOFOLLOW | os.O_CLOEXEC)
 
 
 class Request:
@@ -120,7 +144,7 @@ class AsyncFile:
                  direct: bool = True):
         self.path, self.size = Path(path), int(size)
         self.block = max(ALIGN, round_up(block_bytes))
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        fd = _create_private(self.path)
         try:
             if self.size:  # whole aligned blocks, so the last request's tail block exists on disk
                 os.posix_fallocate(fd, 0, round_up(self.size))
@@ -151,6 +175,11 @@ class AsyncFile:
         try:
             fd = _open_direct(self.path)
             try:
+                mine, now = os.fstat(self.fd), os.fstat(fd)
+                if (mine.st_dev, mine.st_ino) != (now.st_dev, now.st_ino):  # replaced since we created it
+                    raise SwapFileError(errno.EEXIST, f"swap file '{self.path}' was replaced by another file "
+                                        "while podscale opened it: point zero.nvme_path at a folder only you "
+                                        "can write")
                 if self.size:
                     probe = aligned_empty(ALIGN)
                     os.preadv(fd, [_bytes_view(probe)], 0)

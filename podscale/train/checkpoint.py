@@ -1,7 +1,8 @@
 """Sharded checkpoints with torch.distributed.checkpoint (DCP), written atomically.
 
 A checkpoint of step ``N`` is the folder ``step_0000000N`` holding the DCP files (model and optimizer
-tensors; only tensors, so loading never unpickles), ``meta.json`` (step, data position, loss scale, layout,
+tensors; only tensors, and read back through :mod:`podscale.train.safe_reader`'s allow-list, so loading
+never unpickles), ``meta.json`` (step, data position, loss scale, layout,
 model config) and one ``rank_XXXXX.pt`` per rank with its RNG state.  Everything is first written to
 ``.step_0000000N.partial``; after every rank has finished, rank 0 writes ``meta.json`` last, fsyncs and
 renames the folder into place.  A crash at any point before the rename leaves only a ``.partial`` folder,
@@ -21,6 +22,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from podscale.train import faults
+from podscale.train.safe_reader import SafeFileSystemReader
 
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
 
@@ -102,10 +104,19 @@ def read_meta(path: Path) -> dict:
                          "point at a step_XXXXXXXX folder written by podscale") from None
 
 
+def verify(path: Path) -> None:
+    """Raise a one-line ValueError unless ``path`` has a readable meta.json and DCP metadata that the
+    allow-list reader accepts (what the CLI checks before workers start)."""
+    read_meta(path)
+    SafeFileSystemReader(str(path)).read_metadata()
+
+
 def load(path: Path, template: dict, rank: int) -> tuple[dict, dict | None]:
     """Collective: fill ``template``'s tensors in place from ``path``; returns (meta, this rank's state)."""
     meta = read_meta(path)
-    dcp.load(template, checkpoint_id=str(path))
+    reader = SafeFileSystemReader(str(path))  # never unpickles: see safe_reader
+    reader.read_metadata()  # a refused checkpoint: its one line here (DCP would wrap it in tracebacks)
+    dcp.load(template, storage_reader=reader)
     rank_file = Path(path) / f"rank_{rank:05d}.pt"
     rank_state = torch.load(rank_file, weights_only=True) if rank_file.is_file() else None
     return meta, rank_state
@@ -126,13 +137,16 @@ def export(path: Path, out: Path, fmt: str = "torch") -> Path:
     if fmt not in EXPORT_FORMATS:
         raise ValueError(f"export format '{fmt}' is unknown: use one of {', '.join(EXPORT_FORMATS)}")
     meta = read_meta(path)
+    # Only the model's tensors, full size, through the reader that never unpickles; read before anything is
+    # written.  DCP flattens the nested template to the stored keys "model.<parameter name>".
+    reader = SafeFileSystemReader(str(path))
+    entries = reader.read_metadata().state_dict_metadata
+    state = {"model": {key.removeprefix("model."): torch.empty(md.size, dtype=md.properties.dtype)
+                       for key, md in entries.items() if key.startswith("model.")}}
+    dcp.load(state, storage_reader=reader, no_dist=True)
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmpdir:
-        full = Path(tmpdir) / "full.pt"
-        from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-        dcp_to_torch_save(str(path), str(full))
-        state = torch.load(full, weights_only=True)
         tmp = Path(tmpdir) / "out"
         task = meta.get("task", "podscale.tasks.gpt:GPTTask")
         if fmt == "safetensors":

@@ -13,7 +13,9 @@ The engine knows no model family: batches are opaque and the loss is the task's 
 """
 from __future__ import annotations
 
+import atexit
 import time
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -25,6 +27,18 @@ from podscale.parallel.strategy import LossFn, Strategy
 from podscale.runtime import comm
 from podscale.runtime.mesh import AXES
 from podscale.train.precision import DynamicLossScaler
+
+
+_OPEN: "weakref.WeakSet[Engine]" = weakref.WeakSet()
+
+
+@atexit.register
+def _close_open_engines() -> None:
+    """A script that never closes its engine still exits cleanly: at interpreter exit (also after the user
+    destroyed the process group) every open engine drains what it has in flight, and torch's communication
+    threads get the GIL to drop their finished work before the interpreter finalizes."""
+    for engine in list(_OPEN):
+        engine.close()
 
 
 @dataclass
@@ -54,6 +68,28 @@ class Engine:
         self.scaler = DynamicLossScaler(train.loss_scale_init, train.loss_scale_window) \
             if train.precision == "fp16" else None
         self.step_count = 0
+        self.closed = False
+        _OPEN.add(self)
+
+    # lifetime: ``with podscale.parallelize(...) as engine:`` or ``engine.close()`` -----------------------
+    def close(self) -> None:
+        """Wait for the collectives still in flight (ZeRO's post-step all-gathers, prefetches), release the
+        strategy's scratch state (swap files, hooks) and let the communication threads finish; call it
+        before ``dist.destroy_process_group()``.  Safe to call twice; the engine cannot step afterwards."""
+        if self.closed:
+            return
+        self.closed = True
+        _OPEN.discard(self)
+        try:
+            self.strategy.close()
+        finally:
+            comm.settle()
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def lr_at(self, step: int) -> float:
         c = self.cfg
@@ -61,6 +97,8 @@ class Engine:
 
     def step(self, micro_batches: list) -> StepResult:
         """One optimizer step over this rank's ``micro_batches`` (the task's batches)."""
+        if self.closed:
+            raise RuntimeError("Engine.step after close(): build a new engine with podscale.parallelize")
         t0 = time.perf_counter()
         self.model.train()
         lr = self.lr_at(self.step_count)
@@ -101,10 +139,6 @@ class Engine:
         total = total / max(1, len(batches))
         comm.all_reduce(total, self.mesh, "dp")
         return float(total) / self.mesh.size("dp")
-
-    def close(self) -> None:
-        """Release the strategy's scratch state (swap files) and drain its communication."""
-        self.strategy.close()
 
     # checkpoint state: tensors only (DCP would pickle anything else) --------------------------------
     def model_state(self) -> dict[str, torch.Tensor]:

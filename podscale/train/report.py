@@ -14,7 +14,11 @@ def write_report(run_dir: Path, out: Path | None = None) -> list[Path]:
     path = Path(run_dir) / "metrics.jsonl"
     if not path.is_file():
         raise FileNotFoundError(f"no metrics.jsonl in '{run_dir}': give the directory of a podscale train run")
-    rows = read_metrics(path)
+    try:
+        rows = read_metrics(path)
+    except ValueError as err:
+        raise ValueError(f"'{path}' is not a podscale metrics file ({err}): give the directory of a podscale "
+                         "train run") from None
     if not rows:
         raise ValueError(f"'{path}' holds no steps yet: train for at least one step first")
     import matplotlib

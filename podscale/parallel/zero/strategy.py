@@ -970,8 +970,23 @@ class ZeroStrategy(LocalMicroBatches, DataParallelStrategy):
                     "swap_buffers": sum(nb(b) for b in self.swap.bufs), "on_disk": self.swap.file.size}
         return {"params": params, "grads": grads, "optim": optim}
 
+    def drain(self) -> None:
+        """Wait for every collective this strategy still has in flight: a deferred NVMe step and its
+        publication, the post-step all-gathers of updated parameters, stage 3's prefetched gathers and disk
+        reads.  Collective (every rank calls it at the same point)."""
+        self.complete_step()
+        self._wait_params()
+        for u in self.units:
+            if u.gather_handle is not None:
+                u.gather_handle.wait()
+                u.gather_handle = None
+        if self.swap is not None:
+            self._drop_param_reads()
+
     def close(self) -> None:
-        """Remove hooks and, with NVMe offload, the swap file."""
+        """Drain the collectives in flight, remove hooks and, with NVMe offload, the swap file; safe to call
+        twice."""
+        self.drain()
         self.remove_hooks()
         if self.swap is not None:
             self.swap.close()
