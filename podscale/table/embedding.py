@@ -215,7 +215,11 @@ class ShardedEmbeddingBags(nn.Module):
                         self._counts[(t, sh.index)] = {}
                     except StorageError:
                         err = (5, t, 0)
-        self._agree(*err)
+        try:
+            self._agree(*err)
+        except TableError:
+            self.close()
+            raise
         # An anchor parameter-free tensor that requires grad, so backward reaches _Exchange.
         self._anchor = torch.zeros((), requires_grad=True)
 
