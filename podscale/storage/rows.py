@@ -194,8 +194,9 @@ class RocksRowStore(RowStore):
     above it.
     """
 
-    def __init__(self, path: str | os.PathLike, width: int, memtable_bytes: int = 4 << 20):
-        from rocksdict import Options, Rdict
+    def __init__(self, path: str | os.PathLike, width: int, memtable_bytes: int = 4 << 20,
+                 block_cache_bytes: int = 4 << 20):
+        from rocksdict import BlockBasedOptions, Cache, Options, Rdict
 
         self.width = int(width)
         self.path = Path(path)
@@ -211,13 +212,14 @@ class RocksRowStore(RowStore):
         opts.create_if_missing(True)
         opts.set_write_buffer_size(int(memtable_bytes))
         opts.set_max_write_buffer_number(2)
+        table = BlockBasedOptions()
+        table.set_block_cache(Cache(int(block_cache_bytes)))
+        opts.set_block_based_table_factory(table)
         try:
             self._db = Rdict(str(self.path), opts)
         except Exception as e:  # rocksdict raises a bare Exception with RocksDB's message
             raise StorageError(f"cannot open the SSD tier at {self.path} ({e}): "
                                "point ssd_path at a directory of its own on a writable disk") from None
-        self._count = sum(1 for _ in self._db.keys())
-        self._count_lock = threading.Lock()
 
     def get(self, keys):
         keys = _as_keys(keys)
@@ -231,34 +233,25 @@ class RocksRowStore(RowStore):
                     found[i] = True
         return torch.from_numpy(rows), torch.from_numpy(found)
 
-    def _present(self, kb: list[bytes]) -> int:
-        return sum(v is not None for v in self._db.get(kb)) if kb else 0
-
     def put(self, keys, rows):
         from rocksdict import WriteBatch
 
         keys = _as_keys(keys)
         kb = _key_bytes(keys)
-        old = self._present(kb)
         data = rows.detach().to("cpu", torch.float32).contiguous().numpy().astype("<f4")
         wb = WriteBatch(raw_mode=True)
         for i, k in enumerate(kb):
             wb.put(k, data[i].tobytes())
         self._db.write(wb)
-        with self._count_lock:
-            self._count += len(kb) - old
 
     def delete(self, keys):
         from rocksdict import WriteBatch
 
         kb = _key_bytes(_as_keys(keys))
-        old = self._present(kb)
         wb = WriteBatch(raw_mode=True)
         for k in kb:
             wb.delete(k)
         self._db.write(wb)
-        with self._count_lock:
-            self._count -= old
 
     def scan(self, batch=65536):
         ks, vs = [], []
@@ -278,7 +271,8 @@ class RocksRowStore(RowStore):
         return keys, rows
 
     def __len__(self):
-        return self._count
+        """Counted by a scan of the keys (RocksDB keeps only an estimate): for tests and maintenance."""
+        return sum(1 for _ in self._db.keys())
 
     def flush(self):
         self._db.flush()
@@ -454,18 +448,22 @@ class CachedRowStore(RowStore):
         if n > self._slab.shape[0]:
             raise StorageError(f"{n} rows do not fit a cache of {self._slab.shape[0]} rows: "
                                f"raise the budget above {n * 4 * self.width} B")
-        slots = [self._map.get(k, -1) for k in kl]
-        new = sum(1 for s in slots if s < 0)
-        if new > len(self._free):
-            self._evict(new - len(self._free), protect=set(kl))
-        for i, k in enumerate(kl):
-            if slots[i] < 0:
-                s = self._free.pop()
+        m = self._map
+        slots = [m.get(k, -1) for k in kl]
+        new = [i for i, s in enumerate(slots) if s < 0]
+        if len(new) > len(self._free):
+            self._evict(len(new) - len(self._free), protect=set(kl))
+        if self.policy == "lru":
+            for i, s in enumerate(slots):
+                if s >= 0:
+                    m.move_to_end(kl[i])
+        if new:
+            fresh = self._free[-len(new):][::-1]
+            del self._free[-len(new):]
+            for i, s in zip(new, fresh):
                 slots[i] = s
-                self._map[k] = s
-                self._freq[s] = 0
-            else:
-                self._map.move_to_end(k)
+                m[kl[i]] = s
+            self._freq[torch.tensor(fresh, dtype=torch.int64)] = 0
         st = torch.tensor(slots, dtype=torch.int64)
         self._slab[st.to(self.device)] = rows.to(self.device, torch.float32)
         self._freq[st] += 1
@@ -473,31 +471,29 @@ class CachedRowStore(RowStore):
             self._dirty[st] = True
 
     def _evict(self, n: int, protect: set[int]) -> None:
-        victims: list[tuple[int, int]] = []
+        victims: list[int] = []
         if self.policy == "lru":
-            for k, s in self._map.items():
+            for k in self._map:
                 if k not in protect:
-                    victims.append((k, s))
+                    victims.append(k)
                     if len(victims) == n:
                         break
         else:
             inv = {s: k for k, s in self._map.items()}
-            order = torch.argsort(self._freq, stable=True).tolist()
-            for s in order:
+            for s in torch.argsort(self._freq, stable=True).tolist():
                 k = inv.get(s)
                 if k is not None and k not in protect:
-                    victims.append((k, s))
+                    victims.append(k)
                     if len(victims) == n:
                         break
-        slots = torch.tensor([s for _, s in victims], dtype=torch.int64)
+        slot_list = [self._map.pop(k) for k in victims]
+        slots = torch.tensor(slot_list, dtype=torch.int64)
         dirty = self._dirty[slots]
         if dirty.any():
-            dk = torch.tensor([k for (k, _), d in zip(victims, dirty.tolist()) if d], dtype=torch.int64)
+            dk = torch.tensor(victims, dtype=torch.int64)[dirty]
             self.backing.put(dk, self._slab[slots[dirty].to(self.device)].cpu())
             self._stats.written_back += len(dk)
             if self._pending is not None:
                 self._written.update(dk.tolist())
-        for k, s in victims:
-            del self._map[k]
-            self._dirty[s] = False
-            self._free.append(s)
+        self._dirty[slots] = False
+        self._free.extend(slot_list)
