@@ -49,7 +49,15 @@ def test_dot_interaction_is_the_lower_triangle():
     assert torch.allclose(z[:, 0], (x[1] * x[0]).sum(1)) and torch.allclose(z[:, 2], (x[2] * x[1]).sum(1))
 
 
-def test_dlrm_learns_the_teacher():
+@pytest.fixture
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)  # small ops: intra-op threads only contend on a shared machine
+    yield
+    torch.set_num_threads(n)
+
+
+def test_dlrm_learns_the_teacher(one_thread):
     cfg = CriteoLike(cardinalities=(2000, 500, 50, 5000), seed=1, min_ids=1, max_ids=2, teacher_scale=3.0)
     mesh = Mesh.build()
     torch.manual_seed(0)
