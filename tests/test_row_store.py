@@ -98,3 +98,20 @@ def test_admission_ttl_and_initialisation():
         emb(one([12]))
     assert emb.expire() == 1  # 11 unused for 3 steps (> ttl 2); 12 was admitted at its 3rd sighting
     assert [k.tolist() for k, *_ in emb.local_rows("t")] == [[12]]
+
+
+def test_read_only_rows_beside_a_trainable_table():
+    """The feature-store use: loaded read-only rows by key, next to learnable embeddings."""
+    mesh = Mesh.build()
+    emb = ShardedEmbeddingBags([TableSpec("feat", 3, trainable=False), TableSpec("emb", 2)], mesh,
+                               SparseSGD(1.0), seed=1)
+    keys = torch.tensor([10, 2 ** 50, 7])
+    emb.load_rows("feat", keys, _rows(keys))
+    got = emb.lookup({"feat": torch.tensor([7, 8, 10, 7]), "emb": torch.tensor([1])})
+    assert got["feat"][:, 0].tolist() == [7.0, 0.0, 10.0, 7.0]
+    before = got["emb"].detach().clone()
+    (got["feat"].sum() + got["emb"].sum()).backward()
+    after = emb.lookup({"feat": torch.tensor([7]), "emb": torch.tensor([1])})
+    assert torch.allclose(after["emb"], before - 1.0)  # SGD step of lr 1 on a gradient of ones
+    assert after["feat"][0, 0] == 7.0  # read-only rows never change
+    assert len(emb.local_rows("feat")[0][0]) == 3  # a lookup of an unknown key creates no row

@@ -202,7 +202,7 @@ class ShardedEmbeddingBags(nn.Module):
         self.shards = plan_shards(self.specs, self.n)
         self._seeds = [name_seed(seed, s.name) for s in self.specs]
         self._updates = [0] * len(self.specs)   # per table: optimizer steps so far (Adam's bias correction)
-        self.step_count = 0                      # lookups so far (the clock of TTL)
+        self.step_count = 0                      # training lookups so far (the clock of TTL)
         self._counts: dict[tuple[int, int], dict[int, int]] = {}  # admission: occurrences of unadmitted keys
         self.stores: dict[tuple[int, int], RowStore] = {}
         # A store that cannot be opened on one rank is an error on all of them.
@@ -349,8 +349,7 @@ class ShardedEmbeddingBags(nn.Module):
         return by_shard, src_layout
 
     # -- lookup -----------------------------------------------------------------------------------------
-    def _lookup(self, ids: dict[int, torch.Tensor], train: bool):
-        err = (0, 0, 0)
+    def _lookup(self, ids: dict[int, torch.Tensor], train: bool, err: tuple[int, int, int] = (0, 0, 0)):
         for t, v in ids.items():
             e = self._check_ids(t, v)
             if e[0] and not err[0]:
@@ -372,7 +371,7 @@ class ShardedEmbeddingBags(nn.Module):
             if cap is not None and len(u) > cap and not err[0]:
                 err = (3, key[0], key[1] * (1 << 40) + len(u))
         self._agree(*err)
-        self.step_count += 1
+        self.step_count += int(train)
         received: dict[tuple[int, int], _Received] = {}
         for key, (u, i, total, parts) in merged.items():
             rows, admitted = self._fetch(key, u, total, train)
@@ -452,29 +451,39 @@ class ShardedEmbeddingBags(nn.Module):
 
     # -- backward: push gradients, owners update ------------------------------------------------------
     def _push(self, step: _Step, grads) -> None:
-        chunks = []
+        trainable = [s.trainable for s in self.specs]
+        chunks, send_f = [], []
         for d in range(self.n):
+            nf = 0
             for seg in step.segments[d]:
+                if not trainable[seg.table]:  # read-only rows (features) send no gradient back
+                    continue
                 g = grads[step.tables.index(seg.table)]
                 if g is None:
                     g = torch.zeros(len(step.uniq[seg.table]), self.specs[seg.table].dim)
                 chunks.append(g[seg.pos, seg.shard.c0: seg.shard.c1].reshape(-1))
+                nf += len(seg.pos) * seg.shard.width
+            send_f.append(nf)
+        recv_f = [sum(count * self.shards[k[0]][k[1]].width for k, count in step.src_layout[src]
+                      if trainable[k[0]]) for src in range(self.n)]
         send = torch.cat(chunks) if chunks else torch.zeros(0)
-        got = torch.empty(sum(step.recv_floats))
-        comm.all_to_all(got, send.contiguous(), self.mesh, self.axes, step.recv_floats, step.send_floats)
+        got = torch.empty(sum(recv_f))
+        comm.all_to_all(got, send.contiguous(), self.mesh, self.axes, recv_f, send_f)
         # sum each key's gradient over the sources, then update the touched rows
         sums = {key: torch.zeros(len(rec.keys), self.shards[key[0]][key[1]].width)
-                for key, rec in step.received.items()}
+                for key, rec in step.received.items() if trainable[key[0]]}
         off = 0
         for src in range(self.n):
             for key, count in step.src_layout[src]:
+                if not trainable[key[0]]:
+                    continue
                 rec = step.received[key]
                 w = self.shards[key[0]][key[1]].width
                 part = next(p for p in rec.parts if p[0] == src)
                 sums[key].index_add_(0, part[3], got[off: off + count * w].reshape(-1, w))
                 off += count * w
         for t in step.tables:
-            self._updates[t] += 1
+            self._updates[t] += trainable[t]
         for key, rec in step.received.items():
             t = key[0]
             if not self.specs[t].trainable or not rec.admitted.any():
@@ -495,9 +504,9 @@ class ShardedEmbeddingBags(nn.Module):
                              f"{[s.name for s in self.specs]}: pass one entry per table")
         return {self.index[k]: v.reshape(-1).to(torch.int64).cpu() for k, v in features.items()}
 
-    def _rows(self, ids: dict[int, torch.Tensor]):
+    def _rows(self, ids: dict[int, torch.Tensor], err: tuple[int, int, int] = (0, 0, 0)):
         train = torch.is_grad_enabled() and any(self.specs[t].trainable for t in ids)
-        rows, inv, step = self._lookup(ids, train)
+        rows, inv, step = self._lookup(ids, train, err)
         order = list(ids)
         if train:
             outs = _Exchange.apply(self._anchor, self, step, *[rows[t] for t in order])
@@ -521,8 +530,7 @@ class ShardedEmbeddingBags(nn.Module):
                   (len(o) == 0 and n)
             if bad and not err[0]:
                 err = (4, t, 0)
-        self._agree(*err)
-        rows, inv = self._rows(values)
+        rows, inv = self._rows(values, err)
         return {self.specs[t].name: F.embedding_bag(inv[t], rows[t], offsets[t], mode=self.specs[t].pooling)
                 for t in rows}
 
