@@ -5,7 +5,7 @@ import torch
 
 from podscale.runtime.mesh import Mesh
 from podscale.storage.rows import CachedRowStore, MemoryRowStore, RocksRowStore, StorageError
-from podscale.table import ShardedEmbeddingBags, SparseSGD, TableSpec
+from podscale.table import ShardedEmbeddingBags, SparseSGD, TableError, TableSpec
 from podscale.table.hashing import init_rows, name_seed
 
 
@@ -115,3 +115,27 @@ def test_read_only_rows_beside_a_trainable_table():
     assert torch.allclose(after["emb"], before - 1.0)  # SGD step of lr 1 on a gradient of ones
     assert after["feat"][0, 0] == 7.0  # read-only rows never change
     assert len(emb.local_rows("feat")[0][0]) == 3  # a lookup of an unknown key creates no row
+
+
+class _FullDisk(MemoryRowStore):
+    """A lower tier whose writes fail as on a full disk."""
+
+    def put(self, keys, rows):
+        raise StorageError("SSD tier at /full: write failed (No space left on device)")
+
+
+def test_a_failed_write_back_is_raised_at_the_next_lookup_and_loses_no_row():
+    mesh = Mesh.build()
+    emb = ShardedEmbeddingBags([TableSpec("t", 2)], mesh, SparseSGD(1.0), seed=1)
+    cache = CachedRowStore(_FullDisk(emb.row_floats(0, emb.shards[0][0])), budget_bytes=2 * 4 * 4)  # 2 rows
+    emb.stores[(0, 0)] = cache
+    bag = lambda ids: {"t": (torch.tensor(ids), torch.tensor([0]))}
+    emb(bag([1, 2]))["t"].sum().backward()  # fills the cache with two dirty rows
+    before = cache.get(torch.tensor([1, 2]))[0].clone()
+    with pytest.raises(TableError, match="could not read or write the SSD tier on rank 0"):
+        emb(bag([3]))  # a new row must evict a dirty one: the write-back fails
+    after, found = cache.get(torch.tensor([1, 2]))
+    assert found.all() and torch.equal(before, after)  # the dirty rows are still there
+    emb._deferred = (6, 0, 0)  # as _push records a failed update
+    with pytest.raises(TableError, match="could not be written to the SSD tier on rank 0"):
+        emb(bag([1]))

@@ -13,9 +13,10 @@ STEPS = 20
 BATCH = 32
 KINDS = ["sgd", "adagrad", "adam"]
 # The sharded run sums each row's gradient in another order (per rank, then over ranks) than the
-# reference's one EmbeddingBag backward; only rounding differs.
-LOSS_TOL = 1e-5
-ROW_TOL = 1e-4
+# reference's one EmbeddingBag backward; only rounding differs.  Measured after 20 steps on 2 and 4 ranks:
+# losses within 1.2e-7, rows within 2.4e-7 (all three optimizers).
+LOSS_TOL = 1e-6
+ROW_TOL = 2e-6
 
 
 @pytest.mark.parametrize("nproc", [2, 4])

@@ -233,6 +233,13 @@ class RocksRowStore(RowStore):
                     found[i] = True
         return torch.from_numpy(rows), torch.from_numpy(found)
 
+    def _write(self, wb) -> None:
+        try:
+            self._db.write(wb)
+        except Exception as e:  # rocksdict raises a bare Exception (e.g. "No space left on device")
+            raise StorageError(f"SSD tier at {self.path}: write failed ({e}): free space on that disk or "
+                               "move ssd_path") from None
+
     def put(self, keys, rows):
         from rocksdict import WriteBatch
 
@@ -242,7 +249,7 @@ class RocksRowStore(RowStore):
         wb = WriteBatch(raw_mode=True)
         for i, k in enumerate(kb):
             wb.put(k, data[i].tobytes())
-        self._db.write(wb)
+        self._write(wb)
 
     def delete(self, keys):
         from rocksdict import WriteBatch
@@ -251,7 +258,7 @@ class RocksRowStore(RowStore):
         wb = WriteBatch(raw_mode=True)
         for k in kb:
             wb.delete(k)
-        self._db.write(wb)
+        self._write(wb)
 
     def scan(self, batch=65536):
         ks, vs = [], []
@@ -486,14 +493,16 @@ class CachedRowStore(RowStore):
                     victims.append(k)
                     if len(victims) == n:
                         break
-        slot_list = [self._map.pop(k) for k in victims]
+        slot_list = [self._map[k] for k in victims]
         slots = torch.tensor(slot_list, dtype=torch.int64)
         dirty = self._dirty[slots]
-        if dirty.any():
+        if dirty.any():  # written down before the rows leave the cache: a failed write loses nothing
             dk = torch.tensor(victims, dtype=torch.int64)[dirty]
             self.backing.put(dk, self._slab[slots[dirty].to(self.device)].cpu())
             self._stats.written_back += len(dk)
             if self._pending is not None:
                 self._written.update(dk.tolist())
+        for k in victims:
+            del self._map[k]
         self._dirty[slots] = False
         self._free.extend(slot_list)

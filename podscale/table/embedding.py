@@ -25,7 +25,11 @@ occurrences and reads zeros until then, as Monolith and PaddlePaddle do) and TTL
 Bad input -- negative ids, ids outside a declared range, a batch whose rows do not fit a shard's DRAM
 budget, an SSD path that cannot be written -- raises :class:`TableError` with the same one-line message
 on every rank: each rank's verdict is exchanged (a 4-integer all-gather) before the collective that would
-otherwise hang, and nothing is written to a store before the verdict.
+otherwise hang, and nothing is written to a store before the verdict on the ids and the budget.  A store
+that fails while reading or creating rows is agreed before the row exchange; one that fails while writing
+the update (after the step's last collective) is recorded and raised by every rank at the next lookup.
+Each write to the SSD tier is one atomic RocksDB write batch and a cache drops a dirty row only after it
+was written down, so a failure leaves every row at its old or its new value.
 """
 from __future__ import annotations
 
@@ -203,6 +207,8 @@ class ShardedEmbeddingBags(nn.Module):
         self._seeds = [name_seed(seed, s.name) for s in self.specs]
         self._updates = [0] * len(self.specs)   # per table: optimizer steps so far (Adam's bias correction)
         self.step_count = 0                      # training lookups so far (the clock of TTL)
+        self._deferred = (0, 0, 0)               # a store error of the last update, raised at the next lookup
+        self._deferred_text = ""
         self._counts: dict[tuple[int, int], dict[int, int]] = {}  # admission: occurrences of unadmitted keys
         self.stores: dict[tuple[int, int], RowStore] = {}
         # A store that cannot be opened on one rank is an error on all of them.
@@ -268,6 +274,14 @@ class ShardedEmbeddingBags(nn.Module):
                     f"dram_budget_bytes to at least {rows * per} B or use smaller batches")
         if code == 4:
             return f"{where}: offsets on rank {rank} are not non-decreasing and within the values: fix the batch"
+        if code == 6:
+            local = f" ({self._deferred_text})" if self._deferred_text else ""
+            return (f"{where}: the last update could not be written to the SSD tier on rank {rank}{local}: "
+                    "free space on that disk or move ssd_path, then resume from the last checkpoint")
+        if code == 7:
+            local = f" ({self._deferred_text})" if self._deferred_text else ""
+            return (f"{where}: a lookup could not read or write the SSD tier on rank {rank}{local}: free space "
+                    "on that disk or move ssd_path")
         if code == 5:
             return (f"{where}: the SSD tier under {s.ssd_path} is not writable on rank {rank}: set ssd_path "
                     "to a writable directory")
@@ -350,6 +364,8 @@ class ShardedEmbeddingBags(nn.Module):
 
     # -- lookup -----------------------------------------------------------------------------------------
     def _lookup(self, ids: dict[int, torch.Tensor], train: bool, err: tuple[int, int, int] = (0, 0, 0)):
+        if self._deferred[0]:
+            err = self._deferred
         for t, v in ids.items():
             e = self._check_ids(t, v)
             if e[0] and not err[0]:
@@ -373,8 +389,16 @@ class ShardedEmbeddingBags(nn.Module):
         self._agree(*err)
         self.step_count += int(train)
         received: dict[tuple[int, int], _Received] = {}
+        fetched, err = {}, (0, 0, 0)
         for key, (u, i, total, parts) in merged.items():
-            rows, admitted = self._fetch(key, u, total, train)
+            try:
+                fetched[key] = self._fetch(key, u, total, train)
+            except StorageError as e:  # agreed below, before the row exchange the other ranks wait in
+                err, self._deferred_text = (7, key[0], 0), str(e)
+                break
+        self._agree(*err)
+        for key, (u, i, total, parts) in merged.items():
+            rows, admitted = fetched[key]
             rec = _Received(u, rows, admitted)
             start = 0
             for src, _, k, _c in parts:
@@ -493,7 +517,14 @@ class ShardedEmbeddingBags(nn.Module):
             rows = rec.rows[a]
             self.optimizer.update(rows[:, :w], rows[:, w:-1], sums[key][a], self._updates[t])
             rows[:, -1] = float(self.step_count)
-            self.stores[key].put(rec.keys[a], rows)
+            try:
+                self.stores[key].put(rec.keys[a], rows)
+            except StorageError as e:
+                # The other ranks are past their last collective of this step: the verdict is agreed at
+                # the start of the next exchange, so every rank raises it there instead of one hanging.
+                if not self._deferred[0]:
+                    self._deferred = (6, t, 0)
+                    self._deferred_text = str(e)
 
     # -- public ---------------------------------------------------------------------------------------
     def _ids(self, features: dict[str, torch.Tensor]) -> dict[int, torch.Tensor]:
