@@ -5,7 +5,7 @@ import torch
 
 from podscale.runtime.mesh import Mesh
 from podscale.storage.rows import CachedRowStore, MemoryRowStore, RocksRowStore, StorageError
-from podscale.table import ShardedEmbeddingBags, SparseSGD, TableError, TableSpec
+from podscale.table import ShardedEmbeddingBags, ShardedTable, SparseSGD, TableError, TableSpec
 from podscale.table.hashing import init_rows, name_seed
 
 
@@ -105,6 +105,7 @@ def test_read_only_rows_beside_a_trainable_table():
     mesh = Mesh.build()
     emb = ShardedEmbeddingBags([TableSpec("feat", 3, trainable=False), TableSpec("emb", 2)], mesh,
                                SparseSGD(1.0), seed=1)
+    assert isinstance(emb, ShardedTable)  # the interface the GNN feature store programs against
     keys = torch.tensor([10, 2 ** 50, 7])
     emb.load_rows("feat", keys, _rows(keys))
     got = emb.lookup({"feat": torch.tensor([7, 8, 10, 7]), "emb": torch.tensor([1])})

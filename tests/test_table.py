@@ -51,13 +51,13 @@ def test_sharded_tables_match_embedding_bag(nproc):
         assert ours["comm"]["dp/all_to_all"]["calls"] == 4 * STEPS * (i + 1)
 
 
-# A table of BIG_ROWS rows (weights, one Adagrad accumulator and a last-used step per row) against a DRAM
-# budget a tenth of its size or less.  Overhead allowed above the budget, per rank: RocksDB itself (7 MiB
-# once opened), its two 4 MiB memtables and 4 MiB block cache, the cache's key map, the loader's 8192-row
-# chunks and their hashing temporaries.  Measured on one rank: 13 MiB after opening, 47 MiB after loading,
-# 58-64 MiB peak after training; the same table fully in memory grew 114 MiB per rank.
+# A table of BIG_ROWS rows (weights, one Adagrad accumulator and a last-used step: 136 B a row, 26 MiB per
+# rank) against a DRAM budget of 2 MiB per rank (13x less).  Overhead allowed above the budget, per rank:
+# RocksDB itself (7 MiB once opened), its two 4 MiB memtables and 4 MiB block cache, the cache's key map,
+# the loader's 8192-row chunks and their hashing temporaries, gloo and the training step.  Measured (2 ranks,
+# peak RSS growth from before the table was built): 60-62 MiB tiered; the same table in memory 99-114 MiB.
 BIG_BUDGET = 2 << 20
-OVERHEAD_MB = 64
+OVERHEAD_MB = 72
 BIG_STEPS = 20
 BIG_BATCH = 256
 

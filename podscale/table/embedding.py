@@ -43,6 +43,7 @@ from torch import nn
 
 from podscale.runtime import comm
 from podscale.storage.rows import CachedRowStore, MemoryRowStore, RocksRowStore, RowStore, StorageError, TierStats
+from podscale.table.base import ShardedTable
 from podscale.table.hashing import init_rows, name_seed, owner_of
 from podscale.table.optim import SparseOptimizer
 
@@ -177,7 +178,7 @@ class _Exchange(torch.autograd.Function):
         return (None, None, None) + (None,) * len(grads)
 
 
-class ShardedEmbeddingBags(nn.Module):
+class ShardedEmbeddingBags(nn.Module, ShardedTable):
     """Several sharded tables over the ranks of ``axes`` of ``mesh``; every rank calls every method.
 
     ``forward({name: (values, offsets)})`` returns ``{name: [batch, dim]}`` pooled bags; ``lookup({name:
@@ -566,7 +567,8 @@ class ShardedEmbeddingBags(nn.Module):
                 for t in rows}
 
     def prefetch(self, features: dict[str, torch.Tensor | tuple[torch.Tensor, torch.Tensor]]) -> None:
-        """Announce the next batch's ids: owners promote their rows to the DRAM tier in the background.
+        """Announce the next batch's ids (a tensor, or the ``(values, offsets)`` of a bag) per table: owners
+        promote their rows to the DRAM tier in the background.
 
         Call it (on every rank) while the current batch trains; the next lookup of those ids then reads no
         row from the SSD (``tier_stats`` counts the misses).
