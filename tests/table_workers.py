@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import functools
 import os
-import shutil
-import tempfile
 
 import numpy as np
 import torch

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from podscale.runtime.launcher import launch
-from table_workers import (BIG_DIM, BIG_ROWS, bad_inputs, column_bounds, default_specs, reference_run,
+from table_workers import (BIG_ROWS, bad_inputs, column_bounds, default_specs, reference_run,
                            train_big, train_sharded)
 
 STEPS = 20

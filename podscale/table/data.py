@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from podscale.table.hashing import _mix, name_seed
+from podscale.table.hashing import mix64, name_seed
 
 # Criteo Kaggle's per-feature cardinalities (the DLRM paper's day-0 counts), used as the default shape.
 CRITEO_CARDINALITIES = (1460, 583, 10131227, 2202608, 305, 24, 12517, 633, 3, 93145, 5683, 8351593, 3194,
@@ -72,11 +72,11 @@ def zipf_ranks(rng: np.random.Generator, n: int, card: int, alpha: float) -> np.
 
 def rank_to_id(table_seed: int, ranks: np.ndarray) -> np.ndarray:
     """The id of each popularity rank: a bijective 64-bit hash, halved to a non-negative int64."""
-    return (_mix(ranks.astype(np.uint64) ^ np.uint64(table_seed)) >> np.uint64(1)).astype(np.int64)
+    return (mix64(ranks.astype(np.uint64) ^ np.uint64(table_seed)) >> np.uint64(1)).astype(np.int64)
 
 
 def _teacher_weight(table_seed: int, ids: np.ndarray) -> np.ndarray:
-    z = _mix(ids.view(np.uint64) ^ np.uint64(table_seed ^ 0x7EAC4E5))
+    z = mix64(ids.view(np.uint64) ^ np.uint64(table_seed ^ 0x7EAC4E5))
     return (z >> np.uint64(40)).astype(np.float64) / float(1 << 24) * 2.0 - 1.0
 
 

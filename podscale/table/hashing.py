@@ -18,7 +18,7 @@ _M1 = np.uint64(0xBF58476D1CE4E5B9)
 _M2 = np.uint64(0x94D049BB133111EB)
 
 
-def _mix(x: np.ndarray) -> np.ndarray:
+def mix64(x: np.ndarray) -> np.ndarray:
     """SplitMix64's finaliser over a uint64 array (wrapping arithmetic)."""
     with np.errstate(over="ignore"):
         z = x + _GOLDEN
@@ -29,7 +29,7 @@ def _mix(x: np.ndarray) -> np.ndarray:
 
 def name_seed(seed: int, name: str) -> int:
     """A 64-bit value for (seed, table name): the same on every rank and every run."""
-    return int(_mix(np.array([(seed << 32) ^ zlib.crc32(name.encode())], dtype=np.uint64))[0])
+    return int(mix64(np.array([(seed << 32) ^ zlib.crc32(name.encode())], dtype=np.uint64))[0])
 
 
 def owner_of(keys: torch.Tensor, n: int) -> torch.Tensor:
@@ -37,7 +37,7 @@ def owner_of(keys: torch.Tensor, n: int) -> torch.Tensor:
     if n == 1:
         return torch.zeros(len(keys), dtype=torch.int64)
     u = keys.numpy().view(np.uint64)
-    return torch.from_numpy((_mix(u ^ np.uint64(0x5EED)) % np.uint64(n)).astype(np.int64))
+    return torch.from_numpy((mix64(u ^ np.uint64(0x5EED)) % np.uint64(n)).astype(np.int64))
 
 
 def init_rows(seed: int, keys: torch.Tensor, col_start: int, col_end: int, scale: float) -> torch.Tensor:
@@ -49,7 +49,7 @@ def init_rows(seed: int, keys: torch.Tensor, col_start: int, col_end: int, scale
     k = keys.numpy().view(np.uint64)
     cols = np.arange(col_start, col_end, dtype=np.uint64)
     with np.errstate(over="ignore"):
-        base = _mix(k ^ np.uint64(seed))
-        z = _mix(base[:, None] + cols[None, :] * _GOLDEN)
+        base = mix64(k ^ np.uint64(seed))
+        z = mix64(base[:, None] + cols[None, :] * _GOLDEN)
     unit = (z >> np.uint64(40)).astype(np.float64) / float(1 << 24)  # 24 random bits -> [0, 1)
     return torch.from_numpy(((2.0 * unit - 1.0) * scale).astype(np.float32))
