@@ -1,0 +1,645 @@
+"""Sharded key -> row tables over the mesh: pooled embedding bags for recommendation, rows by key for GNNs.
+
+One sharded table (DESIGN.md, principle 5).  Several tables, each of ``dim`` columns, keyed by arbitrary
+int64 ids: a shard maps key -> row in its :class:`~podscale.storage.rows.RowStore` and grows as new keys
+arrive, so there is no hashing into a fixed row space and no collision.  Rows are placed
+
+* row-wise: each key lives on rank ``hash(key) mod n`` (:func:`~podscale.table.hashing.owner_of`);
+* table-wise: the whole table on one rank (tables spread round-robin);
+* column-wise: the table's columns cut into blocks, each block (all keys) on its own rank.
+
+A lookup (``forward``) deduplicates each rank's ids per table, sends them to their owners with one
+``all_to_all_single`` (ids, with occurrence counts for admission), and receives the rows with a second one;
+the bags are then pooled (sum or mean, as ``nn.EmbeddingBag``) over the jagged per-sample id lists
+(``values`` + ``offsets``).  In backward the summed gradient of each deduplicated row goes back to its
+owner with a third ``all_to_all_single`` and the owner applies the sparse optimizer to the touched rows
+only, fused into the push (no gradient tensor for the table ever exists).  This is the data flow of
+DLRM's model-parallel embeddings (Naumov et al., "Deep Learning Recommendation Model for Personalization
+and Recommendation Systems", 2019, section 4) and of the Baidu parameter server's pull/push (Zhao et al.,
+MLSys 2020), with all-to-all in place of parameter-server RPCs.
+
+Rows start from :func:`~podscale.table.hashing.init_rows` of (seed, table, key, column), so any sharding
+of any world size holds identical rows.  Admission (a key gets a row only after ``admit_after``
+occurrences and reads zeros until then, as Monolith and PaddlePaddle do) and TTL expiry are per table.
+
+Bad input -- negative ids, ids outside a declared range, a batch whose rows do not fit a shard's DRAM
+budget, an SSD path that cannot be written -- raises :class:`TableError` with the same one-line message
+on every rank: each rank's verdict is exchanged (a 4-integer all-gather) before the collective that would
+otherwise hang, and nothing is written to a store before the verdict on the ids and the budget.  A store
+that fails while reading or creating rows is agreed before the row exchange; one that fails while writing
+the update (after the step's last collective) is recorded and raised by every rank at the next lookup.
+Each write to the SSD tier is one atomic RocksDB write batch and a cache drops a dirty row only after it
+was written down, so a failure leaves every row at its old or its new value.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from podscale.runtime import comm
+from podscale.storage.rows import CachedRowStore, MemoryRowStore, RocksRowStore, RowStore, StorageError, TierStats
+from podscale.table.base import ShardedTable
+from podscale.table.hashing import init_rows, name_seed, owner_of
+from podscale.table.optim import SparseOptimizer
+
+SHARDINGS = ("row", "table", "column")
+POOLINGS = ("sum", "mean")
+
+
+class TableError(ValueError):
+    """Bad ids or a table configuration that cannot work, raised on every rank with the same line."""
+
+
+@dataclass(frozen=True)
+class TableSpec:
+    """One table.  ``num_keys`` declares the id range ``[0, num_keys)`` (None: any non-negative int64).
+
+    Storage: without ``dram_budget_bytes`` every row of a shard is in memory; with it, a shard keeps at
+    most that many bytes of rows (weights, optimizer state and a last-used step) in a DRAM cache over an
+    SSD tier in ``ssd_path/<table>/shard-<rank>`` (RocksDB).  ``device_budget_bytes`` adds a cache on the
+    mesh's GPU above the DRAM tier (ignored on a CPU).
+    """
+
+    name: str
+    dim: int
+    pooling: str = "sum"
+    sharding: str = "row"
+    column_blocks: int | None = None  # column-wise: number of blocks (default: the number of ranks)
+    num_keys: int | None = None
+    init_scale: float | None = None   # rows start uniform in [-s, s); default 1/sqrt(dim)
+    trainable: bool = True
+    admit_after: int = 0              # occurrences before a key gets a row (0 or 1: at once)
+    ttl_steps: int | None = None      # rows unused for this many steps are removed by expire()
+    dram_budget_bytes: int | None = None
+    ssd_path: str | None = None
+    cache_policy: str = "lru"
+    device_budget_bytes: int | None = None
+
+    def check(self) -> None:
+        """Raise TableError (one line, the fix) for settings that cannot work; same on every rank."""
+        where = f"table '{self.name}'"
+        if self.dim < 1:
+            raise TableError(f"{where}: dim={self.dim} must be a positive integer")
+        if self.pooling not in POOLINGS:
+            raise TableError(f"{where}: pooling '{self.pooling}' must be one of {', '.join(POOLINGS)}")
+        if self.sharding not in SHARDINGS:
+            raise TableError(f"{where}: sharding '{self.sharding}' must be one of {', '.join(SHARDINGS)}")
+        if self.num_keys is not None and self.num_keys < 1:
+            raise TableError(f"{where}: num_keys={self.num_keys} must be positive (or None for any id)")
+        if self.dram_budget_bytes is not None and self.ssd_path is None:
+            raise TableError(f"{where}: dram_budget_bytes needs an SSD tier below it: set ssd_path")
+        if self.cache_policy not in ("lru", "lfu"):
+            raise TableError(f"{where}: cache_policy '{self.cache_policy}' must be lru or lfu")
+
+
+@dataclass(frozen=True)
+class Shard:
+    """A piece of one table: all of its keys (or those hashing to ``rank``) and columns ``[c0, c1)``."""
+
+    table: int
+    index: int
+    rank: int      # index of the owner in the table group
+    c0: int
+    c1: int
+    hashed: bool   # row-wise: holds only the keys with owner_of(key) == rank
+
+    @property
+    def width(self) -> int:
+        return self.c1 - self.c0
+
+
+def plan_shards(specs: list[TableSpec], n: int) -> list[list[Shard]]:
+    """The shards of every table on ``n`` ranks (the same on every rank)."""
+    out: list[list[Shard]] = []
+    load = [0] * n  # columns placed per rank, to spread table-wise tables by size
+    for t, s in enumerate(specs):
+        if s.sharding == "row":
+            shards = [Shard(t, r, r, 0, s.dim, True) for r in range(n)]
+        elif s.sharding == "table":
+            r = min(range(n), key=lambda i: (load[i], i))
+            load[r] += s.dim
+            shards = [Shard(t, 0, r, 0, s.dim, False)]
+        else:
+            blocks = min(s.column_blocks or n, s.dim)
+            bounds = [round(s.dim * j / blocks) for j in range(blocks + 1)]
+            shards = [Shard(t, j, (t + j) % n, bounds[j], bounds[j + 1], False) for j in range(blocks)]
+        out.append(shards)
+    return out
+
+
+@dataclass
+class _Segment:
+    """Ids of one table sent to one shard: positions in that table's deduplicated ids."""
+
+    table: int
+    shard: Shard
+    pos: torch.Tensor
+
+
+@dataclass
+class _Received:
+    """What an owner received for one local shard in this step."""
+
+    keys: torch.Tensor          # deduplicated keys, sorted
+    rows: torch.Tensor          # full stored rows [n, width + state + 1]
+    admitted: torch.Tensor      # bool [n]: has a row (created now or before)
+    parts: list[tuple[int, int, int, torch.Tensor]] = field(default_factory=list)  # (src, start, count, inv)
+
+
+@dataclass
+class _Step:
+    """One lookup's routing, kept for its backward push."""
+
+    tables: list[int]
+    uniq: dict[int, torch.Tensor]
+    segments: list[list[_Segment]]   # per destination
+    send_floats: list[int]           # row floats this rank receives from each destination
+    recv_floats: list[int]           # row floats this rank sends to each source
+    received: dict[tuple[int, int], _Received]
+    src_layout: list[list[tuple[tuple[int, int], int]]]  # per source: (shard key, count) in arrival order
+
+
+class _Exchange(torch.autograd.Function):
+    """Identity on the looked-up rows whose backward pushes their gradients to the owners."""
+
+    @staticmethod
+    def forward(ctx, anchor, owner, step, *rows):
+        ctx.owner, ctx.step = owner, step
+        return tuple(r.clone() for r in rows)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.owner._push(ctx.step, grads)
+        return (None, None, None) + (None,) * len(grads)
+
+
+class ShardedEmbeddingBags(nn.Module, ShardedTable):
+    """Several sharded tables over the ranks of ``axes`` of ``mesh``; every rank calls every method.
+
+    ``forward({name: (values, offsets)})`` returns ``{name: [batch, dim]}`` pooled bags; ``lookup({name:
+    ids})`` returns ``{name: [len(ids), dim]}`` rows (the feature-store read).  Both are differentiable for
+    trainable tables: backward updates the owners' rows with ``optimizer``.
+    """
+
+    def __init__(self, specs: list[TableSpec], mesh, optimizer: SparseOptimizer | None = None,
+                 seed: int = 0, axes: str | tuple[str, ...] = "dp"):
+        super().__init__()
+        self.specs = list(specs)
+        self.mesh, self.axes, self.seed = mesh, axes, seed
+        self.optimizer = optimizer
+        names = [s.name for s in self.specs]
+        if len(set(names)) != len(names):
+            raise TableError(f"table names {names} repeat: give every table its own name")
+        for s in self.specs:
+            s.check()
+        if optimizer is None and any(s.trainable for s in self.specs):
+            raise TableError("trainable tables need a sparse optimizer: pass optimizer=RowWiseAdagrad(lr) "
+                             "(or SparseSGD / LazyAdam), or set trainable=False")
+        self.index = {s.name: t for t, s in enumerate(self.specs)}
+        ax = (axes,) if isinstance(axes, str) else tuple(axes)
+        self.n = mesh.size(*ax)
+        self.me = mesh.local_rank(*ax)
+        self.shards = plan_shards(self.specs, self.n)
+        self._seeds = [name_seed(seed, s.name) for s in self.specs]
+        self._updates = [0] * len(self.specs)   # per table: optimizer steps so far (Adam's bias correction)
+        self.step_count = 0                      # training lookups so far (the clock of TTL)
+        self._deferred = (0, 0, 0)               # a store error of the last update, raised at the next lookup
+        self._deferred_text = ""
+        self._counts: dict[tuple[int, int], dict[int, int]] = {}  # admission: occurrences of unadmitted keys
+        self.stores: dict[tuple[int, int], RowStore] = {}
+        # A store that cannot be opened on one rank is an error on all of them.
+        err = (0, 0, 0)
+        for t, shards in enumerate(self.shards):
+            for sh in shards:
+                if sh.rank == self.me:
+                    try:
+                        self.stores[(t, sh.index)] = self._make_store(self.specs[t], sh)
+                        self._counts[(t, sh.index)] = {}
+                    except StorageError:
+                        err = (5, t, 0)
+        try:
+            self._agree(*err)
+        except TableError:
+            self.close()
+            raise
+        # An anchor parameter-free tensor that requires grad, so backward reaches _Exchange.
+        self._anchor = torch.zeros((), requires_grad=True)
+
+    # -- construction ---------------------------------------------------------------------------------
+    def row_floats(self, t: int, sh: Shard) -> int:
+        """Floats stored per row of shard ``sh``: weights, optimizer state, last-used step."""
+        state = self.optimizer.state_width(sh.width) if self.specs[t].trainable else 0
+        return sh.width + state + 1
+
+    def _make_store(self, spec: TableSpec, sh: Shard) -> RowStore:
+        width = self.row_floats(sh.table, sh)
+        if spec.dram_budget_bytes is None:
+            store: RowStore = MemoryRowStore(width)
+        else:
+            path = Path(spec.ssd_path) / spec.name / f"shard-{sh.index}"
+            store = CachedRowStore(RocksRowStore(path, width), spec.dram_budget_bytes, spec.cache_policy)
+        if spec.device_budget_bytes is not None and self.mesh.device.type == "cuda":
+            store = CachedRowStore(store, spec.device_budget_bytes, spec.cache_policy, device=self.mesh.device)
+        return store
+
+    # -- agreement ------------------------------------------------------------------------------------
+    def _agree(self, code: int, t: int, value: int) -> None:
+        """Exchange every rank's verdict; raise the first rank's error on all ranks."""
+        mine = torch.tensor([code, t, value, self.me], dtype=torch.int64)
+        allv = torch.empty(4 * self.n, dtype=torch.int64)
+        comm.all_gather(allv, mine, self.mesh, self.axes)
+        for r in range(self.n):
+            c, tt, v, rank = allv[4 * r: 4 * r + 4].tolist()
+            if c:
+                raise TableError(self._message(c, tt, v, rank))
+
+    def _message(self, code: int, t: int, v: int, rank: int) -> str:
+        s = self.specs[t]
+        where = f"table '{s.name}'"
+        if code == 1:
+            return f"{where}: id {v} on rank {rank} is negative: ids are non-negative int64 keys"
+        if code == 2:
+            return (f"{where}: id {v} on rank {rank} is outside the declared range [0, {s.num_keys}): "
+                    "fix the ids or raise num_keys")
+        if code == 3:
+            sh = self.shards[t][v // (1 << 40)]
+            rows = v % (1 << 40)
+            per = 4 * self.row_floats(t, sh)
+            return (f"{where}: one batch needs {rows} rows in shard {sh.index} (rank {sh.rank}) but its DRAM "
+                    f"budget of {s.dram_budget_bytes} B holds {s.dram_budget_bytes // per}: raise "
+                    f"dram_budget_bytes to at least {rows * per} B or use smaller batches")
+        if code == 4:
+            return f"{where}: offsets on rank {rank} are not non-decreasing and within the values: fix the batch"
+        if code == 6:
+            local = f" ({self._deferred_text})" if self._deferred_text else ""
+            return (f"{where}: the last update could not be written to the SSD tier on rank {rank}{local}: "
+                    "free space on that disk or move ssd_path, then resume from the last checkpoint")
+        if code == 7:
+            local = f" ({self._deferred_text})" if self._deferred_text else ""
+            return (f"{where}: a lookup could not read or write the SSD tier on rank {rank}{local}: free space "
+                    "on that disk or move ssd_path")
+        if code == 5:
+            return (f"{where}: the SSD tier under {s.ssd_path} is not writable on rank {rank}: set ssd_path "
+                    "to a writable directory")
+        return f"{where}: error {code} on rank {rank}"
+
+    def _check_ids(self, t: int, ids: torch.Tensor) -> tuple[int, int, int]:
+        if len(ids) == 0:
+            return 0, 0, 0
+        s = self.specs[t]
+        lo = int(ids.min())
+        if lo < 0:
+            return 1, t, lo
+        if s.num_keys is not None:
+            hi = int(ids.max())
+            if hi >= s.num_keys:
+                return 2, t, hi
+        return 0, 0, 0
+
+    # -- routing ----------------------------------------------------------------------------------------
+    def _route(self, ids: dict[int, torch.Tensor]):
+        """Deduplicate per table and split into per-destination segments; also the inverse indices."""
+        uniq, inv, counts = {}, {}, {}
+        segments: list[list[_Segment]] = [[] for _ in range(self.n)]
+        for t, v in ids.items():
+            u, i, c = torch.unique(v, sorted=True, return_inverse=True, return_counts=True)
+            uniq[t], inv[t], counts[t] = u, i, c
+            shards = self.shards[t]
+            if shards[0].hashed:
+                own = owner_of(u, self.n)
+                for sh in shards:
+                    pos = (own == sh.rank).nonzero().reshape(-1)
+                    if len(pos):
+                        segments[sh.rank].append(_Segment(t, sh, pos))
+            else:
+                pos = torch.arange(len(u))
+                for sh in shards:
+                    if len(pos):
+                        segments[sh.rank].append(_Segment(t, sh, pos))
+        return uniq, inv, counts, segments
+
+    def _exchange_ids(self, uniq, counts, segments):
+        """Send (shard, key, count) triples to owners; returns what this rank received, per source."""
+        send = []
+        for d in range(self.n):
+            for seg in segments[d]:
+                tri = torch.stack([torch.full_like(seg.pos, seg.shard.table * 4096 + seg.shard.index),
+                                   uniq[seg.table][seg.pos], counts[seg.table][seg.pos]], dim=1)
+                send.append(tri.reshape(-1))
+        send_t = torch.cat(send) if send else torch.zeros(0, dtype=torch.int64)
+        send_n = torch.tensor([sum(3 * len(s.pos) for s in segments[d]) for d in range(self.n)],
+                              dtype=torch.int64)
+        recv_n = torch.empty_like(send_n)
+        comm.all_to_all(recv_n, send_n, self.mesh, self.axes, [1] * self.n, [1] * self.n)
+        recv_t = torch.empty(int(recv_n.sum()), dtype=torch.int64)
+        comm.all_to_all(recv_t, send_t, self.mesh, self.axes, recv_n.tolist(), send_n.tolist())
+        return recv_t.reshape(-1, 3), (recv_n // 3).tolist()
+
+    def _group_received(self, tri: torch.Tensor, per_src: list[int]):
+        """Per local shard: deduplicated keys, total counts and each source's slice of the triples."""
+        by_shard: dict[tuple[int, int], list[tuple[int, int, torch.Tensor, torch.Tensor]]] = {}
+        src_layout: list[list[tuple[tuple[int, int], int]]] = []
+        off = 0
+        for src, n in enumerate(per_src):
+            chunk = tri[off: off + n]
+            layout = []
+            if n:
+                sid = chunk[:, 0]
+                # triples arrive grouped by shard, in the sender's segment order
+                change = torch.nonzero(sid[1:] != sid[:-1]).reshape(-1) + 1
+                starts = [0] + change.tolist()
+                ends = change.tolist() + [n]
+                for a, b in zip(starts, ends):
+                    code = int(sid[a])
+                    key = (code // 4096, code % 4096)
+                    by_shard.setdefault(key, []).append((src, off + a, chunk[a:b, 1], chunk[a:b, 2]))
+                    layout.append((key, b - a))
+            src_layout.append(layout)
+            off += n
+        return by_shard, src_layout
+
+    # -- lookup -----------------------------------------------------------------------------------------
+    def _lookup(self, ids: dict[int, torch.Tensor], train: bool, err: tuple[int, int, int] = (0, 0, 0)):
+        if self._deferred[0]:
+            err = self._deferred
+        for t, v in ids.items():
+            e = self._check_ids(t, v)
+            if e[0] and not err[0]:
+                err = e
+        self._agree(*err)
+        uniq, inv, counts, segments = self._route(ids)
+        tri, per_src = self._exchange_ids(uniq, counts, segments)
+        by_shard, src_layout = self._group_received(tri, per_src)
+        # owners: deduplicate across sources and check the working set before touching any store
+        merged = {}
+        err = (0, 0, 0)
+        for key, parts in by_shard.items():
+            keys = torch.cat([p[2] for p in parts])
+            cnt = torch.cat([p[3] for p in parts])
+            u, i = torch.unique(keys, sorted=True, return_inverse=True)
+            total = torch.zeros(len(u), dtype=torch.int64).index_add_(0, i, cnt)
+            merged[key] = (u, i, total, parts)
+            cap = self.stores[key].capacity()
+            if cap is not None and len(u) > cap and not err[0]:
+                err = (3, key[0], key[1] * (1 << 40) + len(u))
+        self._agree(*err)
+        self.step_count += int(train)
+        received: dict[tuple[int, int], _Received] = {}
+        fetched, err = {}, (0, 0, 0)
+        for key, (u, i, total, parts) in merged.items():
+            try:
+                fetched[key] = self._fetch(key, u, total, train)
+            except StorageError as e:  # agreed below, before the row exchange the other ranks wait in
+                err, self._deferred_text = (7, key[0], 0), str(e)
+                break
+        self._agree(*err)
+        for key, (u, i, total, parts) in merged.items():
+            rows, admitted = fetched[key]
+            rec = _Received(u, rows, admitted)
+            start = 0
+            for src, _, k, _c in parts:
+                rec.parts.append((src, start, len(k), i[start: start + len(k)]))
+                start += len(k)
+            received[key] = rec
+        # reply with each source's rows (weights only), in the order it asked
+        out_chunks, recv_floats = [], []
+        for src in range(self.n):
+            nf = 0
+            for key, count in src_layout[src]:
+                rec = received[key]
+                sh = self.shards[key[0]][key[1]]
+                part = next(p for p in rec.parts if p[0] == src)
+                w = rec.rows[part[3], : sh.width]
+                w = torch.where(rec.admitted[part[3], None], w, torch.zeros_like(w))
+                out_chunks.append(w.reshape(-1))
+                nf += count * sh.width
+            recv_floats.append(nf)
+        send_rows = torch.cat(out_chunks) if out_chunks else torch.zeros(0)
+        send_floats = [sum(len(s.pos) * s.shard.width for s in segments[d]) for d in range(self.n)]
+        got = torch.empty(sum(send_floats))
+        comm.all_to_all(got, send_rows.contiguous(), self.mesh, self.axes, send_floats, recv_floats)
+        # assemble each table's deduplicated rows
+        rows = {t: torch.zeros(len(uniq[t]), self.specs[t].dim) for t in ids}
+        off = 0
+        for d in range(self.n):
+            for seg in segments[d]:
+                w = seg.shard.width
+                n = len(seg.pos) * w
+                rows[seg.table][seg.pos, seg.shard.c0: seg.shard.c1] = got[off: off + n].reshape(-1, w)
+                off += n
+        step = _Step(list(ids), uniq, segments, send_floats, recv_floats, received, src_layout)
+        return rows, inv, step
+
+    def _fetch(self, key, u: torch.Tensor, total: torch.Tensor, train: bool):
+        """Full stored rows of ``u`` in shard ``key``, creating admitted new keys (train only)."""
+        t, _ = key
+        spec, sh = self.specs[t], self.shards[t][key[1]]
+        store = self.stores[key]
+        rows, found = store.get(u)
+        rows = rows.cpu()
+        admitted = found.clone()
+        new = ~found
+        if new.any() and spec.trainable and train:
+            nk = u[new]
+            if spec.admit_after > 1:
+                seen = self._counts[key]
+                tot = total[new].tolist()
+                ok = []
+                for j, k in enumerate(nk.tolist()):
+                    c = seen.get(k, 0) + tot[j]
+                    if c >= spec.admit_after:
+                        seen.pop(k, None)
+                        ok.append(True)
+                    else:
+                        seen[k] = c
+                        ok.append(False)
+                ok_t = torch.tensor(ok, dtype=torch.bool)
+            else:
+                ok_t = torch.ones(len(nk), dtype=torch.bool)
+            if ok_t.any():
+                ck = nk[ok_t]
+                scale = spec.init_scale if spec.init_scale is not None else 1.0 / math.sqrt(spec.dim)
+                fresh = torch.zeros(len(ck), rows.shape[1])
+                fresh[:, : sh.width] = init_rows(self._seeds[t], ck, sh.c0, sh.c1, scale)
+                fresh[:, sh.width: -1] = self.optimizer.init_state(len(ck), sh.width)
+                fresh[:, -1] = float(self.step_count)
+                idx = new.nonzero().reshape(-1)[ok_t]
+                rows[idx] = fresh
+                admitted[idx] = True
+                store.put(ck, fresh)
+        return rows, admitted
+
+    # -- backward: push gradients, owners update ------------------------------------------------------
+    def _push(self, step: _Step, grads) -> None:
+        trainable = [s.trainable for s in self.specs]
+        chunks, send_f = [], []
+        for d in range(self.n):
+            nf = 0
+            for seg in step.segments[d]:
+                if not trainable[seg.table]:  # read-only rows (features) send no gradient back
+                    continue
+                g = grads[step.tables.index(seg.table)]
+                if g is None:
+                    g = torch.zeros(len(step.uniq[seg.table]), self.specs[seg.table].dim)
+                chunks.append(g[seg.pos, seg.shard.c0: seg.shard.c1].reshape(-1))
+                nf += len(seg.pos) * seg.shard.width
+            send_f.append(nf)
+        recv_f = [sum(count * self.shards[k[0]][k[1]].width for k, count in step.src_layout[src]
+                      if trainable[k[0]]) for src in range(self.n)]
+        send = torch.cat(chunks) if chunks else torch.zeros(0)
+        got = torch.empty(sum(recv_f))
+        comm.all_to_all(got, send.contiguous(), self.mesh, self.axes, recv_f, send_f)
+        # sum each key's gradient over the sources, then update the touched rows
+        sums = {key: torch.zeros(len(rec.keys), self.shards[key[0]][key[1]].width)
+                for key, rec in step.received.items() if trainable[key[0]]}
+        off = 0
+        for src in range(self.n):
+            for key, count in step.src_layout[src]:
+                if not trainable[key[0]]:
+                    continue
+                rec = step.received[key]
+                w = self.shards[key[0]][key[1]].width
+                part = next(p for p in rec.parts if p[0] == src)
+                sums[key].index_add_(0, part[3], got[off: off + count * w].reshape(-1, w))
+                off += count * w
+        for t in step.tables:
+            self._updates[t] += trainable[t]
+        for key, rec in step.received.items():
+            t = key[0]
+            if not self.specs[t].trainable or not rec.admitted.any():
+                continue
+            w = self.shards[t][key[1]].width
+            a = rec.admitted
+            rows = rec.rows[a]
+            self.optimizer.update(rows[:, :w], rows[:, w:-1], sums[key][a], self._updates[t])
+            rows[:, -1] = float(self.step_count)
+            try:
+                self.stores[key].put(rec.keys[a], rows)
+            except StorageError as e:
+                # The other ranks are past their last collective of this step: the verdict is agreed at
+                # the start of the next exchange, so every rank raises it there instead of one hanging.
+                if not self._deferred[0]:
+                    self._deferred = (6, t, 0)
+                    self._deferred_text = str(e)
+
+    # -- public ---------------------------------------------------------------------------------------
+    def _ids(self, features: dict[str, torch.Tensor]) -> dict[int, torch.Tensor]:
+        missing = [s.name for s in self.specs if s.name not in features]
+        extra = [k for k in features if k not in self.index]
+        if missing or extra:
+            raise TableError(f"features name tables {sorted(features)} but the tables are "
+                             f"{[s.name for s in self.specs]}: pass one entry per table")
+        return {self.index[k]: v.reshape(-1).to(torch.int64).cpu() for k, v in features.items()}
+
+    def _rows(self, ids: dict[int, torch.Tensor], err: tuple[int, int, int] = (0, 0, 0)):
+        train = torch.is_grad_enabled() and any(self.specs[t].trainable for t in ids)
+        rows, inv, step = self._lookup(ids, train, err)
+        order = list(ids)
+        if train:
+            outs = _Exchange.apply(self._anchor, self, step, *[rows[t] for t in order])
+            rows = dict(zip(order, outs))
+        return rows, inv
+
+    def lookup(self, ids: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Rows ``[len(ids), dim]`` of the given keys per table (zeros for keys without a row)."""
+        rows, inv = self._rows(self._ids(ids))
+        return {self.specs[t].name: rows[t][inv[t]] for t in rows}
+
+    def forward(self, features: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        """Pooled bags per table from jagged ids: ``values`` and ``offsets`` (each bag's start), as in
+        ``nn.EmbeddingBag``."""
+        values = self._ids({k: v for k, (v, _) in features.items()})
+        offsets = {self.index[k]: o.to(torch.int64).cpu() for k, (_, o) in features.items()}
+        err = (0, 0, 0)
+        for t, o in offsets.items():
+            n = len(values[t])
+            bad = (len(o) and (int(o[0]) != 0 or bool((o[1:] < o[:-1]).any()) or int(o[-1]) > n)) or \
+                  (len(o) == 0 and n)
+            if bad and not err[0]:
+                err = (4, t, 0)
+        rows, inv = self._rows(values, err)
+        return {self.specs[t].name: F.embedding_bag(inv[t], rows[t], offsets[t], mode=self.specs[t].pooling)
+                for t in rows}
+
+    def prefetch(self, features: dict[str, torch.Tensor | tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Announce the next batch's ids (a tensor, or the ``(values, offsets)`` of a bag) per table: owners
+        promote their rows to the DRAM tier in the background.
+
+        Call it (on every rank) while the current batch trains; the next lookup of those ids then reads no
+        row from the SSD (``tier_stats`` counts the misses).
+        """
+        ids = self._ids({k: (v[0] if isinstance(v, tuple) else v) for k, v in features.items()})
+        ids = {t: v[v >= 0] for t, v in ids.items()}
+        uniq, _, counts, segments = self._route(ids)
+        tri, per_src = self._exchange_ids(uniq, counts, segments)
+        by_shard, _ = self._group_received(tri, per_src)
+        for key, parts in by_shard.items():
+            self.stores[key].prefetch(torch.unique(torch.cat([p[2] for p in parts])))
+
+    def load_rows(self, name: str, keys: torch.Tensor, rows: torch.Tensor) -> None:
+        """Write rows (e.g. node features, or a trained table) for ``keys``; every rank may pass the same
+        or different pieces and keeps the keys (and columns) it owns, with fresh optimizer state.  Local:
+        no collective."""
+        t = self.index[name]
+        keys = keys.reshape(-1).to(torch.int64).cpu()
+        rows = rows.to(torch.float32).cpu()
+        if len(keys) and int(keys.min()) < 0:
+            raise TableError(f"table '{name}': load_rows got a negative key: keys are non-negative int64")
+        for sh in self.shards[t]:
+            if sh.rank != self.me:
+                continue
+            mine = (owner_of(keys, self.n) == sh.rank) if sh.hashed else torch.ones(len(keys), dtype=torch.bool)
+            k = keys[mine]
+            full = torch.zeros(len(k), self.row_floats(t, sh))
+            full[:, : sh.width] = rows[mine, sh.c0: sh.c1]
+            if self.specs[t].trainable:
+                full[:, sh.width: -1] = self.optimizer.init_state(len(k), sh.width)
+            full[:, -1] = float(self.step_count)
+            self.stores[(t, sh.index)].put(k, full)
+
+    def expire(self) -> int:
+        """Remove rows unused for more than their table's ``ttl_steps``; returns rows removed here."""
+        removed = 0
+        for (t, i), store in self.stores.items():
+            ttl = self.specs[t].ttl_steps
+            if ttl is None:
+                continue
+            old = [k[r[:, -1] < self.step_count - ttl] for k, r in store.scan()]
+            if old:
+                dead = torch.cat(old)
+                if len(dead):
+                    store.delete(dead)
+                    removed += len(dead)
+        return removed
+
+    def local_rows(self, name: str) -> list[tuple[torch.Tensor, int, int, torch.Tensor]]:
+        """This rank's pieces of table ``name`` as ``(keys, c0, c1, weights [n, c1 - c0])``, one per local
+        shard (tests, export)."""
+        t = self.index[name]
+        out = []
+        for sh in self.shards[t]:
+            if sh.rank == self.me:
+                for k, r in self.stores[(t, sh.index)].scan():
+                    out.append((k, sh.c0, sh.c1, r[:, : sh.width].clone()))
+        return out
+
+    def tier_stats(self) -> dict[str, list[TierStats]]:
+        """Per local shard (``"table/shard"``), counters of each tier since the last reset."""
+        return {f"{self.specs[t].name}/{i}": s.stats() for (t, i), s in self.stores.items()}
+
+    def reset_stats(self) -> None:
+        for s in self.stores.values():
+            s.reset_stats()
+
+    def wait_prefetch(self) -> None:
+        for s in self.stores.values():
+            s.wait_prefetch()
+
+    def close(self) -> None:
+        for s in self.stores.values():
+            s.close()
