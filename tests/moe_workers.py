@@ -1,0 +1,164 @@
+"""Worker functions for the mixture-of-experts tests (a module of its own so spawned workers import it).
+
+``train_gpt_moe`` trains the GPT-MoE on a (dp, ep) mesh with a plain loop (forward, backward,
+``reduce_gradients``, AdamW) and reports what the single-process run must reproduce; with dp = ep = 1 it is
+that single-process run.  The no-hang cases run one MoE layer on inputs built so that the routing is
+lopsided in a known way.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from podscale.models.gpt_moe import GPTMoE, GPTMoEConfig
+from podscale.parallel.moe import MoELayer, expert_parameters, reduce_gradients
+from podscale.runtime.mesh import Mesh
+from podscale.runtime.process import init_process
+from podscale.train.data import ShardedLoader, load_tokens, split_tokens
+
+MODEL = dict(n_layer=2, n_head=2, n_embd=32, block_size=32, experts=8, moe_every=1, expert_hidden=48)
+MODES = {
+    "top1": dict(top_k=1, capacity_factor=1.0, random_routing=False),
+    "top2": dict(top_k=2, capacity_factor=1.25, random_routing=True),
+    "dropless": dict(top_k=2, dropless=True, random_routing=False),
+}
+GLOBAL_BATCH = 8
+SEED = 11
+
+
+class CrossEntropy64(nn.Module):
+    """The GPT's loss without its cast to fp32, so an fp64 run stays fp64 end to end."""
+
+    def forward(self, logits, targets):
+        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+
+
+def _tokens():
+    tokens, _ = split_tokens(load_tokens(None), 0.1)
+    return tokens
+
+
+def train_gpt_moe(modes: list[str], steps: int, dp: int, ep: int, mesh: Mesh | None = None) -> list[dict]:
+    """For each mode: losses (global mean) per step, routing counts per step and layer (summed over the
+    mesh), gradients after step 1 and parameters after the last step (experts as {global id: tensor})."""
+    if mesh is None:
+        info = init_process()
+        torch.set_num_threads(1)
+        mesh = Mesh.build(info.device, dp=dp, ep=ep)
+    tokens = _tokens()
+    n = dp * ep
+    out = []
+    for mode in modes:
+        torch.manual_seed(SEED)
+        model = GPTMoE(GPTMoEConfig(**MODEL, **MODES[mode]), mesh).double()
+        model.loss_fn = CrossEntropy64()
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0, foreach=False)
+        loader = ShardedLoader(tokens, MODEL["block_size"], GLOBAL_BATCH, GLOBAL_BATCH // n,
+                               mesh.local_rank("dp", "ep"), n, seed=SEED)
+        losses, counts, grads1 = [], [], None
+        for step in range(steps):
+            (x, y), = loader.next_step()
+            _, lm, moe_loss, stats = model.forward_detailed(x, y)
+            loss = lm + moe_loss
+            loss.backward()
+            reduce_gradients(model, mesh)
+            total = loss.detach().clone().view(1)
+            from podscale.runtime import comm
+            comm.all_reduce(total, mesh, ("dp", "ep"))
+            losses.append(float(total) / n)
+            counts.append({name: (s.all_reduce(mesh, ("dp", "ep")).wanted.tolist(),
+                                  s.all_reduce(mesh, ("dp", "ep")).kept.tolist()) for name, s in stats.items()})
+            if step == 0:
+                grads1 = _by_global_id(model, lambda p: p.grad)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        out.append({"losses": losses, "counts": counts, "grads1": grads1,
+                    "params": _by_global_id(model, lambda p: p.detach()), "comm": mesh.stats.snapshot()})
+        mesh.stats.reset()
+    return out
+
+
+def _by_global_id(model: GPTMoE, get) -> dict[str, torch.Tensor]:
+    """Dense tensors by name; expert tensors split into ``name[global expert id]``."""
+    experts = {id(p) for p in expert_parameters(model)}
+    out = {}
+    for name, p in model.named_parameters():
+        if id(p) in experts:
+            first = model.get_submodule(name.rpartition(".")[0]).first
+            for j in range(p.shape[0]):
+                out[f"{name}[{first + j}]"] = get(p)[j].clone()
+        else:
+            out[name] = get(p).clone()
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------
+# no-hang cases: one layer, E = 4, d = 8; router logits 10 * x[:, e], so a token goes where its input is large
+
+E, D, S = 4, 8, 6
+
+
+def layer_inputs(case: str, rank: int) -> torch.Tensor:
+    """Rank ``rank``'s (G, S, D) input.  Experts 0, 1 live on ep rank 0, experts 2, 3 on ep rank 1.
+
+    * ``one_expert``: every token of every rank prefers expert 0 (then 1);
+    * ``no_remote``: rank 0's tokens prefer its own experts 0/1, rank 1's tokens also go to 0/1, so rank 0
+      sends nothing to a remote expert and experts 2, 3 receive nothing on any rank;
+    * ``empty_rank``: rank 1 has no tokens at all (G = 0), rank 0 spreads its tokens over all experts.
+    """
+    g = torch.Generator().manual_seed(100 + rank)
+    G = 0 if case == "empty_rank" and rank == 1 else 2
+    x = torch.randn(G, S, D, generator=g, dtype=torch.float64) * 0.1
+    if case in ("one_expert", "no_remote"):
+        x[..., 0] += 3.0
+        x[..., 1] += 1.5
+        if case == "no_remote" and rank == 0:
+            x[:, ::2, 0] -= 3.0   # half of rank 0's tokens prefer expert 1 (also local)
+    elif case == "empty_rank":
+        x[..., :E] += torch.arange(G * S * E, dtype=torch.float64).view(G, S, E).remainder(3)
+    return x
+
+
+def build_layer(top_k: int, dropless: bool, mesh=None) -> MoELayer:
+    """The layer with the same weights in every layout: one process builds all experts, a rank of an
+    ep layout copies its experts' slices."""
+    torch.manual_seed(5)
+    full = MoELayer(D, 16, E, top_k=top_k, capacity_factor=1.0, dropless=dropless,
+                    aux_loss_coef=0.1, z_loss_coef=0.01).double()
+    with torch.no_grad():
+        full.router.weight.zero_()
+        full.router.weight[:, :E] = 10 * torch.eye(E, dtype=torch.float64)
+    if mesh is None:
+        return full
+    layer = MoELayer(D, 16, E, top_k=top_k, capacity_factor=1.0, dropless=dropless, mesh=mesh,
+                     aux_loss_coef=0.1, z_loss_coef=0.01).double()
+    with torch.no_grad():
+        layer.router.weight.copy_(full.router.weight)
+        sl = slice(layer.experts.first, layer.experts.first + layer.experts.num_local)
+        for name, p in layer.experts.named_parameters():
+            p.copy_(dict(full.experts.named_parameters())[name][sl])
+    return layer
+
+
+def layer_loss(layer: MoELayer, x: torch.Tensor):
+    y, out = layer(x)
+    c = torch.linspace(-1, 1, D, dtype=torch.float64)
+    return (y * c).sum() + out.loss, y, out
+
+
+def no_hang_worker(cases: list[tuple[str, int, bool]]) -> list[dict]:
+    info = init_process(timeout_s=120)
+    torch.set_num_threads(1)
+    mesh = Mesh.build(info.device, ep=2)
+    out = []
+    for case, top_k, dropless in cases:
+        layer = build_layer(top_k, dropless, mesh)
+        loss, y, o = layer_loss(layer, layer_inputs(case, info.rank))
+        loss.backward()
+        reduce_gradients(layer, mesh)
+        out.append({"y": y.detach(), "first": layer.experts.first, "kept": o.stats.kept,
+                    "grads": {n: p.grad.clone() for n, p in layer.named_parameters()},
+                    "calls": {k: v["calls"] for k, v in mesh.stats.snapshot().items()}})
+        mesh.stats.reset()
+    return out
