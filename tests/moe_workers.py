@@ -114,7 +114,8 @@ def layer_inputs(case: str, rank: int) -> torch.Tensor:
         x[..., 0] += 3.0
         x[..., 1] += 1.5
         if case == "no_remote" and rank == 0:
-            x[:, ::2, 0] -= 3.0   # half of rank 0's tokens prefer expert 1 (also local)
+            x[:, ::2, 0] -= 1.5   # half of rank 0's tokens prefer expert 1, then 0 (both local)
+            x[:, ::2, 1] += 1.5
     elif case == "empty_rank":
         x[..., :E] += torch.arange(G * S * E, dtype=torch.float64).view(G, S, E).remainder(3)
     return x
@@ -142,6 +143,9 @@ def build_layer(top_k: int, dropless: bool, mesh=None) -> MoELayer:
 
 
 def layer_loss(layer: MoELayer, x: torch.Tensor):
+    """A loss of the layer's output and its extra loss; ``x`` becomes a leaf that wants its gradient
+    (as a model's hidden states do, so the dispatch exchange has a backward on every rank)."""
+    x.requires_grad_(True)
     y, out = layer(x)
     c = torch.linspace(-1, 1, D, dtype=torch.float64)
     return (y * c).sum() + out.loss, y, out
@@ -154,10 +158,11 @@ def no_hang_worker(cases: list[tuple[str, int, bool]]) -> list[dict]:
     out = []
     for case, top_k, dropless in cases:
         layer = build_layer(top_k, dropless, mesh)
-        loss, y, o = layer_loss(layer, layer_inputs(case, info.rank))
+        x = layer_inputs(case, info.rank)
+        loss, y, o = layer_loss(layer, x)
         loss.backward()
         reduce_gradients(layer, mesh)
-        out.append({"y": y.detach(), "first": layer.experts.first, "kept": o.stats.kept,
+        out.append({"y": y.detach(), "x_grad": x.grad, "first": layer.experts.first, "kept": o.stats.kept,
                     "grads": {n: p.grad.clone() for n, p in layer.named_parameters()},
                     "calls": {k: v["calls"] for k, v in mesh.stats.snapshot().items()}})
         mesh.stats.reset()

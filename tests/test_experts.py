@@ -228,10 +228,10 @@ def test_lopsided_routing_finishes_with_the_right_gradients():
     for i, (case, top_k, dropless) in enumerate(NO_HANG):
         label = f"{case} top_k={top_k} dropless={dropless}"
         ref = W.build_layer(top_k, dropless)
-        losses = []
-        ys = []
+        losses, ys, xs = [], [], []
         for rank in (0, 1):
-            loss, y, _ = W.layer_loss(ref, W.layer_inputs(case, rank))
+            xs.append(W.layer_inputs(case, rank))
+            loss, y, _ = W.layer_loss(ref, xs[-1])
             losses.append(loss)
             ys.append(y.detach())
         (sum(losses) / 2).backward()
@@ -239,6 +239,8 @@ def test_lopsided_routing_finishes_with_the_right_gradients():
         for rank in (0, 1):
             ours = results[rank][i]
             torch.testing.assert_close(ours["y"], ys[rank], rtol=1e-12, atol=1e-12, msg=label)
+            # a rank's input gradient is that of its own loss; the reference differentiated the mean of two
+            torch.testing.assert_close(ours["x_grad"], 2 * xs[rank].grad, rtol=1e-10, atol=1e-12, msg=label)
             first = ours["first"]
             for name, p in ref.named_parameters():
                 want = p.grad[first: first + 2] if name.startswith("experts.") else p.grad

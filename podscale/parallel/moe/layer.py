@@ -268,7 +268,7 @@ class MoELayer(nn.Module):
         row_of_choice[sorted_choices] = torch.arange(sorted_choices.numel(), device=x.device)
         rows = torch.cat([rows, rows.new_zeros(1, rows.shape[1])])
         w = (r.weight * r.keep).to(rows.dtype)
-        y = (rows[row_of_choice].view(N, k, -1) * w.unsqueeze(-1)).sum(1)
+        y = (rows[row_of_choice].view(N, k, rows.shape[1]) * w.unsqueeze(-1)).sum(1)
         return y.view(x.shape), out
 
     def _run_experts(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
