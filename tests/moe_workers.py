@@ -1,7 +1,7 @@
 """Worker functions for the mixture-of-experts tests (a module of its own so spawned workers import it).
 
 ``train_gpt_moe`` trains the GPT-MoE on a (dp, ep) mesh with a plain loop (forward, backward,
-``reduce_gradients``, AdamW) and reports what the single-process run must reproduce; with dp = ep = 1 it is
+``reduce_gradients``, SGD) and reports what the single-process run must reproduce; with dp = ep = 1 it is
 that single-process run.  The no-hang cases run one MoE layer on inputs built so that the routing is
 lopsided in a known way.
 """
@@ -25,6 +25,7 @@ MODES = {
 }
 GLOBAL_BATCH = 8
 SEED = 11
+LR = 0.3
 
 
 class CrossEntropy64(nn.Module):
@@ -40,7 +41,7 @@ def _tokens():
 
 
 def train_gpt_moe(modes: list[str], steps: int, dp: int, ep: int, mesh: Mesh | None = None) -> list[dict]:
-    """For each mode: losses (global mean) per step, routing counts per step and layer (summed over the
+    """Train with SGD at ``LR``; for each mode: losses (global mean) per step, routing counts per step and layer (summed over the
     mesh), gradients after step 1 and parameters after the last step (experts as {global id: tensor})."""
     if mesh is None:
         info = init_process()
@@ -53,7 +54,6 @@ def train_gpt_moe(modes: list[str], steps: int, dp: int, ep: int, mesh: Mesh | N
         torch.manual_seed(SEED)
         model = GPTMoE(GPTMoEConfig(**MODEL, **MODES[mode]), mesh).double()
         model.loss_fn = CrossEntropy64()
-        opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0, foreach=False)
         loader = ShardedLoader(tokens, MODEL["block_size"], GLOBAL_BATCH, GLOBAL_BATCH // n,
                                mesh.local_rank("dp", "ep"), n, seed=SEED)
         losses, counts, grads1 = [], [], None
@@ -71,8 +71,10 @@ def train_gpt_moe(modes: list[str], steps: int, dp: int, ep: int, mesh: Mesh | N
                                   s.all_reduce(mesh, ("dp", "ep")).kept.tolist()) for name, s in stats.items()})
             if step == 0:
                 grads1 = _by_global_id(model, lambda p: p.grad)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+            with torch.no_grad():  # plain SGD (torch.optim's first use imports dynamo: ~30 s on a busy CPU)
+                for p in model.parameters():
+                    p.sub_(LR * p.grad)
+                    p.grad = None
         out.append({"losses": losses, "counts": counts, "grads1": grads1,
                     "params": _by_global_id(model, lambda p: p.detach()), "comm": mesh.stats.snapshot()})
         mesh.stats.reset()
@@ -80,17 +82,8 @@ def train_gpt_moe(modes: list[str], steps: int, dp: int, ep: int, mesh: Mesh | N
 
 
 def _by_global_id(model: GPTMoE, get) -> dict[str, torch.Tensor]:
-    """Dense tensors by name; expert tensors split into ``name[global expert id]``."""
-    experts = {id(p) for p in expert_parameters(model)}
-    out = {}
-    for name, p in model.named_parameters():
-        if id(p) in experts:
-            first = model.get_submodule(name.rpartition(".")[0]).first
-            for j in range(p.shape[0]):
-                out[f"{name}[{first + j}]"] = get(p)[j].clone()
-        else:
-            out[name] = get(p).clone()
-    return out
+    """Tensors by parameter name (experts are named by global expert id, the same in every layout)."""
+    return {name: get(p).clone() for name, p in model.named_parameters()}
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -136,9 +129,8 @@ def build_layer(top_k: int, dropless: bool, mesh=None) -> MoELayer:
                      aux_loss_coef=0.1, z_loss_coef=0.01).double()
     with torch.no_grad():
         layer.router.weight.copy_(full.router.weight)
-        sl = slice(layer.experts.first, layer.experts.first + layer.experts.num_local)
-        for name, p in layer.experts.named_parameters():
-            p.copy_(dict(full.experts.named_parameters())[name][sl])
+        for name, p in layer.experts.named_parameters():   # names carry the global expert id
+            p.copy_(full.experts.get_parameter(name))
     return layer
 
 

@@ -36,8 +36,9 @@ def test_fast_path_equals_einsum_reference(top_k, dropless, random_routing, trai
                      random_routing=random_routing, z_loss_coef=0.01).double().train(training)
     with torch.no_grad():
         layer.router.weight.normal_(0.0, 0.5)
-        layer.experts.b_fc.normal_()
-        layer.experts.b_proj.normal_()
+        for name, p in layer.experts.named_parameters():
+            if ".b_" in name:
+                p.normal_()
     x = torch.randn(4, 20, 16, dtype=torch.float64)
     keys = sequence_token_keys(torch.randint(0, 256, (4, 20)))
     y, gx, gp, out = _grads(layer, x, keys)
@@ -169,10 +170,12 @@ def test_gpt_moe_expert_shards_materialise_their_single_process_values():
             meta = GPTMoE(cfg, mesh)
         meta.materialize()
         fp = dict(full.named_parameters())
+        held = {n for n in dict(part.named_parameters()) if ".experts." in n}
+        assert held == {f"blocks.1.moe.experts.{e}.{w}" for e in (2 * rank, 2 * rank + 1)
+                        for w in ("w_fc", "w_proj", "b_fc", "b_proj")}
         for model in (part, meta):
             for name, p in model.named_parameters():
-                want = fp[name][2 * rank: 2 * rank + 2] if ".experts." in name else fp[name]
-                assert torch.equal(p, want), name
+                assert torch.equal(p, fp[name]), name
                 assert ("experts" in name) == p.__dict__.get("expert_parallel", False)
     assert list(full.moe_layers()) == ["blocks.1.moe"]
     assert full.active_params_per_token() < sum(p.numel() for p in full.parameters())
@@ -242,12 +245,15 @@ def test_lopsided_routing_finishes_with_the_right_gradients():
             # a rank's input gradient is that of its own loss; the reference differentiated the mean of two
             torch.testing.assert_close(ours["x_grad"], 2 * xs[rank].grad, rtol=1e-10, atol=1e-12, msg=label)
             first = ours["first"]
-            for name, p in ref.named_parameters():
-                want = p.grad[first: first + 2] if name.startswith("experts.") else p.grad
-                torch.testing.assert_close(ours["grads"][name], want, rtol=1e-10, atol=1e-12, msg=f"{label} {name}")
-                if name.startswith("experts.w"):
-                    for j in range(2):
-                        assert (kept[first + j] == 0) == bool((ours["grads"][name][j] == 0).all()), (label, name, j)
+            ref_grads = {n: p.grad for n, p in ref.named_parameters()}
+            assert len(ours["grads"]) == 1 + 2 * 4   # the router and this rank's two experts
+            for name, g in ours["grads"].items():
+                torch.testing.assert_close(g, ref_grads[name], rtol=1e-10, atol=1e-12, msg=f"{label} {name}")
+                if name.startswith("experts."):
+                    e = int(name.split(".")[1])
+                    assert first <= e < first + 2
+                    if ".w_" in name:  # zero exactly where nothing was routed
+                        assert (kept[e] == 0) == bool((g == 0).all()), (label, name)
             assert ours["calls"]["ep/all_to_all"] == 5
         if case in ("one_expert", "no_remote"):
             assert kept[2:].sum() == 0          # experts 2 and 3 got nothing on every rank

@@ -5,9 +5,9 @@ Transformer becomes an MoE layer; Switch, Fedus et al. 2021, likewise).
 Block ``i`` is an MoE block when ``(i + 1) % moe_every == 0`` (``moe_every = 2``: blocks 1, 3, ...).  The
 loss is the language-model cross-entropy plus, for every MoE layer, ``aux_loss_coef`` times its
 load-balancing loss and ``z_loss_coef`` times its router z-loss.  Initialisation is the GPT's, per
-parameter from (``init_seed``, name); an expert's weights are drawn per global expert id, so a rank that
-holds experts ``[first, first + El)`` of an expert-parallel layout materialises exactly their single-process
-values.
+parameter from (``init_seed``, name); expert parameters are named by global expert id, so a rank that holds
+experts ``[first, first + El)`` of an expert-parallel layout materialises exactly their single-process
+values, and the names (hence checkpoints) are the same at every ep size.
 
 Per-step metrics: every training forward adds its layers' :class:`~podscale.parallel.moe.MoEStats` to
 :attr:`GPTMoE.moe_metrics`; the task reads and clears them once per step with
@@ -107,20 +107,19 @@ class GPTMoE(GPT):
                     self.init_parameter(name, p)
 
     def init_parameter(self, name: str, t: torch.Tensor) -> None:
-        """The GPT's rule for dense parameters; an expert tensor (El, ...) is drawn expert by expert from
-        a generator seeded by (``init_seed``, name, global expert id): ``w_fc`` N(0, 0.02), ``w_proj`` (a
-        residual projection) N(0, 0.02 / sqrt(2 * n_layer)), biases 0.  The router is N(0, 0.02)."""
+        """The GPT's rule for every parameter, expert weights included: each expert's tensors are named by
+        their global expert id (``blocks.1.moe.experts.5.w_fc``), so the (seed, name) generator gives a rank
+        of any ep layout the single-process values of its experts.  ``w_fc`` and the router N(0, 0.02);
+        ``w_proj``, a residual projection, N(0, 0.02 / sqrt(2 * n_layer)); biases 0."""
         module, _, leaf = name.rpartition(".")
-        if not module.endswith(".moe.experts"):
+        if ".moe.experts." not in name:
             return super().init_parameter(name, t)
         if leaf.startswith("b_"):
             t.zero_()
             return
         std = 0.02 / math.sqrt(2 * self.cfg.n_layer) if leaf == "w_proj" else 0.02
-        first = self.get_submodule(module).first
-        for j in range(t.shape[0]):
-            g = torch.Generator().manual_seed((self.init_seed + zlib.crc32(f"{name}[{first + j}]".encode())) % 2**63)
-            t[j].copy_(torch.empty(t.shape[1:], dtype=t.dtype).normal_(0.0, std, generator=g))
+        g = torch.Generator().manual_seed((self.init_seed + zlib.crc32(name.encode())) % 2**63)
+        t.copy_(torch.empty(t.shape, dtype=t.dtype).normal_(0.0, std, generator=g))
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
         """Logits and, with targets, the cross-entropy plus every MoE layer's weighted aux and z losses."""

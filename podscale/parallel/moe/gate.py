@@ -89,62 +89,77 @@ class Routing:
     ``expert[n, j]`` is token n's j-th choice (global expert id), ``weight[n, j]`` its gate value
     (differentiable: Switch's ``p_i(x)`` for k = 1, GShard's normalised ``g_j / (g_1 + g_2)`` for k > 1),
     ``keep[n, j]`` whether that choice is dispatched (not skipped by random routing, within capacity) and
-    ``position[n, j]`` its slot in the expert's buffer of its group (-1 when not kept; None when dropless
-    and not asked for).  ``wanted[n, j]`` is whether the choice asked for a slot at all (random routing
-    can skip a second choice); ``wanted & ~keep`` are the choices dropped for capacity.
+    ``position[n, j]`` its slot in the expert's buffer of its group (-1 when not kept).  ``wanted[n, j]``
+    is whether the choice asked for a slot at all (random routing can skip a second choice);
+    ``wanted & ~keep`` are the choices dropped for capacity.  ``order`` lists the kept choices (as
+    ``n * k + j``) sorted by expert, then group, then priority: the dispatch order of the fast path;
+    ``counts[e]`` is how many of them expert e gets.
     """
 
     expert: torch.Tensor
     weight: torch.Tensor
     keep: torch.Tensor
     wanted: torch.Tensor
-    position: torch.Tensor | None
+    position: torch.Tensor
+    order: torch.Tensor
+    counts: torch.Tensor
     capacity: int | None
     groups: int
     group_size: int
 
 
 def route(logits: torch.Tensor, top_k: int, capacity: int | None, second_uniform: torch.Tensor | None = None,
-          selection_bias: torch.Tensor | None = None, positions: bool = False) -> tuple[Routing, torch.Tensor]:
+          selection_bias: torch.Tensor | None = None) -> tuple[Routing, torch.Tensor]:
     """GShard's Algorithm 1 generalised to k choices, on router logits of shape (G, S, E).
 
     * probabilities ``softmax(logits)``; the k experts with the highest ``probs + selection_bias`` (the
       bias is DeepSeek-V3's and only selects);
-    * gate values: ``p_e`` for k = 1 (Switch), normalised over the k choices for k > 1 (GShard);
+    * gate values: ``p_e`` for k = 1 (Switch), normalised over the k choices for k > 1 (GShard, before any
+      capacity check);
     * with ``second_uniform`` (G, S) given and k = 2, the second choice is kept when ``u < 2 * g_2``
       (GShard's random routing: kept with probability proportional to its weight);
     * with a ``capacity`` C, slots are handed out per group and expert in priority order: every token's
       first choice in token order, then every second choice, ...; a choice past slot C is dropped.
       Without a capacity (dropless) every choice is kept.
 
+    The slots come from one stable sort of the choices, listed choice-major within each group, by
+    (expert, group): inside a segment the order is the priority order, so a choice's slot is its offset
+    in the segment.  No (S, E) one-hot or cumulative sum is built.
+
     Returns the routing and the probabilities (G, S, E) for the auxiliary loss.
     """
     G, S, E = logits.shape
+    k, N, dev = top_k, G * S, logits.device
     probs = torch.softmax(logits, dim=-1)
     scores = probs.detach()
     if selection_bias is not None:
         scores = scores + selection_bias.to(scores.dtype)
-    choice = torch.topk(scores, top_k, dim=-1).indices                       # (G, S, k)
+    choice = torch.topk(scores, k, dim=-1).indices                            # (G, S, k)
     gates = probs.gather(-1, choice)
-    weight = gates if top_k == 1 else gates / gates.sum(-1, keepdim=True).clamp_min(torch.finfo(gates.dtype).tiny)
+    weight = gates if k == 1 else gates / gates.sum(-1, keepdim=True).clamp_min(torch.finfo(gates.dtype).tiny)
     wanted = torch.ones_like(choice, dtype=torch.bool)
-    if second_uniform is not None and top_k == 2:
+    if second_uniform is not None and k == 2:
         wanted[..., 1] = second_uniform.to(weight.dtype) < 2 * weight[..., 1].detach()
-    keep = wanted
-    position = None
-    if capacity is not None or positions:
-        # choice-major priority: (G, k*S, E) one-hot, a running count per expert gives each choice its slot
-        onehot = F.one_hot(choice, E).mul_(wanted.unsqueeze(-1)).transpose(1, 2).reshape(G, top_k * S, E)
-        slot = (onehot.cumsum(1) - 1).mul_(onehot).sum(-1)                      # (G, k*S)
-        slot = slot.view(G, top_k, S).transpose(1, 2)                          # (G, S, k)
-        if capacity is not None:
-            keep = wanted & (slot < capacity)
-        position = torch.where(keep, slot, -1)
-    N = G * S
-    r = Routing(expert=choice.reshape(N, top_k), weight=weight.reshape(N, top_k), keep=keep.reshape(N, top_k),
-                wanted=wanted.reshape(N, top_k),
-                position=None if position is None else position.reshape(N, top_k),
-                capacity=capacity, groups=G, group_size=S)
+    # choices in priority order inside each group: (g, j, s), named by their token-major id n * k + j
+    ids = torch.arange(N * k, device=dev).view(G, S, k).transpose(1, 2).reshape(-1)
+    group = torch.arange(G, device=dev).repeat_interleave(k * S)
+    key = choice.transpose(1, 2).reshape(-1) * G + group
+    key = torch.where(wanted.transpose(1, 2).reshape(-1), key, E * G)          # skipped choices sort last
+    sorted_key, perm = torch.sort(key, stable=True)
+    seg_count = torch.bincount(key, minlength=E * G + 1)
+    seg_start = torch.cumsum(seg_count, 0) - seg_count
+    slot = torch.arange(N * k, device=dev) - seg_start[sorted_key]
+    kept_sorted = sorted_key < E * G
+    if capacity is not None:
+        kept_sorted &= slot < capacity
+    sorted_ids = ids[perm]
+    keep = torch.zeros(N * k, dtype=torch.bool, device=dev).index_put_((sorted_ids,), kept_sorted)
+    position = torch.full((N * k,), -1, dtype=torch.int64, device=dev)
+    position = position.index_put_((sorted_ids,), torch.where(kept_sorted, slot, -1))
+    per_segment = seg_count[:E * G] if capacity is None else seg_count[:E * G].clamp(max=capacity)
+    r = Routing(expert=choice.reshape(N, k), weight=weight.reshape(N, k), keep=keep.view(N, k),
+                wanted=wanted.reshape(N, k), position=position.view(N, k), order=sorted_ids[kept_sorted],
+                counts=per_segment.view(E, G).sum(1), capacity=capacity, groups=G, group_size=S)
     return r, probs
 
 
@@ -155,7 +170,8 @@ def load_balancing_loss(probs: torch.Tensor, first_choice: torch.Tensor) -> torc
     G, S, E = probs.shape
     if G == 0:
         return probs.sum()
-    f = F.one_hot(first_choice.view(G, S), E).to(probs.dtype).mean(1)         # (G, E)
+    offset = torch.arange(G, device=probs.device).repeat_interleave(S) * E
+    f = torch.bincount(first_choice.reshape(-1) + offset, minlength=G * E).view(G, E).to(probs.dtype) / S
     P = probs.mean(1)                                                          # (G, E)
     return E * (f * P).sum(-1).mean()
 
@@ -190,7 +206,7 @@ class MoEStats:
     def of(cls, routing: Routing, experts: int, aux: torch.Tensor, z: torch.Tensor) -> "MoEStats":
         e = routing.expert.reshape(-1)
         wanted = torch.bincount(e[routing.wanted.reshape(-1)], minlength=experts)
-        kept = torch.bincount(e[routing.keep.reshape(-1)], minlength=experts)
+        kept = routing.counts
         return cls(tokens=torch.tensor(routing.expert.shape[0]), wanted=wanted, kept=kept,
                    aux_loss=aux.detach().float(), z_loss=z.detach().float())
 

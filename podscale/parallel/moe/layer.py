@@ -9,9 +9,11 @@ the same function:
   and combine weights of shape (G, S, E, C), ``expert_in = einsum("gsec,gsm->egcm")``, ``out =
   einsum("gsec,egcm->gsm")``.  Readable, O(S·E·C) memory, used by the tests.
 * :meth:`MoELayer.forward` — the training path: the kept (token, expert) choices are sorted by expert,
-  their tokens gathered into one (M, d) buffer in expert order, each expert runs one matmul pair on its
-  contiguous rows, and each token gathers its k outputs back (an (N, k) index into the rows).  Nothing of
-  size S·E·C exists; the work is proportional to the choices actually dispatched.
+  (one stable sort, which also hands out the capacity slots), their tokens gathered into one (M, d) buffer
+  in expert order, each expert runs one matmul pair on its contiguous rows (a grouped feed-forward with a
+  hand-written backward), and the rows, scaled by their gate values, are added back onto their tokens
+  (``index_add``).  Nothing of size S·E·C (or S·E) exists; the work is proportional to the choices
+  actually dispatched.
 
 Expert parallelism (GShard section 3): with ``mesh.sizes["ep"] = n`` rank ``i`` of the ep group holds the
 experts ``[i * E/n, (i+1) * E/n)``.  Each forward exchanges first the per-expert token counts
@@ -27,8 +29,8 @@ parameters live on the dp ranks with the same ep coordinate, and their local gra
 contributions of every token sent to them from the whole ep group (the all-to-all's backward brings them
 home), so they are summed over dp and divided by dp·ep.  Data-parallel strategies tell the two apart with
 :func:`expert_parameters` / :func:`dense_parameters` (an ``isinstance`` test on :class:`Experts`; every
-expert parameter also carries ``expert_parallel = True`` and ``num_experts_global`` markers that survive
-``GPT.materialize``).
+expert parameter is named by its global expert id, ``...experts.<id>.w_fc``, and carries an
+``expert_parallel = True`` marker that survives ``GPT.materialize``).
 """
 from __future__ import annotations
 
@@ -66,56 +68,128 @@ def check_moe_args(experts: int, top_k: int, capacity_factor: float, eval_capaci
 # the experts
 
 
-class Experts(nn.Module):
-    """``num_local`` GELU feed-forward experts ``x -> W_proj gelu(W_fc x + b_fc) + b_proj`` as stacked
-    parameters ``w_fc`` (El, d, h), ``b_fc`` (El, h), ``w_proj`` (El, h, d), ``b_proj`` (El, d).
+class Expert(nn.Module):
+    """One GELU feed-forward expert ``x -> gelu(x w_fc + b_fc) w_proj + b_proj`` (``w_fc`` (d, h),
+    ``w_proj`` (h, d)); every parameter is marked ``expert_parallel = True``."""
 
-    Local expert ``j`` is global expert ``first + j``.  Every parameter is marked ``expert_parallel = True``
-    (and ``num_experts_global``) so strategies and checkpoints can key it by global expert id.
-    """
+    def __init__(self, d_model: int, d_hidden: int, bias: bool = True):
+        super().__init__()
+        self.w_fc = nn.Parameter(torch.empty(d_model, d_hidden))
+        self.w_proj = nn.Parameter(torch.empty(d_hidden, d_model))
+        self.b_fc = nn.Parameter(torch.zeros(d_hidden)) if bias else None
+        self.b_proj = nn.Parameter(torch.zeros(d_model)) if bias else None
+        nn.init.normal_(self.w_fc, std=0.02)
+        nn.init.normal_(self.w_proj, std=0.02)
+        for p in self.parameters():
+            p.expert_parallel = True
+
+
+class Experts(nn.ModuleDict):
+    """This rank's experts ``[first, first + num_local)`` of ``num_experts``, keyed by *global* expert id
+    (parameter names ``experts.<id>.w_fc``, ...), so a model's parameter names are the same at every ep
+    size and checkpoints are keyed by global expert id with no translation."""
 
     def __init__(self, d_model: int, d_hidden: int, num_experts: int, ep_size: int = 1, ep_rank: int = 0,
                  bias: bool = True):
-        super().__init__()
-        self.num_experts, self.num_local = num_experts, num_experts // ep_size
-        self.first = ep_rank * self.num_local
-        El = self.num_local
-        self.w_fc = nn.Parameter(torch.empty(El, d_model, d_hidden))
-        self.w_proj = nn.Parameter(torch.empty(El, d_hidden, d_model))
-        self.b_fc = nn.Parameter(torch.zeros(El, d_hidden)) if bias else None
-        self.b_proj = nn.Parameter(torch.zeros(El, d_model)) if bias else None
-        for w in (self.w_fc, self.w_proj):
-            nn.init.normal_(w, std=0.02)
-        for p in self.parameters():
-            p.expert_parallel = True
-            p.num_experts_global = num_experts
+        local = num_experts // ep_size
+        super().__init__({str(ep_rank * local + j): Expert(d_model, d_hidden, bias) for j in range(local)})
+        self.num_experts, self.num_local, self.first = num_experts, local, ep_rank * local
+        self.bias = bias
 
-    def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        """Rows of ``x`` grouped by local expert, ``counts[j]`` rows for expert j (zero allowed: the
-        expert's parameters then get a zero gradient, never a missing one)."""
-        w_fc, w_proj = self.w_fc.unbind(0), self.w_proj.unbind(0)
-        b_fc = self.b_fc.unbind(0) if self.b_fc is not None else [None] * self.num_local
-        b_proj = self.b_proj.unbind(0) if self.b_proj is not None else [None] * self.num_local
-        outs = []
-        for j, xe in enumerate(x.split(counts)):
-            h = xe @ w_fc[j].to(xe.dtype)
-            if b_fc[j] is not None:
-                h = h + b_fc[j].to(h.dtype)
-            y = F.gelu(h, approximate="tanh") @ w_proj[j].to(xe.dtype)
-            if b_proj[j] is not None:
-                y = y + b_proj[j].to(y.dtype)
-            outs.append(y)
-        return torch.cat(outs) if outs else x.new_zeros(0, self.w_proj.shape[-1])
+    def _weights(self):
+        ex = list(self.values())
+        out = [e.w_fc for e in ex] + [e.w_proj for e in ex]
+        if self.bias:
+            out += [e.b_fc for e in ex] + [e.b_proj for e in ex]
+        return out
+
+    def forward(self, x: torch.Tensor, segments: list[tuple[int, int]]) -> torch.Tensor:
+        """Rows of ``x`` in consecutive segments, ``segments[i] = (local expert, rows)`` (a local expert may
+        own several segments; zero rows allowed: an expert without rows gets a zero gradient, never a
+        missing one).  Returns the experts' outputs, row for row."""
+        return _GroupedFFN.apply(x, segments, self.num_local, self.bias, *self._weights())
 
     def forward_padded(self, x: torch.Tensor) -> torch.Tensor:
         """(El, R, d) -> (El, R, d): every expert on its own R rows (the reference's batched form)."""
-        h = torch.einsum("erm,emh->erh", x, self.w_fc.to(x.dtype))
-        if self.b_fc is not None:
-            h = h + self.b_fc.to(h.dtype)[:, None]
-        y = torch.einsum("erh,ehm->erm", F.gelu(h, approximate="tanh"), self.w_proj.to(x.dtype))
-        if self.b_proj is not None:
-            y = y + self.b_proj.to(y.dtype)[:, None]
+        ex = list(self.values())
+        h = torch.einsum("erm,emh->erh", x, torch.stack([e.w_fc for e in ex]).to(x.dtype))
+        if self.bias:
+            h = h + torch.stack([e.b_fc for e in ex]).to(h.dtype)[:, None]
+        y = torch.einsum("erh,ehm->erm", F.gelu(h, approximate="tanh"),
+                         torch.stack([e.w_proj for e in ex]).to(x.dtype))
+        if self.bias:
+            y = y + torch.stack([e.b_proj for e in ex]).to(y.dtype)[:, None]
         return y
+
+
+class _GroupedFFN(torch.autograd.Function):
+    """Every expert's ``gelu(x w_fc + b_fc) w_proj + b_proj`` on its rows of one buffer, with the
+    backward written out: per segment one pass that runs both matmuls and the GELU while its rows are in
+    cache, each expert's weight gradients accumulated straight into its own tensors (no per-expert autograd
+    nodes, no concatenation).  Saves the input, the pre-activation and the activation (what autograd keeps
+    for two linears and a GELU)."""
+
+    @staticmethod
+    def forward(ctx, x, segments, El, bias, *weights):
+        w_fc, w_proj = weights[:El], weights[El:2 * El]
+        b_fc, b_proj = (weights[2 * El:3 * El], weights[3 * El:]) if bias else (None, None)
+        dt = x.dtype
+        M, H, D = x.shape[0], w_fc[0].shape[1], w_proj[0].shape[1]
+        h, act, out = x.new_empty(M, H), x.new_empty(M, H), x.new_empty(M, D)
+        bounds, start = [], 0
+        for j, n in segments:
+            bounds.append((j, start, start + n))
+            start += n
+        for j, a, b in bounds:
+            if b == a:
+                continue
+            if bias:
+                torch.addmm(b_fc[j].to(dt), x[a:b], w_fc[j].to(dt), out=h[a:b])
+            else:
+                torch.mm(x[a:b], w_fc[j].to(dt), out=h[a:b])
+            torch.ops.aten.gelu.out(h[a:b], approximate="tanh", out=act[a:b])
+            if bias:
+                torch.addmm(b_proj[j].to(dt), act[a:b], w_proj[j].to(dt), out=out[a:b])
+            else:
+                torch.mm(act[a:b], w_proj[j].to(dt), out=out[a:b])
+        ctx.bounds, ctx.El, ctx.bias = bounds, El, bias
+        ctx.save_for_backward(x, h, act, *w_fc, *w_proj)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        El = ctx.El
+        x, h, act, *ws = ctx.saved_tensors
+        w_fc, w_proj = ws[:El], ws[El:]
+        dt = x.dtype
+        grad = grad.contiguous()
+        g_w_fc, g_w_proj = [None] * El, [None] * El
+        g_b_fc, g_b_proj = [None] * El, [None] * El
+        g_x = torch.empty_like(x)
+        for j, a, b in ctx.bounds:
+            if b == a:
+                continue
+            g = grad[a:b]
+            g_act = g @ w_proj[j].to(dt).t()
+            gh = torch.ops.aten.gelu_backward(g_act, h[a:b], approximate="tanh")
+            torch.mm(gh, w_fc[j].to(dt).t(), out=g_x[a:b])
+            if g_w_proj[j] is None:
+                g_w_proj[j], g_w_fc[j] = act[a:b].t() @ g, x[a:b].t() @ gh
+                g_b_proj[j], g_b_fc[j] = g.sum(0), gh.sum(0)
+            else:
+                g_w_proj[j].addmm_(act[a:b].t(), g)
+                g_w_fc[j].addmm_(x[a:b].t(), gh)
+                g_b_proj[j].add_(g.sum(0))
+                g_b_fc[j].add_(gh.sum(0))
+        for j in range(El):  # an expert without rows: zero gradients, so every parameter gets one
+            if g_w_fc[j] is None:
+                g_w_fc[j], g_w_proj[j] = torch.zeros_like(w_fc[j]), torch.zeros_like(w_proj[j])
+                g_b_fc[j] = w_fc[j].new_zeros(w_fc[j].shape[1])
+                g_b_proj[j] = w_proj[j].new_zeros(w_proj[j].shape[1])
+        grads = [g.to(w.dtype) for g, w in zip(g_w_fc + g_w_proj, w_fc + w_proj)]
+        if ctx.bias:
+            grads += [g.to(w.dtype) for g, w in zip(g_b_fc, w_fc)] + [g.to(w.dtype) for g, w in zip(g_b_proj, w_proj)]
+        return (g_x, None, None, None, *grads)
 
 
 def expert_parameters(model: nn.Module) -> list[nn.Parameter]:
@@ -171,14 +245,6 @@ class _AllToAll(torch.autograd.Function):
         return gx, None, None, None
 
 
-def _segments(starts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-    """Concatenated ``arange(start, start + length)`` for each pair (no Python loop)."""
-    total = int(lengths.sum())
-    seg_start = torch.cumsum(lengths, 0) - lengths
-    return torch.repeat_interleave(starts - seg_start, lengths, output_size=total) + \
-        torch.arange(total, device=starts.device)
-
-
 # ---------------------------------------------------------------------------------------------------
 # the layer
 
@@ -232,7 +298,7 @@ class MoELayer(nn.Module):
         cf = self.capacity_factor if self.training else self.eval_capacity_factor
         return expert_capacity(cf, self.top_k, group_size, self.num_experts)
 
-    def _route(self, x: torch.Tensor, keys: torch.Tensor | None, positions: bool):
+    def _route(self, x: torch.Tensor, keys: torch.Tensor | None):
         S, d = x.shape[-2], x.shape[-1]
         flat = x.reshape(-1, d)
         G = flat.shape[0] // S if S else 0
@@ -243,7 +309,7 @@ class MoELayer(nn.Module):
                 raise ValueError("random routing needs the tokens' keys: pass keys= (sequence_token_keys(idx)) "
                                  "or build the layer with random_routing=False")
             uniform = routing_uniform(keys.reshape(G, S), self.seed)
-        r, probs = route(logits, self.top_k, self.capacity(S), uniform, self.router.selection_bias, positions)
+        r, probs = route(logits, self.top_k, self.capacity(S), uniform, self.router.selection_bias)
         aux = load_balancing_loss(probs, r.expert[:, 0])
         z = router_z_loss(logits)
         loss = self.aux_loss_coef * aux + self.z_loss_coef * z
@@ -254,42 +320,30 @@ class MoELayer(nn.Module):
     def forward(self, x: torch.Tensor, keys: torch.Tensor | None = None) -> tuple[torch.Tensor, MoEOutput]:
         """``x`` (..., S, d): groups of S tokens.  Returns the output (same shape; zero for a token none of
         whose choices was dispatched) and the :class:`MoEOutput`."""
-        flat, r, out = self._route(x, keys, positions=False)
+        flat, r, out = self._route(x, keys)
         N, k = r.expert.shape
-        # the kept choices, sorted by expert (stable: token order inside an expert)
-        choice_ids = r.keep.reshape(-1).nonzero().squeeze(1)
-        experts_of = r.expert.reshape(-1)[choice_ids]
-        order = torch.argsort(experts_of, stable=True)
-        sorted_choices = choice_ids[order]
-        counts = torch.bincount(experts_of, minlength=self.num_experts)
-        rows = self._run_experts(flat[sorted_choices // k], counts)        # (M, d) in sorted order
-        # each token gathers its k rows (a zero row for choices not dispatched), weighted by its gates
-        row_of_choice = torch.full((N * k,), rows.shape[0], dtype=torch.int64, device=x.device)
-        row_of_choice[sorted_choices] = torch.arange(sorted_choices.numel(), device=x.device)
-        rows = torch.cat([rows, rows.new_zeros(1, rows.shape[1])])
-        w = (r.weight * r.keep).to(rows.dtype)
-        y = (rows[row_of_choice].view(N, k, rows.shape[1]) * w.unsqueeze(-1)).sum(1)
+        token = r.order // k                                   # the kept choices' tokens, sorted by expert
+        rows = self._run_experts(flat[token], r.counts)        # (M, d), same order
+        w = r.weight.reshape(-1)[r.order].to(rows.dtype)
+        y = rows.new_zeros(N, rows.shape[1]).index_add_(0, token, rows * w.unsqueeze(1))
         return y.view(x.shape), out
 
     def _run_experts(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """Rows sorted by global expert, ``counts`` (E,) per expert -> the experts' outputs, same order."""
         if self.ep == 1:
-            return self.experts(x, counts.tolist())
+            return self.experts(x, list(enumerate(counts.tolist())))
         ep, El = self.ep, self.experts.num_local
         send = counts.view(ep, El)
         recv = torch.empty_like(send)
         # 1. counts: how many rows each rank sends each of my experts
         comm.all_to_all(recv.view(-1), send.reshape(-1).contiguous(), self.mesh, "ep")
         in_splits, out_splits = send.sum(1).tolist(), recv.sum(1).tolist()
-        # 2. the rows, arriving grouped by source rank then local expert
+        # 2. the rows, arriving grouped by source rank then local expert: one segment per (source, expert)
         got = _AllToAll.apply(x, self.mesh, out_splits, in_splits)
-        # regroup expert-major: (local expert j, source s) blocks in that order
-        starts = (torch.cumsum(recv.reshape(-1), 0) - recv.reshape(-1)).view(ep, El)
-        perm = _segments(starts.t().reshape(-1), recv.t().reshape(-1))
-        y = self.experts(got[perm], recv.sum(0).tolist())
-        back = y.new_empty(y.shape).index_copy(0, perm, y)
+        segments = [(j, n) for row in recv.tolist() for j, n in enumerate(row)]
+        y = self.experts(got, segments)
         # 3. the outputs go home
-        return _AllToAll.apply(back, self.mesh, in_splits, out_splits)
+        return _AllToAll.apply(y, self.mesh, in_splits, out_splits)
 
     # the reference -------------------------------------------------------------------------------------
     def forward_reference(self, x: torch.Tensor, keys: torch.Tensor | None = None
@@ -298,7 +352,7 @@ class MoELayer(nn.Module):
         C = S (an expert can get every token of a group at most once).  One process only (ep = 1)."""
         if self.ep != 1:
             raise ValueError("forward_reference holds every expert: build the layer without an ep axis")
-        flat, r, out = self._route(x, keys, positions=True)
+        flat, r, out = self._route(x, keys)
         G, S, E, k = r.groups, r.group_size, self.num_experts, self.top_k
         C = r.capacity if r.capacity is not None else S
         xg = flat.view(G, S, -1)
