@@ -34,16 +34,17 @@ from podscale.runtime.process import init_process
 
 
 class _SavedBytes:
-    """Bytes of the distinct storages autograd saves for the backward during a forward."""
+    """Bytes of the distinct storages autograd saves for the backward during a forward, parameters
+    excluded (the activation memory a layer adds)."""
 
-    def __init__(self):
+    def __init__(self, params):
+        self.params = {p.untyped_storage().data_ptr() for p in params}
         self.seen: dict[int, int] = {}
 
     def pack(self, t: torch.Tensor):
-        try:
-            self.seen.setdefault(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
-        except RuntimeError:
-            pass
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in self.params:
+            self.seen.setdefault(ptr, t.untyped_storage().nbytes())
         return t
 
     @property
@@ -61,8 +62,8 @@ def _copy_weights(ours: MoELayer, theirs) -> None:
             expert[2].bias.copy_(mine.b_proj)
 
 
-def _fwd_bwd(fn, x, g, device) -> tuple[float, torch.Tensor, int]:
-    saved = _SavedBytes()
+def _fwd_bwd(fn, params, x, g, device) -> tuple[float, torch.Tensor, int]:
+    saved = _SavedBytes(params)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
         base = torch.cuda.memory_allocated(device)
@@ -112,14 +113,15 @@ def _worker(args) -> list[dict]:
         g = torch.Generator().manual_seed(100 + info.rank)
         x = torch.randn(1, S, args.d_model, generator=g).to(dev)
         gy = torch.randn(1, S, args.d_model, generator=g).to(dev)
-        runs = {"podscale": lambda t: ours(t)[0], "deepspeed": lambda t: theirs(t)[0]}
+        runs = {"podscale": (lambda t: ours(t)[0], list(ours.parameters())),
+                "deepspeed": (lambda t: theirs(t)[0], list(theirs.parameters()))}
         times = {n: [] for n in runs}
         outs, mems = {}, {}
         for r in range(args.rounds + 1):
             ours.zero_grad(set_to_none=True)
             theirs.zero_grad(set_to_none=True)
-            for name, fn in (runs.items() if r % 2 == 0 else reversed(list(runs.items()))):
-                dt, y, mem = _fwd_bwd(fn, x, gy, dev)
+            for name, (fn, params) in (runs.items() if r % 2 == 0 else reversed(list(runs.items()))):
+                dt, y, mem = _fwd_bwd(fn, params, x, gy, dev)
                 if r > 0:  # round 0 warms up
                     times[name].append(dt)
                 outs[name], mems[name] = y, mem
