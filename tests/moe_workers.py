@@ -12,7 +12,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from podscale.models.gpt_moe import GPTMoE, GPTMoEConfig
-from podscale.parallel.moe import MoELayer, expert_parameters, reduce_gradients
+from podscale.parallel.moe import MoELayer, grad_norm, reduce_gradients
 from podscale.runtime.mesh import Mesh
 from podscale.runtime.process import init_process
 from podscale.train.data import ShardedLoader, load_tokens, split_tokens
@@ -56,7 +56,7 @@ def train_gpt_moe(modes: list[str], steps: int, dp: int, ep: int, mesh: Mesh | N
         model.loss_fn = CrossEntropy64()
         loader = ShardedLoader(tokens, MODEL["block_size"], GLOBAL_BATCH, GLOBAL_BATCH // n,
                                mesh.local_rank("dp", "ep"), n, seed=SEED)
-        losses, counts, grads1 = [], [], None
+        losses, counts, norms, grads1 = [], [], [], None
         for step in range(steps):
             (x, y), = loader.next_step()
             _, lm, moe_loss, stats = model.forward_detailed(x, y)
@@ -69,13 +69,14 @@ def train_gpt_moe(modes: list[str], steps: int, dp: int, ep: int, mesh: Mesh | N
             losses.append(float(total) / n)
             counts.append({name: (s.all_reduce(mesh, ("dp", "ep")).wanted.tolist(),
                                   s.all_reduce(mesh, ("dp", "ep")).kept.tolist()) for name, s in stats.items()})
+            norms.append(float(grad_norm(model, mesh)))
             if step == 0:
                 grads1 = _by_global_id(model, lambda p: p.grad)
             with torch.no_grad():  # plain SGD (torch.optim's first use imports dynamo: ~30 s on a busy CPU)
                 for p in model.parameters():
                     p.sub_(LR * p.grad)
                     p.grad = None
-        out.append({"losses": losses, "counts": counts, "grads1": grads1,
+        out.append({"losses": losses, "counts": counts, "grad_norms": norms, "grads1": grads1,
                     "params": _by_global_id(model, lambda p: p.detach()), "comm": mesh.stats.snapshot()})
         mesh.stats.reset()
     return out

@@ -137,6 +137,15 @@ def test_bias_balancing_selects_with_the_bias_and_moves_it_towards_balance():
     torch.testing.assert_close(out.routing.weight[:, 0], probs[:, 3])
     layer.update_balance_bias(out.stats.kept)
     assert layer.router.selection_bias.tolist() == pytest.approx([0.1, 0.1, 0.1, 9.9])
+    # the model's step: from the loads its training forwards accumulated
+    cfg = GPTMoEConfig(n_layer=2, n_head=2, n_embd=16, block_size=8, experts=4, moe_every=2, top_k=1,
+                       bias_balancing=True, bias_update_rate=0.01, random_routing=False)
+    model = GPTMoE(cfg)
+    model(torch.randint(0, 256, (2, 8)), torch.randint(0, 256, (2, 8)))
+    kept = model.moe_metrics.layers["blocks.1"].kept.double()
+    model.update_balance_bias()
+    assert model.blocks["1"].moe.router.selection_bias.tolist() == pytest.approx(
+        (0.01 * torch.sign(kept.mean() - kept)).tolist())
     with pytest.raises(ValueError, match="bias_balancing"):
         MoELayer(8, 8, 4).update_balance_bias(out.stats.kept)
 
@@ -209,6 +218,7 @@ def test_expert_parallel_matches_single_process(dp, ep, single_process):
             # identical routing: per step and layer, every expert's wanted and kept counts
             assert ours["counts"] == ref["counts"], label
             assert ours["losses"] == pytest.approx(ref["losses"], rel=1e-9, abs=0), label
+            assert ours["grad_norms"] == pytest.approx(ref["grad_norms"], rel=1e-9, abs=0), label
             for name, g in ours["grads1"].items():
                 _close(g, ref["grads1"][name], 1e-9, f"{label} grad {name}")
             for name, p in ours["params"].items():

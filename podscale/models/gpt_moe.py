@@ -150,6 +150,18 @@ class GPTMoE(GPT):
         lm_loss = None if targets is None else self.loss_fn(logits, targets)
         return logits, lm_loss, moe_loss, stats
 
+    def update_balance_bias(self, mesh=None, axes=("dp", "ep")) -> None:
+        """DeepSeek-V3's bias step for every MoE layer built with ``bias_balancing``, from the per-expert
+        loads accumulated in :attr:`moe_metrics` since its last ``pop`` (summed over ``axes`` of ``mesh``
+        when given: collective, so every rank's biases stay equal).  Call after the optimizer step and
+        before ``moe_metrics.pop``."""
+        for name, layer in self.moe_layers().items():
+            stats = self.moe_metrics.layers.get(name.removesuffix(".moe"))
+            if layer.router.selection_bias is None or stats is None:
+                continue
+            kept = stats.all_reduce(mesh, axes).kept if mesh is not None else stats.kept
+            layer.update_balance_bias(kept)
+
     def moe_layers(self) -> dict[str, MoELayer]:
         return {f"blocks.{n}.moe": b.moe for n, b in self.blocks.items() if isinstance(b, MoEBlock)}
 

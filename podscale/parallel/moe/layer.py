@@ -224,6 +224,18 @@ def reduce_gradients(model: nn.Module, mesh) -> None:
             offset += p.numel()
 
 
+def grad_norm(model: nn.Module, mesh) -> torch.Tensor:
+    """The global L2 norm of the whole model's (reduced) gradient, the same on every rank: dense gradients
+    are replicated, so they count once; each ep rank holds other experts, so their squares are summed over
+    ep (the dp replicas of an expert hold the same reduced gradient and are not summed)."""
+    def sq(params):
+        gs = [p.grad.float().square().sum() for p in params if p.grad is not None]
+        return torch.stack(gs).sum() if gs else torch.zeros((), device=mesh.device)
+    experts = sq(expert_parameters(model)).reshape(1)
+    comm.all_reduce(experts, mesh, "ep")
+    return (sq(dense_parameters(model)) + experts[0]).sqrt()
+
+
 # ---------------------------------------------------------------------------------------------------
 # the exchange
 
@@ -377,5 +389,6 @@ class MoELayer(nn.Module):
         self.router.update_bias(kept)
 
 
-__all__ = ["MoELayer", "MoEOutput", "Experts", "expert_parameters", "dense_parameters", "reduce_gradients",
+__all__ = ["MoELayer", "MoEOutput", "Experts", "Expert", "expert_parameters", "dense_parameters",
+           "reduce_gradients", "grad_norm",
            "check_moe_args"]
