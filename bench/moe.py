@@ -138,12 +138,14 @@ def _worker(args) -> list[dict]:
         t_ours, t_ds = statistics.median(times["podscale"]), statistics.median(times["deepspeed"])
         row = {"experts": E, "tokens_per_rank": S, "top_k": k, "podscale_ms": 1e3 * t_ours,
                "deepspeed_ms": 1e3 * t_ds, "ratio": t_ours / t_ds, "podscale_mem_mb": mems["podscale"] / 2**20,
-               "deepspeed_mem_mb": mems["deepspeed"] / 2**20, "max_out_diff": float(diff[0]), "uncontested_share": float(diff[1])}
+               "deepspeed_mem_mb": mems["deepspeed"] / 2**20, "max_out_diff": float(diff[0]),
+               "uncontested_share": float(diff[1])}
         rows.append(row)
         if info.rank == 0:
-            print(f"E={E:3d} S={S:5d} k={k}  podscale {row['podscale_ms']:8.1f} ms  deepspeed {row['deepspeed_ms']:8.1f} ms"
-                  f"  ratio {row['ratio']:.2f}  mem {row['podscale_mem_mb']:.1f} / {row['deepspeed_mem_mb']:.1f} MB"
-                  f"  max|dy| {row['max_out_diff']:.1e} (on {100 * row['uncontested_share']:.0f}% of tokens)", flush=True)
+            print(f"E={E:3d} S={S:5d} k={k}  podscale {row['podscale_ms']:8.1f} ms  "
+                  f"deepspeed {row['deepspeed_ms']:8.1f} ms  ratio {row['ratio']:.2f}  "
+                  f"mem {row['podscale_mem_mb']:.1f} / {row['deepspeed_mem_mb']:.1f} MB  "
+                  f"max|dy| {row['max_out_diff']:.1e} (on {100 * row['uncontested_share']:.0f}% of tokens)", flush=True)
     return rows
 
 

@@ -41,8 +41,9 @@ def _tokens():
 
 
 def train_gpt_moe(modes: list[str], steps: int, dp: int, ep: int, mesh: Mesh | None = None) -> list[dict]:
-    """Train with SGD at ``LR``; for each mode: losses (global mean) per step, routing counts per step and layer (summed over the
-    mesh), gradients after step 1 and parameters after the last step (experts as {global id: tensor})."""
+    """Train with SGD at ``LR``; for each mode: losses (global mean) and gradient norms per step, routing
+    counts per step and layer (summed over the mesh), gradients after step 1 and parameters after the last
+    step (by name: experts are named by global id)."""
     if mesh is None:
         info = init_process()
         torch.set_num_threads(1)

@@ -34,7 +34,6 @@ expert parameter is named by its global expert id, ``...experts.<id>.w_fc``, and
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
