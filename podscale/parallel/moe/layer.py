@@ -31,6 +31,20 @@ home), so they are summed over dp and divided by dp·ep.  Data-parallel strategi
 :func:`expert_parameters` / :func:`dense_parameters` (an ``isinstance`` test on :class:`Experts`; every
 expert parameter is named by its global expert id, ``...experts.<id>.w_fc``, and carries an
 ``expert_parallel = True`` marker that survives ``GPT.materialize``).
+
+What a data-parallel strategy must do with an MoE model (the contract :func:`reduce_gradients` and
+:func:`grad_norm` implement synchronously):
+
+1. dense parameters: replicated over dp×ep — broadcast at start and average gradients over ``("dp", "ep")``
+   (ZeRO: shard them over dp×ep);
+2. expert parameters: replicated over dp only — broadcast at start over ``("dp",)`` (never over ep: each ep
+   rank holds other experts), sum gradients over ``("dp",)`` and divide by dp·ep (a mean over dp, then
+   ``/ ep``) (ZeRO: shard them over dp);
+3. gradient norm for clipping: dense squares once, expert squares summed over ep;
+4. checkpoints: the names are already global (one file per expert id), so no translation between ep sizes.
+
+Wrapping the whole model in today's ``DataParallel(axes=("dp", "ep"))`` would be wrong on two counts: it
+broadcasts rank 0's experts over ep and averages different experts' gradients together.
 """
 from __future__ import annotations
 
