@@ -270,6 +270,14 @@ class _AllToAll(torch.autograd.Function):
         return gx, None, None, None
 
 
+def _segments(starts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """Concatenated ``arange(start, start + length)`` for each pair (no Python loop)."""
+    total = int(lengths.sum())
+    seg_start = torch.cumsum(lengths, 0) - lengths
+    return torch.repeat_interleave(starts - seg_start, lengths, output_size=total) + \
+        torch.arange(total, device=starts.device)
+
+
 # ---------------------------------------------------------------------------------------------------
 # the layer
 
@@ -363,12 +371,17 @@ class MoELayer(nn.Module):
         # 1. counts: how many rows each rank sends each of my experts
         comm.all_to_all(recv.view(-1), send.reshape(-1).contiguous(), self.mesh, "ep")
         in_splits, out_splits = send.sum(1).tolist(), recv.sum(1).tolist()
-        # 2. the rows, arriving grouped by source rank then local expert: one segment per (source, expert)
+        # 2. the rows, arriving grouped by source rank then local expert; regrouped expert-major (one
+        # gather), so each local expert runs one matmul pair on one contiguous segment
         got = _AllToAll.apply(x, self.mesh, out_splits, in_splits)
-        segments = [(j, n) for row in recv.tolist() for j, n in enumerate(row)]
-        y = self.experts(got, segments)
+        flat_recv = recv.reshape(-1)
+        starts = (torch.cumsum(flat_recv, 0) - flat_recv).view(ep, El)
+        perm = _segments(starts.t().reshape(-1), recv.t().reshape(-1))
+        per_expert = recv.sum(0).tolist()
+        y = self.experts(got.index_select(0, perm), list(enumerate(per_expert)))
+        back = y.index_select(0, torch.argsort(perm))
         # 3. the outputs go home
-        return _AllToAll.apply(y, self.mesh, in_splits, out_splits)
+        return _AllToAll.apply(back, self.mesh, in_splits, out_splits)
 
     # the reference -------------------------------------------------------------------------------------
     def forward_reference(self, x: torch.Tensor, keys: torch.Tensor | None = None
