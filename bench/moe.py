@@ -1,0 +1,179 @@
+"""podscale's MoE layer vs DeepSpeed's ``deepspeed.moe.layer.MoE``, side by side on 2 ranks with ep = 2.
+
+Both layers get the same weights (router, and every expert's two linear layers), the same input and the
+same capacity (DeepSpeed: ``min_capacity=0``, no noisy gate, no random token selection, no sampling of the
+second expert; podscale: ``random_routing=False``; all local tokens of a rank form one group, as in
+DeepSpeed).  For experts 4 to 64, tokens per rank 1k to 8k and top-1 / top-2, each point times forward +
+backward of ``sum(y * g)`` for both in alternating rounds (machine noise hits both alike) and prints the
+median time ratio (podscale / DeepSpeed; below 1 is faster), the activation memory each keeps for the
+backward (bytes of the tensors autograd saves; on a GPU the allocator's peak instead), and the largest
+difference of the outputs on the tokens that no over-capacity expert touches (elsewhere the two differ by
+design: DeepSpeed's top-1 without random token selection keeps an arbitrary C of the tied tokens, and its
+top-2 renormalises the gate values after dropping where GShard normalises before).
+
+    python bench/moe.py [--quick] [--d-model 128] [--d-hidden 512] [--capacity-factor 1.25] [--rounds 5]
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import logging
+import os
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from podscale.parallel.moe import MoELayer
+from podscale.runtime.launcher import launch
+from podscale.runtime.mesh import Mesh
+from podscale.runtime.process import init_process
+
+
+class _SavedBytes:
+    """Bytes of the distinct storages autograd saves for the backward during a forward, parameters
+    excluded (the activation memory a layer adds)."""
+
+    def __init__(self, params):
+        self.params = {p.untyped_storage().data_ptr() for p in params}
+        self.seen: dict[int, int] = {}
+
+    def pack(self, t: torch.Tensor):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in self.params:
+            self.seen.setdefault(ptr, t.untyped_storage().nbytes())
+        return t
+
+    @property
+    def total(self) -> int:
+        return sum(self.seen.values())
+
+
+def _copy_weights(ours: MoELayer, theirs) -> None:
+    with torch.no_grad():
+        theirs.deepspeed_moe.gate.wg.weight.copy_(ours.router.weight)
+        for mine, expert in zip(ours.experts.values(), theirs.deepspeed_moe.experts.deepspeed_experts):
+            expert[0].weight.copy_(mine.w_fc.t())
+            expert[0].bias.copy_(mine.b_fc)
+            expert[2].weight.copy_(mine.w_proj.t())
+            expert[2].bias.copy_(mine.b_proj)
+
+
+def _fwd_bwd(fn, params, x, g, device) -> tuple[float, torch.Tensor, int]:
+    saved = _SavedBytes(params)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+    dist.barrier()
+    t0 = time.perf_counter()
+    with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
+        y = fn(x)
+    (y * g).sum().backward()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    dt = time.perf_counter() - t0
+    t = torch.tensor([dt])
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)   # a step takes as long as its slowest rank
+    mem = torch.cuda.max_memory_allocated(device) - base if device.type == "cuda" else saved.total
+    return float(t), y.detach(), mem
+
+
+def _worker(args) -> list[dict]:
+    logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
+    info = init_process()
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // info.world_size))
+    import deepspeed
+    from deepspeed.moe.layer import MoE
+    from deepspeed.utils import logger as ds_logger
+    ds_logger.setLevel(logging.ERROR)
+    deepspeed.init_distributed(dist_backend=dist.get_backend())
+    mesh = Mesh.build(info.device, ep=info.world_size)
+    dev = info.device
+    rows = []
+    for E, S, k in itertools.product(args.experts, args.tokens, args.top_k):
+        torch.manual_seed(1)
+        ours = MoELayer(args.d_model, args.d_hidden, E, top_k=k, capacity_factor=args.capacity_factor,
+                        random_routing=False, mesh=mesh).to(dev)
+        with torch.no_grad():  # a router with some preference, so routing is uneven as in training
+            ours.router.weight.normal_(0.0, args.router_std)
+            for name, p in ours.experts.named_parameters():
+                if ".b_" in name:
+                    p.normal_(0.0, 0.02)
+        expert = nn.Sequential(nn.Linear(args.d_model, args.d_hidden), nn.GELU(approximate="tanh"),
+                               nn.Linear(args.d_hidden, args.d_model))
+        theirs = MoE(args.d_model, expert, num_experts=E, ep_size=info.world_size, k=k,
+                     capacity_factor=args.capacity_factor, eval_capacity_factor=args.capacity_factor,
+                     min_capacity=0, noisy_gate_policy=None, drop_tokens=True, use_rts=False,
+                     top2_2nd_expert_sampling=False).to(dev)
+        theirs.set_deepspeed_parallelism()
+        _copy_weights(ours, theirs)
+        g = torch.Generator().manual_seed(100 + info.rank)
+        x = torch.randn(1, S, args.d_model, generator=g).to(dev)
+        gy = torch.randn(1, S, args.d_model, generator=g).to(dev)
+        runs = {"podscale": (lambda t: ours(t)[0], list(ours.parameters())),
+                "deepspeed": (lambda t: theirs(t)[0], list(theirs.parameters()))}
+        times = {n: [] for n in runs}
+        outs, mems = {}, {}
+        for r in range(args.rounds + 1):
+            ours.zero_grad(set_to_none=True)
+            theirs.zero_grad(set_to_none=True)
+            for name, (fn, params) in (runs.items() if r % 2 == 0 else reversed(list(runs.items()))):
+                dt, y, mem = _fwd_bwd(fn, params, x, gy, dev)
+                if r > 0:  # round 0 warms up
+                    times[name].append(dt)
+                outs[name], mems[name] = y, mem
+        # Compare the tokens no expert had to turn away: where an expert is over capacity the two differ by
+        # design (DeepSpeed's top-1 keeps an arbitrary C of a 0/1 mask's ties, and its top-2 renormalises
+        # the gates after dropping, where GShard normalises before).
+        with torch.no_grad():
+            r = ours(x)[1].routing
+        full = torch.bincount(r.expert[r.wanted], minlength=E) > ours.capacity(S)
+        clean = ~full[r.expert].any(1)
+        d = (outs["podscale"] - outs["deepspeed"]).reshape(S, -1)[clean]
+        diff = torch.tensor([float(d.abs().max()) if d.numel() else 0.0, float(clean.float().mean())])
+        dist.all_reduce(diff, op=dist.ReduceOp.MAX)
+        t_ours, t_ds = statistics.median(times["podscale"]), statistics.median(times["deepspeed"])
+        row = {"experts": E, "tokens_per_rank": S, "top_k": k, "podscale_ms": 1e3 * t_ours,
+               "deepspeed_ms": 1e3 * t_ds, "ratio": t_ours / t_ds, "podscale_mem_mb": mems["podscale"] / 2**20,
+               "deepspeed_mem_mb": mems["deepspeed"] / 2**20, "max_out_diff": float(diff[0]),
+               "uncontested_share": float(diff[1])}
+        rows.append(row)
+        if info.rank == 0:
+            print(f"E={E:3d} S={S:5d} k={k}  podscale {row['podscale_ms']:8.1f} ms  "
+                  f"deepspeed {row['deepspeed_ms']:8.1f} ms  ratio {row['ratio']:.2f}  "
+                  f"mem {row['podscale_mem_mb']:.1f} / {row['deepspeed_mem_mb']:.1f} MB  "
+                  f"max|dy| {row['max_out_diff']:.1e} (on {100 * row['uncontested_share']:.0f}% of tokens)", flush=True)
+    return rows
+
+
+def main(argv=None) -> list[dict]:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="experts 4 and 64, 1k and 4k tokens, 3 rounds")
+    ap.add_argument("--nproc", type=int, default=2)
+    ap.add_argument("--d-model", type=int, default=128)
+    ap.add_argument("--d-hidden", type=int, default=512)
+    ap.add_argument("--capacity-factor", type=float, default=1.25)
+    ap.add_argument("--router-std", type=float, default=0.1)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--experts", type=int, nargs="+", default=[4, 8, 16, 32, 64])
+    ap.add_argument("--tokens", type=int, nargs="+", default=[1024, 2048, 4096, 8192])
+    ap.add_argument("--top-k", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--json", help="write the rows here")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.experts, args.tokens, args.rounds = [4, 64], [1024, 4096], 3
+    rows = launch(_worker, (args,), nproc=args.nproc)[0]
+    worst = max(r["ratio"] for r in rows)
+    print(f"worst ratio (podscale / DeepSpeed): {worst:.2f}; largest output difference "
+          f"{max(r['max_out_diff'] for r in rows):.1e}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,175 @@
+"""GPT-MoE: the GPT of :mod:`podscale.models.gpt` with a mixture-of-experts feed-forward in every
+``moe_every``-th block (GShard, Lepikhin et al. 2020, section 2: every other feed-forward layer of the
+Transformer becomes an MoE layer; Switch, Fedus et al. 2021, likewise).
+
+Block ``i`` is an MoE block when ``(i + 1) % moe_every == 0`` (``moe_every = 2``: blocks 1, 3, ...).  The
+loss is the language-model cross-entropy plus, for every MoE layer, ``aux_loss_coef`` times its
+load-balancing loss and ``z_loss_coef`` times its router z-loss.  Initialisation is the GPT's, per
+parameter from (``init_seed``, name); expert parameters are named by global expert id, so a rank that holds
+experts ``[first, first + El)`` of an expert-parallel layout materialises exactly their single-process
+values, and the names (hence checkpoints) are the same at every ep size.
+
+Per-step metrics: every training forward adds its layers' :class:`~podscale.parallel.moe.MoEStats` to
+:attr:`GPTMoE.moe_metrics`; the task reads and clears them once per step with
+:meth:`MoEMetrics.pop` (dropped-token share, per-expert load min/max/entropy, aux and z losses per layer).
+"""
+from __future__ import annotations
+
+import math
+import zlib
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+
+from podscale.models.gpt import GPT, CausalSelfAttention, GPTConfig
+from podscale.parallel.moe import MoELayer, MoEStats, check_moe_args, sequence_token_keys
+
+
+@dataclass
+class GPTMoEConfig(GPTConfig):
+    experts: int = 8
+    top_k: int = 2
+    moe_every: int = 2
+    capacity_factor: float = 1.25
+    eval_capacity_factor: float = 2.0
+    dropless: bool = False
+    random_routing: bool = True
+    aux_loss_coef: float = 1e-2
+    z_loss_coef: float = 1e-3
+    bias_balancing: bool = False
+    bias_update_rate: float = 1e-3
+    expert_hidden: int | None = None   # default 4 * n_embd, the dense MLP's width
+
+    def is_moe(self, layer: int) -> bool:
+        return (layer + 1) % self.moe_every == 0
+
+    @property
+    def hidden(self) -> int:
+        return self.expert_hidden or 4 * self.n_embd
+
+
+class MoEBlock(nn.Module):
+    """``x + attn(ln(x))`` then ``x + moe(ln(x))``; the MoE's extra loss and statistics are returned."""
+
+    def __init__(self, cfg: GPTMoEConfig, layer: int, mesh=None):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+        self.attn = CausalSelfAttention(cfg)
+        self.ln_2 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+        self.moe = MoELayer(cfg.n_embd, cfg.hidden, cfg.experts, cfg.top_k, cfg.capacity_factor,
+                            cfg.eval_capacity_factor, cfg.dropless, cfg.random_routing, cfg.aux_loss_coef,
+                            cfg.z_loss_coef, cfg.bias_balancing, cfg.bias_update_rate, mesh=mesh,
+                            seed=zlib.crc32(f"moe{layer}".encode()), bias=cfg.bias)
+
+    def forward(self, x: torch.Tensor, keys: torch.Tensor | None):
+        x = x + self.attn(self.ln_1(x))
+        y, out = self.moe(self.ln_2(x), keys)
+        return x + y, out
+
+
+@dataclass
+class MoEMetrics:
+    """Routing statistics of the forwards since the last :meth:`pop`, per MoE block (by layer name)."""
+
+    layers: dict[str, MoEStats] = field(default_factory=dict)
+
+    def add(self, name: str, stats: MoEStats) -> None:
+        self.layers[name] = self.layers[name] + stats if name in self.layers else stats
+
+    def pop(self, mesh=None, axes=("dp", "ep")) -> dict[str, dict[str, float]]:
+        """Summaries per layer (``{"blocks.1": {"dropped_share": ..., "load_min": ...}}``), summed over
+        ``axes`` of ``mesh`` when given (collective), and clear."""
+        out = {}
+        for name, s in sorted(self.layers.items()):
+            out[name] = (s.all_reduce(mesh, axes) if mesh is not None else s).summary()
+        self.layers.clear()
+        return out
+
+
+class GPTMoE(GPT):
+    """The GPT with MoE blocks; ``mesh`` (optional) gives the ep axis its experts are sharded over."""
+
+    def __init__(self, cfg: GPTMoEConfig, mesh=None):
+        ep = mesh.sizes["ep"] if mesh is not None else 1
+        check_moe_args(cfg.experts, cfg.top_k, cfg.capacity_factor, cfg.eval_capacity_factor, ep)
+        if cfg.moe_every < 1:
+            raise ValueError(f"model.moe_every={cfg.moe_every} must be >= 1: 1 makes every block MoE, 2 every other")
+        super().__init__(cfg)
+        for i in range(cfg.n_layer):
+            if cfg.is_moe(i):
+                self.blocks[str(i)] = MoEBlock(cfg, i, mesh)
+        self.moe_metrics = MoEMetrics()
+        moe_blocks = tuple(f"blocks.{i}." for i in range(cfg.n_layer) if cfg.is_moe(i))
+        with torch.no_grad():
+            for name, p in self.named_parameters():
+                if name.startswith(moe_blocks) and not p.is_meta:
+                    self.init_parameter(name, p)
+
+    def init_parameter(self, name: str, t: torch.Tensor) -> None:
+        """The GPT's rule for every parameter, expert weights included: each expert's tensors are named by
+        their global expert id (``blocks.1.moe.experts.5.w_fc``), so the (seed, name) generator gives a rank
+        of any ep layout the single-process values of its experts.  ``w_fc`` and the router N(0, 0.02);
+        ``w_proj``, a residual projection, N(0, 0.02 / sqrt(2 * n_layer)); biases 0."""
+        module, _, leaf = name.rpartition(".")
+        if ".moe.experts." not in name:
+            return super().init_parameter(name, t)
+        if leaf.startswith("b_"):
+            t.zero_()
+            return
+        std = 0.02 / math.sqrt(2 * self.cfg.n_layer) if leaf == "w_proj" else 0.02
+        g = torch.Generator().manual_seed((self.init_seed + zlib.crc32(name.encode())) % 2**63)
+        t.copy_(torch.empty(t.shape, dtype=t.dtype).normal_(0.0, std, generator=g))
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
+        """Logits and, with targets, the cross-entropy plus every MoE layer's weighted aux and z losses."""
+        logits, lm_loss, moe_loss, stats = self.forward_detailed(idx, targets)
+        if self.training:
+            for name, s in stats.items():
+                self.moe_metrics.add(name, s)
+        return logits, None if lm_loss is None else lm_loss + moe_loss.to(lm_loss.dtype)
+
+    def forward_detailed(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
+        """(logits, cross-entropy or None, summed MoE losses, {block name: MoEStats})."""
+        T = idx.shape[1]
+        if T > self.cfg.block_size:
+            raise ValueError(f"sequence length {T} exceeds block_size {self.cfg.block_size}")
+        keys = sequence_token_keys(idx) if self.cfg.random_routing and self.training else None
+        pos = torch.arange(T, device=idx.device)
+        x = self.drop(self.wte(idx) + self.wpe(pos))
+        moe_loss = x.new_zeros((), dtype=torch.float32)
+        stats = {}
+        for name, block in self.blocks.items():
+            if isinstance(block, MoEBlock):
+                x, out = block(x, keys)
+                moe_loss = moe_loss + out.loss
+                stats[f"blocks.{name}"] = out.stats
+            else:
+                x = block(x)
+        logits = self.lm_head(self.ln_f(x))
+        lm_loss = None if targets is None else self.loss_fn(logits, targets)
+        return logits, lm_loss, moe_loss, stats
+
+    def update_balance_bias(self, mesh=None, axes=("dp", "ep")) -> None:
+        """DeepSeek-V3's bias step for every MoE layer built with ``bias_balancing``, from the per-expert
+        loads accumulated in :attr:`moe_metrics` since its last ``pop`` (summed over ``axes`` of ``mesh``
+        when given: collective, so every rank's biases stay equal).  Call after the optimizer step and
+        before ``moe_metrics.pop``."""
+        for name, layer in self.moe_layers().items():
+            stats = self.moe_metrics.layers.get(name.removesuffix(".moe"))
+            if layer.router.selection_bias is None or stats is None:
+                continue
+            kept = stats.all_reduce(mesh, axes).kept if mesh is not None else stats.kept
+            layer.update_balance_bias(kept)
+
+    def moe_layers(self) -> dict[str, MoELayer]:
+        return {f"blocks.{n}.moe": b.moe for n, b in self.blocks.items() if isinstance(b, MoEBlock)}
+
+    def active_params_per_token(self) -> int:
+        """Parameters a token passes through (the k chosen experts instead of all E)."""
+        dense = self.cfg.num_params(include_embeddings=False)
+        h, H = self.cfg.n_embd, self.cfg.hidden
+        mlp = 2 * h * 4 * h + (5 * h if self.cfg.bias else 0)
+        per_expert = 2 * h * H + (H + h if self.cfg.bias else 0)
+        n_moe = sum(self.cfg.is_moe(i) for i in range(self.cfg.n_layer))
+        return dense - n_moe * mlp + n_moe * (self.cfg.top_k * per_expert + self.cfg.experts * h)

@@ -1,0 +1,275 @@
+"""Routing for mixture-of-experts layers: a linear router, top-k gating with expert capacity, the
+auxiliary losses and the per-step routing statistics.
+
+References (equation numbers are the papers'):
+
+* GShard — Lepikhin et al. 2020, "GShard: Scaling Giant Models with Conditional Computation and Automatic
+  Sharding", section 2.2 and Algorithm 1: top-2 gating, expert capacity, first choices before second choices,
+  the second expert kept with probability ``2 * g2`` (random routing), tokens over capacity dropped and
+  carried by the residual connection, the auxiliary load-balancing loss.
+* Switch — Fedus et al. 2021, "Switch Transformers", section 2.1-2.2: top-1 routing with the gate value as
+  the output scale (eq. 2), capacity ``(tokens per batch / experts) * capacity factor`` (eq. 3), and the
+  load-balancing loss ``alpha * N * sum_i f_i * P_i`` (eq. 4-6), here ``E * sum_e f_e * P_e``.
+* ST-MoE — Zoph et al. 2022, "ST-MoE: Designing Stable and Transferable Sparse Expert Models", eq. 5: the
+  router z-loss ``1/B sum_i (log sum_j exp(x_ij))^2``.
+* DeepSeek-V3 — DeepSeek-AI 2024, section 2.1.2, "auxiliary-loss-free load balancing": a per-expert bias
+  added to the affinities for the top-k *selection* only (gate values come from the unbiased scores),
+  moved after each step by ``gamma`` towards balance: ``b_e -= gamma`` for an overloaded expert, ``+= gamma``
+  for an underloaded one.
+
+Groups: GShard splits the tokens into G groups of S tokens and applies the capacity per group.  Here the
+second-to-last dimension of the layer's input is the group (a GPT's (B, T, d) input: one group per sequence),
+so the groups, and with them every routing decision, are the same whatever the data-parallel or
+expert-parallel layout.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+def expert_capacity(capacity_factor: float, top_k: int, group_size: int, experts: int) -> int:
+    """GShard's expert capacity per group: ``C = ceil(capacity_factor * k * S / E)``."""
+    return math.ceil(capacity_factor * top_k * group_size / experts)
+
+
+# ---------------------------------------------------------------------------------------------------
+# deterministic per-token uniforms (random routing that every layout draws identically)
+
+_MASK32 = 0xFFFFFFFF
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer finaliser (the "lowbias32" multiply-xorshift) on int64 tensors holding values
+    below 2**32; every product stays below 2**63, so the arithmetic is exact on every device."""
+    x = x & _MASK32
+    x = ((x >> 16) ^ x) * 0x45D9F3B & _MASK32
+    x = ((x >> 16) ^ x) * 0x45D9F3B & _MASK32
+    return (x >> 16) ^ x
+
+
+def routing_uniform(keys: torch.Tensor, seed: int) -> torch.Tensor:
+    """Uniform numbers in [0, 1) as a pure function of (``seed``, each token's integer key).
+
+    A token's draw depends on its own key, never on where it sits in a rank's batch, so one process and
+    every (dp, ep) split of the same global batch make the same random-routing decisions.
+    """
+    k = keys.to(torch.int64)
+    h = _mix32(_mix32(k & _MASK32) ^ _mix32((k >> 32) & _MASK32) ^ (seed & _MASK32))
+    h = _mix32(h ^ ((seed >> 32) & _MASK32))
+    return h.to(torch.float64).div_(2.0**32).to(torch.float32)
+
+
+def sequence_token_keys(idx: torch.Tensor) -> torch.Tensor:
+    """(B, T) integer keys for the tokens of integer sequences ``idx``: a hash of the whole sequence's ids
+    combined with the position, so the same sample gives the same keys on any rank."""
+    B, T = idx.shape
+    powers, w = [], 1
+    for _ in range(T):  # powers of a prime modulo 2**31 - 1 (products stay below 2**62)
+        powers.append(w)
+        w = w * 1_000_003 % (2**31 - 1)
+    w = torch.tensor(powers, dtype=torch.int64, device=idx.device)
+    row = ((idx.to(torch.int64) + 1) * w).sum(1) % (2**31 - 1)
+    pos = torch.arange(T, dtype=torch.int64, device=idx.device)
+    return (_mix32(row)[:, None] << 20) + pos[None, :]
+
+
+# ---------------------------------------------------------------------------------------------------
+# routing
+
+
+@dataclass
+class Routing:
+    """Every token's choices in a batch of G groups of S tokens (N = G * S), with k choices each.
+
+    ``expert[n, j]`` is token n's j-th choice (global expert id), ``weight[n, j]`` its gate value
+    (differentiable: Switch's ``p_i(x)`` for k = 1, GShard's normalised ``g_j / (g_1 + g_2)`` for k > 1),
+    ``keep[n, j]`` whether that choice is dispatched (not skipped by random routing, within capacity) and
+    ``position[n, j]`` its slot in the expert's buffer of its group (-1 when not kept).  ``wanted[n, j]``
+    is whether the choice asked for a slot at all (random routing can skip a second choice);
+    ``wanted & ~keep`` are the choices dropped for capacity.  ``order`` lists the kept choices (as
+    ``n * k + j``) sorted by expert, then group, then priority: the dispatch order of the fast path;
+    ``counts[e]`` is how many of them expert e gets.
+    """
+
+    expert: torch.Tensor
+    weight: torch.Tensor
+    keep: torch.Tensor
+    wanted: torch.Tensor
+    position: torch.Tensor
+    order: torch.Tensor
+    counts: torch.Tensor
+    capacity: int | None
+    groups: int
+    group_size: int
+
+
+def route(logits: torch.Tensor, top_k: int, capacity: int | None, second_uniform: torch.Tensor | None = None,
+          selection_bias: torch.Tensor | None = None) -> tuple[Routing, torch.Tensor]:
+    """GShard's Algorithm 1 generalised to k choices, on router logits of shape (G, S, E).
+
+    * probabilities ``softmax(logits)``; the k experts with the highest ``probs + selection_bias`` (the
+      bias is DeepSeek-V3's and only selects);
+    * gate values: ``p_e`` for k = 1 (Switch), normalised over the k choices for k > 1 (GShard, before any
+      capacity check);
+    * with ``second_uniform`` (G, S) given and k = 2, the second choice is kept when ``u < 2 * g_2``
+      (GShard's random routing: kept with probability proportional to its weight);
+    * with a ``capacity`` C, slots are handed out per group and expert in priority order: every token's
+      first choice in token order, then every second choice, ...; a choice past slot C is dropped.
+      Without a capacity (dropless) every choice is kept.
+
+    The slots come from one stable sort of the choices, listed choice-major within each group, by
+    (expert, group): inside a segment the order is the priority order, so a choice's slot is its offset
+    in the segment.  No (S, E) one-hot or cumulative sum is built.
+
+    Returns the routing and the probabilities (G, S, E) for the auxiliary loss.
+    """
+    G, S, E = logits.shape
+    k, N, dev = top_k, G * S, logits.device
+    probs = torch.softmax(logits, dim=-1)
+    scores = probs.detach()
+    if selection_bias is not None:
+        scores = scores + selection_bias.to(scores.dtype)
+    choice = torch.topk(scores, k, dim=-1).indices                            # (G, S, k)
+    gates = probs.gather(-1, choice)
+    weight = gates if k == 1 else gates / gates.sum(-1, keepdim=True).clamp_min(torch.finfo(gates.dtype).tiny)
+    wanted = torch.ones_like(choice, dtype=torch.bool)
+    if second_uniform is not None and k == 2:
+        wanted[..., 1] = second_uniform.to(weight.dtype) < 2 * weight[..., 1].detach()
+    # choices in priority order inside each group: (g, j, s), named by their token-major id n * k + j
+    ids = torch.arange(N * k, device=dev).view(G, S, k).transpose(1, 2).reshape(-1)
+    group = torch.arange(G, device=dev).repeat_interleave(k * S)
+    key = choice.transpose(1, 2).reshape(-1) * G + group
+    key = torch.where(wanted.transpose(1, 2).reshape(-1), key, E * G)          # skipped choices sort last
+    sorted_key, perm = torch.sort(key, stable=True)
+    seg_count = torch.bincount(key, minlength=E * G + 1)
+    seg_start = torch.cumsum(seg_count, 0) - seg_count
+    slot = torch.arange(N * k, device=dev) - seg_start[sorted_key]
+    kept_sorted = sorted_key < E * G
+    if capacity is not None:
+        kept_sorted &= slot < capacity
+    sorted_ids = ids[perm]
+    keep = torch.zeros(N * k, dtype=torch.bool, device=dev).index_put_((sorted_ids,), kept_sorted)
+    position = torch.full((N * k,), -1, dtype=torch.int64, device=dev)
+    position = position.index_put_((sorted_ids,), torch.where(kept_sorted, slot, -1))
+    per_segment = seg_count[:E * G] if capacity is None else seg_count[:E * G].clamp(max=capacity)
+    r = Routing(expert=choice.reshape(N, k), weight=weight.reshape(N, k), keep=keep.view(N, k),
+                wanted=wanted.reshape(N, k), position=position.view(N, k), order=sorted_ids[kept_sorted],
+                counts=per_segment.view(E, G).sum(1), capacity=capacity, groups=G, group_size=S)
+    return r, probs
+
+
+def load_balancing_loss(probs: torch.Tensor, first_choice: torch.Tensor) -> torch.Tensor:
+    """Switch eq. 4-6 (GShard's l_aux up to its constant): ``E * sum_e f_e * P_e`` per group, averaged over
+    groups; ``f_e`` is the share of the group's tokens whose first choice is e (not differentiable), ``P_e``
+    the group's mean router probability for e.  Equals 1 for perfectly uniform routing."""
+    G, S, E = probs.shape
+    if G == 0:
+        return probs.sum()
+    offset = torch.arange(G, device=probs.device).repeat_interleave(S) * E
+    f = torch.bincount(first_choice.reshape(-1) + offset, minlength=G * E).view(G, E).to(probs.dtype) / S
+    P = probs.mean(1)                                                          # (G, E)
+    return E * (f * P).sum(-1).mean()
+
+
+def router_z_loss(logits: torch.Tensor) -> torch.Tensor:
+    """ST-MoE eq. 5: the mean over tokens of ``logsumexp(logits)^2``."""
+    if logits.numel() == 0:
+        return logits.sum()
+    return torch.logsumexp(logits, dim=-1).square().mean()
+
+
+# ---------------------------------------------------------------------------------------------------
+# statistics
+
+
+@dataclass
+class MoEStats:
+    """Routing counts of one or more forwards of one MoE layer (detached; add them up over micro-batches).
+
+    ``wanted[e]``: choices that asked expert e for a slot; ``kept[e]``: choices dispatched to it.  The
+    counts are this rank's; :meth:`all_reduce` sums them over mesh axes for global figures.
+    """
+
+    tokens: torch.Tensor      # 0-dim int64
+    wanted: torch.Tensor      # (E,) int64
+    kept: torch.Tensor        # (E,) int64
+    aux_loss: torch.Tensor    # 0-dim float, summed over forwards (divide by ``forwards`` for the mean)
+    z_loss: torch.Tensor
+    forwards: int = 1
+
+    @classmethod
+    def of(cls, routing: Routing, experts: int, aux: torch.Tensor, z: torch.Tensor) -> "MoEStats":
+        e = routing.expert.reshape(-1)
+        wanted = torch.bincount(e[routing.wanted.reshape(-1)], minlength=experts)
+        kept = routing.counts
+        return cls(tokens=torch.tensor(routing.expert.shape[0]), wanted=wanted, kept=kept,
+                   aux_loss=aux.detach().float(), z_loss=z.detach().float())
+
+    def __add__(self, other: "MoEStats") -> "MoEStats":
+        return MoEStats(self.tokens + other.tokens, self.wanted + other.wanted, self.kept + other.kept,
+                        self.aux_loss + other.aux_loss, self.z_loss + other.z_loss,
+                        self.forwards + other.forwards)
+
+    def all_reduce(self, mesh, axes) -> "MoEStats":
+        """The counts summed over ``axes`` (collective: every rank on them calls it); losses averaged."""
+        from podscale.runtime import comm
+        flat = torch.cat([self.tokens.view(1), self.wanted, self.kept]).to(torch.float64)
+        losses = torch.stack([self.aux_loss, self.z_loss]).to(torch.float64)
+        comm.all_reduce(flat, mesh, axes)
+        comm.all_reduce(losses, mesh, axes)
+        n, E = mesh.size(*((axes,) if isinstance(axes, str) else axes)), self.wanted.numel()
+        flat = flat.round().to(torch.int64)
+        return MoEStats(flat[0], flat[1:1 + E], flat[1 + E:], (losses[0] / n).float(), (losses[1] / n).float(),
+                        self.forwards)
+
+    @property
+    def dropped(self) -> int:
+        """Choices dropped for capacity."""
+        return int(self.wanted.sum() - self.kept.sum())
+
+    def summary(self) -> dict[str, float]:
+        """Dropped share of the choices, per-expert load (share of dispatched choices: min, max and the
+        entropy normalised by log E, 1 = uniform), mean aux and z losses."""
+        total = max(int(self.kept.sum()), 1)
+        load = self.kept.double() / total
+        nz = load[load > 0]
+        E = self.kept.numel()
+        entropy = float(-(nz * nz.log()).sum() / math.log(E)) if E > 1 else 1.0
+        return {"dropped_share": self.dropped / max(int(self.wanted.sum()), 1),
+                "load_min": float(load.min()), "load_max": float(load.max()), "load_entropy": entropy,
+                "aux_loss": float(self.aux_loss) / self.forwards, "z_loss": float(self.z_loss) / self.forwards}
+
+
+# ---------------------------------------------------------------------------------------------------
+# the router
+
+
+class Router(nn.Module):
+    """The linear router ``logits = x W^T`` (no bias), computed in fp32 (fp64 for fp64 inputs) outside
+    autocast, as Switch's selective precision recommends (section 2.4).  With ``bias_balancing`` it
+    keeps DeepSeek-V3's per-expert selection bias as a buffer, moved by :meth:`update_bias`."""
+
+    def __init__(self, d_model: int, experts: int, bias_balancing: bool = False, bias_update_rate: float = 1e-3):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(experts, d_model))
+        nn.init.normal_(self.weight, std=0.02)
+        self.bias_update_rate = bias_update_rate
+        self.register_buffer("selection_bias", torch.zeros(experts) if bias_balancing else None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
+        with torch.autocast(x.device.type, enabled=False):
+            return F.linear(x.to(dtype), self.weight.to(dtype))
+
+    @torch.no_grad()
+    def update_bias(self, kept: torch.Tensor) -> None:
+        """DeepSeek-V3's update from the global per-expert load ``kept`` (E,) of the last step:
+        ``b_e += gamma * sign(mean load - load_e)``.  Every rank must pass the same (globally summed) counts
+        so the biases stay identical."""
+        load = kept.to(self.selection_bias.dtype)
+        self.selection_bias.add_(self.bias_update_rate * torch.sign(load.mean() - load))

@@ -1,0 +1,420 @@
+"""The mixture-of-experts feed-forward layer and expert parallelism over the mesh's ``ep`` axis.
+
+``MoELayer(x)`` replaces a transformer's MLP: a :class:`~podscale.parallel.moe.gate.Router` picks k experts
+per token (GShard, Lepikhin et al. 2020; Switch, Fedus et al. 2021), the chosen experts' feed-forward
+networks run on their tokens, and the outputs are combined with the gate values.  Two implementations of
+the same function:
+
+* :meth:`MoELayer.forward_reference` — GShard's einsum form (section 2.2 / Algorithm 1): a dispatch mask
+  and combine weights of shape (G, S, E, C), ``expert_in = einsum("gsec,gsm->egcm")``, ``out =
+  einsum("gsec,egcm->gsm")``.  Readable, O(S·E·C) memory, used by the tests.
+* :meth:`MoELayer.forward` — the training path: the kept (token, expert) choices are sorted by expert,
+  (one stable sort, which also hands out the capacity slots), their tokens gathered into one (M, d) buffer
+  in expert order, each expert runs one matmul pair on its contiguous rows (a grouped feed-forward with a
+  hand-written backward), and the rows, scaled by their gate values, are added back onto their tokens
+  (``index_add``).  Nothing of size S·E·C (or S·E) exists; the work is proportional to the choices
+  actually dispatched.
+
+Expert parallelism (GShard section 3): with ``mesh.sizes["ep"] = n`` rank ``i`` of the ep group holds the
+experts ``[i * E/n, (i+1) * E/n)``.  Each forward exchanges first the per-expert token counts
+(``all_to_all_single`` of n·E/n integers), then the tokens (``all_to_all_single`` with those split sizes), runs
+its experts, and sends the outputs back the same way; the backward runs the two token exchanges in reverse.
+Every rank issues exactly these three collectives per layer and forward and two per backward, in the same
+order, whatever the routing: an empty split (no token for an expert, a rank or every remote rank) is still a
+collective that every rank enters.
+
+Gradients (see :func:`reduce_gradients`): the loss is the mean over all dp·ep ranks of their local losses.
+A dense parameter is replicated on every rank, so its gradient is averaged over dp×ep.  An expert's
+parameters live on the dp ranks with the same ep coordinate, and their local gradient already sums the
+contributions of every token sent to them from the whole ep group (the all-to-all's backward brings them
+home), so they are summed over dp and divided by dp·ep.  Data-parallel strategies tell the two apart with
+:func:`expert_parameters` / :func:`dense_parameters` (an ``isinstance`` test on :class:`Experts`; every
+expert parameter is named by its global expert id, ``...experts.<id>.w_fc``, and carries an
+``expert_parallel = True`` marker that survives ``GPT.materialize``).
+
+What a data-parallel strategy must do with an MoE model (the contract :func:`reduce_gradients` and
+:func:`grad_norm` implement synchronously):
+
+1. dense parameters: replicated over dp×ep — broadcast at start and average gradients over ``("dp", "ep")``
+   (ZeRO: shard them over dp×ep);
+2. expert parameters: replicated over dp only — broadcast at start over ``("dp",)`` (never over ep: each ep
+   rank holds other experts), sum gradients over ``("dp",)`` and divide by dp·ep (a mean over dp, then
+   ``/ ep``) (ZeRO: shard them over dp);
+3. gradient norm for clipping: dense squares once, expert squares summed over ep;
+4. checkpoints: the names are already global (one file per expert id), so no translation between ep sizes.
+
+Wrapping the whole model in today's ``DataParallel(axes=("dp", "ep"))`` would be wrong on two counts: it
+broadcasts rank 0's experts over ep and averages different experts' gradients together.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from podscale.parallel.moe.gate import MoEStats, Router, Routing, expert_capacity, load_balancing_loss, \
+    route, routing_uniform, router_z_loss
+from podscale.runtime import comm
+
+
+def check_moe_args(experts: int, top_k: int, capacity_factor: float, eval_capacity_factor: float,
+                   ep: int) -> None:
+    """One-line ValueErrors naming the key and the fix (the config layer will call this before workers
+    start)."""
+    if experts < 1:
+        raise ValueError(f"model.experts={experts} must be >= 1: set model.experts to a positive number")
+    if ep < 1 or experts % ep:
+        raise ValueError(f"model.experts={experts} is not divisible by parallel.ep={ep}: "
+                         f"make model.experts a multiple of parallel.ep")
+    if not 1 <= top_k <= experts:
+        raise ValueError(f"model.top_k={top_k} must be between 1 and model.experts={experts}: "
+                         f"lower model.top_k or add experts")
+    for key, cf in (("capacity_factor", capacity_factor), ("eval_capacity_factor", eval_capacity_factor)):
+        if not cf > 0:
+            raise ValueError(f"model.{key}={cf} must be > 0: use e.g. 1.25 (or model.dropless = true "
+                             f"for no capacity)")
+
+
+# ---------------------------------------------------------------------------------------------------
+# the experts
+
+
+class Expert(nn.Module):
+    """One GELU feed-forward expert ``x -> gelu(x w_fc + b_fc) w_proj + b_proj`` (``w_fc`` (d, h),
+    ``w_proj`` (h, d)); every parameter is marked ``expert_parallel = True``."""
+
+    def __init__(self, d_model: int, d_hidden: int, bias: bool = True):
+        super().__init__()
+        self.w_fc = nn.Parameter(torch.empty(d_model, d_hidden))
+        self.w_proj = nn.Parameter(torch.empty(d_hidden, d_model))
+        self.b_fc = nn.Parameter(torch.zeros(d_hidden)) if bias else None
+        self.b_proj = nn.Parameter(torch.zeros(d_model)) if bias else None
+        nn.init.normal_(self.w_fc, std=0.02)
+        nn.init.normal_(self.w_proj, std=0.02)
+        for p in self.parameters():
+            p.expert_parallel = True
+
+
+class Experts(nn.ModuleDict):
+    """This rank's experts ``[first, first + num_local)`` of ``num_experts``, keyed by *global* expert id
+    (parameter names ``experts.<id>.w_fc``, ...), so a model's parameter names are the same at every ep
+    size and checkpoints are keyed by global expert id with no translation."""
+
+    def __init__(self, d_model: int, d_hidden: int, num_experts: int, ep_size: int = 1, ep_rank: int = 0,
+                 bias: bool = True):
+        local = num_experts // ep_size
+        super().__init__({str(ep_rank * local + j): Expert(d_model, d_hidden, bias) for j in range(local)})
+        self.num_experts, self.num_local, self.first = num_experts, local, ep_rank * local
+        self.bias = bias
+
+    def _weights(self):
+        ex = list(self.values())
+        out = [e.w_fc for e in ex] + [e.w_proj for e in ex]
+        if self.bias:
+            out += [e.b_fc for e in ex] + [e.b_proj for e in ex]
+        return out
+
+    def forward(self, x: torch.Tensor, segments: list[tuple[int, int]]) -> torch.Tensor:
+        """Rows of ``x`` in consecutive segments, ``segments[i] = (local expert, rows)`` (a local expert may
+        own several segments; zero rows allowed: an expert without rows gets a zero gradient, never a
+        missing one).  Returns the experts' outputs, row for row."""
+        return _GroupedFFN.apply(x, segments, self.num_local, self.bias, *self._weights())
+
+    def forward_padded(self, x: torch.Tensor) -> torch.Tensor:
+        """(El, R, d) -> (El, R, d): every expert on its own R rows (the reference's batched form)."""
+        ex = list(self.values())
+        h = torch.einsum("erm,emh->erh", x, torch.stack([e.w_fc for e in ex]).to(x.dtype))
+        if self.bias:
+            h = h + torch.stack([e.b_fc for e in ex]).to(h.dtype)[:, None]
+        y = torch.einsum("erh,ehm->erm", F.gelu(h, approximate="tanh"),
+                         torch.stack([e.w_proj for e in ex]).to(x.dtype))
+        if self.bias:
+            y = y + torch.stack([e.b_proj for e in ex]).to(y.dtype)[:, None]
+        return y
+
+
+class _GroupedFFN(torch.autograd.Function):
+    """Every expert's ``gelu(x w_fc + b_fc) w_proj + b_proj`` on its rows of one buffer, with the
+    backward written out: per segment one pass that runs both matmuls and the GELU while its rows are in
+    cache, each expert's weight gradients accumulated straight into its own tensors (no per-expert autograd
+    nodes, no concatenation).  Saves the input, the pre-activation and the activation (what autograd keeps
+    for two linears and a GELU)."""
+
+    @staticmethod
+    def forward(ctx, x, segments, El, bias, *weights):
+        w_fc, w_proj = weights[:El], weights[El:2 * El]
+        b_fc, b_proj = (weights[2 * El:3 * El], weights[3 * El:]) if bias else (None, None)
+        dt = x.dtype
+        M, H, D = x.shape[0], w_fc[0].shape[1], w_proj[0].shape[1]
+        h, act, out = x.new_empty(M, H), x.new_empty(M, H), x.new_empty(M, D)
+        bounds, start = [], 0
+        for j, n in segments:
+            bounds.append((j, start, start + n))
+            start += n
+        for j, a, b in bounds:
+            if b == a:
+                continue
+            if bias:
+                torch.addmm(b_fc[j].to(dt), x[a:b], w_fc[j].to(dt), out=h[a:b])
+            else:
+                torch.mm(x[a:b], w_fc[j].to(dt), out=h[a:b])
+            torch.ops.aten.gelu.out(h[a:b], approximate="tanh", out=act[a:b])
+            if bias:
+                torch.addmm(b_proj[j].to(dt), act[a:b], w_proj[j].to(dt), out=out[a:b])
+            else:
+                torch.mm(act[a:b], w_proj[j].to(dt), out=out[a:b])
+        ctx.bounds, ctx.El, ctx.bias = bounds, El, bias
+        ctx.save_for_backward(x, h, act, *w_fc, *w_proj)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        El = ctx.El
+        x, h, act, *ws = ctx.saved_tensors
+        w_fc, w_proj = ws[:El], ws[El:]
+        dt = x.dtype
+        grad = grad.contiguous()
+        g_w_fc, g_w_proj = [None] * El, [None] * El
+        g_b_fc, g_b_proj = [None] * El, [None] * El
+        g_x = torch.empty_like(x)
+        for j, a, b in ctx.bounds:
+            if b == a:
+                continue
+            g = grad[a:b]
+            g_act = g @ w_proj[j].to(dt).t()
+            gh = torch.ops.aten.gelu_backward(g_act, h[a:b], approximate="tanh")
+            torch.mm(gh, w_fc[j].to(dt).t(), out=g_x[a:b])
+            if g_w_proj[j] is None:
+                g_w_proj[j], g_w_fc[j] = act[a:b].t() @ g, x[a:b].t() @ gh
+                g_b_proj[j], g_b_fc[j] = g.sum(0), gh.sum(0)
+            else:
+                g_w_proj[j].addmm_(act[a:b].t(), g)
+                g_w_fc[j].addmm_(x[a:b].t(), gh)
+                g_b_proj[j].add_(g.sum(0))
+                g_b_fc[j].add_(gh.sum(0))
+        for j in range(El):  # an expert without rows: zero gradients, so every parameter gets one
+            if g_w_fc[j] is None:
+                g_w_fc[j], g_w_proj[j] = torch.zeros_like(w_fc[j]), torch.zeros_like(w_proj[j])
+                g_b_fc[j] = w_fc[j].new_zeros(w_fc[j].shape[1])
+                g_b_proj[j] = w_proj[j].new_zeros(w_proj[j].shape[1])
+        grads = [g.to(w.dtype) for g, w in zip(g_w_fc + g_w_proj, w_fc + w_proj)]
+        if ctx.bias:
+            grads += [g.to(w.dtype) for g, w in zip(g_b_fc, w_fc)] + [g.to(w.dtype) for g, w in zip(g_b_proj, w_proj)]
+        return (g_x, None, None, None, *grads)
+
+
+def expert_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """The parameters of every :class:`Experts` module in ``model`` (sharded over ep, reduced over dp)."""
+    return [p for m in model.modules() if isinstance(m, Experts) for p in m.parameters()]
+
+
+def dense_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """Every other parameter of ``model`` (replicated over dp×ep, reduced over dp×ep)."""
+    experts = {id(p) for p in expert_parameters(model)}
+    return [p for p in model.parameters() if id(p) not in experts]
+
+
+def reduce_gradients(model: nn.Module, mesh) -> None:
+    """Make every rank's gradients those of the global mean loss (a synchronous reference implementation;
+    a data-parallel strategy does the same with buckets): dense gradients averaged over dp×ep, expert
+    gradients summed over dp and divided by dp·ep.  Parameters without a gradient count as zero."""
+    n = mesh.size("dp", "ep")
+    for params, axes in ((dense_parameters(model), ("dp", "ep")), (expert_parameters(model), ("dp",))):
+        params = [p for p in params if p.requires_grad]
+        if not params:
+            continue
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        flat = torch.cat([p.grad.reshape(-1) for p in params])
+        comm.all_reduce(flat, mesh, axes)
+        flat.div_(n)
+        offset = 0
+        for p in params:
+            p.grad.copy_(flat[offset: offset + p.numel()].view_as(p))
+            offset += p.numel()
+
+
+def grad_norm(model: nn.Module, mesh) -> torch.Tensor:
+    """The global L2 norm of the whole model's (reduced) gradient, the same on every rank: dense gradients
+    are replicated, so they count once; each ep rank holds other experts, so their squares are summed over
+    ep (the dp replicas of an expert hold the same reduced gradient and are not summed)."""
+    def sq(params):
+        gs = [p.grad.float().square().sum() for p in params if p.grad is not None]
+        return torch.stack(gs).sum() if gs else torch.zeros((), device=mesh.device)
+    experts = sq(expert_parameters(model)).reshape(1)
+    comm.all_reduce(experts, mesh, "ep")
+    return (sq(dense_parameters(model)) + experts[0]).sqrt()
+
+
+# ---------------------------------------------------------------------------------------------------
+# the exchange
+
+
+class _AllToAll(torch.autograd.Function):
+    """Rows of ``x`` exchanged over ep with split sizes; the backward sends the gradients back."""
+
+    @staticmethod
+    def forward(ctx, x, mesh, out_splits, in_splits):
+        ctx.mesh, ctx.out_splits, ctx.in_splits = mesh, out_splits, in_splits
+        out = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
+        comm.all_to_all(out, x.contiguous(), mesh, "ep", out_splits, in_splits)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        gx = grad.new_empty((sum(ctx.in_splits),) + tuple(grad.shape[1:]))
+        comm.all_to_all(gx, grad.contiguous(), ctx.mesh, "ep", ctx.in_splits, ctx.out_splits)
+        return gx, None, None, None
+
+
+def _segments(starts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """Concatenated ``arange(start, start + length)`` for each pair (no Python loop)."""
+    total = int(lengths.sum())
+    seg_start = torch.cumsum(lengths, 0) - lengths
+    return torch.repeat_interleave(starts - seg_start, lengths, output_size=total) + \
+        torch.arange(total, device=starts.device)
+
+
+# ---------------------------------------------------------------------------------------------------
+# the layer
+
+
+@dataclass
+class MoEOutput:
+    """What a forward returns beside the output: ``loss`` (``aux_loss_coef * aux + z_loss_coef * z``, to
+    add to the model's loss), the raw ``aux_loss`` and ``z_loss``, the routing and its statistics."""
+
+    loss: torch.Tensor
+    aux_loss: torch.Tensor
+    z_loss: torch.Tensor
+    routing: Routing
+    stats: MoEStats
+
+
+class MoELayer(nn.Module):
+    """A sparsely gated mixture-of-experts feed-forward layer (GShard / Switch), expert-parallel over
+    ``mesh``'s ep axis.
+
+    ``experts`` global experts of width ``d_hidden``; ``top_k`` choices per token (1: Switch, 2: GShard);
+    capacity ``ceil(capacity_factor * k * S / E)`` per group of S tokens in training and with
+    ``eval_capacity_factor`` in evaluation, none when ``dropless``; ``random_routing``: GShard's random
+    second choice (k = 2, training only; needs the tokens' ``keys``); ``aux_loss_coef`` and
+    ``z_loss_coef`` weight the load-balancing loss and the z-loss in :attr:`MoEOutput.loss`;
+    ``bias_balancing``: DeepSeek-V3's auxiliary-loss-free selection bias (update it with
+    :meth:`update_balance_bias`); ``seed`` salts the random-routing draws (give each layer its own).
+    """
+
+    def __init__(self, d_model: int, d_hidden: int, experts: int, top_k: int = 2, capacity_factor: float = 1.25,
+                 eval_capacity_factor: float = 2.0, dropless: bool = False, random_routing: bool = False,
+                 aux_loss_coef: float = 1e-2, z_loss_coef: float = 1e-3, bias_balancing: bool = False,
+                 bias_update_rate: float = 1e-3, mesh=None, seed: int = 0, bias: bool = True):
+        super().__init__()
+        ep = mesh.sizes["ep"] if mesh is not None else 1
+        check_moe_args(experts, top_k, capacity_factor, eval_capacity_factor, ep)
+        self.mesh, self.ep = mesh, ep
+        self.num_experts, self.top_k = experts, top_k
+        self.capacity_factor, self.eval_capacity_factor, self.dropless = capacity_factor, eval_capacity_factor, dropless
+        self.random_routing, self.seed = random_routing, seed
+        self.aux_loss_coef, self.z_loss_coef = aux_loss_coef, z_loss_coef
+        self.router = Router(d_model, experts, bias_balancing, bias_update_rate)
+        ep_rank = mesh.coords()["ep"] if mesh is not None else 0
+        self.experts = Experts(d_model, d_hidden, experts, ep, ep_rank, bias)
+
+    # routing -----------------------------------------------------------------------------------------
+    def capacity(self, group_size: int) -> int | None:
+        """Slots per expert and group for the current mode (None when dropless)."""
+        if self.dropless:
+            return None
+        cf = self.capacity_factor if self.training else self.eval_capacity_factor
+        return expert_capacity(cf, self.top_k, group_size, self.num_experts)
+
+    def _route(self, x: torch.Tensor, keys: torch.Tensor | None):
+        S, d = x.shape[-2], x.shape[-1]
+        flat = x.reshape(-1, d)
+        G = flat.shape[0] // S if S else 0
+        logits = self.router(flat).view(G, S, self.num_experts)
+        uniform = None
+        if self.random_routing and self.training and self.top_k == 2:
+            if keys is None:
+                raise ValueError("random routing needs the tokens' keys: pass keys= (sequence_token_keys(idx)) "
+                                 "or build the layer with random_routing=False")
+            uniform = routing_uniform(keys.reshape(G, S), self.seed)
+        r, probs = route(logits, self.top_k, self.capacity(S), uniform, self.router.selection_bias)
+        aux = load_balancing_loss(probs, r.expert[:, 0])
+        z = router_z_loss(logits)
+        loss = self.aux_loss_coef * aux + self.z_loss_coef * z
+        stats = MoEStats.of(r, self.num_experts, aux, z)
+        return flat, r, MoEOutput(loss, aux, z, r, stats)
+
+    # the training path ---------------------------------------------------------------------------------
+    def forward(self, x: torch.Tensor, keys: torch.Tensor | None = None) -> tuple[torch.Tensor, MoEOutput]:
+        """``x`` (..., S, d): groups of S tokens.  Returns the output (same shape; zero for a token none of
+        whose choices was dispatched) and the :class:`MoEOutput`."""
+        flat, r, out = self._route(x, keys)
+        N, k = r.expert.shape
+        token = r.order // k                                   # the kept choices' tokens, sorted by expert
+        rows = self._run_experts(flat[token], r.counts)        # (M, d), same order
+        w = r.weight.reshape(-1)[r.order].to(rows.dtype)
+        y = rows.new_zeros(N, rows.shape[1]).index_add_(0, token, rows * w.unsqueeze(1))
+        return y.view(x.shape), out
+
+    def _run_experts(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """Rows sorted by global expert, ``counts`` (E,) per expert -> the experts' outputs, same order."""
+        if self.ep == 1:
+            return self.experts(x, list(enumerate(counts.tolist())))
+        ep, El = self.ep, self.experts.num_local
+        send = counts.view(ep, El)
+        recv = torch.empty_like(send)
+        # 1. counts: how many rows each rank sends each of my experts
+        comm.all_to_all(recv.view(-1), send.reshape(-1).contiguous(), self.mesh, "ep")
+        in_splits, out_splits = send.sum(1).tolist(), recv.sum(1).tolist()
+        # 2. the rows, arriving grouped by source rank then local expert; regrouped expert-major (one
+        # gather), so each local expert runs one matmul pair on one contiguous segment
+        got = _AllToAll.apply(x, self.mesh, out_splits, in_splits)
+        flat_recv = recv.reshape(-1)
+        starts = (torch.cumsum(flat_recv, 0) - flat_recv).view(ep, El)
+        perm = _segments(starts.t().reshape(-1), recv.t().reshape(-1))
+        per_expert = recv.sum(0).tolist()
+        y = self.experts(got.index_select(0, perm), list(enumerate(per_expert)))
+        back = y.index_select(0, torch.argsort(perm))
+        # 3. the outputs go home
+        return _AllToAll.apply(back, self.mesh, in_splits, out_splits)
+
+    # the reference -------------------------------------------------------------------------------------
+    def forward_reference(self, x: torch.Tensor, keys: torch.Tensor | None = None
+                          ) -> tuple[torch.Tensor, MoEOutput]:
+        """GShard's einsum form with dispatch and combine tensors of shape (G, S, E, C); dropless uses
+        C = S (an expert can get every token of a group at most once).  One process only (ep = 1)."""
+        if self.ep != 1:
+            raise ValueError("forward_reference holds every expert: build the layer without an ep axis")
+        flat, r, out = self._route(x, keys)
+        G, S, E, k = r.groups, r.group_size, self.num_experts, self.top_k
+        C = r.capacity if r.capacity is not None else S
+        xg = flat.view(G, S, -1)
+        token = torch.arange(G * S, device=x.device).repeat_interleave(k)
+        kept = r.keep.reshape(-1)
+        g, s = (token // S)[kept], (token % S)[kept]
+        e, c = r.expert.reshape(-1)[kept], r.position.reshape(-1)[kept]
+        dispatch = torch.zeros(G, S, E, C, dtype=x.dtype, device=x.device)
+        dispatch[g, s, e, c] = 1.0
+        combine = torch.zeros(G, S, E, C, dtype=r.weight.dtype, device=x.device)
+        combine = combine.index_put((g, s, e, c), r.weight.reshape(-1)[kept])
+        expert_in = torch.einsum("gsec,gsm->egcm", dispatch, xg)                  # (E, G, C, d)
+        expert_out = self.experts.forward_padded(expert_in.reshape(E, G * C, -1)).view(E, G, C, -1)
+        y = torch.einsum("gsec,egcm->gsm", combine.to(expert_out.dtype), expert_out)
+        return y.reshape(x.shape), out
+
+    # auxiliary-loss-free balancing ---------------------------------------------------------------------
+    def update_balance_bias(self, kept: torch.Tensor) -> None:
+        """DeepSeek-V3's bias step from this step's global per-expert counts (see Router.update_bias)."""
+        if self.router.selection_bias is None:
+            raise ValueError("the layer was built without bias_balancing")
+        self.router.update_bias(kept)
+
+
+__all__ = ["MoELayer", "MoEOutput", "Experts", "Expert", "expert_parameters", "dense_parameters",
+           "reduce_gradients", "grad_norm",
+           "check_moe_args"]

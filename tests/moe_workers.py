@@ -1,0 +1,163 @@
+"""Worker functions for the mixture-of-experts tests (a module of its own so spawned workers import it).
+
+``train_gpt_moe`` trains the GPT-MoE on a (dp, ep) mesh with a plain loop (forward, backward,
+``reduce_gradients``, SGD) and reports what the single-process run must reproduce; with dp = ep = 1 it is
+that single-process run.  The no-hang cases run one MoE layer on inputs built so that the routing is
+lopsided in a known way.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from podscale.models.gpt_moe import GPTMoE, GPTMoEConfig
+from podscale.parallel.moe import MoELayer, grad_norm, reduce_gradients
+from podscale.runtime.mesh import Mesh
+from podscale.runtime.process import init_process
+from podscale.train.data import ShardedLoader, load_tokens, split_tokens
+
+MODEL = dict(n_layer=2, n_head=2, n_embd=32, block_size=32, experts=8, moe_every=1, expert_hidden=48)
+MODES = {
+    "top1": dict(top_k=1, capacity_factor=1.0, random_routing=False),
+    "top2": dict(top_k=2, capacity_factor=1.25, random_routing=True),
+    "dropless": dict(top_k=2, dropless=True, random_routing=False),
+}
+GLOBAL_BATCH = 8
+SEED = 11
+LR = 0.3
+
+
+class CrossEntropy64(nn.Module):
+    """The GPT's loss without its cast to fp32, so an fp64 run stays fp64 end to end."""
+
+    def forward(self, logits, targets):
+        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+
+
+def _tokens():
+    tokens, _ = split_tokens(load_tokens(None), 0.1)
+    return tokens
+
+
+def train_gpt_moe(modes: list[str], steps: int, dp: int, ep: int, mesh: Mesh | None = None) -> list[dict]:
+    """Train with SGD at ``LR``; for each mode: losses (global mean) and gradient norms per step, routing
+    counts per step and layer (summed over the mesh), gradients after step 1 and parameters after the last
+    step (by name: experts are named by global id)."""
+    if mesh is None:
+        info = init_process()
+        torch.set_num_threads(1)
+        mesh = Mesh.build(info.device, dp=dp, ep=ep)
+    tokens = _tokens()
+    n = dp * ep
+    out = []
+    for mode in modes:
+        torch.manual_seed(SEED)
+        model = GPTMoE(GPTMoEConfig(**MODEL, **MODES[mode]), mesh).double()
+        model.loss_fn = CrossEntropy64()
+        loader = ShardedLoader(tokens, MODEL["block_size"], GLOBAL_BATCH, GLOBAL_BATCH // n,
+                               mesh.local_rank("dp", "ep"), n, seed=SEED)
+        losses, counts, norms, grads1 = [], [], [], None
+        for step in range(steps):
+            (x, y), = loader.next_step()
+            _, lm, moe_loss, stats = model.forward_detailed(x, y)
+            loss = lm + moe_loss
+            loss.backward()
+            reduce_gradients(model, mesh)
+            total = loss.detach().clone().view(1)
+            from podscale.runtime import comm
+            comm.all_reduce(total, mesh, ("dp", "ep"))
+            losses.append(float(total) / n)
+            counts.append({name: (s.all_reduce(mesh, ("dp", "ep")).wanted.tolist(),
+                                  s.all_reduce(mesh, ("dp", "ep")).kept.tolist()) for name, s in stats.items()})
+            norms.append(float(grad_norm(model, mesh)))
+            if step == 0:
+                grads1 = _by_global_id(model, lambda p: p.grad)
+            with torch.no_grad():  # plain SGD (torch.optim's first use imports dynamo: ~30 s on a busy CPU)
+                for p in model.parameters():
+                    p.sub_(LR * p.grad)
+                    p.grad = None
+        out.append({"losses": losses, "counts": counts, "grad_norms": norms, "grads1": grads1,
+                    "params": _by_global_id(model, lambda p: p.detach()), "comm": mesh.stats.snapshot()})
+        mesh.stats.reset()
+    return out
+
+
+def _by_global_id(model: GPTMoE, get) -> dict[str, torch.Tensor]:
+    """Tensors by parameter name (experts are named by global expert id, the same in every layout)."""
+    return {name: get(p).clone() for name, p in model.named_parameters()}
+
+
+# ---------------------------------------------------------------------------------------------------
+# no-hang cases: one layer, E = 4, d = 8; router logits 10 * x[:, e], so a token goes where its input is large
+
+E, D, S = 4, 8, 6
+
+
+def layer_inputs(case: str, rank: int) -> torch.Tensor:
+    """Rank ``rank``'s (G, S, D) input.  Experts 0, 1 live on ep rank 0, experts 2, 3 on ep rank 1.
+
+    * ``one_expert``: every token of every rank prefers expert 0 (then 1);
+    * ``no_remote``: rank 0's tokens prefer its own experts 0/1, rank 1's tokens also go to 0/1, so rank 0
+      sends nothing to a remote expert and experts 2, 3 receive nothing on any rank;
+    * ``empty_rank``: rank 1 has no tokens at all (G = 0), rank 0 spreads its tokens over all experts.
+    """
+    g = torch.Generator().manual_seed(100 + rank)
+    G = 0 if case == "empty_rank" and rank == 1 else 2
+    x = torch.randn(G, S, D, generator=g, dtype=torch.float64) * 0.1
+    if case in ("one_expert", "no_remote"):
+        x[..., 0] += 3.0
+        x[..., 1] += 1.5
+        if case == "no_remote" and rank == 0:
+            x[:, ::2, 0] -= 1.5   # half of rank 0's tokens prefer expert 1, then 0 (both local)
+            x[:, ::2, 1] += 1.5
+    elif case == "empty_rank":
+        x[..., :E] += torch.arange(G * S * E, dtype=torch.float64).view(G, S, E).remainder(3)
+    return x
+
+
+def build_layer(top_k: int, dropless: bool, mesh=None) -> MoELayer:
+    """The layer with the same weights in every layout: one process builds all experts, a rank of an
+    ep layout copies its experts' slices."""
+    torch.manual_seed(5)
+    full = MoELayer(D, 16, E, top_k=top_k, capacity_factor=1.0, dropless=dropless,
+                    aux_loss_coef=0.1, z_loss_coef=0.01).double()
+    with torch.no_grad():
+        full.router.weight.zero_()
+        full.router.weight[:, :E] = 10 * torch.eye(E, dtype=torch.float64)
+    if mesh is None:
+        return full
+    layer = MoELayer(D, 16, E, top_k=top_k, capacity_factor=1.0, dropless=dropless, mesh=mesh,
+                     aux_loss_coef=0.1, z_loss_coef=0.01).double()
+    with torch.no_grad():
+        layer.router.weight.copy_(full.router.weight)
+        for name, p in layer.experts.named_parameters():   # names carry the global expert id
+            p.copy_(full.experts.get_parameter(name))
+    return layer
+
+
+def layer_loss(layer: MoELayer, x: torch.Tensor):
+    """A loss of the layer's output and its extra loss; ``x`` becomes a leaf that wants its gradient
+    (as a model's hidden states do, so the dispatch exchange has a backward on every rank)."""
+    x.requires_grad_(True)
+    y, out = layer(x)
+    c = torch.linspace(-1, 1, D, dtype=torch.float64)
+    return (y * c).sum() + out.loss, y, out
+
+
+def no_hang_worker(cases: list[tuple[str, int, bool]]) -> list[dict]:
+    info = init_process(timeout_s=120)
+    torch.set_num_threads(1)
+    mesh = Mesh.build(info.device, ep=2)
+    out = []
+    for case, top_k, dropless in cases:
+        layer = build_layer(top_k, dropless, mesh)
+        x = layer_inputs(case, info.rank)
+        loss, y, o = layer_loss(layer, x)
+        loss.backward()
+        reduce_gradients(layer, mesh)
+        out.append({"y": y.detach(), "x_grad": x.grad, "first": layer.experts.first, "kept": o.stats.kept,
+                    "grads": {n: p.grad.clone() for n, p in layer.named_parameters()},
+                    "calls": {k: v["calls"] for k, v in mesh.stats.snapshot().items()}})
+        mesh.stats.reset()
+    return out

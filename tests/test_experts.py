@@ -1,0 +1,271 @@
+"""Mixture-of-experts: the fast path equals GShard's einsum form, the capacity rules hold on constructed
+routings, expert parallelism (ep = 2, 4, with dp) reproduces one process step for step on real text, and
+lopsided routings (one expert takes everything, a rank with nothing for remote experts, an empty rank)
+finish with the right gradients.
+
+Multi-process runs are fp64 end to end (the GPT's fp32 cast of the loss is swapped for an fp64 one), so
+rounding differences between layouts (~1e-16) cannot flip a routing decision: routing counts are compared
+exactly, losses and gradients to 1e-9 relative (measured: within ~1e-13).
+"""
+import math
+
+import pytest
+import torch
+
+import moe_workers as W
+from podscale.models.gpt_moe import GPTMoE, GPTMoEConfig
+from podscale.parallel.moe import MoELayer, expert_capacity, route, routing_uniform, sequence_token_keys
+from podscale.runtime.launcher import launch
+from podscale.runtime.mesh import Mesh
+
+
+def _grads(layer, x, keys=None, reference=False):
+    layer.zero_grad(set_to_none=True)
+    x = x.detach().requires_grad_(True)
+    y, out = (layer.forward_reference if reference else layer.forward)(x, keys)
+    (y.square().sum() + out.loss).backward()
+    return y.detach(), x.grad, {n: p.grad.clone() for n, p in layer.named_parameters()}, out
+
+
+@pytest.mark.parametrize("top_k,dropless,random_routing,training", [
+    (1, False, False, True), (2, False, True, True), (2, False, False, False), (2, True, False, True),
+    (1, True, False, True), (3, False, False, True)])
+def test_fast_path_equals_einsum_reference(top_k, dropless, random_routing, training):
+    torch.manual_seed(0)
+    layer = MoELayer(16, 24, 6, top_k=top_k, capacity_factor=0.8, eval_capacity_factor=1.1, dropless=dropless,
+                     random_routing=random_routing, z_loss_coef=0.01).double().train(training)
+    with torch.no_grad():
+        layer.router.weight.normal_(0.0, 0.5)
+        for name, p in layer.experts.named_parameters():
+            if ".b_" in name:
+                p.normal_()
+    x = torch.randn(4, 20, 16, dtype=torch.float64)
+    keys = sequence_token_keys(torch.randint(0, 256, (4, 20)))
+    y, gx, gp, out = _grads(layer, x, keys)
+    y_ref, gx_ref, gp_ref, out_ref = _grads(layer, x, keys, reference=True)
+    assert torch.equal(out.routing.keep, out_ref.routing.keep)
+    if not dropless and training:
+        assert 0 < out.stats.dropped  # the capacity is binding in this case
+    if dropless:
+        assert out.stats.dropped == 0
+    torch.testing.assert_close(y, y_ref, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(gx, gx_ref, rtol=1e-12, atol=1e-12)
+    for n in gp:
+        torch.testing.assert_close(gp[n], gp_ref[n], rtol=1e-12, atol=1e-12, msg=n)
+    assert gp["router.weight"].abs().sum() > 0  # the gate values carry the router's gradient
+
+
+def _onehot_logits(first: list[int], second: list[int], E: int) -> torch.Tensor:
+    """Logits whose top choice is ``first[s]`` and second ``second[s]`` (one group)."""
+    logits = torch.zeros(1, len(first), E)
+    for s, (a, b) in enumerate(zip(first, second)):
+        logits[0, s, a] = 4.0
+        logits[0, s, b] = 2.0
+    return logits
+
+
+@pytest.mark.parametrize("S,E,k,cf", [(8, 4, 1, 1.0), (16, 4, 2, 1.0), (10, 3, 2, 0.5), (7, 5, 1, 2.0)])
+def test_everyone_to_one_expert_keeps_exactly_the_capacity(S, E, k, cf):
+    C = expert_capacity(cf, k, S, E)
+    assert C == math.ceil(cf * k * S / E)
+    r, _ = route(_onehot_logits([0] * S, [1] * S, E), k, C)
+    kept = r.keep.sum(0).tolist()
+    assert kept[0] == min(S, C)                       # first choices of the first C tokens
+    assert r.keep[:, 0].tolist() == [s < C for s in range(S)]
+    if k == 2:
+        assert kept[1] == min(S, C)                   # expert 1 has its own C slots for second choices
+    assert int((~r.keep).sum()) == k * S - k * min(S, C)
+
+
+def test_first_choices_take_slots_before_second_choices():
+    # even tokens: first choice expert 1, second expert 0; odd tokens: first choice 0, second 1.
+    S, E = 8, 4
+    first = [1 if s % 2 == 0 else 0 for s in range(S)]
+    second = [0 if s % 2 == 0 else 1 for s in range(S)]
+    C = expert_capacity(0.5, 2, S, E)                 # = 2
+    r, _ = route(_onehot_logits(first, second, E), 2, C)
+    # expert 0: odd tokens' first choices fill both slots (tokens 1, 3) though token 0 asked earlier as a
+    # second choice; expert 1: even tokens 0, 2 likewise
+    assert r.keep[:, 0].tolist() == [s < 4 for s in range(S)]
+    assert not r.keep[:, 1].any()
+    assert r.position[:4, 0].tolist() == [0, 0, 1, 1]
+
+
+def test_random_routing_keeps_second_with_probability_two_g2_and_any_split_agrees():
+    torch.manual_seed(1)
+    G, S, E = 64, 32, 4
+    logits = torch.randn(G, S, E)
+    keys = sequence_token_keys(torch.randint(0, 256, (G, S)))
+    u = routing_uniform(keys, seed=123)
+    r, _ = route(logits, 2, None, u)
+    share = r.wanted[:, 1].double().mean()
+    expected = (2 * r.weight[:, 1]).clamp(max=1).double().mean()
+    assert abs(share - expected) < 0.03 and 0.05 < share < 0.95
+    # a rank that gets only the second half of the groups draws the same numbers for them
+    half, _ = route(logits[G // 2:], 2, None, routing_uniform(keys[G // 2:], seed=123))
+    assert torch.equal(half.wanted, r.wanted.view(G, S, 2)[G // 2:].reshape(-1, 2))
+    assert not torch.equal(routing_uniform(keys, seed=124), u)
+
+
+def test_aux_and_z_losses():
+    layer = MoELayer(8, 8, 4, top_k=2, capacity_factor=2.0)
+    with torch.no_grad():
+        layer.router.weight.zero_()           # uniform router: E * sum_e f_e * P_e = 1, z = log(E)^2
+    _, out = layer(torch.randn(3, 5, 8))
+    assert abs(float(out.aux_loss.detach()) - 1.0) < 1e-6
+    assert abs(float(out.z_loss.detach()) - math.log(4) ** 2) < 1e-6
+    assert abs(float(out.loss.detach()) - (layer.aux_loss_coef + layer.z_loss_coef * math.log(4) ** 2)) < 1e-6
+    with torch.no_grad():
+        layer.router.weight[0, 0] = 50.0      # everything to expert 0: aux -> E * 1 * ~1
+    layer.capacity_factor = 1.0               # C = ceil(1 * 2 * 5 / 4) = 3 of 5 first choices kept
+    _, out = layer(torch.ones(3, 5, 8))
+    assert float(out.aux_loss.detach()) > 3.9
+    s = out.stats.summary()
+    assert s["load_min"] == 0.0 and s["load_max"] == 0.5 and s["load_entropy"] == pytest.approx(0.5)
+    assert s["dropped_share"] == pytest.approx(4 / 10)   # 2 of 5 first and 2 of 5 second choices
+
+
+def test_bias_balancing_selects_with_the_bias_and_moves_it_towards_balance():
+    layer = MoELayer(8, 8, 4, top_k=1, capacity_factor=4.0, bias_balancing=True, bias_update_rate=0.1)
+    x = torch.randn(2, 6, 8)
+    _, before = layer(x)
+    layer.router.selection_bias[3] = 10.0
+    _, out = layer(x)
+    assert (out.routing.expert == 3).all()
+    # gate values come from the unbiased probabilities
+    probs = torch.softmax(layer.router(x.reshape(-1, 8)).float(), -1)
+    torch.testing.assert_close(out.routing.weight[:, 0], probs[:, 3])
+    layer.update_balance_bias(out.stats.kept)
+    assert layer.router.selection_bias.tolist() == pytest.approx([0.1, 0.1, 0.1, 9.9])
+    # the model's step: from the loads its training forwards accumulated
+    cfg = GPTMoEConfig(n_layer=2, n_head=2, n_embd=16, block_size=8, experts=4, moe_every=2, top_k=1,
+                       bias_balancing=True, bias_update_rate=0.01, random_routing=False)
+    model = GPTMoE(cfg)
+    model(torch.randint(0, 256, (2, 8)), torch.randint(0, 256, (2, 8)))
+    kept = model.moe_metrics.layers["blocks.1"].kept.double()
+    model.update_balance_bias()
+    assert model.blocks["1"].moe.router.selection_bias.tolist() == pytest.approx(
+        (0.01 * torch.sign(kept.mean() - kept)).tolist())
+    with pytest.raises(ValueError, match="bias_balancing"):
+        MoELayer(8, 8, 4).update_balance_bias(out.stats.kept)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(experts=6, ep=4), r"model.experts=6 is not divisible by parallel.ep=4: make model.experts a multiple"),
+    (dict(top_k=5, experts=4), r"model.top_k=5 must be between 1 and model.experts=4"),
+    (dict(capacity_factor=0.0), r"model.capacity_factor=0.0 must be > 0"),
+    (dict(eval_capacity_factor=-1.0), r"model.eval_capacity_factor=-1.0 must be > 0"),
+])
+def test_bad_input_is_one_line_naming_the_key(kwargs, match):
+    ep = kwargs.pop("ep", 1)
+    args = dict(experts=4, top_k=2, capacity_factor=1.0) | kwargs
+    mesh = Mesh(sizes={"pp": 1, "dp": 1, "ep": ep, "tp": 1}) if ep > 1 else None
+    with pytest.raises(ValueError, match=match) as e:
+        MoELayer(8, 8, args["experts"], top_k=args["top_k"], capacity_factor=args["capacity_factor"],
+                 eval_capacity_factor=args.get("eval_capacity_factor", 2.0), mesh=mesh)
+    assert "\n" not in str(e.value)
+
+
+def test_gpt_moe_expert_shards_materialise_their_single_process_values():
+    cfg = GPTMoEConfig(n_layer=2, n_head=2, n_embd=16, block_size=8, experts=4, moe_every=2)
+    torch.manual_seed(3)
+    full = GPTMoE(cfg)
+    for rank in (0, 1):
+        mesh = Mesh(sizes={"pp": 1, "dp": 1, "ep": 2, "tp": 1}, rank=rank)
+        torch.manual_seed(3)
+        part = GPTMoE(cfg, mesh)
+        with torch.device("meta"):
+            torch.manual_seed(3)
+            meta = GPTMoE(cfg, mesh)
+        meta.materialize()
+        fp = dict(full.named_parameters())
+        held = {n for n in dict(part.named_parameters()) if ".experts." in n}
+        assert held == {f"blocks.1.moe.experts.{e}.{w}" for e in (2 * rank, 2 * rank + 1)
+                        for w in ("w_fc", "w_proj", "b_fc", "b_proj")}
+        for model in (part, meta):
+            for name, p in model.named_parameters():
+                assert torch.equal(p, fp[name]), name
+                assert ("experts" in name) == p.__dict__.get("expert_parallel", False)
+    assert list(full.moe_layers()) == ["blocks.1.moe"]
+    assert full.active_params_per_token() < sum(p.numel() for p in full.parameters())
+
+
+# ---------------------------------------------------------------------------------------------------
+# expert parallelism
+
+
+STEPS = 20
+
+
+@pytest.fixture(scope="module")
+def single_process():
+    return dict(zip(W.MODES, W.train_gpt_moe(list(W.MODES), STEPS, 1, 1, mesh=Mesh.build())))
+
+
+def _close(a: torch.Tensor, b: torch.Tensor, rel: float, what: str):
+    scale = max(float(b.abs().max()), 1e-12)
+    assert float((a - b).abs().max()) <= rel * scale, f"{what}: {float((a - b).abs().max())} vs scale {scale}"
+
+
+@pytest.mark.parametrize("dp,ep", [(1, 2), (2, 2), (1, 4)])
+def test_expert_parallel_matches_single_process(dp, ep, single_process):
+    results = launch(W.train_gpt_moe, (list(W.MODES), STEPS, dp, ep), nproc=dp * ep)
+    for i, mode in enumerate(W.MODES):
+        ref = single_process[mode]
+        for rank, res in results.items():
+            ours = res[i]
+            label = f"dp={dp} ep={ep} {mode} rank {rank}"
+            # identical routing: per step and layer, every expert's wanted and kept counts
+            assert ours["counts"] == ref["counts"], label
+            assert ours["losses"] == pytest.approx(ref["losses"], rel=1e-9, abs=0), label
+            assert ours["grad_norms"] == pytest.approx(ref["grad_norms"], rel=1e-9, abs=0), label
+            for name, g in ours["grads1"].items():
+                _close(g, ref["grads1"][name], 1e-9, f"{label} grad {name}")
+            for name, p in ours["params"].items():
+                _close(p, ref["params"][name], 1e-8, f"{label} param {name}")
+            # 2 MoE layers x (3 exchanges forward + 2 backward) per step
+            assert ours["comm"]["ep/all_to_all"]["calls"] == STEPS * 2 * 5
+        dropped = sum(sum(w) - sum(k) for c in ref["counts"] for w, k in c.values())
+        assert (dropped == 0) == (mode == "dropless"), (mode, dropped)
+    # the expert tensors of all ranks together are every global expert
+    held = set().union(*(r[0]["params"] for r in results.values()))
+    assert held == set(single_process["top1"]["params"])
+
+
+NO_HANG = [("one_expert", 1, False), ("one_expert", 2, False), ("no_remote", 2, False), ("no_remote", 1, True),
+           ("empty_rank", 2, False), ("empty_rank", 2, True)]
+
+
+def test_lopsided_routing_finishes_with_the_right_gradients():
+    results = launch(W.no_hang_worker, (NO_HANG,), nproc=2)
+    for i, (case, top_k, dropless) in enumerate(NO_HANG):
+        label = f"{case} top_k={top_k} dropless={dropless}"
+        ref = W.build_layer(top_k, dropless)
+        losses, ys, xs = [], [], []
+        for rank in (0, 1):
+            xs.append(W.layer_inputs(case, rank))
+            loss, y, _ = W.layer_loss(ref, xs[-1])
+            losses.append(loss)
+            ys.append(y.detach())
+        (sum(losses) / 2).backward()
+        kept = results[0][i]["kept"] + results[1][i]["kept"]
+        for rank in (0, 1):
+            ours = results[rank][i]
+            torch.testing.assert_close(ours["y"], ys[rank], rtol=1e-12, atol=1e-12, msg=label)
+            # a rank's input gradient is that of its own loss; the reference differentiated the mean of two
+            torch.testing.assert_close(ours["x_grad"], 2 * xs[rank].grad, rtol=1e-10, atol=1e-12, msg=label)
+            first = ours["first"]
+            ref_grads = {n: p.grad for n, p in ref.named_parameters()}
+            assert len(ours["grads"]) == 1 + 2 * 4   # the router and this rank's two experts
+            for name, g in ours["grads"].items():
+                torch.testing.assert_close(g, ref_grads[name], rtol=1e-10, atol=1e-12, msg=f"{label} {name}")
+                if name.startswith("experts."):
+                    e = int(name.split(".")[1])
+                    assert first <= e < first + 2
+                    if ".w_" in name:  # zero exactly where nothing was routed
+                        assert (kept[e] == 0) == bool((g == 0).all()), (label, name)
+            assert ours["calls"]["ep/all_to_all"] == 5
+        if case in ("one_expert", "no_remote"):
+            assert kept[2:].sum() == 0          # experts 2 and 3 got nothing on every rank
+        if case == "no_remote":
+            assert results[0][i]["kept"][2:].sum() == 0   # rank 0 sent nothing to rank 1's experts
