@@ -248,11 +248,20 @@ class ShardedEmbeddingBags(nn.Module, ShardedTable):
         return store
 
     # -- agreement ------------------------------------------------------------------------------------
+    def _exchange(self, send: torch.Tensor, out_splits: list[int], in_splits: list[int]) -> torch.Tensor:
+        """``all_to_all_single`` of host tensor ``send`` over the table's axes, through the mesh's device
+        (NCCL exchanges only device tensors; the shards' rows live on the host); the result on the host."""
+        dev = self.mesh.device
+        out = torch.empty(sum(out_splits), dtype=send.dtype, device=dev)
+        comm.all_to_all(out, send.contiguous().to(dev), self.mesh, self.axes, out_splits, in_splits)
+        return out.cpu()
+
     def _agree(self, code: int, t: int, value: int) -> None:
         """Exchange every rank's verdict; raise the first rank's error on all ranks."""
-        mine = torch.tensor([code, t, value, self.me], dtype=torch.int64)
-        allv = torch.empty(4 * self.n, dtype=torch.int64)
+        mine = torch.tensor([code, t, value, self.me], dtype=torch.int64, device=self.mesh.device)
+        allv = torch.empty(4 * self.n, dtype=torch.int64, device=self.mesh.device)
         comm.all_gather(allv, mine, self.mesh, self.axes)
+        allv = allv.cpu()
         for r in range(self.n):
             c, tt, v, rank = allv[4 * r: 4 * r + 4].tolist()
             if c:
@@ -334,10 +343,8 @@ class ShardedEmbeddingBags(nn.Module, ShardedTable):
         send_t = torch.cat(send) if send else torch.zeros(0, dtype=torch.int64)
         send_n = torch.tensor([sum(3 * len(s.pos) for s in segments[d]) for d in range(self.n)],
                               dtype=torch.int64)
-        recv_n = torch.empty_like(send_n)
-        comm.all_to_all(recv_n, send_n, self.mesh, self.axes, [1] * self.n, [1] * self.n)
-        recv_t = torch.empty(int(recv_n.sum()), dtype=torch.int64)
-        comm.all_to_all(recv_t, send_t, self.mesh, self.axes, recv_n.tolist(), send_n.tolist())
+        recv_n = self._exchange(send_n, [1] * self.n, [1] * self.n)
+        recv_t = self._exchange(send_t, recv_n.tolist(), send_n.tolist())
         return recv_t.reshape(-1, 3), (recv_n // 3).tolist()
 
     def _group_received(self, tri: torch.Tensor, per_src: list[int]):
@@ -421,8 +428,7 @@ class ShardedEmbeddingBags(nn.Module, ShardedTable):
             recv_floats.append(nf)
         send_rows = torch.cat(out_chunks) if out_chunks else torch.zeros(0)
         send_floats = [sum(len(s.pos) * s.shard.width for s in segments[d]) for d in range(self.n)]
-        got = torch.empty(sum(send_floats))
-        comm.all_to_all(got, send_rows.contiguous(), self.mesh, self.axes, send_floats, recv_floats)
+        got = self._exchange(send_rows, send_floats, recv_floats)
         # assemble each table's deduplicated rows
         rows = {t: torch.zeros(len(uniq[t]), self.specs[t].dim) for t in ids}
         off = 0
@@ -492,8 +498,7 @@ class ShardedEmbeddingBags(nn.Module, ShardedTable):
         recv_f = [sum(count * self.shards[k[0]][k[1]].width for k, count in step.src_layout[src]
                       if trainable[k[0]]) for src in range(self.n)]
         send = torch.cat(chunks) if chunks else torch.zeros(0)
-        got = torch.empty(sum(recv_f))
-        comm.all_to_all(got, send.contiguous(), self.mesh, self.axes, recv_f, send_f)
+        got = self._exchange(send, recv_f, send_f)
         # sum each key's gradient over the sources, then update the touched rows
         sums = {key: torch.zeros(len(rec.keys), self.shards[key[0]][key[1]].width)
                 for key, rec in step.received.items() if trainable[key[0]]}
