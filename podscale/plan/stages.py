@@ -5,7 +5,7 @@ k % pp, Narayanan et al. SC'21, Sec. 2.2), either as the user lists them (``para
 or balanced by parameter count with the embeddings counted with the first block and the output layer
 with the last (:func:`podscale.parallel.pipeline.partition.layer_costs` /
 :func:`~podscale.parallel.pipeline.partition.contiguous_partition`). The planner computes the same
-partition of the same costs (a faster search for it, tested equal to the trainer's), so a 70-layer model
+partition of the same costs with the same function, so a 70-layer model
 on 12 stages gets the trainer's uneven split, and a layout may name the split with ``pipeline_layers``
 as training does.
 """
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from podscale.parallel.pipeline.partition import PipelineError
+from podscale.parallel.pipeline.partition import PipelineError, contiguous_partition
 
 from .layout import Layout, LayoutError
 from .models import GPT
@@ -30,57 +30,9 @@ def layer_param_costs(model: GPT) -> list[float]:
     return costs
 
 
-def balanced_partition(costs: list[float], parts: int) -> list[int]:
-    """The same partition as the trainer's :func:`~podscale.parallel.pipeline.partition.contiguous_partition`
-    (smallest possible largest group; among equal choices, the earliest cut), found in O(parts n log n)
-    instead of O(parts n^2): best[k][i] = min over j of max(best[k-1][j], S_i - S_j), where best[k-1][j] does
-    not decrease in j and S_i - S_j decreases, so the minimum sits where the two cross (binary search).
-    A search predicts thousands of layouts with many stage counts; tests check it against the trainer's."""
-    n = len(costs)
-    if parts > n:
-        raise PipelineError(f"{n} layers cannot fill {parts} pipeline stages (pp * virtual_stages): "
-                            f"use at least {parts} layers or fewer stages")
-    prefix = [0.0]
-    for c in costs:
-        prefix.append(prefix[-1] + c)
-    inf = float("inf")
-    prev = [inf] * (n + 1)
-    prev[0] = 0.0
-    cuts = []
-    for k in range(1, parts + 1):
-        cur, cut = [inf] * (n + 1), [0] * (n + 1)
-        for i in range(k, n - (parts - k) + 1):
-            lo, hi = k - 1, i - 1                 # j ranges over [k-1, i-1]; find the first j with f >= g
-            while lo < hi:
-                mid = (lo + hi) // 2
-                if prev[mid] >= prefix[i] - prefix[mid]:
-                    hi = mid
-                else:
-                    lo = mid + 1
-            best_v, best_j = inf, 0
-            for j in (lo - 1, lo, lo + 1):        # the crossing and its neighbours, earliest first
-                if k - 1 <= j <= i - 1:
-                    v = max(prev[j], prefix[i] - prefix[j])
-                    if v < best_v - 1e-12:
-                        best_v, best_j = v, j
-            # the trainer keeps the earliest j within 1e-12 of the minimum: walk back over a plateau
-            while best_j - 1 >= k - 1 and max(prev[best_j - 1], prefix[i] - prefix[best_j - 1]) < best_v + 1e-12 \
-                    and not max(prev[best_j - 1], prefix[i] - prefix[best_j - 1]) < best_v - 1e-12:
-                best_j -= 1
-            cur[i], cut[i] = best_v, best_j
-        prev = cur
-        cuts.append(cut)
-    sizes, i = [], n
-    for k in range(parts, 0, -1):
-        j = cuts[k - 1][i]
-        sizes.append(i - j)
-        i = j
-    return sizes[::-1]
-
-
 @lru_cache(maxsize=4096)
 def _balanced(model: GPT, chunks: int) -> tuple:
-    return tuple(balanced_partition(layer_param_costs(model), chunks))
+    return tuple(contiguous_partition(layer_param_costs(model), chunks))
 
 
 def pipeline_chunks(model: GPT, lay: Layout) -> tuple:
