@@ -330,8 +330,8 @@ def dropout_run(cfg_dicts: list[dict]) -> list[dict]:
             return float((parts.view((-1,) + tuple(t.shape)) - t).abs().max())
 
         with rng_tracker(mesh).fork():
-            inside = spread(torch.rand(64))
-        outside = spread(torch.rand(64))
+            inside = spread(torch.rand(64, device=mesh.device))
+        outside = spread(torch.rand(64, device=mesh.device))
         out.append({"losses": losses, "block_spread": max(spread(t) for t in seen[:4]),
                     "fork_spread": inside, "default_spread": outside})
     return out
