@@ -63,7 +63,7 @@ def full_named(engine, mesh, what: str = "param") -> dict[str, torch.Tensor]:
         # ZeRO holds this rank's slice of the reduced gradient: put the slices together over dp
         for u in inner.units:
             for p in u.params:
-                zero_grads[id(p)] = torch.zeros(p.numel())
+                zero_grads[id(p)] = torch.zeros(p.numel(), device=mesh.device)
         scale = inner.pending_grad_scale()  # (clipping a 16-bit or on-disk shard defers)
         on_disk = inner.swap.read_array(0) if getattr(inner, "swap", None) is not None else None  # NVMe
         for u in inner.units:
@@ -97,7 +97,7 @@ def full_named(engine, mesh, what: str = "param") -> dict[str, torch.Tensor]:
                 if mesh.rank == src:
                     comm.send(local[n].contiguous(), first, mesh, "pp")
                 elif mesh.rank == first:
-                    buf = torch.empty(shape, dtype=dtype)
+                    buf = torch.empty(shape, dtype=dtype, device=mesh.device)
                     comm.recv(buf, src, mesh, "pp")
                     local.setdefault(n, buf)
     return local
@@ -326,13 +326,13 @@ def dropout_run(cfg_dicts: list[dict]) -> list[dict]:
 
         def spread(t: torch.Tensor) -> float:
             """max |t on this rank - t on the other tp ranks|"""
-            parts = torch.empty((mesh.size("tp") * t.shape[0],) + tuple(t.shape[1:]))
+            parts = torch.empty((mesh.size("tp") * t.shape[0],) + tuple(t.shape[1:]), device=mesh.device)
             comm.all_gather(parts, t.contiguous(), mesh, "tp")
             return float((parts.view((-1,) + tuple(t.shape)) - t).abs().max())
 
         with rng_tracker(mesh).fork():
-            inside = spread(torch.rand(64))
-        outside = spread(torch.rand(64))
+            inside = spread(torch.rand(64, device=mesh.device))
+        outside = spread(torch.rand(64, device=mesh.device))
         out.append({"losses": losses, "block_spread": max(spread(t) for t in seen[:4]),
                     "fork_spread": inside, "default_spread": outside})
     return out

@@ -49,7 +49,7 @@ def _full_params(engine, model) -> dict:
         get = st._getter("master")  # reads the swap file under NVMe offload
         out = {}
         for u in st.units:
-            full = torch.zeros(u.padded, dtype=torch.float32)
+            full = torch.zeros(u.padded, dtype=torch.float32, device=st.mesh.device)
             from podscale.runtime import comm
             comm.all_gather(full, get(u).detach().float().clone(), st.mesh, "dp")
             for n, o, k, s in zip(u.names, u.offsets, u.numels, u.shapes):
