@@ -134,6 +134,12 @@ def _one_process(folder, precision: str, stage: int, **zero):
     return cfg, st, Engine(st.module, st.mesh, cfg.train, strategy=st)
 
 
+def _masters(st):
+    """The fp32 master of every unit's shard, read unit by unit from the swap file (settles the step)."""
+    import torch
+    return torch.cat([st.state.read_unit("master", u).clone() for u in st.checkpoint_units()])
+
+
 def test_nvme_reads_are_prefetched(tmp_path):
     """Stage 3 with parameters and optimizer state on NVMe, one process: every parameter read is issued
     before the gather that needs it (forward: block i+1's before block i computes), none is wasted, and
@@ -142,27 +148,28 @@ def test_nvme_reads_are_prefetched(tmp_path):
 
     cfg, st, engine = _one_process(tmp_path, "fp32", 3, offload_param="nvme")
     events = []
-    read_param, file_read = st.swap.read_param, st.swap.file.read
-    st.swap.read_param = lambda u, out: (events.append(("read", u.index)), read_param(u, out))[1]
+    swap = st.state.swap  # (NVMe backend)
+    read_param, file_read = swap.read_param, swap.file.read
+    swap.read_param = lambda u, out: (events.append(("read", u.index)), read_param(u, out))[1]
     for u in st.layers:
         u.module.register_forward_pre_hook(lambda m, a, i=u.index: events.append(("fwd", i)))
-    chunk_bytes = st.swap.C * 4
-    st.swap.file.read = lambda off, t: (off < st.swap.S * 4 and events.append(("chunk", off // chunk_bytes)),
+    chunk_bytes = swap.C * 4
+    swap.file.read = lambda off, t: (off < swap.S * 4 and events.append(("chunk", off // chunk_bytes)),
                                        file_read(off, t))[1]  # reads of the gradient array: the step's
-    publish = st._publish_range
-    st._publish_range = lambda u, lo, hi, m: (events.append(("step", (u.goff + lo) // st.swap.C)),
+    publish = st.state.on_stepped
+    st.state.on_stepped = lambda u, lo, hi, m: (events.append(("step", (u.goff + lo) // swap.C)),
                                               publish(u, lo, hi, m))[1]
     try:
         for b in batches_for(cfg, 2):
             engine.step(b)
         n = len(st.layers)
-        assert n == 4 and len(st.swap.chunks) >= 3
-        assert st.param_demand_reads == 0 and st.param_dropped_reads == 0 and st.param_reads > 0
+        assert n == 4 and len(swap.chunks) >= 3
+        assert st.state.param_demand_reads == 0 and st.state.param_dropped_reads == 0 and st.state.param_reads > 0
         first_fwd = events[: events.index(("fwd", n - 1)) + 1]
         for i in range(1, n):
             assert first_fwd.index(("read", i)) < first_fwd.index(("fwd", i - 1)), first_fwd
         steps = [e for e in events if e[0] in ("chunk", "step")]
-        for i in range(len(st.swap.chunks) - 1):
+        for i in range(len(swap.chunks) - 1):
             assert steps.index(("chunk", i + 1)) < steps.index(("step", i)), steps
     finally:
         st.close()
@@ -180,15 +187,15 @@ def test_nvme_fp16_overflow_skips_step(tmp_path):
     try:
         assert st.grads() == []  # the gradients are on disk: no in-memory tensor to hand out
         b = batches_for(cfg, 2)
-        before = st.swap.read_array(1).clone()  # the fp32 master
+        before = _masters(st)
         engine.scaler.scale = 3e38  # the scaled loss overflows
         r = engine.step(b[0])
         assert r.skipped and engine.scaler.scale == 1.5e38
-        assert torch.equal(st.swap.read_array(1), before) and st.swap.t == 0
+        assert torch.equal(_masters(st), before) and st.state.step_count() == 0
         engine.scaler.scale = 1024.0
         r = engine.step(b[1])
-        assert not r.skipped and math.isfinite(r.grad_norm) and st.swap.t == 1
-        assert not torch.equal(st.swap.read_array(1), before)
+        assert not r.skipped and math.isfinite(r.grad_norm) and st.state.step_count() == 1
+        assert not torch.equal(_masters(st), before)
     finally:
         st.close()
 
@@ -210,8 +217,8 @@ def test_nvme_step_streams_under_next_forward(tmp_path):
         events = []
         for u in st.layers:
             u.module.register_forward_pre_hook(lambda m, a, i=u.index: events.append(("fwd", i)))
-        publish = st._publish_range
-        st._publish_range = lambda u, lo, hi, m: (events.append(("step", u.index)), publish(u, lo, hi, m))[1]
+        publish = st.state.on_stepped
+        st.state.on_stepped = lambda u, lo, hi, m: (events.append(("step", u.index)), publish(u, lo, hi, m))[1]
         try:
             evals = []
             for i, b in enumerate(batches_for(cfg, 3)):
@@ -228,10 +235,10 @@ def test_nvme_step_streams_under_next_forward(tmp_path):
             stepped_in_fwd = [e for e in second[first_fwd:last_fwd] if e[0] == "step"]
             if overlap:  # step 1's chunks of blocks 1.. are stepped after block 0's forward began
                 assert stepped_in_fwd and second[:first_fwd].count(("step", n - 1)) == 0, second
-                assert st.param_captured > 0 and st.param_demand_reads == 0
+                assert st.state.param_captured > 0 and st.state.param_demand_reads == 0
             else:
-                assert not stepped_in_fwd and st.param_captured == 0, second
-            finals[overlap] = (st.swap.read_array(1).clone(), evals)  # the fp32 master
+                assert not stepped_in_fwd and st.state.param_captured == 0, second
+            finals[overlap] = (_masters(st), evals)
         finally:
             st.close()
     assert torch.equal(finals[True][0], finals[False][0]) and finals[True][1] == finals[False][1]

@@ -9,6 +9,7 @@ from podscale.config import parse_config
 from podscale.models.gpt import GPT
 from podscale.parallel.compose import build_engine
 from podscale.parallel.tensor import unshard
+from podscale.parallel.zero import ZeroStrategy
 from podscale.runtime import comm
 from podscale.runtime.mesh import Mesh
 from podscale.runtime.process import init_process
@@ -59,15 +60,14 @@ def full_named(engine, mesh, what: str = "param") -> dict[str, torch.Tensor]:
     local = {}
     zero_grads = {}
     inner = getattr(engine.strategy, "inner", engine.strategy)
-    if what == "grad" and hasattr(inner, "units"):
+    if what == "grad" and isinstance(inner, ZeroStrategy):
         # ZeRO holds this rank's slice of the reduced gradient: put the slices together over dp
         for u in inner.units:
             for p in u.params:
                 zero_grads[id(p)] = torch.zeros(p.numel())
         scale = inner.pending_grad_scale()  # (clipping a 16-bit or on-disk shard defers)
-        on_disk = inner.swap.read_array(0) if getattr(inner, "swap", None) is not None else None  # NVMe
         for u in inner.units:
-            grad = u.grad if on_disk is None else on_disk[u.goff:u.goff + u.shard]
+            grad = inner.state.read_unit("grad", u)  # (read from the swap file under NVMe offload)
             for (i, lo, hi), (_i, a, b) in zip(u.owned(), u.shard_ranges()):
                 zero_grads[id(u.params[i])][lo:hi] = grad[a:b].float() * scale
         for g in zero_grads.values():

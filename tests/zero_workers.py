@@ -44,15 +44,15 @@ def _build(d: dict, info):
 
 def _full_params(engine, model) -> dict:
     """Every parameter as a plain fp32 tensor (gathered from the fp32 masters when sharded)."""
-    if engine.strategy.__class__.__name__ == "ZeroStrategy":
+    from podscale.parallel.zero import ZeroStrategy
+    from podscale.runtime import comm
+    if isinstance(engine.strategy, ZeroStrategy):
         st = engine.strategy
-        st._ck = {}
-        get = st._getter("master")  # reads the swap file under NVMe offload
         out = {}
-        for u in st.units:
+        for u in st.checkpoint_units():
             full = torch.zeros(u.padded, dtype=torch.float32)
-            from podscale.runtime import comm
-            comm.all_gather(full, get(u).detach().float().clone(), st.mesh, "dp")
+            # (read from the swap file under NVMe offload)
+            comm.all_gather(full, st.state.read_unit("master", u).detach().float().clone(), st.mesh, "dp")
             for n, o, k, s in zip(u.names, u.offsets, u.numels, u.shapes):
                 out[n] = full[o:o + k].view(s).clone()
         return out
@@ -77,10 +77,8 @@ def train_zero(cfg_dicts: list[dict]) -> list[dict]:
         out.append({"losses": losses, "grad_norms": norms, "skipped": skipped,
                     "params": params if info.rank == 0 else None,
                     "comm": mesh.stats.snapshot(),
-                    "state_bytes": st.state_bytes() if hasattr(st, "state_bytes") else None,
-                    "units": len(st.units) if hasattr(st, "units") else None})
-        if hasattr(st, "close"):
-            st.close()
+                    "state_bytes": st.state_bytes(), "units": len(st.units)})
+        st.close()
     return out
 
 
@@ -167,7 +165,7 @@ def measure_states(cfg_dicts: list[dict]) -> list[dict]:
         for b in batches:
             engine.step(b)
         if strategy is not None:
-            strategy._wait_params()  # the post-step parameter all-gather is in flight until next forward
+            strategy.wait_params()  # the post-step parameter all-gather is in flight until next forward
         peak = hwm_rss_bytes()
         gc.collect()
         after = current_rss_bytes()
@@ -227,7 +225,7 @@ def nvme_budget_run(d: dict, steps: int) -> dict:
         trace.append(("step", current_rss_bytes() - base, peak_rss_bytes() - base))
     strategy.complete_step()  # the last step streams during the next forward: none comes, finish it
     sb = strategy.state_bytes()
-    f = strategy.swap.file
+    f = strategy.state.swap.file
     io = {"read": f.bytes_read, "written": f.bytes_written, "read_s": f.read_s, "write_s": f.write_s}
     out = {"growth": peak_rss_bytes() - base, "base": base, "on_disk": sb["on_disk"], "state_bytes": sb,
            "losses": losses, "step_s": times, "io": io,
