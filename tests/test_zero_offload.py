@@ -47,7 +47,10 @@ def test_nvme_trains_model_4x_ram_budget(tmp_path, monkeypatch):
     budget of a quarter of that for the growth of the worker's peak resident memory, which holds three swap
     chunks, prefetched parameter shards, the gathered blocks, gradient buckets and activations (measured:
     ~129 MiB of a 183 MiB budget).
-    The model is built on the meta device and materialised one unit at a time."""
+    The model is built on the meta device and materialised one unit at a time.  The run also saves a
+    checkpoint (master and moments: 12 bytes a parameter, far above the budget), trains on, loads it back
+    and trains the same steps again with identical losses, the peak still under the budget: saving and
+    loading stream the state unit by unit."""
     path = shakespeare()
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")
     d = zero_config(path, 3, 2, 1, "bf16", 2, 3, model={"n_layer": 48, "n_embd": 384, "n_head": 6,
@@ -55,18 +58,24 @@ def test_nvme_trains_model_4x_ram_budget(tmp_path, monkeypatch):
                     offload_optimizer="nvme", offload_param="nvme", nvme_path=str(tmp_path), nvme_block_mb=1.0,
                     param_persistence_threshold=10_000)
     d["train"]["warmup_steps"] = 0
-    res = launch(nvme_budget_run, (d, 3), nproc=2)
+    res = launch(nvme_budget_run, (d, 3, str(tmp_path / "ckpt"), 2), nproc=2)
     for rank, r in res.items():
         budget = r["on_disk"] / 4
         print(f"rank {rank}: {r['params'] / 1e6:.1f}M params, on disk {r['on_disk'] / 2**20:.0f} MiB, "
-              f"budget {budget / 2**20:.0f} MiB, peak growth {r['growth'] / 2**20:.0f} MiB, "
-              f"step {r['step_s']}, io {r['io']}, trace {r['trace']}")
+              f"budget {budget / 2**20:.0f} MiB, peak growth {r['growth'] / 2**20:.0f} MiB (after the save "
+              f"{r['save_peak'] / 2**20:.0f}, after the load {r['load_peak'] / 2**20:.0f}), checkpoint "
+              f"{r['ckpt_bytes'] / 2**20:.0f} MiB, step {r['step_s']}, io {r['io']}, trace {r['trace']}")
         assert r["on_disk"] >= 4 * budget
-        assert r["growth"] < budget, (rank, r["growth"], budget)
+        assert r["growth"] < budget, (rank, r["growth"], budget)  # training, saving and loading included
         assert all(math.isfinite(x) for x in r["losses"]) and r["losses"][-1] < r["losses"][0]
         # every step streamed the whole optimizer state in: 16 of the 18 bytes per shard element on disk
         # (fp32 gradient, master, moments; the other 2 are the bf16 parameter shard)
         assert r["io"]["read"] >= 3 * r["on_disk"] * 16 / 18
+        # the checkpoint (both ranks' files) holds this model's master and both moments, 12 bytes a parameter:
+        # far more than the two ranks' budgets, so it cannot have been put together in memory
+        assert r["ckpt_bytes"] >= 12 * r["params"] * 0.99 > 2 * budget
+        # reloaded, the run continues exactly as it did after the save
+        assert r["losses_after_load"] == r["losses_after_save"], (r["losses_after_save"], r["losses_after_load"])
 
 
 def test_bad_offload_configs_fail_before_training(tmp_path):

@@ -29,19 +29,26 @@ def make_config(data_path: str, steps: int, global_batch: int, micro_batch: int,
                       "lr": 2e-3, "min_lr": 2e-4, "warmup_steps": 5, "grad_clip": 1.0}}
 
 
+def _own_parts(t):
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+    if isinstance(t, ShardedTensor):
+        parts = [(tuple(s.metadata.shard_offsets), s.tensor.detach().cpu().clone()) for s in t.local_shards()]
+    else:
+        parts = [((0,) * t.dim(), t.detach().cpu().clone())]
+    return (tuple(t.size()), t.dtype, parts)
+
+
 def assemble(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The whole tensors of a checkpoint state dict (ShardedTensors of every rank's own pieces, or plain
     tensors), put together on every rank from what each rank holds (test helper: an object all-gather)."""
     import torch.distributed as dist
-    from torch.distributed._shard.sharded_tensor import ShardedTensor
+
+    from podscale.storage.lazy import resident
 
     mine = {}
-    for name, t in state.items():
-        if isinstance(t, ShardedTensor):
-            parts = [(tuple(s.metadata.shard_offsets), s.tensor.detach().cpu().clone()) for s in t.local_shards()]
-        else:
-            parts = [((0,) * t.dim(), t.detach().cpu().clone())]
-        mine[name] = (tuple(t.size()), t.dtype, parts)
+    with resident(state.values()):  # (ZeRO-Infinity: the state's buffers are read from its swap file)
+        for name, t in state.items():
+            mine[name] = _own_parts(t)
     every = [None] * dist.get_world_size() if dist.is_initialized() else [mine]
     if dist.is_initialized():
         dist.all_gather_object(every, mine)

@@ -16,7 +16,6 @@ at any other, into one process, and ``podscale export`` consolidates it into one
 from __future__ import annotations
 
 import functools
-import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
 
@@ -25,6 +24,8 @@ import torch.distributed as dist
 from torch.distributed._shard.metadata import ShardMetadata
 from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
 from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
+
+from podscale.storage import lazy
 
 
 Shape = tuple[int, ...]
@@ -85,17 +86,19 @@ def to_global(layout, local: Shape, t: int, tp: int, off: Shape, size: Shape) ->
 class Holding:
     """Where the pieces of one parameter's tp shard live: ``boxes(d)`` are the boxes of the shard held by
     dp rank ``d`` (ZeRO: its slice of the unit; replicated: the whole shard on every dp rank) and
-    ``view(off, size)`` this rank's memory for one of its own boxes."""
+    ``view(off, size)`` this rank's memory for one of its own boxes.  ``own``: the views are the
+    strategy's state itself (what is written into them is loaded), not a stand-in for state that does
+    not exist yet."""
 
-    def __init__(self, shape: Shape, dp: int, boxes, view):
-        self.shape, self.dp, self.boxes, self.view = tuple(shape), dp, boxes, view
+    def __init__(self, shape: Shape, dp: int, boxes, view, own: bool = True):
+        self.shape, self.dp, self.boxes, self.view, self.own = tuple(shape), dp, boxes, view, own
 
 
-def replicated(t: torch.Tensor, dp: int) -> Holding:
+def replicated(t: torch.Tensor, dp: int, own: bool = True) -> Holding:
     """A tensor every dp rank holds whole."""
     whole = ((0,) * t.dim(), tuple(t.shape))
     return Holding(t.shape, dp, lambda d: [whole],
-                   lambda off, size: t[off[0]:off[0] + size[0]] if t.dim() else t)
+                   lambda off, size: t[off[0]:off[0] + size[0]] if t.dim() else t, own)
 
 
 def publish(holding: Holding, layout, mesh) -> torch.Tensor:
@@ -201,7 +204,8 @@ class ReplicatedSource(CheckpointSource):
 
     def holding(self, p, kind):
         t = p.detach() if kind == PARAM else self.optimizer.state.get(p, {}).get(kind)
-        return replicated(torch.zeros_like(p) if t is None else t, self.dp)
+        # (a fresh optimizer has no state yet: zeros stand in, copied into its state at the load)
+        return replicated(torch.zeros_like(p) if t is None else t, self.dp, own=t is not None)
 
     def prepare_load(self, kinds):
         # a fresh torch optimizer has no state yet: give it the tensors to load into
@@ -232,7 +236,9 @@ class CheckpointPublisher:
     ``model_names()`` lists (name, parameter) under every name the model state carries (tied names too);
     ``optim_names(duplicates)`` those of the optimizer state (``duplicates``: also the copies a template
     loads into, e.g. the last pipeline stage's tied embedding).  Tensors handed out by :meth:`model_state`
-    / :meth:`optim_state` are remembered: loading them back copies nothing, as DCP already filled them.
+    / :meth:`optim_state` that are the state's own memory (:attr:`Holding.own`) are remembered: loading
+    them back copies nothing, as DCP already filled them (for ZeRO-Infinity's state that is what keeps a
+    load streaming: no second pass over the swap file).
     """
 
     def __init__(self, mesh, source: CheckpointSource, model_names: Callable[[], NamedParams],
@@ -241,33 +247,38 @@ class CheckpointPublisher:
         self.model_names, self.optim_names = model_names, optim_names
         self._handed: dict[str, torch.Tensor] = {}
 
-    def _entries(self, kind: str, names) -> dict[str, torch.Tensor]:
-        done: dict[int, torch.Tensor] = {}
+    def _entries(self, kind: str, names, suffix: str | None = None) -> dict[str, torch.Tensor]:
+        """``{name: tensor}``; with ``suffix``, the tensors that are the state's own memory are remembered
+        under ``name + suffix`` as handed out."""
+        done: dict[int, tuple[torch.Tensor, bool]] = {}
         out = {}
         for name, p in names:
             if not self.source.holds(p):
                 continue
             if id(p) not in done:
-                done[id(p)] = publish(self.source.holding(p, kind), getattr(p, "tp_layout", None), self.mesh)
-            out[name] = done[id(p)]
+                h = self.source.holding(p, kind)
+                done[id(p)] = (publish(h, getattr(p, "tp_layout", None), self.mesh), h.own)
+            out[name], own = done[id(p)]
+            if suffix is not None:
+                if own:
+                    self._handed[name + suffix] = out[name]
+                else:
+                    self._handed.pop(name + suffix, None)
         return out
 
     def model_state(self) -> dict[str, torch.Tensor]:
         self.source.open((PARAM,))
-        out = self._entries(PARAM, self.model_names())
-        self._handed.update(out)
-        return out
+        return self._entries(PARAM, self.model_names(), suffix="")
 
     def _optim(self, duplicates: bool) -> dict[str, torch.Tensor]:
         self.source.open(STATE_KEYS)
         names = [(n, p) for n, p in self.optim_names(duplicates) if self.source.holds(p)]
         out = {}
         for key in STATE_KEYS:
-            out.update({f"{n}.{key}": t for n, t in self._entries(key, names).items()})
+            out.update({f"{n}.{key}": t for n, t in self._entries(key, names, suffix=f".{key}").items()})
         step = self.source.step_count()
         for n, _ in names:
             out[f"{n}.step"] = step.clone()
-        self._handed.update(out)
         return out
 
     def optim_state(self) -> dict[str, torch.Tensor]:
@@ -285,7 +296,8 @@ class CheckpointPublisher:
                 continue  # (a tensor this publisher handed out: DCP already wrote into our memory)
             if ours is None:
                 ours = self._entries(kind, names)
-            copy_parts(ours[name], src)
+            with lazy.resident([ours[name]], changed=True):  # (state on NVMe: one unit's shard at a time)
+                copy_parts(ours[name], src)
 
     @torch.no_grad()
     def load_model_state(self, state: dict[str, torch.Tensor]) -> None:

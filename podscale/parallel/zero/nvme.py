@@ -18,8 +18,11 @@ The file is read and written with ``O_DIRECT`` (:mod:`podscale.storage.aio`): ev
 at an offset of :data:`ELEM_ALIGN` elements (the strategy lays them out so), chunks are multiples of it
 and the buffers are page-aligned, so the transfers go to the disk in place, without bounce copies.
 
-Scaling of the gradient (fp16 unscale, clipping) is deferred: the strategy keeps one coefficient and the
-step applies it to each chunk (:meth:`ZeroStrategy.scale_grads`).
+Scaling of the gradient (fp16 unscale, clipping) is deferred: the state keeps one coefficient and the
+step applies it to each chunk (:meth:`podscale.parallel.zero.flat_state.NvmeFlatState.scale_grads`).  The
+update functions are the in-memory backend's: AdamW's fused step on each chunk's segments, LAMB/LARS
+through the two passes of :class:`podscale.optim.flat_lamb.TrustRatioRule`.  Checkpoints read and write
+one unit's range of one array at a time (:meth:`NvmeOptimizerState.read_unit`).
 
 At stage 3 the step itself can be deferred (``step(defer=True)``, config ``zero.nvme_overlap_step``): the
 strategy lays the file out in the order the forward uses its units, and each gather of the next forward
@@ -27,7 +30,8 @@ calls :meth:`advance` up to the end of its unit, so a block's optimizer state st
 while the previous block computes — ZeRO-Infinity's overlap of NVMe traffic with compute (section 6.3),
 applied to the optimizer step, which clipping by the global norm keeps from starting before backward ends.
 The result is the same as stepping at once; anything else that touches the file (gradients of the next
-backward, checkpoints, parameter writes) calls :meth:`finish` first.
+backward, checkpoints, parameter writes) calls :meth:`finish` first.  :class:`NvmeFlatState
+<podscale.parallel.zero.flat_state.NvmeFlatState>` drives this file for the strategy.
 """
 from __future__ import annotations
 

@@ -23,7 +23,8 @@ import torch
 
 from podscale.parallel.sharded_state import PARAM, CheckpointSource, Holding, flat_start
 from podscale.parallel.zero.flat_state import MASTER, FlatState
-from podscale.parallel.zero.layout import Unit, flat_range_boxes
+from podscale.parallel.zero.layout import flat_range_boxes
+from podscale.storage.lazy import LazyPool
 
 
 def _array(kind: str) -> str:
@@ -46,31 +47,45 @@ def zero_slice(u, i: int, buf: torch.Tensor) -> Holding:
 
 class ZeroSource(CheckpointSource):
     """The :class:`~podscale.parallel.sharded_state.CheckpointSource` of a
-    :class:`~podscale.parallel.zero.ZeroStrategy`: holdings are slices of :meth:`FlatState.read_unit`'s
-    per-unit shards; :meth:`commit` hands them back through :meth:`FlatState.write_unit`."""
+    :class:`~podscale.parallel.zero.ZeroStrategy`.
 
-    def __init__(self, strategy, state: FlatState):
+    With the state in memory, holdings are slices of :meth:`FlatState.read_unit`'s views and a load writes
+    straight into the state.  With the state on NVMe (:meth:`FlatState.reads_copy`), holdings are slices of
+    the buffers of a :class:`~podscale.storage.lazy.LazyPool`, one per (array, unit), resident only while
+    DCP writes or fills them (:class:`~podscale.storage.lazy.StreamingSavePlanner`,
+    :class:`~podscale.storage.lazy.StreamingLoadPlanner`): saving or loading moves the state unit by unit,
+    never more than ``max_resident`` unit shards of it in memory (ZeRO-Infinity's state is larger than
+    the host memory it would otherwise take)."""
+
+    def __init__(self, strategy, state: FlatState, max_resident: int = 2):
         self.strategy, self.state = strategy, state
         self._index = {id(q): (u, i) for u in strategy.units for i, q in enumerate(u.params)}
-        self._buffers: dict[tuple[str, int], tuple[Unit, torch.Tensor]] = {}
+        self._units = {u.index: u for u in strategy.units}
+        self.pool: LazyPool | None = None
+        if state.reads_copy():
+            self.pool = LazyPool(lambda key: state.read_unit(key[0], self._units[key[1]]),
+                                 lambda key, t: state.write_unit(key[0], self._units[key[1]], t), max_resident)
+
+    def _keys(self, kinds) -> list[tuple[str, int]]:
+        arrays = {_array(k) for k in kinds}
+        return [(a, u.index) for a in arrays for u in self.strategy.units]
 
     def open(self, kinds):
         self.strategy.checkpoint_units()  # a deferred step completes, parameter all-gathers are waited for
-        for key in [k for k in self._buffers if k[0] in {_array(x) for x in kinds}]:
-            del self._buffers[key]  # read the arrays anew
+        if self.pool is not None:
+            self.pool.flush(self._keys(kinds))  # what is read next is read anew from the state
 
     def holds(self, p):
         return id(p) in self._index
 
-    def _buffer(self, kind: str, u: Unit) -> torch.Tensor:
-        key = (_array(kind), u.index)
-        if key not in self._buffers:
-            self._buffers[key] = (u, self.state.read_unit(key[0], u))
-        return self._buffers[key][1]
-
     def holding(self, p, kind) -> Holding:
         u, i = self._index[id(p)]
-        return zero_slice(u, i, self._buffer(kind, u))
+        array = _array(kind)
+        if self.pool is None:
+            return zero_slice(u, i, self.state.read_unit(array, u))
+        key = (array, u.index)
+        h = zero_slice(u, i, self.pool.buffer(key, u.shard))
+        return Holding(h.shape, h.dp, h.boxes, lambda off, size: self.pool.view(key, lambda: h.view(off, size)))
 
     def prepare_load(self, kinds):
         self.strategy.checkpoint_units()
@@ -78,9 +93,11 @@ class ZeroSource(CheckpointSource):
     @torch.no_grad()
     def commit(self, kinds):
         arrays = {_array(k) for k in kinds}
-        for key in [k for k in self._buffers if k[0] in arrays]:
-            u, buf = self._buffers.pop(key)
-            self.state.write_unit(key[0], u, buf)
+        if self.pool is not None:
+            self.pool.flush(self._keys(kinds))  # changed buffers go back to the state
+        elif MASTER in arrays:
+            for u in self.strategy.units:  # the masters were written in place: refresh their compute copies
+                self.state.write_unit(MASTER, u, self.state.read_unit(MASTER, u))
         if MASTER in arrays:
             self.strategy.loaded_masters()
 
