@@ -160,6 +160,7 @@ def _memory_case(d, tokens, mesh, allocated, peak_allocated, cuda) -> dict:
     from podscale.config import parse_config
     from podscale.models.gpt import GPT
     from podscale.parallel.compose import build_engine
+    from podscale.parallel.zero import ZeroStrategy
     from podscale.parallel.zero.memory import estimate_model_states
     from podscale.train.data import ShardedLoader
     from podscale.tasks.gpt import gpt_config
@@ -182,8 +183,8 @@ def _memory_case(d, tokens, mesh, allocated, peak_allocated, cuda) -> dict:
     for _ in range(3):
         res = engine.step(loader.next_step())
     st = engine.strategy
-    if hasattr(st, "_wait_params"):
-        st._wait_params()
+    if isinstance(st, ZeroStrategy):
+        st.wait_params()
     if cuda:
         torch.cuda.synchronize()
     held, peak = allocated() - before, peak_allocated() - before

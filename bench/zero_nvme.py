@@ -99,9 +99,9 @@ def worker(kind: str, args: dict) -> dict:
             if i == args["warmup"]:
                 st.complete_step()  # the last warm-up step's optimizer step, outside the window
                 io0, dev0 = _disk_io(), _device_io(folder)
-                sw = st.swap
-                c0 = (sw.step_s, sw.step_exposed_s, st.param_wait_s, st.param_demand_reads,
-                      sw.file.bytes_read, sw.file.bytes_written, st.param_captured)
+                sw = st.state.swap
+                c0 = (sw.step_s, sw.step_exposed_s, st.state.param_wait_s, st.state.param_demand_reads,
+                      sw.file.bytes_read, sw.file.bytes_written, st.state.param_captured)
                 t_all = time.perf_counter()
             t0 = time.perf_counter()
             engine.step([(x, y)])
@@ -109,9 +109,9 @@ def worker(kind: str, args: dict) -> dict:
         st.complete_step()  # the last step streams under the next forward (overlap): finish it here
         t_all = (time.perf_counter() - t_all) / args["steps"]
         io1, dev1 = _disk_io(), _device_io(folder)
-        sw, n = st.swap, args["steps"]
-        c1 = (sw.step_s, sw.step_exposed_s, st.param_wait_s, st.param_demand_reads,
-              sw.file.bytes_read, sw.file.bytes_written, st.param_captured)
+        sw, n = st.state.swap, args["steps"]
+        c1 = (sw.step_s, sw.step_exposed_s, st.state.param_wait_s, st.state.param_demand_reads,
+              sw.file.bytes_read, sw.file.bytes_written, st.state.param_captured)
         d = [(b - a) / n for a, b in zip(c0, c1)]
         # one more step with the optimizer step run at once (not under the next forward): the streaming
         # engine's own bandwidth, the disk's whole time devoted to it

@@ -47,7 +47,10 @@ def test_nvme_trains_model_4x_ram_budget(tmp_path, monkeypatch):
     budget of a quarter of that for the growth of the worker's peak resident memory, which holds three swap
     chunks, prefetched parameter shards, the gathered blocks, gradient buckets and activations (measured:
     ~129 MiB of a 183 MiB budget).
-    The model is built on the meta device and materialised one unit at a time."""
+    The model is built on the meta device and materialised one unit at a time.  The run also saves a
+    checkpoint (master and moments: 12 bytes a parameter, far above the budget), trains on, loads it back
+    and trains the same steps again with identical losses, the peak still under the budget: saving and
+    loading stream the state unit by unit."""
     path = shakespeare()
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")
     d = zero_config(path, 3, 2, 1, "bf16", 2, 3, model={"n_layer": 48, "n_embd": 384, "n_head": 6,
@@ -55,18 +58,24 @@ def test_nvme_trains_model_4x_ram_budget(tmp_path, monkeypatch):
                     offload_optimizer="nvme", offload_param="nvme", nvme_path=str(tmp_path), nvme_block_mb=1.0,
                     param_persistence_threshold=10_000)
     d["train"]["warmup_steps"] = 0
-    res = launch(nvme_budget_run, (d, 3), nproc=2)
+    res = launch(nvme_budget_run, (d, 3, str(tmp_path / "ckpt"), 2), nproc=2)
     for rank, r in res.items():
         budget = r["on_disk"] / 4
         print(f"rank {rank}: {r['params'] / 1e6:.1f}M params, on disk {r['on_disk'] / 2**20:.0f} MiB, "
-              f"budget {budget / 2**20:.0f} MiB, peak growth {r['growth'] / 2**20:.0f} MiB, "
-              f"step {r['step_s']}, io {r['io']}, trace {r['trace']}")
+              f"budget {budget / 2**20:.0f} MiB, peak growth {r['growth'] / 2**20:.0f} MiB (after the save "
+              f"{r['save_peak'] / 2**20:.0f}, after the load {r['load_peak'] / 2**20:.0f}), checkpoint "
+              f"{r['ckpt_bytes'] / 2**20:.0f} MiB, step {r['step_s']}, io {r['io']}, trace {r['trace']}")
         assert r["on_disk"] >= 4 * budget
-        assert r["growth"] < budget, (rank, r["growth"], budget)
+        assert r["growth"] < budget, (rank, r["growth"], budget)  # training, saving and loading included
         assert all(math.isfinite(x) for x in r["losses"]) and r["losses"][-1] < r["losses"][0]
         # every step streamed the whole optimizer state in: 16 of the 18 bytes per shard element on disk
         # (fp32 gradient, master, moments; the other 2 are the bf16 parameter shard)
         assert r["io"]["read"] >= 3 * r["on_disk"] * 16 / 18
+        # the checkpoint (both ranks' files) holds this model's master and both moments, 12 bytes a parameter:
+        # far more than the two ranks' budgets, so it cannot have been put together in memory
+        assert r["ckpt_bytes"] >= 12 * r["params"] * 0.99 > 2 * budget
+        # reloaded, the run continues exactly as it did after the save
+        assert r["losses_after_load"] == r["losses_after_save"], (r["losses_after_save"], r["losses_after_load"])
 
 
 def test_bad_offload_configs_fail_before_training(tmp_path):
@@ -134,6 +143,12 @@ def _one_process(folder, precision: str, stage: int, **zero):
     return cfg, st, gpt_engine(st.module, st.mesh, cfg, st)
 
 
+def _masters(st):
+    """The fp32 master of every unit's shard, read unit by unit from the swap file (settles the step)."""
+    import torch
+    return torch.cat([st.state.read_unit("master", u).clone() for u in st.checkpoint_units()])
+
+
 def test_nvme_reads_are_prefetched(tmp_path):
     """Stage 3 with parameters and optimizer state on NVMe, one process: every parameter read is issued
     before the gather that needs it (forward: block i+1's before block i computes), none is wasted, and
@@ -142,27 +157,28 @@ def test_nvme_reads_are_prefetched(tmp_path):
 
     cfg, st, engine = _one_process(tmp_path, "fp32", 3, offload_param="nvme")
     events = []
-    read_param, file_read = st.swap.read_param, st.swap.file.read
-    st.swap.read_param = lambda u, out: (events.append(("read", u.index)), read_param(u, out))[1]
+    swap = st.state.swap  # (NVMe backend)
+    read_param, file_read = swap.read_param, swap.file.read
+    swap.read_param = lambda u, out: (events.append(("read", u.index)), read_param(u, out))[1]
     for u in st.layers:
         u.module.register_forward_pre_hook(lambda m, a, i=u.index: events.append(("fwd", i)))
-    chunk_bytes = st.swap.C * 4
-    st.swap.file.read = lambda off, t: (off < st.swap.S * 4 and events.append(("chunk", off // chunk_bytes)),
+    chunk_bytes = swap.C * 4
+    swap.file.read = lambda off, t: (off < swap.S * 4 and events.append(("chunk", off // chunk_bytes)),
                                        file_read(off, t))[1]  # reads of the gradient array: the step's
-    publish = st._publish_range
-    st._publish_range = lambda u, lo, hi, m: (events.append(("step", (u.goff + lo) // st.swap.C)),
+    publish = st.state.on_stepped
+    st.state.on_stepped = lambda u, lo, hi, m: (events.append(("step", (u.goff + lo) // swap.C)),
                                               publish(u, lo, hi, m))[1]
     try:
         for b in batches_for(cfg, 2):
             engine.step(b)
         n = len(st.layers)
-        assert n == 4 and len(st.swap.chunks) >= 3
-        assert st.param_demand_reads == 0 and st.param_dropped_reads == 0 and st.param_reads > 0
+        assert n == 4 and len(swap.chunks) >= 3
+        assert st.state.param_demand_reads == 0 and st.state.param_dropped_reads == 0 and st.state.param_reads > 0
         first_fwd = events[: events.index(("fwd", n - 1)) + 1]
         for i in range(1, n):
             assert first_fwd.index(("read", i)) < first_fwd.index(("fwd", i - 1)), first_fwd
         steps = [e for e in events if e[0] in ("chunk", "step")]
-        for i in range(len(st.swap.chunks) - 1):
+        for i in range(len(swap.chunks) - 1):
             assert steps.index(("chunk", i + 1)) < steps.index(("step", i)), steps
     finally:
         st.close()
@@ -180,15 +196,15 @@ def test_nvme_fp16_overflow_skips_step(tmp_path):
     try:
         assert st.grads() == []  # the gradients are on disk: no in-memory tensor to hand out
         b = batches_for(cfg, 2)
-        before = st.swap.read_array(1).clone()  # the fp32 master
+        before = _masters(st)
         engine.scaler.scale = 3e38  # the scaled loss overflows
         r = engine.step(b[0])
         assert r.skipped and engine.scaler.scale == 1.5e38
-        assert torch.equal(st.swap.read_array(1), before) and st.swap.t == 0
+        assert torch.equal(_masters(st), before) and st.state.step_count() == 0
         engine.scaler.scale = 1024.0
         r = engine.step(b[1])
-        assert not r.skipped and math.isfinite(r.grad_norm) and st.swap.t == 1
-        assert not torch.equal(st.swap.read_array(1), before)
+        assert not r.skipped and math.isfinite(r.grad_norm) and st.state.step_count() == 1
+        assert not torch.equal(_masters(st), before)
     finally:
         st.close()
 
@@ -210,8 +226,8 @@ def test_nvme_step_streams_under_next_forward(tmp_path):
         events = []
         for u in st.layers:
             u.module.register_forward_pre_hook(lambda m, a, i=u.index: events.append(("fwd", i)))
-        publish = st._publish_range
-        st._publish_range = lambda u, lo, hi, m: (events.append(("step", u.index)), publish(u, lo, hi, m))[1]
+        publish = st.state.on_stepped
+        st.state.on_stepped = lambda u, lo, hi, m: (events.append(("step", u.index)), publish(u, lo, hi, m))[1]
         try:
             evals = []
             for i, b in enumerate(batches_for(cfg, 3)):
@@ -228,10 +244,10 @@ def test_nvme_step_streams_under_next_forward(tmp_path):
             stepped_in_fwd = [e for e in second[first_fwd:last_fwd] if e[0] == "step"]
             if overlap:  # step 1's chunks of blocks 1.. are stepped after block 0's forward began
                 assert stepped_in_fwd and second[:first_fwd].count(("step", n - 1)) == 0, second
-                assert st.param_captured > 0 and st.param_demand_reads == 0
+                assert st.state.param_captured > 0 and st.state.param_demand_reads == 0
             else:
-                assert not stepped_in_fwd and st.param_captured == 0, second
-            finals[overlap] = (st.swap.read_array(1).clone(), evals)  # the fp32 master
+                assert not stepped_in_fwd and st.state.param_captured == 0, second
+            finals[overlap] = (_masters(st), evals)
         finally:
             st.close()
     assert torch.equal(finals[True][0], finals[False][0]) and finals[True][1] == finals[False][1]

@@ -9,6 +9,7 @@ from podscale.config import parse_config
 from podscale.models.gpt import GPT
 from podscale.parallel.compose import build_engine
 from podscale.parallel.tensor import unshard
+from podscale.parallel.zero import ZeroStrategy
 from podscale.runtime import comm
 from podscale.runtime.mesh import Mesh
 from podscale.runtime.process import init_process
@@ -28,19 +29,26 @@ def make_config(data_path: str, steps: int, global_batch: int, micro_batch: int,
                       "lr": 2e-3, "min_lr": 2e-4, "warmup_steps": 5, "grad_clip": 1.0}}
 
 
+def _own_parts(t):
+    from torch.distributed._shard.sharded_tensor import ShardedTensor
+    if isinstance(t, ShardedTensor):
+        parts = [(tuple(s.metadata.shard_offsets), s.tensor.detach().cpu().clone()) for s in t.local_shards()]
+    else:
+        parts = [((0,) * t.dim(), t.detach().cpu().clone())]
+    return (tuple(t.size()), t.dtype, parts)
+
+
 def assemble(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The whole tensors of a checkpoint state dict (ShardedTensors of every rank's own pieces, or plain
     tensors), put together on every rank from what each rank holds (test helper: an object all-gather)."""
     import torch.distributed as dist
-    from torch.distributed._shard.sharded_tensor import ShardedTensor
+
+    from podscale.storage.lazy import resident
 
     mine = {}
-    for name, t in state.items():
-        if isinstance(t, ShardedTensor):
-            parts = [(tuple(s.metadata.shard_offsets), s.tensor.detach().cpu().clone()) for s in t.local_shards()]
-        else:
-            parts = [((0,) * t.dim(), t.detach().cpu().clone())]
-        mine[name] = (tuple(t.size()), t.dtype, parts)
+    with resident(state.values()):  # (ZeRO-Infinity: the state's buffers are read from its swap file)
+        for name, t in state.items():
+            mine[name] = _own_parts(t)
     every = [None] * dist.get_world_size() if dist.is_initialized() else [mine]
     if dist.is_initialized():
         dist.all_gather_object(every, mine)
@@ -59,15 +67,14 @@ def full_named(engine, mesh, what: str = "param") -> dict[str, torch.Tensor]:
     local = {}
     zero_grads = {}
     inner = getattr(engine.strategy, "inner", engine.strategy)
-    if what == "grad" and hasattr(inner, "units"):
+    if what == "grad" and isinstance(inner, ZeroStrategy):
         # ZeRO holds this rank's slice of the reduced gradient: put the slices together over dp
         for u in inner.units:
             for p in u.params:
                 zero_grads[id(p)] = torch.zeros(p.numel(), device=mesh.device)
         scale = inner.pending_grad_scale()  # (clipping a 16-bit or on-disk shard defers)
-        on_disk = inner.swap.read_array(0) if getattr(inner, "swap", None) is not None else None  # NVMe
         for u in inner.units:
-            grad = u.grad if on_disk is None else on_disk[u.goff:u.goff + u.shard]
+            grad = inner.state.read_unit("grad", u)  # (read from the swap file under NVMe offload)
             for (i, lo, hi), (_i, a, b) in zip(u.owned(), u.shard_ranges()):
                 zero_grads[id(u.params[i])][lo:hi] = grad[a:b].float() * scale
         for g in zero_grads.values():

@@ -12,6 +12,7 @@ from podscale.models.gpt import GPT
 from podscale.parallel.zero import build_strategy
 from podscale.runtime.mesh import Mesh
 from podscale.runtime.process import init_process
+from podscale.storage.lazy import resident
 from podscale.train import checkpoint
 from podscale.train.data import ShardedLoader, load_tokens, split_tokens
 from podscale.tasks.gpt import gpt_config
@@ -43,15 +44,16 @@ def _build(d: dict, info):
 
 def _full_params(engine, model) -> dict:
     """Every parameter as a plain fp32 tensor (gathered from the fp32 masters when sharded)."""
-    if engine.strategy.__class__.__name__ == "ZeroStrategy":
+    from podscale.parallel.zero import ZeroStrategy
+    from podscale.runtime import comm
+    if isinstance(engine.strategy, ZeroStrategy):
         st = engine.strategy
-        st._ck = {}
-        get = st._getter("master")  # reads the swap file under NVMe offload
         out = {}
-        for u in st.units:
+        for u in st.checkpoint_units():
             full = torch.zeros(u.padded, dtype=torch.float32, device=st.mesh.device)
-            from podscale.runtime import comm
-            comm.all_gather(full, get(u).detach().float().clone(), st.mesh, "dp")
+            # (read from the swap file under NVMe offload)
+            comm.all_gather(full, st.state.read_unit("master", u).detach().float().clone().to(st.mesh.device),
+                            st.mesh, "dp")
             for n, o, k, s in zip(u.names, u.offsets, u.numels, u.shapes):
                 out[n] = full[o:o + k].view(s).clone()
         return out
@@ -76,10 +78,8 @@ def train_zero(cfg_dicts: list[dict]) -> list[dict]:
         out.append({"losses": losses, "grad_norms": norms, "skipped": skipped,
                     "params": params if info.rank == 0 else None,
                     "comm": mesh.stats.snapshot(),
-                    "state_bytes": st.state_bytes() if hasattr(st, "state_bytes") else None,
-                    "units": len(st.units) if hasattr(st, "units") else None})
-        if hasattr(st, "close"):
-            st.close()
+                    "state_bytes": st.state_bytes(), "units": len(st.units)})
+        st.close()
     return out
 
 
@@ -107,7 +107,10 @@ def resume_and_step(d: dict, ckpt: str, steps: int, save_root: str | None = None
     engine.load_optim_state(template["optim"])
     engine.step_count = int(meta["step"])
     loader.load_state_dict(meta["loader"])
-    loaded = {k: v.detach().clone() for k, v in template["model"].items()} if info.world_size == 1 else None
+    loaded = None
+    if info.world_size == 1:
+        with resident(template["model"].values()):  # (NVMe offload: read from the swap file)
+            loaded = {k: v.detach().clone() for k, v in template["model"].items()}
     losses = [engine.step(loader.next_step()).loss for _ in range(steps)]
     saved = None
     if save_root:
@@ -166,7 +169,7 @@ def measure_states(cfg_dicts: list[dict]) -> list[dict]:
         for b in batches:
             engine.step(b)
         if strategy is not None:
-            strategy._wait_params()  # the post-step parameter all-gather is in flight until next forward
+            strategy.wait_params()  # the post-step parameter all-gather is in flight until next forward
         peak = hwm_rss_bytes()
         gc.collect()
         after = current_rss_bytes()
@@ -195,9 +198,14 @@ def hwm_rss_bytes() -> int:
     raise RuntimeError("no VmHWM in /proc/self/status")
 
 
-def nvme_budget_run(d: dict, steps: int) -> dict:
+def nvme_budget_run(d: dict, steps: int, ckpt_root: str | None = None, then: int = 0) -> dict:
     """Stage 3 + NVMe optimizer offload of a model built on the meta device; the process's peak resident
-    memory growth over the baseline (taken after imports, data and process group) and the bytes on disk."""
+    memory growth over the baseline (taken after imports, data and process group) and the bytes on disk.
+
+    With ``ckpt_root``: after ``steps`` steps a checkpoint is saved, ``then`` more steps are trained, the
+    checkpoint is loaded back into the same engine (its state on disk is overwritten) and the same ``then``
+    steps are trained again: ``losses_after_save`` and ``losses_after_load`` must be equal, and the peak
+    growth covers the save and the load."""
     import gc
     if os.environ.get("NO_MKLDNN"):
         torch.backends.mkldnn.enabled = False
@@ -208,7 +216,7 @@ def nvme_budget_run(d: dict, steps: int) -> dict:
     tokens, _ = split_tokens(load_tokens(cfg.data.path), cfg.data.val_fraction)
     loader = ShardedLoader(tokens, cfg.model.block_size, cfg.train.global_batch, cfg.train.micro_batch,
                            mesh.local_rank("dp"), mesh.size("dp"), seed=cfg.run.seed)
-    batches = [loader.next_step() for _ in range(steps)]
+    batches = [loader.next_step() for _ in range(steps + then)]
     del tokens
     gc.collect()
     base = current_rss_bytes()
@@ -219,19 +227,40 @@ def nvme_budget_run(d: dict, steps: int) -> dict:
     engine = gpt_engine(model, mesh, cfg, strategy)
     trace = [("built", current_rss_bytes() - base, peak_rss_bytes() - base)]
     losses, times = [], []
-    for b in batches:
+    for b in batches[:steps]:
         r = engine.step(b)
         losses.append(r.loss)
         times.append(r.step_time_s)
         trace.append(("step", current_rss_bytes() - base, peak_rss_bytes() - base))
+    out = {}
+    if ckpt_root is not None:
+        meta = {"step": engine.step_count, "world_size": info.world_size}
+        saved = checkpoint.save(ckpt_root, engine.step_count, {"model": engine.model_state(),
+                                                               "optim": engine.optim_state()},
+                                meta, {"torch_rng": torch.get_rng_state()}, info.rank, keep=1)
+        trace.append(("save", current_rss_bytes() - base, peak_rss_bytes() - base))
+        out["save_peak"] = peak_rss_bytes() - base
+        out["losses_after_save"] = [engine.step(b).loss for b in batches[steps:]]
+        trace.append(("steps", current_rss_bytes() - base, peak_rss_bytes() - base))
+        template = {"model": engine.model_state(), "optim": engine.optim_template()}
+        meta, _ = checkpoint.load(saved, template, info.rank)
+        engine.load_model_state(template["model"])
+        engine.load_optim_state(template["optim"])
+        engine.step_count = int(meta["step"])
+        del template
+        trace.append(("load", current_rss_bytes() - base, peak_rss_bytes() - base))
+        out["load_peak"] = peak_rss_bytes() - base
+        out["losses_after_load"] = [engine.step(b).loss for b in batches[steps:]]
+        trace.append(("steps", current_rss_bytes() - base, peak_rss_bytes() - base))
+        out["ckpt_bytes"] = sum(f.stat().st_size for f in saved.rglob("*") if f.is_file())
     strategy.complete_step()  # the last step streams during the next forward: none comes, finish it
     sb = strategy.state_bytes()
-    f = strategy.swap.file
+    f = strategy.state.swap.file
     io = {"read": f.bytes_read, "written": f.bytes_written, "read_s": f.read_s, "write_s": f.write_s}
-    out = {"growth": peak_rss_bytes() - base, "base": base, "on_disk": sb["on_disk"], "state_bytes": sb,
-           "losses": losses, "step_s": times, "io": io,
-           "params": sum(p.numel() for p in model.parameters()),
-           "trace": [(k, round(a / 2**20), round(b / 2**20)) for k, a, b in trace]}
+    out.update({"growth": peak_rss_bytes() - base, "base": base, "on_disk": sb["on_disk"], "state_bytes": sb,
+                "losses": losses, "step_s": times, "io": io,
+                "params": sum(p.numel() for p in model.parameters()),
+                "trace": [(k, round(a / 2**20), round(b / 2**20)) for k, a, b in trace]})
     strategy.close()
     return out
 

@@ -171,6 +171,11 @@ class DataParallel(LocalMicroBatches, DataParallelStrategy):
     def end_forward(self) -> None:
         """Nothing per step."""
 
+    def checkpoint_source(self):
+        """Every dp rank holds every parameter and its torch AdamW state whole."""
+        from podscale.parallel.sharded_state import ReplicatedSource
+        return ReplicatedSource(self.module, self.optimizer, self.mesh.size("dp"))
+
     # optimizer side of the strategy ---------------------------------------------------------------
     def step(self, lr: float) -> None:
         for group in self.optimizer.param_groups:

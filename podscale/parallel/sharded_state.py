@@ -15,7 +15,9 @@ at any other, into one process, and ``podscale export`` consolidates it into one
 """
 from __future__ import annotations
 
-import math
+import functools
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.distributed as dist
@@ -23,10 +25,23 @@ from torch.distributed._shard.metadata import ShardMetadata
 from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
 from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
 
-from podscale.parallel.zero.layout import flat_range_boxes
-from podscale.parallel.zero.state import _flat_start
+from podscale.storage import lazy
+
 
 Shape = tuple[int, ...]
+NamedParams = Iterable[tuple[str, torch.Tensor]]
+
+#: the checkpointed arrays: the model's weights (fp32 masters under ZeRO) and Adam's two moments
+PARAM, STATE_KEYS = "param", ("exp_avg", "exp_avg_sq")
+
+
+def flat_start(off: Shape, shape: Shape) -> int:
+    """The row-major flat index of element ``off`` of a tensor of ``shape``."""
+    s, stride = 0, 1
+    for o, n in zip(reversed(off), reversed(shape)):
+        s += o * stride
+        stride *= n
+    return s
 
 
 def _kind(layout) -> tuple[str | None, int | None]:
@@ -71,31 +86,19 @@ def to_global(layout, local: Shape, t: int, tp: int, off: Shape, size: Shape) ->
 class Holding:
     """Where the pieces of one parameter's tp shard live: ``boxes(d)`` are the boxes of the shard held by
     dp rank ``d`` (ZeRO: its slice of the unit; replicated: the whole shard on every dp rank) and
-    ``view(off, size)`` this rank's memory for one of its own boxes."""
+    ``view(off, size)`` this rank's memory for one of its own boxes.  ``own``: the views are the
+    strategy's state itself (what is written into them is loaded), not a stand-in for state that does
+    not exist yet."""
 
-    def __init__(self, shape: Shape, dp: int, boxes, view):
-        self.shape, self.dp, self.boxes, self.view = tuple(shape), dp, boxes, view
+    def __init__(self, shape: Shape, dp: int, boxes, view, own: bool = True):
+        self.shape, self.dp, self.boxes, self.view, self.own = tuple(shape), dp, boxes, view, own
 
 
-def replicated(t: torch.Tensor, dp: int) -> Holding:
+def replicated(t: torch.Tensor, dp: int, own: bool = True) -> Holding:
     """A tensor every dp rank holds whole."""
     whole = ((0,) * t.dim(), tuple(t.shape))
     return Holding(t.shape, dp, lambda d: [whole],
-                   lambda off, size: t[off[0]:off[0] + size[0]] if t.dim() else t)
-
-
-def zero_slice(u, i: int, buf: torch.Tensor) -> Holding:
-    """Parameter ``i`` of ZeRO unit ``u``: dp rank ``d`` holds the elements ``u.owned(d)`` gives; ``buf`` is
-    this rank's flat slice (``u.shard`` elements starting at element ``u.lo`` of the unit)."""
-    shape = u.shapes[i]
-
-    def boxes(d):
-        return [b for pi, lo, hi in u.owned(d) if pi == i for b in flat_range_boxes(lo, hi, shape)]
-
-    def view(off, size):
-        start = u.offsets[i] + _flat_start(off, shape) - u.lo
-        return buf[start:start + math.prod(size)].view(size)
-    return Holding(shape, u.dp, boxes, view)
+                   lambda off, size: t[off[0]:off[0] + size[0]] if t.dim() else t, own)
 
 
 def publish(holding: Holding, layout, mesh) -> torch.Tensor:
@@ -152,76 +155,128 @@ def copy_parts(dst: torch.Tensor, src: torch.Tensor) -> None:
             d.copy_(s.reshape(d.shape))
 
 
-class ShardedCheckpointState:
-    """The checkpoint interface of a model-parallel strategy (``model_state`` / ``optim_state`` /
-    ``optim_template`` / ``load_model_state`` / ``load_optim_state``, see :mod:`podscale.train.engine`):
-    every tensor under the single-process GPT's name and shape, as views of what this rank holds (see the
-    module docstring).  The last pipeline stage's copy of the tied embedding is saved by the first stage
-    (its model weight under ``lm_head.weight``, its Adam state under ``wte.weight``) and loaded by both.
+class CheckpointSource(ABC):
+    """What one data-parallel strategy holds of each parameter and of its Adam state, for
+    :class:`CheckpointPublisher`.  Implemented by the replicated strategy's :class:`ReplicatedSource` and by
+    ZeRO's (:class:`podscale.parallel.zero.state.ZeroSource`); a strategy hands out its own through
+    :meth:`~podscale.parallel.strategy.DataParallelStrategy.checkpoint_source`."""
 
-    Mixed into a strategy that has ``self.inner`` (replicated or ZeRO over dp), ``self.mesh`` and
-    ``self.named_parameters(remove_duplicate)``.
-    """
+    @abstractmethod
+    def open(self, kinds: tuple[str, ...]) -> None:
+        """Before pieces of ``kinds`` are published (ZeRO: complete a deferred step, settle parameters)."""
 
-    _STATE = ("exp_avg", "exp_avg_sq")
+    @abstractmethod
+    def holds(self, p: torch.Tensor) -> bool:
+        """Whether ``p`` is one of the parameters this source holds state for."""
 
-    def _zero_units(self):
-        units = getattr(self.inner, "units", None)
-        return units if units and hasattr(units[0], "owned") else None
+    @abstractmethod
+    def holding(self, p: torch.Tensor, kind: str) -> Holding:
+        """Where this rank's pieces of ``p``'s ``kind`` (:data:`PARAM` or one of :data:`STATE_KEYS`) live."""
 
-    def _holding(self, p, key: str) -> Holding:
-        units = self._zero_units()
-        if units is None:
-            t = p.detach() if key == "param" else self.inner.optimizer.state.get(p, {}).get(key)
-            return replicated(torch.zeros_like(p) if t is None else t, self.mesh.size("dp"))
-        # id(parameter) -> (unit, index); read from __dict__, as a missing attribute would be looked up on
-        # the wrapped strategy
-        index = self.__dict__.get("_ckpt_index")
-        if index is None:
-            index = self._ckpt_index = {id(q): (u, i) for u in units for i, q in enumerate(u.params)}
-        u, i = index[id(p)]
-        kind = "master" if key == "param" else key
-        getter = self.inner._getter(kind) if hasattr(self.inner, "_getter") else (lambda v: getattr(v, kind))
-        return zero_slice(u, i, getter(u))
+    @abstractmethod
+    def prepare_load(self, kinds: tuple[str, ...]) -> None:
+        """Before a checkpoint is read into the holdings of ``kinds`` (a fresh optimizer makes its state)."""
 
-    def _entries(self, key: str, names) -> dict[str, torch.Tensor]:
-        done: dict[int, torch.Tensor] = {}
-        out = {}
-        for name, p in names:
-            if id(p) not in done:
-                done[id(p)] = publish(self._holding(p, key), getattr(p, "tp_layout", None), self.mesh)
-            out[name] = done[id(p)]
-        return out
+    @abstractmethod
+    def commit(self, kinds: tuple[str, ...]) -> None:
+        """After the holdings of ``kinds`` were filled: make the values the strategy's (ZeRO: write them to
+        the state, publish new masters to the parameters)."""
 
-    def _optim_names(self, duplicates: bool) -> list[tuple[str, torch.Tensor]]:
-        return [("wte.weight" if getattr(p, "pipeline_duplicate", False) else n, p)
-                for n, p in self.named_parameters(True)
-                if duplicates or not getattr(p, "pipeline_duplicate", False)]
+    @abstractmethod
+    def step_count(self) -> torch.Tensor:
+        """The optimizer's step count as a 0-dim fp32 tensor."""
 
-    def _step(self) -> torch.Tensor:
-        if self._zero_units() is not None:
-            return self.inner._step_value().to(torch.float32)
-        for s in self.inner.optimizer.state.values():
+    @abstractmethod
+    def set_step_count(self, t: torch.Tensor) -> None: ...
+
+
+class ReplicatedSource(CheckpointSource):
+    """A replicated data-parallel strategy (torch AdamW over whole tensors): every dp rank holds it all."""
+
+    def __init__(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer, dp: int):
+        self.module, self.optimizer, self.dp = module, optimizer, dp
+
+    def open(self, kinds):
+        pass
+
+    def holds(self, p):
+        return True
+
+    def holding(self, p, kind):
+        t = p.detach() if kind == PARAM else self.optimizer.state.get(p, {}).get(kind)
+        # (a fresh optimizer has no state yet: zeros stand in, copied into its state at the load)
+        return replicated(torch.zeros_like(p) if t is None else t, self.dp, own=t is not None)
+
+    def prepare_load(self, kinds):
+        # a fresh torch optimizer has no state yet: give it the tensors to load into
+        for p in (q for g in self.optimizer.param_groups for q in g["params"]):
+            st = self.optimizer.state.setdefault(p, {})
+            for key in kinds:
+                if key != PARAM:
+                    st.setdefault(key, torch.zeros_like(p))
+
+    def commit(self, kinds):
+        pass
+
+    def step_count(self):
+        for s in self.optimizer.state.values():
             return s["step"].detach().to("cpu", torch.float32).clone()
         return torch.zeros((), dtype=torch.float32)
 
-    def _fresh_reads(self) -> None:
-        if hasattr(self.inner, "_wait_params"):
-            self.inner._wait_params()
-        if hasattr(self.inner, "_ck"):  # ZeRO-Infinity: read the arrays from the swap file anew
-            self.inner._ck = {}
+    def set_step_count(self, t):
+        for p in (q for g in self.optimizer.param_groups for q in g["params"]):
+            self.optimizer.state.setdefault(p, {})["step"] = t.detach().to(p.device, torch.float32).clone()
+
+
+class CheckpointPublisher:
+    """The one checkpoint publisher of podscale's sharded layouts (ZeRO alone, ZeRO or the replicated
+    strategy under tensor/pipeline parallelism): every tensor under the single-process model's name and
+    shape, as views of what this rank holds (see the module docstring), from a :class:`CheckpointSource`.
+
+    ``model_names()`` lists (name, parameter) under every name the model state carries (tied names too);
+    ``optim_names(duplicates)`` those of the optimizer state (``duplicates``: also the copies a template
+    loads into, e.g. the last pipeline stage's tied embedding).  Tensors handed out by :meth:`model_state`
+    / :meth:`optim_state` that are the state's own memory (:attr:`Holding.own`) are remembered: loading
+    them back copies nothing, as DCP already filled them (for ZeRO-Infinity's state that is what keeps a
+    load streaming: no second pass over the swap file).
+    """
+
+    def __init__(self, mesh, source: CheckpointSource, model_names: Callable[[], NamedParams],
+                 optim_names: Callable[[bool], NamedParams]):
+        self.mesh, self.source = mesh, source
+        self.model_names, self.optim_names = model_names, optim_names
+        self._handed: dict[str, torch.Tensor] = {}
+
+    def _entries(self, kind: str, names, suffix: str | None = None) -> dict[str, torch.Tensor]:
+        """``{name: tensor}``; with ``suffix``, the tensors that are the state's own memory are remembered
+        under ``name + suffix`` as handed out."""
+        done: dict[int, tuple[torch.Tensor, bool]] = {}
+        out = {}
+        for name, p in names:
+            if not self.source.holds(p):
+                continue
+            if id(p) not in done:
+                h = self.source.holding(p, kind)
+                done[id(p)] = (publish(h, getattr(p, "tp_layout", None), self.mesh), h.own)
+            out[name], own = done[id(p)]
+            if suffix is not None:
+                if own:
+                    self._handed[name + suffix] = out[name]
+                else:
+                    self._handed.pop(name + suffix, None)
+        return out
 
     def model_state(self) -> dict[str, torch.Tensor]:
-        self._fresh_reads()
-        return self._entries("param", self.named_parameters(False))
+        self.source.open((PARAM,))
+        return self._entries(PARAM, self.model_names(), suffix="")
 
     def _optim(self, duplicates: bool) -> dict[str, torch.Tensor]:
-        self._fresh_reads()
-        names = self._optim_names(duplicates)
+        self.source.open(STATE_KEYS)
+        names = [(n, p) for n, p in self.optim_names(duplicates) if self.source.holds(p)]
         out = {}
-        for key in self._STATE:
-            out.update({f"{n}.{key}": t for n, t in self._entries(key, names).items()})
-        step = self._step()
+        for key in STATE_KEYS:
+            out.update({f"{n}.{key}": t for n, t in self._entries(key, names, suffix=f".{key}").items()})
+        step = self.source.step_count()
         for n, _ in names:
             out[f"{n}.step"] = step.clone()
         return out
@@ -233,40 +288,71 @@ class ShardedCheckpointState:
         return self._optim(duplicates=True)
 
     @torch.no_grad()
+    def _copy_in(self, kind: str, names, state: dict, suffix: str) -> None:
+        ours = None
+        for name, p in names:
+            src = state.get(name + suffix)
+            if src is None or src is self._handed.get(name + suffix) or not self.source.holds(p):
+                continue  # (a tensor this publisher handed out: DCP already wrote into our memory)
+            if ours is None:
+                ours = self._entries(kind, names)
+            with lazy.resident([ours[name]], changed=True):  # (state on NVMe: one unit's shard at a time)
+                copy_parts(ours[name], src)
+
+    @torch.no_grad()
     def load_model_state(self, state: dict[str, torch.Tensor]) -> None:
-        """Copy ``state`` (this strategy's template, filled by DCP) into the parameters or ZeRO masters;
-        nothing is copied where the template already is their memory."""
-        ours = self._entries("param", self.named_parameters(False))
-        for name, dst in ours.items():
-            if name in state:
-                copy_parts(dst, state[name])
-        if self._zero_units() is not None:  # publish the masters to the parameters ZeRO computes with
-            if hasattr(self.inner, "_writeback"):
-                self.inner._writeback("master")
-            self.inner._publish()
-            self.inner._wait_params()
+        """Copy ``state`` (this publisher's template, filled by DCP, or any dict of the same layout) into
+        the parameters or ZeRO masters, then let the source publish them."""
+        self.source.prepare_load((PARAM,))
+        self._copy_in(PARAM, list(self.model_names()), state, "")
+        self.source.commit((PARAM,))
 
     @torch.no_grad()
     def load_optim_state(self, flat: dict[str, torch.Tensor]) -> None:
-        names = self._optim_names(duplicates=True)
+        names = list(self.optim_names(True))
+        self.source.prepare_load(STATE_KEYS)
+        for key in STATE_KEYS:
+            self._copy_in(key, names, flat, f".{key}")
+        self.source.commit(STATE_KEYS)
         steps = [flat[f"{n}.step"] for n, _ in names if f"{n}.step" in flat]
-        zero = self._zero_units() is not None
-        if not zero:  # a fresh torch optimizer has no state yet: give it the tensors to load into
-            for _, p in names:
-                st = self.inner.optimizer.state.setdefault(p, {})
-                for key in self._STATE:
-                    st.setdefault(key, torch.zeros_like(p))
-        for key in self._STATE:
-            ours = self._entries(key, names)
-            for name, dst in ours.items():
-                if f"{name}.{key}" in flat:
-                    copy_parts(dst, flat[f"{name}.{key}"])
-            if zero and hasattr(self.inner, "_writeback"):
-                self.inner._writeback(key)
-        if not steps:
-            return
-        if zero:
-            self.inner.load_optim_state({"step.step": steps[0]})
-        else:
-            for _, p in names:
-                self.inner.optimizer.state[p]["step"] = steps[0].detach().to(p.device, torch.float32).clone()
+        if steps:
+            self.source.set_step_count(steps[0])
+
+
+class ShardedCheckpointState:
+    """The checkpoint methods of a model-parallel wrapper (``model_state`` / ``optim_state`` /
+    ``optim_template`` / ``load_model_state`` / ``load_optim_state``), through one
+    :class:`CheckpointPublisher` over the wrapped strategy's
+    :meth:`~podscale.parallel.strategy.DataParallelStrategy.checkpoint_source`.  The last pipeline stage's
+    copy of the tied embedding is saved by the first stage (its model weight under ``lm_head.weight``, its
+    Adam state under ``wte.weight``) and loaded by both.
+
+    Mixed into a strategy that has ``self.inner`` (replicated or ZeRO over dp), ``self.mesh`` and
+    ``self.named_parameters(remove_duplicate)``.
+    """
+
+    def _optim_names(self, duplicates: bool) -> list[tuple[str, torch.Tensor]]:
+        return [("wte.weight" if getattr(p, "pipeline_duplicate", False) else n, p)
+                for n, p in self.named_parameters(True)
+                if duplicates or not getattr(p, "pipeline_duplicate", False)]
+
+    @functools.cached_property
+    def checkpoint_publisher(self) -> CheckpointPublisher:
+        """This wrapper's publisher (one per wrapper: it remembers the tensors it handed out)."""
+        return CheckpointPublisher(self.mesh, self.inner.checkpoint_source(), lambda: self.named_parameters(False),
+                                   self._optim_names)
+
+    def model_state(self) -> dict[str, torch.Tensor]:
+        return self.checkpoint_publisher.model_state()
+
+    def optim_state(self) -> dict[str, torch.Tensor]:
+        return self.checkpoint_publisher.optim_state()
+
+    def optim_template(self) -> dict[str, torch.Tensor]:
+        return self.checkpoint_publisher.optim_template()
+
+    def load_model_state(self, state: dict[str, torch.Tensor]) -> None:
+        self.checkpoint_publisher.load_model_state(state)
+
+    def load_optim_state(self, flat: dict[str, torch.Tensor]) -> None:
+        self.checkpoint_publisher.load_optim_state(flat)

@@ -25,10 +25,13 @@ from __future__ import annotations
 import contextlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn as nn
+
+if TYPE_CHECKING:
+    from podscale.parallel.sharded_state import CheckpointSource
 
 LossFn = Callable[[nn.Module, Any], torch.Tensor]
 """``loss_fn(module, batch)``: the scalar loss of one micro-batch (autograd graph attached)."""
@@ -143,6 +146,11 @@ class DataParallelStrategy(Strategy):
     def begin_forward(self) -> None:
         """Per-step work before the first forward of a step or a validation pass that a schedule runs
         without calling ``module.forward`` (ZeRO: wait for the updated parameters, gather the root)."""
+
+    @abstractmethod
+    def checkpoint_source(self) -> "CheckpointSource":
+        """What this rank holds of each parameter and its optimizer state, for the checkpoint publisher of
+        a model-parallel wrapper (:class:`~podscale.parallel.sharded_state.CheckpointPublisher`)."""
 
     @abstractmethod
     def end_forward(self) -> None:

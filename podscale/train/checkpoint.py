@@ -6,7 +6,9 @@ never unpickles), ``meta.json`` (step, data position, loss scale, layout,
 model config) and one ``rank_XXXXX.pt`` per rank with its RNG state.  Everything is first written to
 ``.step_0000000N.partial``; after every rank has finished, rank 0 writes ``meta.json`` last, fsyncs and
 renames the folder into place.  A crash at any point before the rename leaves only a ``.partial`` folder,
-which is never read, so the previous checkpoint stays the latest good one.
+which is never read, so the previous checkpoint stays the latest good one.  Tensors backed by a
+:class:`~podscale.storage.lazy.LazyPool` (ZeRO-Infinity's state on NVMe) are made resident one buffer at a
+time as DCP writes or fills them, so saving and loading such a run streams its state.
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
+from podscale.storage.lazy import StreamingLoadPlanner, StreamingSavePlanner
 from podscale.train import faults
 from podscale.train.safe_reader import SafeFileSystemReader
 
@@ -73,7 +76,7 @@ def save(root: Path, step: int, tensors: dict, meta: dict, rank_state: dict, ran
             shutil.rmtree(partial)
         partial.mkdir()
     _barrier()
-    dcp.save(tensors, checkpoint_id=str(partial))
+    dcp.save(tensors, checkpoint_id=str(partial), planner=StreamingSavePlanner())  # (NVMe state: unit by unit)
     rank_file = partial / f"rank_{rank:05d}.pt"
     torch.save(rank_state, rank_file.with_suffix(".tmp"))
     os.replace(rank_file.with_suffix(".tmp"), rank_file)
@@ -116,7 +119,7 @@ def load(path: Path, template: dict, rank: int) -> tuple[dict, dict | None]:
     meta = read_meta(path)
     reader = SafeFileSystemReader(str(path))  # never unpickles: see safe_reader
     reader.read_metadata()  # a refused checkpoint: its one line here (DCP would wrap it in tracebacks)
-    dcp.load(template, storage_reader=reader)
+    dcp.load(template, storage_reader=reader, planner=StreamingLoadPlanner())
     rank_file = Path(path) / f"rank_{rank:05d}.pt"
     rank_state = torch.load(rank_file, weights_only=True) if rank_file.is_file() else None
     return meta, rank_state

@@ -1,14 +1,14 @@
 """ZeRO: sharded optimizer state (stage 1), gradients (2) and parameters (3), with offload to CPU memory
 and NVMe (Rajbhandari et al. 2020; Ren et al. 2021; Rajbhandari et al. 2021)."""
-from podscale.parallel.zero.strategy import ZeroError, ZeroStrategy, check_zero_config
+from podscale.parallel.zero.strategy import ZeroStrategy
 
-__all__ = ["ZeroStrategy", "ZeroError", "check_zero_config", "build_strategy"]
+__all__ = ["ZeroStrategy", "build_strategy"]
 
 
 def build_strategy(model, mesh, train, zero, bucket_mb: float = 25.0, param_init=None):
     """The Engine strategy for ``zero.stage``: None (the engine's replicated DataParallel) for stage 0,
-    else a :class:`ZeroStrategy` over the model moved to the mesh's device."""
-    check_zero_config(zero)
+    else a :class:`ZeroStrategy` over the model moved to the mesh's device.  ``zero`` is a validated
+    :class:`~podscale.config.ZeroSection` (its validators hold ZeRO's rules)."""
     if zero.stage == 0:
         return None
     if not any(p.is_meta for p in model.parameters()):

@@ -72,20 +72,16 @@ class Unit:
         self.shard = self.padded // dp
         self.lo, self.hi = dp_rank * self.shard, (dp_rank + 1) * self.shard
         self.pos = {id(p): i for i, p in enumerate(self.params)}
-        # runtime state (owned by the strategy)
+        # runtime state of the strategy's gathers and reductions (the optimizer state of the shard is the
+        # FlatState's, see podscale.parallel.zero.flat_state)
         self.full: torch.Tensor | None = None     # compute-dtype flat of `padded` elements
         self.gathered = False
         self.gather_handle = None
-        self.master: torch.Tensor | None = None   # fp32 shard (view)
-        self.cshard: torch.Tensor | None = None   # compute-dtype shard, source of stage-3 gathers
-        self.grad: torch.Tensor | None = None     # fp32 shard gradient (view of the flat)
-        self.exp_avg: torch.Tensor | None = None
-        self.exp_avg_sq: torch.Tensor | None = None
         self.grad_full: torch.Tensor | None = None  # stage 1: full gradient buffer (p.grad are views)
         self.staging: torch.Tensor | None = None    # stages 2/3: this micro-batch's gradients
-        self.src_tmp: torch.Tensor | None = None    # gather source read from NVMe (parameter offload)
+        self.src_tmp: torch.Tensor | None = None    # the gather's source, kept until the gather is done
         self.ready: set[int] = set()
-        self.goff = 0  # offset of this unit's shard in the rank's flats
+        self.goff = 0  # offset of this unit's shard in the rank's flat arrays (set by the FlatState)
 
     def segments(self) -> list[tuple[int, int, bool]]:
         """This rank's slice as (start, end, decay) ranges in shard-local offsets, padding excluded."""

@@ -18,8 +18,11 @@ The file is read and written with ``O_DIRECT`` (:mod:`podscale.storage.aio`): ev
 at an offset of :data:`ELEM_ALIGN` elements (the strategy lays them out so), chunks are multiples of it
 and the buffers are page-aligned, so the transfers go to the disk in place, without bounce copies.
 
-Scaling of the gradient (fp16 unscale, clipping) is deferred: the strategy keeps one coefficient and the
-step applies it to each chunk (:meth:`ZeroStrategy.scale_grads`).
+Scaling of the gradient (fp16 unscale, clipping) is deferred: the state keeps one coefficient and the
+step applies it to each chunk (:meth:`podscale.parallel.zero.flat_state.NvmeFlatState.scale_grads`).  The
+update functions are the in-memory backend's: AdamW's fused step on each chunk's segments, LAMB/LARS
+through the two passes of :class:`podscale.optim.flat_lamb.TrustRatioRule`.  Checkpoints read and write
+one unit's range of one array at a time (:meth:`NvmeOptimizerState.read_unit`).
 
 At stage 3 the step itself can be deferred (``step(defer=True)``, config ``zero.nvme_overlap_step``): the
 strategy lays the file out in the order the forward uses its units, and each gather of the next forward
@@ -27,7 +30,8 @@ calls :meth:`advance` up to the end of its unit, so a block's optimizer state st
 while the previous block computes — ZeRO-Infinity's overlap of NVMe traffic with compute (section 6.3),
 applied to the optimizer step, which clipping by the global norm keeps from starting before backward ends.
 The result is the same as stepping at once; anything else that touches the file (gradients of the next
-backward, checkpoints, parameter writes) calls :meth:`finish` first.
+backward, checkpoints, parameter writes) calls :meth:`finish` first.  :class:`NvmeFlatState
+<podscale.parallel.zero.flat_state.NvmeFlatState>` drives this file for the strategy.
 """
 from __future__ import annotations
 
@@ -109,7 +113,7 @@ class NvmeOptimizerState:
         self._done_upto = 0  # with a deferred step: elements [0, done_upto) of the file are stepped
         self._grad_writes: list = []
         self.t = 0
-        self.trust = None  # "lamb" / "lars" after use_trust_ratio
+        self.trust = None  # a TrustRatioRule (LAMB, LARS) after use_trust_ratio
         self.step_s = self.step_exposed_s = 0.0  # totals over all steps (wall time, I/O waits)
         # (chunk start, chunk end) -> segments as (array offset within chunk, length, decay, unit)
         self.chunks = [(a, min(a + self.C, self.S)) for a in range(0, self.S, self.C)]
@@ -290,85 +294,69 @@ class NvmeOptimizerState:
             publish(u, lo, lo + k, buf[MASTER, o:o + k])
 
     # LAMB / LARS: two streamed passes ---------------------------------------------------------------
-    def use_trust_ratio(self, name: str, allreduce, n_tensors: int, pieces, trust: float = 0.001) -> None:
-        """Step with LAMB or LARS (the rules of :mod:`podscale.optim.flat_lamb`) instead of AdamW.
+    def use_trust_ratio(self, rule, norms, pieces) -> None:
+        """Step with a :class:`~podscale.optim.flat_lamb.TrustRatioRule` (LAMB, LARS) instead of AdamW.
+        ``norms()`` makes a fresh :class:`~podscale.optim.flat_lamb.TrustRatioNorms` (it all-reduces over dp);
         ``pieces`` lists this rank's parts of every tensor as (tensor index, first element in the swap
-        file's element space, length, weight decay); ``allreduce`` sums a tensor over the dp group."""
-        self.trust, self.allreduce, self.n_tensors, self.lars_trust = name, allreduce, n_tensors, trust
+        file's element space, length, weight decay)."""
+        self.trust, self._norms = rule, norms
         self._pieces = []
         for a, b in self.chunks:  # per chunk: (offset in chunk, length, tensor index, weight decay)
             self._pieces.append([(max(a, s) - a, min(b, s + k) - max(a, s), idx, wd)
                                  for idx, s, k, wd in pieces if max(a, s) < min(b, s + k)])
 
-    def _lamb_direction(self, buf, o: int, k: int, wd: float) -> torch.Tensor:
-        c1, c2 = 1 - self.betas[0] ** self.t, 1 - self.betas[1] ** self.t
-        u = (buf[EXP_AVG, o:o + k] / c1) / ((buf[EXP_AVG_SQ, o:o + k] / c2).sqrt_().add_(self.eps))
-        if wd:
-            u.add_(buf[MASTER, o:o + k], alpha=wd)
-        return u
+    _ARRAY = {"grad": GRAD, "master": MASTER, "state1": EXP_AVG, "state2": EXP_AVG_SQ}
+
+    def _chunk_pieces(self, i: int, buf):
+        from podscale.optim.flat_lamb import Piece
+        return [Piece(idx, buf[MASTER, o:o + k], buf[GRAD, o:o + k], buf[EXP_AVG, o:o + k],
+                      buf[EXP_AVG_SQ, o:o + k], wd) for o, k, idx, wd in self._pieces[i]]
 
     def _trust_step(self, lr: float, coef: float, publish) -> None:
-        """Pass 1 streams the chunks to sum per-tensor squares (LAMB: of the weights and of the new
-        update, updating and writing back the moments; LARS: of the weights and of the gradients); one
-        all-reduce gives the global norms (You et al. 2020, Alg. 2; You et al. 2017, eq. 6).  Pass 2
-        streams them again, applies each tensor's ratio to its pieces and writes master and parameters."""
-        b1, b2 = self.betas
-        sq = torch.zeros(2, self.n_tensors, dtype=torch.float64)
-        lamb = self.trust == "lamb"
+        """Pass 1 streams the chunks through the rule's ``measure`` (per-tensor squares; LAMB updates and
+        writes back its moments); one all-reduce gives the global norms (You et al. 2019, Alg. 2; You et
+        al. 2017, eq. 6).  Pass 2 streams them again through ``apply`` and writes what it changed, the
+        compute-dtype parameters with it.  Each pass moves only the arrays the rule names."""
+        rule = self.trust
+        rule.begin_step()
+        norms = self._norms()
 
-        def norms(i, buf, n):
+        def measure(i, buf, n):
             if coef != 1.0:
                 buf[GRAD, :n].mul_(coef)
-            for o, k, idx, wd in self._pieces[i]:
-                g = buf[GRAD, o:o + k]
-                if lamb:
-                    buf[EXP_AVG, o:o + k].lerp_(g, 1 - b1)
-                    buf[EXP_AVG_SQ, o:o + k].mul_(b2).addcmul_(g, g, value=1 - b2)
-                    g = self._lamb_direction(buf, o, k, wd)
-                sq[0, idx] += float(torch.linalg.vector_norm(buf[MASTER, o:o + k]).square())
-                sq[1, idx] += float(torch.linalg.vector_norm(g).square())
-        if lamb:
-            self._run(self._stream((GRAD, MASTER, EXP_AVG, EXP_AVG_SQ), (EXP_AVG, EXP_AVG_SQ), norms))
-        else:
-            self._run(self._stream((GRAD, MASTER), (), norms))
-        self.allreduce(sq)
-        wn, other = sq[0].sqrt(), sq[1].sqrt()
+            for p in self._chunk_pieces(i, buf):
+                norms.add(p.index, *rule.measure(p))
+        arrays = lambda names: tuple(sorted(self._ARRAY[x] for x in names))  # noqa: E731
+        self._run(self._stream(arrays(rule.measure_reads), arrays(rule.measure_writes), measure))
+        wn, xn = norms.reduce()
 
         def apply(i, buf, n):
-            if not lamb and coef != 1.0:
+            if rule.apply_uses_grad and coef != 1.0:
                 buf[GRAD, :n].mul_(coef)
-            for o, k, idx, wd in self._pieces[i]:
-                w, x = float(wn[idx]), float(other[idx])
-                if lamb:
-                    ratio = w / x if w > 0 and x > 0 else 1.0
-                    buf[MASTER, o:o + k].add_(self._lamb_direction(buf, o, k, wd), alpha=-lr * ratio)
-                else:
-                    local = self.lars_trust * w / (x + wd * w) if w > 0 and x > 0 else 1.0
-                    g = buf[GRAD, o:o + k]
-                    d = g.add(buf[MASTER, o:o + k], alpha=wd) if wd else g
-                    buf[EXP_AVG, o:o + k].mul_(b1).add_(d, alpha=lr * local)
-                    buf[MASTER, o:o + k].sub_(buf[EXP_AVG, o:o + k])
+            for p in self._chunk_pieces(i, buf):
+                rule.apply(p, float(wn[p.index]), float(xn[p.index]), lr)
             self._publish(i, buf, publish)
-        if lamb:
-            self._run(self._stream((MASTER, EXP_AVG, EXP_AVG_SQ), (MASTER,), apply, params=True))
-        else:
-            self._run(self._stream((GRAD, MASTER, EXP_AVG), (MASTER, EXP_AVG), apply, params=True))
+        self._run(self._stream(arrays(rule.apply_reads), arrays(rule.apply_writes), apply, params=True))
 
     def flush(self) -> None:
         self.finish()
         self.wait_grads()
         self._wait_all_writes()
 
-    # checkpoints: whole arrays through memory -------------------------------------------------------
-    def read_array(self, array: int) -> torch.Tensor:
+    # checkpoints: one unit's range of one array at a time -----------------------------------------------
+    _KIND = {"grad": GRAD, "master": MASTER, "exp_avg": EXP_AVG, "exp_avg_sq": EXP_AVG_SQ}
+
+    def read_unit(self, kind: str, u) -> torch.Tensor:
+        """Unit ``u``'s shard of array ``kind`` (``grad``, ``master``, ``exp_avg``, ``exp_avg_sq``), read into
+        a new page-aligned fp32 buffer."""
         self.flush()
-        out = aligned_empty(self.S, torch.float32)
-        self.file.read(self._off(array, 0), out).wait()
+        out = aligned_empty(u.shard, torch.float32)
+        self.file.read(self._off(self._KIND[kind], u.goff), out).wait()
         return out
 
-    def write_array(self, array: int, t: torch.Tensor) -> None:
+    def write_unit(self, kind: str, u, t: torch.Tensor) -> None:
         self.flush()
-        self.file.write(self._off(array, 0), t.to("cpu").contiguous()).wait()
+        self.file.write(self._off(self._KIND[kind], u.goff), _staged(t.float())).wait()
 
     def close(self) -> None:
         """Remove the swap file.  The rest of a deferred step is dropped (its result would go with the file);
