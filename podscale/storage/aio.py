@@ -71,7 +71,7 @@ def aligned_empty(numel: int, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
         raw = torch.frombuffer(mm, dtype=torch.uint8)  # keeps ``mm`` alive; unmapped with the tensor
         skip = -raw.data_ptr() % HUGE
         return raw[skip:skip + nbytes].view(dtype)
-    raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8)
+    raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8, device="cpu")
     skip = -raw.data_ptr() % ALIGN
     return raw[skip:skip + nbytes].view(dtype)
 

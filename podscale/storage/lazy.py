@@ -50,7 +50,7 @@ class LazyPool:
         base = self._bases.get(key)
         if base is None or base.numel() != numel or base.dtype != dtype:
             self.release(key)
-            base = torch.empty(numel, dtype=dtype)
+            base = torch.empty(numel, dtype=dtype, device="cpu")
             base.untyped_storage().resize_(0)
             self._bases[key] = base
         return base

@@ -492,7 +492,7 @@ class NvmeFlatState(FlatState):
             return
         buf = self._captured.get(u.index)
         if buf is None and self._capturing and lo == 0:  # the unit's first piece: keep the whole shard
-            buf = self._captured[u.index] = torch.zeros(u.shard, dtype=self.cdtype)  # (padding stays 0)
+            buf = self._captured[u.index] = torch.zeros(u.shard, dtype=self.cdtype, device="cpu")  # (padding stays 0)
         if buf is not None:
             buf[lo:hi].copy_(master)
 
@@ -512,7 +512,7 @@ class NvmeFlatState(FlatState):
 
     def end_reduction(self, unwritten):
         for u in unwritten:  # no gradient this step: a zero shard on disk
-            self.receive_grad(u, torch.zeros(u.shard), True)
+            self.receive_grad(u, torch.zeros(u.shard, device="cpu"), True)
 
     def zero_grad(self):
         super().zero_grad()
