@@ -15,7 +15,7 @@ import torch
 from podscale import parallelize
 from podscale.config import Config
 from podscale.parallel.rng import rng_tracker, seed_model_parallel
-from podscale.runtime import comm
+from podscale.runtime import comm, watchdog
 from podscale.runtime.mesh import AXES, Mesh
 from podscale.runtime.metrics import MetricsLog, matmul_peak, peak_memory_bytes
 from podscale.runtime.process import init_process
@@ -42,10 +42,13 @@ def _gather_per_rank(value: float, mesh: Mesh) -> list[float]:
 
 def run_worker(cfg: Config, resume: bool = False) -> dict:
     """Train as one rank of the job described by ``cfg``; returns a summary (rank 0's is complete)."""
-    info = init_process(device=cfg.run.device)
+    # torch's process-group timeout is the backstop of the hang watchdog (see podscale.runtime.watchdog)
+    backstop = 2 * cfg.run.collective_timeout_s
+    info = init_process(timeout_s=backstop, device=cfg.run.device)
     _set_cpu_threads(info.device)
     cfg.check_layout(info.world_size)
-    mesh = Mesh.build(info.device, **cfg.mesh_sizes())
+    mesh = Mesh.build(info.device, timeout_s=backstop, **cfg.mesh_sizes())
+    dog = watchdog.start(mesh, cfg.run.collective_timeout_s)
     rank, dp_rank, dp = info.rank, mesh.local_rank("dp"), mesh.size("dp")
     run_dir = cfg.run_dir
     ckpt_root = run_dir / "checkpoints"
@@ -104,7 +107,9 @@ def run_worker(cfg: Config, resume: bool = False) -> dict:
         last = {}
         mesh.stats.reset()
         for step in range(start_step, cfg.run.steps):
+            mesh.ledger.step = step + 1  # (as logged; the watchdog names it)
             faults.maybe_kill(step, rank)
+            faults.maybe_stall(step, rank)
             res = engine.step(loader.next_step())
             comm_totals, comm_axes = mesh.stats.totals(), mesh.stats.per_axis()
             mesh.stats.reset()
@@ -146,3 +151,5 @@ def run_worker(cfg: Config, resume: bool = False) -> dict:
         return summary
     finally:
         engine.close()  # the strategy's scratch state (swap files), also when the run failed
+        if dog is not None:
+            dog.stop()
