@@ -56,6 +56,7 @@ def run_worker(cfg: Config, resume: bool = False) -> dict:
     task = task_for(cfg)
     torch.manual_seed(cfg.run.seed)
     model = task.build_model()
+    expected = checkpoint.expected_of(task, model)  # (before parallelize: the single-process names and shapes)
     engine = parallelize(model, mesh, cfg, task)
     try:
         loader = task.train_data(dp_rank, dp)
@@ -66,7 +67,11 @@ def run_worker(cfg: Config, resume: bool = False) -> dict:
         tracker = rng_tracker(mesh)
 
         start_step = 0
-        restored = checkpoint.latest(ckpt_root) if resume or info.restart_count > 0 else None
+        restored = None
+        if resume or info.restart_count > 0:  # the newest checkpoint that is complete and fits this model
+            restored, skipped = checkpoint.latest_usable(ckpt_root, expected)
+            if skipped and rank == 0:
+                print(checkpoint.fallback_note(skipped, restored), flush=True)
         if restored is not None:
             template = {"model": engine.model_state(), "optim": engine.optim_template()}
             meta, rank_state = checkpoint.load(restored, template, rank)
@@ -97,7 +102,7 @@ def run_worker(cfg: Config, resume: bool = False) -> dict:
 
         def save(step: int) -> None:
             meta = {"step": step, "loader": loader.state_dict(), "world_size": info.world_size,
-                    "mesh": mesh.sizes, "task": f"{type(task).__module__}:{type(task).__qualname__}",
+                    "mesh": mesh.sizes, "task": checkpoint.task_name(task),
                     "model_config": task.model_config(),
                     "scaler": engine.scaler.state_dict() if engine.scaler else None, "time": time.time()}
             rng = {"torch_rng": torch.get_rng_state(), **{f"rng.{k}": v for k, v in tracker.get_states().items()}}
