@@ -5,6 +5,7 @@ a few steps.  A restarted run must end on the final loss of the same layout's un
 bit up to float printing (the resumed state, data position and RNG streams are the saved ones).
 """
 import json
+import os
 import random
 import shutil
 from pathlib import Path
@@ -57,6 +58,11 @@ LAYOUTS = {
     "tp2-sp": (2, ["parallel.tp=2", "parallel.sequence_parallel=true"]),
     "pp2-dp2-tp2-zero1": (8, ["parallel.pp=2", "parallel.tp=2", "zero.stage=1"]),
 }
+# The 8-rank case spawns 24 processes (reference, killed attempt, restart): about 130 s of CPU, more than the
+# whole suite may spend on this module on 2 cores.  It runs when PODSCALE_FAULT_MATRIX=full (a machine with
+# cores to spare); the suite runs the four 2-rank layouts.  pp x dp x tp each of size 2 needs 8 ranks.
+MATRIX = [name for name, (nproc, _) in LAYOUTS.items()
+          if nproc <= 2 or os.environ.get("PODSCALE_FAULT_MATRIX") == "full"]
 
 
 class Runs:
@@ -144,17 +150,17 @@ def test_stalled_rank_makes_every_rank_exit_then_the_restart_resumes(runs, capfd
 
 
 # -- the fault matrix: SIGKILL of a rank drawn at random, on each layout ---------------------------------
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("layout", MATRIX)
 def test_killed_rank_restarts_and_ends_on_the_uninterrupted_loss(runs, capfd, monkeypatch, layout):
     nproc = LAYOUTS[layout][0]
     draw = random.Random(f"podscale-fault-matrix-{layout}")
-    rank, step = draw.randrange(nproc), draw.randrange(1, STEPS)
+    rank, step = draw.randrange(nproc), draw.randrange(2, STEPS)  # (after the first checkpoint)
     full = runs.full(capfd, monkeypatch, layout)
     code, out = runs.train(capfd, monkeypatch, layout, f"killed-{layout}", "--max-restarts", "1",
                            fault=f"kill@{step}:{rank}")
     assert code == 0, out[-3000:]
-    if step >= 2:  # checkpoints every 2 steps: the restart resumes from the last one before the kill
-        assert f"resumed from step_{step // 2 * 2:08d}" in out, out[-3000:]
+    # checkpoints every 2 steps: the restart resumes from the last one before the kill
+    assert f"resumed from step_{step // 2 * 2:08d}" in out, out[-3000:]
     assert "warning" not in out
     killed = runs.losses(f"killed-{layout}")
     assert sorted(killed) == list(range(1, STEPS + 1))
