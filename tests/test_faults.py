@@ -139,7 +139,7 @@ def test_stalled_rank_makes_every_rank_exit_then_the_restart_resumes(runs, capfd
     full = runs.full(capfd, monkeypatch, "dp2")
     # rank 1 sleeps before step 5's collectives (after 4 steps: the checkpoint of step 4 exists)
     code, out = runs.train(capfd, monkeypatch, "dp2", "stalled", "--max-restarts", "1",
-                           "--set", "run.collective_timeout_s=2", fault="stall@4:1")
+                           "--set", "run.collective_timeout_s=4", fault="stall@4:1")
     assert code == 0, out[-3000:]
     lines = [line for line in out.splitlines() if line.startswith("podscale: watchdog:")]
     assert sorted(line.split()[3] for line in lines) == ["0", "1"], out[-3000:]  # one line per rank
