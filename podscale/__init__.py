@@ -24,10 +24,11 @@ def init(cfg: Config | None = None, **sizes: int):
     """
     from podscale.runtime.mesh import Mesh
     from podscale.runtime.process import DEFAULT_TIMEOUT_S, init_process
+    from podscale.runtime.watchdog import backstop_s
 
-    # with a config: torch's process-group timeout at twice run.collective_timeout_s, as under `podscale
-    # train` (the hang watchdog itself is podscale.runtime.watchdog.start(mesh, cfg.run.collective_timeout_s))
-    timeout_s = 2 * cfg.run.collective_timeout_s if cfg is not None else DEFAULT_TIMEOUT_S
+    # with a config: torch's process-group timeout from run.collective_timeout_s, as under `podscale train`
+    # (the hang watchdog itself is podscale.runtime.watchdog.start(mesh, cfg.run.collective_timeout_s))
+    timeout_s = backstop_s(cfg.run.collective_timeout_s) if cfg is not None else DEFAULT_TIMEOUT_S
     info = init_process(timeout_s=timeout_s, device=cfg.run.device if cfg is not None else "auto")
     if cfg is not None:
         cfg.check_layout(info.world_size)

@@ -41,7 +41,8 @@ class RunSection(_Section):
     collective_timeout_s: float = Field(
         300.0, gt=0, description="hang watchdog: a rank that waits this long in one collective makes every "
                                  "rank exit with a line naming the rank that did not arrive "
-                                 "(podscale.runtime.watchdog); torch's process-group timeout is twice this")
+                                 "(podscale.runtime.watchdog); torch's process-group timeout is twice this, "
+                                 "at least 120 s")
     device: Literal["auto", "cpu", "cuda"] = Field(
         "auto", description="auto: one GPU per rank where CUDA is visible (NCCL), else the CPU (gloo)")
 

@@ -108,6 +108,8 @@ class Ledger:
         self._keys: dict = {}
 
     def group_key(self, mesh, axes) -> str:
+        """The key of this rank's group over ``axes`` (a name or a sequence of names), cached."""
+        axes = axes if isinstance(axes, (str, tuple)) else tuple(axes)
         key = self._keys.get(axes)
         if key is None:
             ranks = mesh.group_ranks(*((axes,) if isinstance(axes, str) else axes))

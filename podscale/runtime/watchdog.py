@@ -20,7 +20,7 @@ from the last checkpoint.
 
 The process-group timeout stays as the backstop for what the ledger does not see (collectives issued
 outside :mod:`podscale.runtime.comm`, such as the checkpoint writer's barriers): ``podscale train`` sets it
-to twice ``run.collective_timeout_s``.
+to :func:`backstop_s` (twice ``run.collective_timeout_s``, at least 2 minutes).
 """
 from __future__ import annotations
 
@@ -37,6 +37,13 @@ import torch.distributed as dist
 EXIT_CODE = 75  # (EX_TEMPFAIL: the job may succeed when restarted)
 _ABORT = "abort"
 _SEEN = "seen"
+
+
+def backstop_s(timeout_s: float) -> float:
+    """torch's process-group timeout under a watchdog of ``timeout_s``: twice it, and at least 2 minutes,
+    since the same timeout bounds the rendezvous barriers of ``init_process_group`` and ``new_group``,
+    where ranks that start seconds apart (a loaded machine, a slow file system) legitimately wait."""
+    return max(2 * timeout_s, 120.0)
 
 
 def interval_for(timeout_s: float) -> float:

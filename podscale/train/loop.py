@@ -43,7 +43,7 @@ def _gather_per_rank(value: float, mesh: Mesh) -> list[float]:
 def run_worker(cfg: Config, resume: bool = False) -> dict:
     """Train as one rank of the job described by ``cfg``; returns a summary (rank 0's is complete)."""
     # torch's process-group timeout is the backstop of the hang watchdog (see podscale.runtime.watchdog)
-    backstop = 2 * cfg.run.collective_timeout_s
+    backstop = watchdog.backstop_s(cfg.run.collective_timeout_s)
     info = init_process(timeout_s=backstop, device=cfg.run.device)
     _set_cpu_threads(info.device)
     cfg.check_layout(info.world_size)
