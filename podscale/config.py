@@ -38,6 +38,11 @@ class RunSection(_Section):
     sample_tokens: int = Field(0, ge=0, description="bytes of text the GPT samples at the end of the run")
     tensorboard: bool = Field(False, description="also write the metrics as TensorBoard event files "
                                                  "(runs/NAME/tensorboard; needs the tensorboard package)")
+    collective_timeout_s: float = Field(
+        300.0, gt=0, description="hang watchdog: a rank that waits this long in one collective makes every "
+                                 "rank exit with a line naming the rank that did not arrive "
+                                 "(podscale.runtime.watchdog); torch's process-group timeout is twice this, "
+                                 "at least 120 s")
     device: Literal["auto", "cpu", "cuda"] = Field(
         "auto", description="auto: one GPU per rank where CUDA is visible (NCCL), else the CPU (gloo)")
 
