@@ -96,3 +96,12 @@ def environment_and_imports(names: list[str]) -> dict:
     fork server, or the launching process itself for a spawned worker)."""
     import os
     return {"env": {n: os.environ.get(n) for n in names}, "rank": os.environ["RANK"], "parent": os.getppid()}
+
+
+def print_and_return(text: str) -> int:
+    """Prints ``text`` on standard output and standard error; returns the rank."""
+    import os
+    import sys
+    print(text, flush=True)
+    print(text, file=sys.stderr, flush=True)
+    return int(os.environ["RANK"])

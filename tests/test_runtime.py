@@ -126,3 +126,14 @@ def test_forked_workers_see_the_parents_environment_at_each_launch(monkeypatch):
     assert first[0]["parent"] == first[1]["parent"] == second[0]["parent"] != me
     spawned = launch(environment_and_imports, (names,), nproc=2, start_method="spawn")
     assert spawned[0]["env"]["PODSCALE_T_SET"] == "second" and spawned[0]["parent"] == me
+
+
+def test_forked_workers_write_to_the_launching_process_streams(capfd):
+    """A worker forked from the server writes to the standard output and error the launching process has
+    at this launch (here: the test's capture, which did not exist when the server started)."""
+    from runtime_workers import print_and_return
+    launch(print_and_return, ("warm",), nproc=2)  # the server is running before this capture starts
+    capfd.readouterr()
+    assert launch(print_and_return, ("hello from a worker",), nproc=2) == {0: 0, 1: 1}
+    out = capfd.readouterr()
+    assert out.out.count("hello from a worker") == 2 and out.err.count("hello from a worker") == 2

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import multiprocessing
 import multiprocessing.forkserver
+import multiprocessing.reduction
 import os
 from collections.abc import Callable
 from typing import Any
@@ -35,14 +36,44 @@ _MALLOC_VARS = {"MALLOC_MMAP_THRESHOLD_": M_MMAP_THRESHOLD, "MALLOC_TRIM_THRESHO
 _INHERITED = dict(os.environ)
 
 
-def run_with_parent_env(fn: Callable[..., Any], parent_env: dict[str, str], *args: Any) -> Any:
+class InheritedFd:
+    """A file descriptor of the launching process that a worker started by the fork server receives: when
+    pickled for a new worker (during the request to the server) it is duplicated for that worker, which
+    unpickles it as its own descriptor number."""
+
+    def __init__(self, fd: int):
+        self.fd = fd
+
+    def __reduce__(self):
+        return _received, (multiprocessing.reduction.DupFd(self.fd),)
+
+
+def _received(dup) -> int:
+    return dup.detach()
+
+
+def parent_streams() -> tuple[InheritedFd, InheritedFd]:
+    """This process's standard output and error for the workers of one launch: a fork otherwise writes
+    where the server's streams went when it started, not where the launching process's go now (a
+    redirected descriptor, a test's capture)."""
+    return InheritedFd(1), InheritedFd(2)
+
+
+def run_with_parent_env(fn: Callable[..., Any], parent_env: dict[str, str], streams: tuple[int, int] | None,
+                        *args: Any) -> Any:
     """Run ``fn(*args)`` in a forked worker with the environment its parent had at launch, plus the
-    variables torch's agent set for this worker (those that differ from what the fork inherited)."""
+    variables torch's agent set for this worker (those that differ from what the fork inherited), and
+    with the parent's standard output and error (``streams`` from :func:`parent_streams`; None keeps the
+    streams the agent redirected to its log files)."""
     agent = {k: v for k, v in os.environ.items() if _INHERITED.get(k) != v}
     os.environ.clear()
     os.environ.update(parent_env)
     os.environ.update(agent)
     apply_malloc_env()
+    if streams is not None:
+        for fd, received in zip((1, 2), streams):
+            os.dup2(received, fd)
+            os.close(received)
     return fn(*args)
 
 

@@ -104,5 +104,6 @@ def launch(fn: Callable | str, args: tuple = (), nproc: int = 2, max_restarts: i
     os.environ.setdefault("PODSCALE_LOCAL_WORLD", str(nproc))
     if callable(fn) and start_method == "forkserver":
         forkserver.start_server()
-        return elastic_launch(config, forkserver.run_with_parent_env)(fn, dict(os.environ), *args)
+        streams = None if log_dir or quiet else forkserver.parent_streams()  # (else the agent's log files)
+        return elastic_launch(config, forkserver.run_with_parent_env)(fn, dict(os.environ), streams, *args)
     return elastic_launch(config, fn)(*args)
