@@ -46,13 +46,14 @@ def run_worker(cfg: Config, resume: bool = False) -> dict:
     _set_cpu_threads(info.device)
     cfg.check_layout(info.world_size)
     mesh = Mesh.build(info.device, **cfg.mesh_sizes())
-    rank, dp_rank, dp = info.rank, mesh.local_rank("dp"), mesh.size("dp")
+    # data ranks: dp, and ep when > 1 (expert-parallel ranks split the batch too)
+    rank, dp_rank, dp = info.rank, mesh.local_rank(*mesh.data_axes), mesh.size(*mesh.data_axes)
     run_dir = cfg.run_dir
     ckpt_root = run_dir / "checkpoints"
 
     task = task_for(cfg)
     torch.manual_seed(cfg.run.seed)
-    model = task.build_model()
+    model = task.build_model_on(mesh)
     engine = parallelize(model, mesh, cfg, task)
     try:
         loader = task.train_data(dp_rank, dp)
@@ -108,6 +109,7 @@ def run_worker(cfg: Config, resume: bool = False) -> dict:
             res = engine.step(loader.next_step())
             comm_totals, comm_axes = mesh.stats.totals(), mesh.stats.per_axis()
             mesh.stats.reset()
+            task_metrics = task.step_metrics(engine.model, mesh)  # (collective; its traffic is not the step's)
             s = res.step
             record = {
                 "step": s, "loss": res.loss, "lr": res.lr, "grad_norm": res.grad_norm, "skipped": res.skipped,
@@ -122,6 +124,8 @@ def run_worker(cfg: Config, resume: bool = False) -> dict:
             }
             if res.loss_scale is not None:
                 record["loss_scale"] = res.loss_scale
+            if task_metrics:
+                record["task"] = task_metrics
             if cfg.run.eval_every and (s % cfg.run.eval_every == 0 or s == cfg.run.steps):
                 record.update({f"val_{k}": v for k, v in task.evaluate(engine, val).items()})
             if s % cfg.run.log_every == 0 or s == cfg.run.steps:
