@@ -184,7 +184,7 @@ def test_checkpoint_moves_from_ep2_to_ep1_to_ep4_with_optimizer_state(ep2, singl
 # podscale train end to end
 
 
-def test_podscale_train_logs_routing_metrics_and_exports_one_process_model(tmp_path):
+def test_podscale_train_logs_and_plots_routing_metrics_and_exports_one_process_model(tmp_path):
     cfg = tmp_path / "moe.toml"
     cfg.write_text(f"""
 [run]
@@ -224,6 +224,8 @@ micro_batch = 2
                                                     "aux_loss", "z_loss")}
         assert 0 <= t["blocks.1/load_min"] <= 0.25 <= t["blocks.1/load_max"] <= 1
         assert 0 < t["blocks.1/load_entropy"] <= 1 and 0 <= t["blocks.1/dropped_share"] < 1
+    assert main(["report", str(run)]) == 0
+    assert (run / "task.png").stat().st_size > 0  # the routing series, plotted over the steps
     out = tmp_path / "model.pt"
     assert main(["export", str(run), str(out)]) == 0
     blob = torch.load(out, weights_only=True)
