@@ -233,3 +233,17 @@ micro_batch = 2
     model = GPTMoE(GPTMoEConfig(**blob["model_config"]))
     model.load_state_dict(blob["model"])  # every expert of both ranks, under its global id
     assert blob["task"] == "podscale.tasks.gpt_moe:GPTMoETask"
+
+
+def test_layout_auto_plans_the_gpt_moe_with_expert_parallel_layouts():
+    """``--layout auto`` describes the GPT-MoE to the planner (experts, top_k, moe_every, capacity) and
+    searches ep too; every layout it returns is one the trainer accepts."""
+    from podscale.plan.auto import choose_layout, gpt_of
+    cfg = parse_config(_moe_cfg(model__top_k=2, model__moe_every=2, model__capacity_factor=1.5,
+                                parallel__ep=1))
+    model = gpt_of(cfg)
+    assert (model.experts, model.top_k, model.moe_every, model.capacity_factor) == (4, 2, 2, 1.5)
+    choice = choose_layout(cfg, 2, "dgx-a100-80g", keep=50)
+    eps = {o for _, over in choice.ranked for o in over if o.startswith("parallel.ep=")}
+    assert eps == {"parallel.ep=1", "parallel.ep=2"}, eps
+    assert not any("parallel.tp=2" in over or "parallel.pp=2" in over for _, over in choice.ranked)
