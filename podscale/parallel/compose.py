@@ -2,7 +2,8 @@
 
 Order of application (each one a function of model and mesh; axis size 1 = off):
 pipeline split on ``pp`` (stages, then virtual chunks) -> tensor/sequence parallelism on ``tp`` inside each
-chunk -> the data-parallel strategy on ``dp`` (replicated, or ZeRO when ``zero.stage`` > 0) -> the
+chunk -> the data-parallel strategy on ``dp`` (replicated, or ZeRO when ``zero.stage`` > 0; with expert
+parallelism on ``dp`` x ``ep``, the experts on ``dp`` only) -> the
 model-parallel wrapper that adds what tp and pp need on top (sequence-parallel gradient sums, the tied
 embedding across first and last stage, the true global gradient norm, the pipeline schedule).
 
@@ -33,8 +34,11 @@ def _data_parallel(module: nn.Module, mesh, cfg, ep_sharded: list[nn.Parameter] 
 
 
 def build_engine(model: nn.Module, mesh, cfg, task=None, measure_memory: bool = False):
-    """Apply ``cfg``'s (pp, dp, tp) layout to a single-process ``model`` and return an Engine that trains
-    it with ``task``'s loss (a :class:`podscale.tasks.Task`; default: the task ``cfg``'s ``[model]`` names).
+    """Apply ``cfg``'s (pp, dp, ep, tp) layout to ``model`` and return an Engine that trains it with
+    ``task``'s loss (a :class:`podscale.tasks.Task`; default: the task ``cfg``'s ``[model]`` names).  With
+    ep > 1 ``model`` is this rank's (:meth:`~podscale.tasks.Task.build_model_on`: its own experts) and the
+    data-parallel strategy reduces the task's :meth:`~podscale.tasks.Task.ep_sharded_parameters` over dp
+    and every other parameter over dp x ep.
 
     ``model`` may be built on the meta device (``with torch.device("meta"): GPT(cfg)``): then each rank
     gives memory only to its own pipeline chunks and tensor-parallel shards, each parameter initialised to
