@@ -126,6 +126,54 @@ class GPTModelSection(_Section):
                                   f"train.global_batch to a multiple of {p.pp * cfg.dp * t.micro_batch}")
 
 
+class GPTMoEModelSection(GPTModelSection):
+    """``[model] kind = "gpt-moe"``: the GPT with a GShard mixture-of-experts feed-forward in every
+    ``moe_every``-th block (:mod:`podscale.tasks.gpt_moe`); its experts are sharded over ``parallel.ep``."""
+
+    kind: Literal["gpt-moe"] = "gpt-moe"
+    experts: int = Field(8, ge=1, description="experts per MoE layer (a multiple of parallel.ep)")
+    top_k: int = Field(2, ge=1, description="experts per token: 1 (Switch) or 2 (GShard)")
+    capacity_factor: float = Field(1.25, description="GShard's C = ceil(cf * k * S / E) slots per expert")
+    eval_capacity_factor: float = Field(2.0, description="the capacity factor of evaluation forwards")
+    dropless: bool = Field(False, description="no capacity: every choice is dispatched")
+    random_routing: bool = Field(True, description="GShard: keep the second choice with probability 2*g2")
+    aux_loss_coef: float = Field(1e-2, ge=0.0, description="weight of the load-balancing loss")
+    z_loss_coef: float = Field(1e-3, ge=0.0, description="weight of the router z-loss (ST-MoE)")
+    moe_every: int = Field(2, ge=1, description="an MoE feed-forward in every moe_every-th block")
+    expert_hidden: int | None = Field(None, ge=1, description="expert hidden size; default 4 * n_embd")
+
+    @model_validator(mode="after")
+    def _moe_args(self):
+        if self.top_k > self.experts:
+            raise ValueError(f"model.top_k={self.top_k} exceeds model.experts={self.experts}: lower top_k "
+                             "or add experts")
+        for key in ("capacity_factor", "eval_capacity_factor"):
+            if not getattr(self, key) > 0:
+                raise ValueError(f"model.{key}={getattr(self, key)} must be > 0: use e.g. 1.25 (or "
+                                 "model.dropless = true for no capacity)")
+        return self
+
+    def task_class(self) -> type:
+        from podscale.tasks.gpt_moe import GPTMoETask
+        return GPTMoETask
+
+    def check_layout(self, cfg: "Config") -> None:
+        """Experts divide over ep; tensor and pipeline parallelism of the GPT-MoE are not built yet."""
+        from podscale.tasks.base import check_task_layout
+        p = cfg.parallel
+        if self.experts % p.ep:
+            raise ConfigError(f"model.experts={self.experts} is not divisible by parallel.ep={p.ep}: make "
+                              f"model.experts a multiple of {p.ep} or choose an ep that divides it")
+        if p.ep > 1 and cfg.zero.optimizer != "adamw":
+            raise ConfigError(f"zero.optimizer={cfg.zero.optimizer} with parallel.ep={p.ep}: the per-tensor trust "
+                              "ratios are not built for experts sharded over ep: set zero.optimizer = 'adamw'")
+        try:
+            check_task_layout(self.task_class(), p.tp, p.sequence_parallel, p.pp, p.ep)
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
+        super().check_layout(cfg)
+
+
 class CustomModelSection(BaseModel):
     """``[model] kind = "custom"``: a task from the user's own code.  ``task = "package.module:Class"`` names
     a :class:`podscale.tasks.Task` subclass that every worker can import (installed, or on ``PYTHONPATH``,
@@ -175,7 +223,7 @@ class CustomModelSection(BaseModel):
 
 
 #: ``[model] kind`` -> its section (a fixed table: a user's own task is ``kind = "custom"`` with ``task``)
-MODEL_KINDS: dict[str, type] = {"gpt": GPTModelSection, "custom": CustomModelSection}
+MODEL_KINDS: dict[str, type] = {"gpt": GPTModelSection, "gpt-moe": GPTMoEModelSection, "custom": CustomModelSection}
 
 
 def _model_kind(value) -> str:
@@ -186,7 +234,8 @@ def _model_kind(value) -> str:
 
 
 ModelSection = Annotated[
-    Union[Annotated[GPTModelSection, Tag("gpt")], Annotated[CustomModelSection, Tag("custom")]],
+    Union[Annotated[GPTModelSection, Tag("gpt")], Annotated[GPTMoEModelSection, Tag("gpt-moe")],
+          Annotated[CustomModelSection, Tag("custom")]],
     Discriminator(_model_kind, custom_error_type="unknown_model_kind", custom_error_message="unknown model kind"),
 ]
 
@@ -332,8 +381,13 @@ class Config(_Section):
         return p.dp if p.dp is not None else p.nproc // (p.pp * p.ep * p.tp)
 
     @property
+    def data_ranks(self) -> int:
+        """Ranks that see different samples: dp x ep (expert-parallel ranks also split the batch, GShard)."""
+        return self.dp * self.parallel.ep
+
+    @property
     def grad_accum(self) -> int:
-        return self.train.global_batch // (self.dp * self.train.micro_batch)
+        return self.train.global_batch // (self.data_ranks * self.train.micro_batch)
 
     def mesh_sizes(self) -> dict[str, int]:
         p = self.parallel
@@ -343,6 +397,9 @@ class Config(_Section):
         """Raise ConfigError unless the layout and batch fit ``world_size`` processes."""
         p, t = self.parallel, self.train
         inner = p.pp * p.ep * p.tp
+        if world_size % p.ep:
+            raise ConfigError(f"parallel.ep={p.ep} does not divide the {world_size} processes: use an ep that "
+                              f"divides {world_size} or a process count that is a multiple of {p.ep}")
         if p.dp is None and world_size % inner:
             raise ConfigError(f"parallel: pp*ep*tp={inner} does not divide {world_size} processes: "
                               f"use a process count that is a multiple of {inner}")
@@ -350,12 +407,18 @@ class Config(_Section):
             raise ConfigError(f"parallel: pp*dp*ep*tp={math.prod(self.mesh_sizes().values())} but there are "
                               f"{world_size} processes: set parallel.dp={world_size // inner} or "
                               f"parallel.nproc={math.prod(self.mesh_sizes().values())}")
-        if t.global_batch % (self.dp * t.micro_batch):
-            raise ConfigError(f"train.global_batch={t.global_batch} is not divisible by dp*micro_batch="
-                              f"{self.dp}*{t.micro_batch}: make global_batch a multiple of "
-                              f"{self.dp * t.micro_batch}")
-        if p.ep > 1:
-            raise ConfigError("parallel.ep > 1 is not available in this version: set parallel.ep = 1")
+        n = self.data_ranks
+        if t.global_batch % (n * t.micro_batch):
+            what = "dp*micro_batch" if p.ep == 1 else "dp*ep*micro_batch"
+            got = f"{self.dp}*{t.micro_batch}" if p.ep == 1 else f"{self.dp}*{p.ep}*{t.micro_batch}"
+            raise ConfigError(f"train.global_batch={t.global_batch} is not divisible by {what}="
+                              f"{got}: make global_batch a multiple of {n * t.micro_batch}")
+        if p.ep > 1:  # what the task says of experts (a model without experts has nothing to shard over ep)
+            from podscale.tasks.base import check_task_layout
+            try:
+                check_task_layout(self.model.task_class(), 1, False, 1, p.ep)
+            except ValueError as err:
+                raise ConfigError(str(err)) from None
         p = self.parallel
         if p.virtual_stages > 1 and p.schedule != "interleaved":
             raise ConfigError(f"parallel.virtual_stages={p.virtual_stages} needs parallel.schedule = "

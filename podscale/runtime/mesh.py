@@ -113,6 +113,12 @@ class Mesh:
         return idx
 
     @property
+    def data_axes(self) -> tuple[str, ...]:
+        """The axes over which ranks see different samples: ``dp``, and ``ep`` when it is > 1 (expert-parallel
+        ranks split the batch too, GShard section 3).  Losses and metrics are averaged over these."""
+        return ("dp", "ep") if self.sizes["ep"] > 1 else ("dp",)
+
+    @property
     def world_size(self) -> int:
         return self.size()
 

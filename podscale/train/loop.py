@@ -49,14 +49,17 @@ def run_worker(cfg: Config, resume: bool = False) -> dict:
     cfg.check_layout(info.world_size)
     mesh = Mesh.build(info.device, timeout_s=backstop, **cfg.mesh_sizes())
     dog = watchdog.start(mesh, cfg.run.collective_timeout_s)
-    rank, dp_rank, dp = info.rank, mesh.local_rank("dp"), mesh.size("dp")
+    # data ranks: dp, and ep when > 1 (expert-parallel ranks split the batch too)
+    rank, dp_rank, dp = info.rank, mesh.local_rank(*mesh.data_axes), mesh.size(*mesh.data_axes)
     run_dir = cfg.run_dir
     ckpt_root = run_dir / "checkpoints"
 
     task = task_for(cfg)
     torch.manual_seed(cfg.run.seed)
-    model = task.build_model()
-    expected = checkpoint.expected_of(task, model)  # (before parallelize: the single-process names and shapes)
+    model = task.build_model_on(mesh)
+    # what a checkpoint must hold to resume (before parallelize: the single-process names and shapes; under
+    # expert parallelism this rank's model holds only its experts, so the shapes are not compared)
+    expected = checkpoint.expected_of(task, model if mesh.size("ep") == 1 else None)
     engine = parallelize(model, mesh, cfg, task)
     try:
         loader = task.train_data(dp_rank, dp)
@@ -118,6 +121,7 @@ def run_worker(cfg: Config, resume: bool = False) -> dict:
             res = engine.step(loader.next_step())
             comm_totals, comm_axes = mesh.stats.totals(), mesh.stats.per_axis()
             mesh.stats.reset()
+            task_metrics = task.step_metrics(engine.model, mesh)  # (collective; its traffic is not the step's)
             s = res.step
             record = {
                 "step": s, "loss": res.loss, "lr": res.lr, "grad_norm": res.grad_norm, "skipped": res.skipped,
@@ -132,6 +136,8 @@ def run_worker(cfg: Config, resume: bool = False) -> dict:
             }
             if res.loss_scale is not None:
                 record["loss_scale"] = res.loss_scale
+            if task_metrics:
+                record["task"] = task_metrics
             if cfg.run.eval_every and (s % cfg.run.eval_every == 0 or s == cfg.run.steps):
                 record.update({f"val_{k}": v for k, v in task.evaluate(engine, val).items()})
             if s % cfg.run.log_every == 0 or s == cfg.run.steps:
