@@ -99,6 +99,15 @@ class RowStore(ABC):
     def flush(self) -> None:
         """Write every dirty row down to the lowest tier."""
 
+    def clear(self) -> None:
+        """Remove every row from every tier (a fresh run, or before a checkpoint is loaded)."""
+        for keys, _ in list(self.scan()):
+            self.delete(keys)
+
+    def tier_bytes(self) -> list[int]:
+        """Bytes of rows each tier holds, top first (a cache: its slab; the SSD tier: its files)."""
+        return [len(self) * 4 * self.width]
+
     def close(self) -> None:
         """Flush and release files and threads."""
 
@@ -177,6 +186,12 @@ class MemoryRowStore(RowStore):
 
     def __len__(self):
         return len(self._slot)
+
+    def clear(self):
+        self._slot.clear()
+        self._free.clear()
+        self._next = 0
+        self._slab.zero_()
 
 
 def _key_bytes(keys: torch.Tensor) -> list[bytes]:
@@ -283,6 +298,21 @@ class RocksRowStore(RowStore):
 
     def flush(self):
         self._db.flush()
+
+    def clear(self):
+        """One range tombstone over every key (non-negative int64 keys sort below 0x80...)."""
+        try:
+            self._db.delete_range(b"\x00" * 8, b"\xff" * 9)
+        except Exception as e:
+            raise StorageError(f"SSD tier at {self.path}: clearing failed ({e}): free space on that disk or "
+                               "move ssd_path") from None
+
+    def tier_bytes(self):
+        """The SSD files' size as RocksDB reports it (SST files plus memtables)."""
+        db = self._db
+        sst = db.property_int_value("rocksdb.total-sst-files-size") or 0
+        mem = db.property_int_value("rocksdb.cur-size-all-mem-tables") or 0
+        return [int(sst) + int(mem)]
 
     def close(self):
         self._db.close()
@@ -418,6 +448,21 @@ class CachedRowStore(RowStore):
         self.flush()
         self._pool.shutdown(wait=True)
         self.backing.close()
+
+    def clear(self):
+        self._wait_pending(count=False)
+        with self._lock:
+            self._map.clear()
+            self._dirty.zero_()
+            self._freq.zero_()
+            self._free = list(range(self._slab.shape[0] - 1, -1, -1))
+            self._absent.clear()
+            self._written.clear()
+        self.backing.clear()
+
+    def tier_bytes(self):
+        """This tier's rows (its slab's used part), then the tiers below."""
+        return [len(self._map) * 4 * self.width] + self.backing.tier_bytes()
 
     # -- internals --------------------------------------------------------------------------------
     def _wait_pending(self, count: bool) -> None:

@@ -69,6 +69,7 @@ def run_worker(cfg: Config, resume: bool = False) -> dict:
             meta, rank_state = checkpoint.load(restored, template, rank)
             engine.load_model_state(template["model"])
             engine.load_optim_state(template["optim"])
+            task.load_state(restored)
             engine.step_count = start_step = int(meta["step"])
             loader.load_state_dict(meta["loader"])
             if engine.scaler is not None and meta.get("scaler"):
@@ -99,7 +100,8 @@ def run_worker(cfg: Config, resume: bool = False) -> dict:
                     "scaler": engine.scaler.state_dict() if engine.scaler else None, "time": time.time()}
             rng = {"torch_rng": torch.get_rng_state(), **{f"rng.{k}": v for k, v in tracker.get_states().items()}}
             checkpoint.save(ckpt_root, step, {"model": engine.model_state(), "optim": engine.optim_state()},
-                            meta, rng, rank, cfg.checkpoint.keep)
+                            meta, rng, rank, cfg.checkpoint.keep,
+                            extra=lambda partial: task.save_state(partial, ckpt_root, step))
 
         last = {}
         mesh.stats.reset()
@@ -122,6 +124,7 @@ def run_worker(cfg: Config, resume: bool = False) -> dict:
             }
             if res.loss_scale is not None:
                 record["loss_scale"] = res.loss_scale
+            record.update(task.step_metrics())
             if cfg.run.eval_every and (s % cfg.run.eval_every == 0 or s == cfg.run.steps):
                 record.update({f"val_{k}": v for k, v in task.evaluate(engine, val).items()})
             if s % cfg.run.log_every == 0 or s == cfg.run.steps:
@@ -145,4 +148,7 @@ def run_worker(cfg: Config, resume: bool = False) -> dict:
         sys.stdout.flush()
         return summary
     finally:
-        engine.close()  # the strategy's scratch state (swap files), also when the run failed
+        try:
+            engine.close()  # the strategy's scratch state (swap files), also when the run failed
+        finally:
+            task.close()
