@@ -94,6 +94,7 @@ class TableCheckpointer:
     def __init__(self, table: ShardedEmbeddingBags, full_every: int = 4, chunk_rows: int = CHUNK_ROWS):
         self.table, self.full_every, self.chunk_rows = table, int(full_every), int(chunk_rows)
         self.chain: list[dict] | None = None  # segments of the last save/load; None: the next save is full
+        self.chain_root: Path | None = None    # the checkpoint root those segments are under
 
     # -- save -------------------------------------------------------------------------------------------
     def save(self, step_dir: Path, root: Path, step: int, full: bool | None = None) -> dict:
@@ -102,8 +103,9 @@ class TableCheckpointer:
         chain already holds ``full_every`` saves.  Returns the manifest."""
         tb = self.table
         step_dir, root = Path(step_dir), Path(root)
-        if full is None:
-            full = self.chain is None or len(self.chain) >= self.full_every
+        if full is None:  # a delta builds on a chain under the same root only
+            full = self.chain is None or len(self.chain) >= self.full_every or \
+                self.chain_root is None or self.chain_root.resolve() != root.resolve()
         seg_name = f"seg_{step:08d}_{_token(tb)}"
         seg = root / SEGMENTS / seg_name
         if tb.me == 0:
@@ -134,7 +136,7 @@ class TableCheckpointer:
         if tb.me == 0:
             _fsync_write(step_dir / MANIFEST, json.dumps(manifest, indent=1).encode())
         tb.mark_saved()
-        self.chain = chain
+        self.chain, self.chain_root = chain, root
         _barrier(tb)
         return manifest
 
@@ -213,7 +215,7 @@ class TableCheckpointer:
             self._apply(root / entry["segment"], entry["ranks"])
         tb.set_clock(manifest["clock"], [s["name"] for s in manifest["specs"]])
         tb.mark_saved()
-        self.chain = manifest["chain"]
+        self.chain, self.chain_root = manifest["chain"], root
         _barrier(tb)
         return manifest
 
