@@ -93,6 +93,26 @@ def write_movielens(folder: Path, users: int = 30, items: int = 40, ratings: int
     return folder / "u.data"
 
 
+def write_movielens_recbole(folder: Path, users: int = 30, items: int = 40, ratings: int = 600, seed: int = 0) -> Path:
+    """The RecBole atomic-file layout of /work/shared/data/movielens-100k (typed headers), made-up content."""
+    rng = np.random.default_rng(seed)
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / "ml.inter", "w") as f:
+        f.write("user_id:token\titem_id:token\trating:float\ttimestamp:float\n")
+        for _ in range(ratings):
+            f.write(f"{rng.integers(1, users + 1)}\t{rng.integers(1, items + 1)}\t{rng.integers(1, 6)}\t"
+                    f"{rng.integers(874724710, 893286638)}\n")
+    with open(folder / "ml.user", "w") as f:
+        f.write("user_id:token\tage:token\tgender:token\toccupation:token\tzip_code:token\n")
+        for u in range(1, users + 1):
+            f.write(f"{u}\t{rng.integers(10, 70)}\t{'MF'[u % 2]}\twriter\t{55105 + u}\n")
+    with open(folder / "ml.item", "w") as f:
+        f.write("item_id:token\tmovie_title:token_seq\trelease_year:token\tclass:token_seq\n")
+        for i in range(1, items + 1):
+            f.write(f"{i}\tMovie {i}\t{1990 + i % 9}\t{'Comedy Drama' if i % 2 else 'Film-Noir'}\n")
+    return folder / "ml.inter"
+
+
 def test_readers_of_criteo_tsv_and_movielens(tmp_path):
     tsv = tmp_path / "day.tsv"
     write_criteo_tsv(tsv, 50)
@@ -122,6 +142,14 @@ def test_readers_of_criteo_tsv_and_movielens(tmp_path):
     # jagged genre bags survive the gather: every sample's bag is its item's genres
     _, s, _ = ml.take(torch.arange(600))
     assert torch.equal(s["genre"][0], ml.sparse["genre"][0])
+    rb = read_movielens(write_movielens_recbole(tmp_path / "rb"))
+    raw = np.loadtxt(tmp_path / "rb" / "ml.inter", dtype=np.int64, skiprows=1)
+    assert len(rb) == 600 and torch.equal(rb.labels, torch.from_numpy((raw[:, 2] >= 4).astype(np.float32)))
+    lens = torch.diff(torch.cat([rb.sparse["genre"][1], torch.tensor([len(rb.sparse["genre"][0])])]))
+    assert torch.equal(lens, torch.from_numpy(np.where(raw[:, 1] % 2 == 1, 2, 1)))  # genres per item
+    d = _cfg(tmp_path, data_format="movielens")
+    d["data"] = {"path": str(tmp_path / "rb" / "ml.inter")}
+    parse_config(d).check_layout(2)  # the RecBole header passes the format check
 
 
 def test_auc_matches_pairwise_definition():

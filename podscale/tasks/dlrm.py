@@ -114,38 +114,68 @@ def read_criteo_tsv(path: str | Path) -> ClickArrays:
     return ClickArrays(np.log1p(np.asarray(dense, dtype=np.float64)), sparse, np.asarray(labels))
 
 
+def _ml_table(path: Path) -> tuple[list[str], list[list[str]]]:
+    """A RecBole atomic file (``name:type`` header, tab-separated): (column names, rows)."""
+    lines = path.read_text(encoding="latin-1").splitlines()
+    head = [h.split(":")[0] for h in lines[0].split("\t")]
+    return head, [line.split("\t") for line in lines[1:] if line]
+
+
 def read_movielens(path: str | Path) -> ClickArrays:
-    """MovieLens-100K: ``u.data`` (user, item, rating, timestamp, tab-separated); click = rating >= 4.
-    Tables: ``user``, ``item``, ``genre`` (a bag of the item's genres), and from ``u.user`` beside it
-    ``age`` (decade), ``gender``, ``occupation``, ``zip`` (first digit).  Dense: age / 50, the item's
-    release year offset, its genre count, the hour of day."""
+    """MovieLens-100K; click = rating >= 4.  Either GroupLens' layout -- ``u.data`` (user, item, rating,
+    timestamp) with ``u.user`` and ``u.item`` (``|``-separated, 19 genre flags) beside it -- or RecBole's
+    atomic files -- ``ml-100k.inter`` with ``ml-100k.user`` and ``ml-100k.item`` (``name:type`` headers,
+    genres as a space-separated ``class``).  Tables: ``user``, ``item``, ``genre`` (a bag of the item's
+    genres), ``age`` (decade), ``gender``, ``occupation``, ``zip`` (first digit); dense: age / 50, the
+    item's release year offset, its genre count, the hour of day.  Attribute files are optional."""
     path = Path(path)
-    raw = np.loadtxt(path, dtype=np.int64, delimiter="\t", ndmin=2)
-    if raw.shape[1] != 4:
-        raise ValueError(f"{path} has {raw.shape[1]} columns, not 4 (user, item, rating, timestamp)")
+    users: dict[int, tuple] = {}
+    items: dict[int, tuple] = {}
+    if path.suffix == ".inter":
+        head, rows = _ml_table(path)
+        col = {h: i for i, h in enumerate(head)}
+        if not {"user_id", "item_id", "rating"} <= set(col):
+            raise ValueError(f"{path} lacks user_id, item_id or rating columns (a RecBole .inter file)")
+        raw = np.array([[int(r[col["user_id"]]), int(r[col["item_id"]]), int(float(r[col["rating"]])),
+                         int(float(r[col["timestamp"]])) if "timestamp" in col else 0] for r in rows], dtype=np.int64)
+        if path.with_suffix(".user").is_file():
+            h, rs = _ml_table(path.with_suffix(".user"))
+            c = {x: i for i, x in enumerate(h)}
+            for r in rs:
+                users[int(r[c["user_id"]])] = (int(r[c["age"]]), r[c["gender"]], r[c["occupation"]],
+                                               r[c["zip_code"]][:1])
+        if path.with_suffix(".item").is_file():
+            h, rs = _ml_table(path.with_suffix(".item"))
+            c = {x: i for i, x in enumerate(h)}
+            for r in rs:
+                year = r[c["release_year"]] if "release_year" in c and len(r) > c["release_year"] else ""
+                genres = r[c["class"]].split() if "class" in c and len(r) > c["class"] else []
+                items[int(r[c["item_id"]])] = (int(year) if year.isdigit() else 1990, genres)
+    else:
+        raw = np.loadtxt(path, dtype=np.int64, delimiter="\t", ndmin=2)
+        if raw.shape[1] != 4:
+            raise ValueError(f"{path} has {raw.shape[1]} columns, not 4 (user, item, rating, timestamp)")
+        if (path.parent / "u.user").is_file():
+            for line in (path.parent / "u.user").read_text(encoding="latin-1").splitlines():
+                f = line.split("|")
+                if len(f) >= 5:
+                    users[int(f[0])] = (int(f[1]), f[2], f[3], f[4][:1])
+        if (path.parent / "u.item").is_file():
+            for line in (path.parent / "u.item").read_text(encoding="latin-1").splitlines():
+                f = line.split("|")
+                if len(f) >= 5 + ML_GENRES:
+                    year = f[2][-4:]
+                    items[int(f[0])] = (int(year) if year.isdigit() else 1990,
+                                        [str(g) for g in range(ML_GENRES) if f[5 + g] == "1"])
     user, item, rating, ts = raw.T
-    users, items = {}, {}
-    if (path.parent / "u.user").is_file():
-        for line in (path.parent / "u.user").read_text(encoding="latin-1").splitlines():
-            f = line.split("|")
-            if len(f) >= 5:
-                users[int(f[0])] = (int(f[1]), f[2], f[3], f[4][:1])
-    if (path.parent / "u.item").is_file():
-        for line in (path.parent / "u.item").read_text(encoding="latin-1").splitlines():
-            f = line.split("|")
-            if len(f) >= 5 + ML_GENRES:
-                year = f[2][-4:]
-                items[int(f[0])] = (int(year) if year.isdigit() else 1990, [g for g in range(ML_GENRES)
-                                                                             if f[5 + g] == "1"])
 
     def code(s: str) -> int:
         return int.from_bytes(s.encode()[:7].ljust(7, b"\0"), "big")
 
-    n = len(user)
     u_info = [users.get(int(u), (30, "?", "?", "?")) for u in user]
     i_info = [items.get(int(i), (1990, [])) for i in item]
     genre_lens = np.array([len(g) for _, g in i_info], dtype=np.int64)
-    genre_vals = np.array([g for _, gs in i_info for g in gs], dtype=np.int64)
+    genre_vals = np.array([code(g) for _, gs in i_info for g in gs], dtype=np.int64)
     sparse = {"user": _one_per_sample(user), "item": _one_per_sample(item),
               "genre": (genre_vals, np.concatenate([[0], np.cumsum(genre_lens)[:-1]])),
               "age": _one_per_sample(np.array([a // 10 for a, *_ in u_info])),
@@ -169,9 +199,10 @@ def check_data_file(fmt: str, path: Path, head: bytes) -> None:
                          "fields, not 40 (label, 13 integers, 26 hex categories)")
     if fmt == "movielens":
         f = first.split("\t")
-        if len(f) != 4 or not all(x.strip().isdigit() for x in f):
-            raise ValueError("is not MovieLens' u.data (user, item, rating, timestamp, tab-separated): point "
-                             "data.path at u.data")
+        recbole = path.suffix == ".inter" and {"user_id", "item_id", "rating"} <= {x.split(":")[0] for x in f}
+        if not recbole and (len(f) != 4 or not all(x.strip().isdigit() for x in f)):
+            raise ValueError("is not MovieLens' u.data (user, item, rating, timestamp, tab-separated) nor a "
+                             "RecBole .inter file: point data.path at u.data or ml-100k.inter")
 
 
 class ClickSource:
