@@ -6,8 +6,9 @@ table 10x its DRAM budget (SSD tier, RocksDB).
     python bench/ps.py            # 8 tables x 1M rows x dim 64, Zipf(1.05), 10-20 ids per bag
     python bench/ps.py --small    # 8 tables x 50k rows, a quick check
 
-TorchRec (optional, ``pip install podscale[torchrec]`` does the pinned pair): ``pip install
-fbgemm-gpu-cpu==1.8.0`` then ``pip install --no-deps torchrec==1.8.0``.
+TorchRec (optional; pinned in the ``torchrec`` extra of pyproject.toml, installed without dependencies):
+``pip install --no-deps fbgemm-gpu-cpu==1.8.0 torchrec==1.8.0 tensordict==0.10.0 pyvers==0.2.3
+pyre-extensions==0.0.32``.
 
 All variants train the same dense part (DLRM's bottom MLP, dot interaction, top MLP; Adagrad, averaged over
 the ranks) on the same batches; the tables use row-wise Adagrad (podscale, TorchRec's fused
@@ -42,7 +43,7 @@ DIM = 64
 def setting(small: bool) -> dict:
     return {"tables": 8, "rows": 50_000 if small else 1_000_000, "batch": 256 if small else 1024,
             "steps": 6 if small else 20, "warmup": 2 if small else 4, "min_ids": 10, "max_ids": 20,
-            "alpha": 1.05, "preload": 20_000 if small else 200_000}
+            "alpha": 1.05}
 
 
 def gen(s: dict) -> CriteoLike:
@@ -73,6 +74,7 @@ def _timed(step_fn, s: dict) -> float:
 # -- variants (each runs inside a worker) ---------------------------------------------------------------
 def run_podscale(s: dict, budget_fraction: float | None, ssd_root: str | None, sharding: str = "row") -> dict:
     from podscale.parallel.data import DataParallel
+    from podscale.runtime import comm
     from podscale.runtime.mesh import Mesh
     from podscale.runtime.process import init_process
     from podscale.table import RowWiseAdagrad, ShardedEmbeddingBags, TableSpec
@@ -84,22 +86,29 @@ def run_podscale(s: dict, budget_fraction: float | None, ssd_root: str | None, s
     n, r = info.world_size, info.rank
     names = list(gen(s).names)
     row_bytes = 4 * (DIM + 2)
-    budget = None
-    if budget_fraction is not None:  # the preloaded table is 1/budget_fraction of the budget, per shard
-        budget = int(s["preload"] * row_bytes / n * budget_fraction)
+    batches = [rank_batch(s, i, r, n) for i in range(s["warmup"] + s["steps"] + 1)]
+    budget, preload = None, 0
+    if budget_fraction is not None:
+        # the DRAM tier holds twice a step's rows per shard; the table holds 1/budget_fraction times that
+        from podscale.table.hashing import owner_of
+        ws = max(int((owner_of(torch.unique(torch.cat([b[1][nm][0] for b in batches[i: i + 1]])), n) == r).sum())
+                 for i in range(len(batches)) for nm in names)
+        t = torch.tensor([ws], device=mesh.device)
+        comm.all_reduce(t, mesh, "dp", op=torch.distributed.ReduceOp.MAX)
+        budget = int(2 * int(t) * row_bytes)
+        preload = int(budget / budget_fraction / row_bytes) * n
     specs = [TableSpec(nm, DIM, "sum", sharding, dram_budget_bytes=budget,
                        ssd_path=None if ssd_root is None else os.path.join(ssd_root, f"r{r}")) for nm in names]
     emb = ShardedEmbeddingBags(specs, mesh, RowWiseAdagrad(0.05), seed=0)
     emb.clear()
     if budget is not None:  # rows exist before training, 10x what the DRAM tier holds
-        keys = torch.arange(s["preload"], dtype=torch.int64)
+        keys = torch.arange(preload, dtype=torch.int64)
         for nm in names:
             for a in range(0, len(keys), 8192):
                 k = keys[a: a + 8192]
                 emb.load_rows(nm, k, init_rows(name_seed(0, nm), k, 0, DIM, DIM ** -0.5))
     dense = dense_model(s)
     dp = DataParallel(dense, mesh, ("dp",), optimizer=torch.optim.Adagrad(dense.parameters(), lr=0.01))
-    batches = [rank_batch(s, i, r, n) for i in range(s["warmup"] + s["steps"] + 1)]
 
     def step(i):
         d, sp, y = batches[i]
@@ -114,7 +123,7 @@ def run_podscale(s: dict, budget_fraction: float | None, ssd_root: str | None, s
     t = _timed(step, s)
     held = sum(len(st) for st in emb.stores.values()) if budget is not None else None
     emb.close()
-    return {"step_s": t, "rows_held": held, "budget": budget}
+    return {"step_s": t, "rows_held": held, "budget": budget, "preload": preload}
 
 
 def run_ddp_embeddingbag(s: dict) -> dict:
@@ -246,8 +255,9 @@ def main(argv=None) -> None:
             out = launch(run_podscale, (s, 0.1, root, "row"), nproc=n)
             report("podscale row-wise, table 10x DRAM", out)
             o = out[0]
-            print(f"    (rank 0: {o['rows_held']:,} rows held, DRAM budget {o['budget'] / 2 ** 20:.1f} MiB per "
-                  f"table shard = {o['budget'] // (4 * (DIM + 2)):,} rows)", flush=True)
+            print(f"    (rank 0: {o['rows_held']:,} rows held in {s['tables']} table shards, DRAM budget "
+                  f"{o['budget'] / 2 ** 20:.2f} MiB per table shard = {o['budget'] // (4 * (DIM + 2)):,} rows: "
+                  f"{o['rows_held'] / s['tables'] / (o['budget'] // (4 * (DIM + 2))):.1f}x)", flush=True)
         finally:
             shutil.rmtree(root, ignore_errors=True)
     ours = max(v for k, v in res.items() if k.startswith("podscale") and "(in memory)" in k)
