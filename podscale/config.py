@@ -525,9 +525,23 @@ def _known_keys(loc: tuple) -> str:
         part = parts.pop(0)
         if model is Config and part == "model":
             model = MODEL_KINDS[parts.pop(0)] if parts and parts[0] in MODEL_KINDS else GPTModelSection
+        elif part.isdigit():  # an item of a list of sections (model.tables.0): its model is already unwrapped
+            continue
         else:
-            model = model.model_fields[part].annotation
+            model = _section_of(model.model_fields[part].annotation)
     return ", ".join(model.model_fields)
+
+
+def _section_of(annotation):
+    """The section model inside ``annotation`` (``list[X] | None`` -> ``X``), or ``annotation`` itself."""
+    import typing
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in typing.get_args(annotation):
+        found = _section_of(arg)
+        if isinstance(found, type) and issubclass(found, BaseModel):
+            return found
+    return annotation
 
 
 def parse_config(data: dict, base_dir: Path | None = None) -> Config:

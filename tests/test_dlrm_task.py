@@ -1,7 +1,7 @@
 """DLRM as a task (``[model] kind = "dlrm"``): its config errors (one line, before workers), its data readers
 (generated Criteo TSV and MovieLens files of the real formats; the real MovieLens is never read here), and
-`podscale train` at 2 ranks with the tables' SSD tier: the loss falls, the tiers report, a run killed by
-SIGKILL resumes from its last (incremental) checkpoint to the uninterrupted run's losses."""
+`podscale train` at 2 ranks with the tables' SSD tier: the loss falls, the tiers report, and the same run
+under ZeRO-3, killed by SIGKILL, resumes from its last (incremental) checkpoint to the first run's losses."""
 import json
 import os
 import signal
@@ -63,6 +63,9 @@ def test_config_errors_are_one_line_before_workers(tmp_path):
         parse_config(d)
     with pytest.raises(ConfigError, match="unknown key 'model.bogus'"):
         parse_config(_cfg(tmp_path, bogus=1))
+    with pytest.raises(ConfigError, match=r"unknown key 'model.tables.0.size': valid keys in \[model.tables.0\] are "
+                                          "name, cardinality, sharding"):
+        parse_config(_cfg(tmp_path, tables=[{"name": "a", "size": 3}]))
 
 
 def write_criteo_tsv(path: Path, n: int, seed: int = 0) -> None:
@@ -192,10 +195,12 @@ def test_train_two_ranks_ssd_tier_kill_and_resume(tmp_path):
     manifest = json.loads((tmp_path / "full" / "checkpoints" / f"step_{STEPS:08d}" / "tables.json").read_text())
     assert [c["full"] for c in manifest["chain"]] == [True, False]  # full every 2nd save: step 6 full, 8 delta
 
-    # killed (SIGKILL) at the start of step 6 on rank 1, mid-run with the SSD tier written every step
-    killed = _train(tmp_path, "res", STEPS, env={"PODSCALE_FAULT": "kill@5:1"})
+    # the same under ZeRO-3 (the dense part's parameters, gradients and Adam state sharded), killed (SIGKILL)
+    # at the start of step 6 on rank 1, mid-run with the SSD tier written every step, and resumed
+    z3 = ("--set", "zero.stage=3")
+    killed = _train(tmp_path, "res", STEPS, *z3, env={"PODSCALE_FAULT": "kill@5:1"})
     assert killed.returncode != 0
-    resumed = _train(tmp_path, "res", STEPS, "--resume")
+    resumed = _train(tmp_path, "res", STEPS, "--resume", *z3)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed from step_00000004" in resumed.stdout
     again = _rows(tmp_path / "res")
