@@ -65,7 +65,7 @@ def test_config_errors_are_one_line_before_workers(tmp_path):
         parse_config(_cfg(tmp_path, bogus=1))
     with pytest.raises(ConfigError, match=r"unknown key 'model.tables.0.size': valid keys in \[model.tables.0\] are "
                                           "name, cardinality, sharding"):
-        parse_config(_cfg(tmp_path, tables=[{"name": "a", "size": 3}]))
+        parse_config(_cfg(tmp_path, tables=[{"name": "a", "cardinality": 3, "size": 3}]))
 
 
 def write_criteo_tsv(path: Path, n: int, seed: int = 0) -> None:
