@@ -67,7 +67,7 @@ def logistic_regression(train, test, l2: float = 1e-4) -> float:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--data", default=str(ROOT.parent / "shared" / "data" / "movielens-100k" / "ml-100k.inter"))
-    ap.add_argument("--steps", type=int, default=1000)
+    ap.add_argument("--steps", type=int, default=2500)
     ap.add_argument("--out-dir", default=None)
     args = ap.parse_args(argv)
     data = Path(args.data)
@@ -99,7 +99,7 @@ embedding_dim = 16
 bottom_mlp = [32]
 top_mlp = [64, 32]
 sparse_optimizer = "adagrad"
-sparse_lr = 0.02
+sparse_lr = 0.05
 
 [data]
 path = "{data}"
