@@ -204,7 +204,8 @@ class DLRMModelSection(_Section):
     max_ids: int = Field(1, ge=1, description="generated data: ids per bag, at most")
     teacher_scale: float = Field(2.0, ge=0.0, description="generated data: strength of the hidden teacher")
     data_seed: int = Field(0, ge=0, description="generated data: seed of the ids and of the teacher")
-    val_samples: int = Field(4096, ge=1, description="samples held out for validation (AUC, log loss)")
+    val_samples: int = Field(4096, ge=1, description="generated data: validation samples (AUC, log loss); "
+                                                    "files hold out data.val_fraction")
     sparse_optimizer: Literal["adagrad", "sgd", "adam"] = "adagrad"
     sparse_lr: float = Field(0.05, gt=0.0)
     admit_after: int = Field(0, ge=0, description="occurrences before an id gets a row (reads zeros before)")
