@@ -1,11 +1,9 @@
 """The table estimator (``podscale memory --table-rows``) against a measured run: the DRAM hit rate of a
 cached table trained on Zipf ids, counted per step's distinct ids as the table's tier counters count."""
-import subprocess
-import sys
-
 import pytest
 import torch
 
+from podscale.cli import main
 from podscale.runtime.mesh import Mesh
 from podscale.table import ShardedEmbeddingBags, SparseSGD, TableSpec
 from podscale.table.data import CriteoLike, make_batch
@@ -45,13 +43,12 @@ def test_hit_rate_prediction_matches_a_measured_run(tmp_path):
     assert hit_rate(N, 1.05, CACHE, 1, "lfu") > hit_rate(N, 1.05, CACHE, 1, "lfu", BATCH)
 
 
-def test_memory_per_tier_and_cli():
+def test_memory_per_tier_and_cli(capsys):
     e = estimate_table(10 ** 6, 64, shards=4, optimizer="adagrad", dram_budget_bytes=1 << 20)
     assert e.row_bytes == 4 * 66 and e.cache_rows == (1 << 20) // 264
     assert e.ssd_bytes > 250_000 * 264 and e.dram_bytes < (1 << 20) + e.cache_rows * 200
     assert 0 < e.hit_rate < 1
-    out = subprocess.run([sys.executable, "-m", "podscale", "memory", "--table-rows", "1e9", "--dim", "64",
-                          "--shards", "16", "--dram-budget-mb", "8192"], capture_output=True, text=True)
-    assert out.returncode == 0 and "expected DRAM hit rate" in out.stdout and "SSD tier" in out.stdout
-    bad = subprocess.run([sys.executable, "-m", "podscale", "memory", "--dim", "64"], capture_output=True, text=True)
-    assert bad.returncode == 2 and "--table-rows" in bad.stderr
+    assert main(["memory", "--table-rows", "1e9", "--dim", "64", "--shards", "16", "--dram-budget-mb", "8192"]) == 0
+    out = capsys.readouterr().out
+    assert "expected DRAM hit rate" in out and "SSD tier" in out
+    assert main(["memory", "--dim", "64"]) == 2 and "--table-rows" in capsys.readouterr().err
