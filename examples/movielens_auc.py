@@ -67,7 +67,7 @@ def logistic_regression(train, test, l2: float = 1e-4) -> float:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--data", default=str(ROOT.parent / "shared" / "data" / "movielens-100k" / "ml-100k.inter"))
-    ap.add_argument("--steps", type=int, default=2500)
+    ap.add_argument("--steps", type=int, default=1200)
     ap.add_argument("--out-dir", default=None)
     args = ap.parse_args(argv)
     data = Path(args.data)
