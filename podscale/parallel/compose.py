@@ -53,6 +53,7 @@ def build_engine(model: nn.Module, mesh, cfg, task=None, measure_memory: bool = 
     p = cfg.parallel
     task = task if task is not None else task_for(cfg)
     check_task_layout(type(task), mesh.size("tp"), p.sequence_parallel, mesh.size("pp"), mesh.size("ep"))
+    task.bind(model, mesh)  # state outside the parameters (sharded tables), before the strategy wraps the model
     loss_fn = task.loss_fn(cfg.train.precision, mesh.device)
     if mesh.size("pp") > 1:
         from podscale.parallel.pipeline.schedule import PipelineParallel

@@ -159,6 +159,27 @@ class Task(ABC):
         sampled text; ``say`` prints on rank 0.  Returns entries for the run's summary (default: none)."""
         return {}
 
+    # model state outside the strategy (sharded tables): optional hooks, default nothing -------------------
+    def bind(self, model: nn.Module, mesh) -> None:
+        """Give ``model`` the state that lives on the mesh outside its parameters -- rows by key on their
+        owner ranks, updated by a model-owned sparse optimizer inside backward (the DLRM's embedding tables)
+        -- before the strategy wraps the model (``parallelize`` calls it once, on every rank).  The strategy
+        then sees only the dense parameters.  Default: nothing."""
+
+    def save_state(self, step_dir: Path, root: Path, step: int) -> None:
+        """Collective: write what :meth:`bind` added (not in the strategy's tensors) into checkpoint ``step``,
+        while the trunk writes ``step_dir`` (the unfinished folder, renamed into place after every rank
+        returns).  State shared by several checkpoints (incremental saves) may go under ``root`` with files in
+        ``step_dir`` naming it.  Default: nothing."""
+
+    def load_state(self, step_dir: Path) -> None:
+        """Collective: restore what :meth:`save_state` wrote into the finished checkpoint ``step_dir`` (written
+        by any number of ranks).  Default: nothing."""
+
+    def close(self) -> None:
+        """Release what :meth:`bind` opened (files, threads); the loop calls it once at the end of a run,
+        also a failed one.  Default: nothing."""
+
     # what the trunk builds from the above -----------------------------------------------------------------
     def on_device(self, fn: LossFn, precision: str, device: torch.device) -> LossFn:
         """``fn`` as the engine calls it: the batch moved to ``device`` by :meth:`to_device` and ``fn`` run

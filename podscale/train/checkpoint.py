@@ -19,6 +19,7 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -67,8 +68,11 @@ def latest(root: Path) -> Path | None:
     return done[-1] if done else None
 
 
-def save(root: Path, step: int, tensors: dict, meta: dict, rank_state: dict, rank: int, keep: int) -> Path:
-    """Collective: write checkpoint ``step`` under ``root`` atomically and keep the newest ``keep``."""
+def save(root: Path, step: int, tensors: dict, meta: dict, rank_state: dict, rank: int, keep: int,
+         extra: Callable[[Path], None] | None = None) -> Path:
+    """Collective: write checkpoint ``step`` under ``root`` atomically and keep the newest ``keep``.
+    ``extra(partial_dir)`` (every rank) writes state beside the tensors before the folder is renamed into
+    place (a task's :meth:`~podscale.tasks.Task.save_state`)."""
     root = Path(root)
     final, partial = root / f"step_{step:08d}", root / f".step_{step:08d}.partial"
     if rank == 0:
@@ -81,6 +85,8 @@ def save(root: Path, step: int, tensors: dict, meta: dict, rank_state: dict, ran
     rank_file = partial / f"rank_{rank:05d}.pt"
     torch.save(rank_state, rank_file.with_suffix(".tmp"))
     os.replace(rank_file.with_suffix(".tmp"), rank_file)
+    if extra is not None:
+        extra(partial)
     faults.maybe_crash_in_save(step)
     _barrier()
     if rank == 0:

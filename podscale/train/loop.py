@@ -80,6 +80,7 @@ def run_worker(cfg: Config, resume: bool = False) -> dict:
             meta, rank_state = checkpoint.load(restored, template, rank)
             engine.load_model_state(template["model"])
             engine.load_optim_state(template["optim"])
+            task.load_state(restored)
             engine.step_count = start_step = int(meta["step"])
             loader.load_state_dict(meta["loader"])
             if engine.scaler is not None and meta.get("scaler"):
@@ -110,7 +111,8 @@ def run_worker(cfg: Config, resume: bool = False) -> dict:
                     "scaler": engine.scaler.state_dict() if engine.scaler else None, "time": time.time()}
             rng = {"torch_rng": torch.get_rng_state(), **{f"rng.{k}": v for k, v in tracker.get_states().items()}}
             checkpoint.save(ckpt_root, step, {"model": engine.model_state(), "optim": engine.optim_state()},
-                            meta, rng, rank, cfg.checkpoint.keep)
+                            meta, rng, rank, cfg.checkpoint.keep,
+                            extra=lambda partial: task.save_state(partial, ckpt_root, step))
 
         last = {}
         mesh.stats.reset()
@@ -161,6 +163,9 @@ def run_worker(cfg: Config, resume: bool = False) -> dict:
         sys.stdout.flush()
         return summary
     finally:
-        engine.close()  # the strategy's scratch state (swap files), also when the run failed
-        if dog is not None:
-            dog.stop()
+        try:
+            engine.close()  # the strategy's scratch state (swap files), also when the run failed
+        finally:
+            task.close()
+            if dog is not None:
+                dog.stop()
