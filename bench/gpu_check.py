@@ -121,7 +121,7 @@ def memory(out: Path, data: str) -> list[dict]:
              (3, "bf16", {}), (2, "bf16", {"offload_optimizer": "cpu"}),
              (3, "bf16", {"offload_optimizer": "cpu", "offload_param": "cpu"}),
              (3, "bf16", {"offload_optimizer": "nvme", "offload_param": "nvme", "nvme_path": str(nvme)})]
-    return launch(_memory_worker, (data, cases, DEVICE, MEM_MODEL), nproc=1)[0]
+    return launch(_memory_worker, (data, cases, DEVICE, MEM_MODEL), nproc=1, start_method="spawn")[0]
 
 
 def _memory_worker(data: str, cases: list, device: str, dims: dict) -> list[dict]:

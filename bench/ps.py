@@ -237,22 +237,22 @@ def main(argv=None) -> None:
         res[name] = gb / t
         print(f"  {name:34s} {gb / t:10,.0f} samples/s", flush=True)
 
-    report("podscale row-wise (in memory)", launch(run_podscale, (s, None, None, "row"), nproc=n))
-    report("podscale table-wise (in memory)", launch(run_podscale, (s, None, None, "table"), nproc=n))
-    report("podscale column-wise (in memory)", launch(run_podscale, (s, None, None, "column"), nproc=n))
+    report("podscale row-wise (in memory)", launch(run_podscale, (s, None, None, "row"), nproc=n, start_method="spawn"))
+    report("podscale table-wise (in memory)", launch(run_podscale, (s, None, None, "table"), nproc=n, start_method="spawn"))
+    report("podscale column-wise (in memory)", launch(run_podscale, (s, None, None, "column"), nproc=n, start_method="spawn"))
     if "ddp" not in args.skip:
-        report("nn.EmbeddingBag sparse + DDP", launch(run_ddp_embeddingbag, (s,), nproc=n))
+        report("nn.EmbeddingBag sparse + DDP", launch(run_ddp_embeddingbag, (s,), nproc=n, start_method="spawn"))
     if "torchrec" not in args.skip:
         try:
             import torchrec  # noqa: F401
             for sh in ("table_wise", "column_wise"):
-                report(f"TorchRec {sh}", launch(run_torchrec, (s, sh), nproc=n))
+                report(f"TorchRec {sh}", launch(run_torchrec, (s, sh), nproc=n, start_method="spawn"))
         except Exception as err:  # not installed, or its FBGEMM kernels do not load with this torch
             print(f"  TorchRec: not run ({type(err).__name__}: {str(err).splitlines()[0][:160]})", flush=True)
     if "ssd" not in args.skip:
         root = tempfile.mkdtemp(prefix="podscale-bench-ssd-")
         try:
-            out = launch(run_podscale, (s, 0.1, root, "row"), nproc=n)
+            out = launch(run_podscale, (s, 0.1, root, "row"), nproc=n, start_method="spawn")
             report("podscale row-wise, table 10x DRAM", out)
             o = out[0]
             print(f"    (rank 0: {o['rows_held']:,} rows held in {s['tables']} table shards, DRAM budget "

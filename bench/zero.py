@@ -148,7 +148,7 @@ def worker(kind: str, stage: int, offload: str, args: dict) -> dict:
 
 def run(kind, stage, offload, args, nproc):
     from podscale.runtime.launcher import launch
-    res = launch(worker, (kind, stage, offload, args), nproc=nproc, quiet=True,
+    res = launch(worker, (kind, stage, offload, args), nproc=nproc, quiet=True, start_method="spawn",
                  log_dir=tempfile.mkdtemp(prefix="podscale-bench-"))
     io = [r.get("io_per_step") for r in res.values()]
     both = [sum(x[k] for x in io) for k in (0, 1)] if all(x is not None for x in io) else None

@@ -167,7 +167,7 @@ def worker(kind: str, args: dict) -> dict:
 def run(kind: str, args: dict, nproc: int) -> dict:
     """One launch; per-rank figures combined: slowest rank's step time, disk bytes summed (one disk)."""
     from podscale.runtime.launcher import launch
-    res = launch(worker, (kind, args), nproc=nproc, quiet=True, log_dir=tempfile.mkdtemp(prefix="podscale-bench-"))
+    res = launch(worker, (kind, args), nproc=nproc, quiet=True, start_method="spawn", log_dir=tempfile.mkdtemp(prefix="podscale-bench-"))
     rs = list(res.values())
     out = {"step_s": max(r["step_s"] for r in rs), "params": rs[0]["params"],
            "peak_rss": max(r["peak_rss"] for r in rs)}

@@ -97,7 +97,7 @@ def write_movielens(folder: Path, users: int = 30, items: int = 40, ratings: int
 
 
 def write_movielens_recbole(folder: Path, users: int = 30, items: int = 40, ratings: int = 600, seed: int = 0) -> Path:
-    """The RecBole atomic-file layout of /work/shared/data/movielens-100k (typed headers), made-up content."""
+    """The RecBole atomic-file layout (typed headers) of the MovieLens-100K copy benchmarks read, made-up content."""
     rng = np.random.default_rng(seed)
     folder.mkdir(parents=True, exist_ok=True)
     with open(folder / "ml.inter", "w") as f:

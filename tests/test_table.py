@@ -63,8 +63,9 @@ BIG_BATCH = 256
 
 
 def test_table_ten_times_its_dram_budget_trains_like_in_memory(tmp_path):
-    mem = launch(train_big, (None, None, BIG_STEPS, BIG_BATCH), nproc=2)
-    ssd = launch(train_big, (BIG_BUDGET, str(tmp_path), BIG_STEPS, BIG_BATCH), nproc=2)
+    mem = launch(train_big, (None, None, BIG_STEPS, BIG_BATCH), nproc=2, start_method="spawn")
+    ssd = launch(train_big, (BIG_BUDGET, str(tmp_path), BIG_STEPS, BIG_BATCH), nproc=2,
+                 start_method="spawn")  # (memory growth of fresh interpreters, see runtime/forkserver.py)
     table_mb = BIG_ROWS * ssd[0]["row_bytes"] / 2 ** 20
     assert table_mb >= 10 * 2 * BIG_BUDGET / 2 ** 20  # 10x the DRAM of both ranks together
     for r in range(2):

@@ -33,7 +33,7 @@ def test_estimator_matches_measured(monkeypatch):
     path = shakespeare()
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")
     cfgs = [zero_config(path, 2, 4, 2, prec, 2, stage, model=BIG, **kw) for stage, prec, kw in CASES]
-    results = launch(measure_states, (cfgs,), nproc=2)
+    results = launch(measure_states, (cfgs,), nproc=2, start_method="spawn")
     for i, (stage, prec, kw) in enumerate(CASES):
         for rank in range(2):
             r = results[rank][i]
@@ -69,7 +69,7 @@ def test_stage3_returns_host_memory_by_itself(monkeypatch):
     monkeypatch.delenv("MALLOC_MMAP_THRESHOLD_", raising=False)
     cases = [(3, "fp32", {"host_mmap_threshold_mb": 2}), (3, "bf16", {"host_mmap_threshold_mb": 2})]
     cfgs = [zero_config(shakespeare(), 3, 4, 2, prec, 2, stage, model=BIG, **kw) for stage, prec, kw in cases]
-    results = launch(measure_states, (cfgs,), nproc=2)
+    results = launch(measure_states, (cfgs,), nproc=2, start_method="spawn")
     for i, (stage, prec, kw) in enumerate(cases):
         for rank in range(2):
             r = results[rank][i]

@@ -58,7 +58,7 @@ def test_nvme_trains_model_4x_ram_budget(tmp_path, monkeypatch):
                     offload_optimizer="nvme", offload_param="nvme", nvme_path=str(tmp_path), nvme_block_mb=1.0,
                     param_persistence_threshold=10_000)
     d["train"]["warmup_steps"] = 0
-    res = launch(nvme_budget_run, (d, 3, str(tmp_path / "ckpt"), 2), nproc=2)
+    res = launch(nvme_budget_run, (d, 3, str(tmp_path / "ckpt"), 2), nproc=2, start_method="spawn")
     for rank, r in res.items():
         budget = r["on_disk"] / 4
         print(f"rank {rank}: {r['params'] / 1e6:.1f}M params, on disk {r['on_disk'] / 2**20:.0f} MiB, "

@@ -7,6 +7,11 @@ started once per parent; the server imports the modules named by :data:`PRELOAD`
 begins with them loaded (shared copy-on-write).  The server itself never initialises CUDA, opens a process
 group or starts a thread, so a fork of it is as clean as a spawned interpreter.
 
+A forked worker's resident memory is not a fresh interpreter's: the library pages the server touched
+are faulted into the worker as it runs, so its RSS grows during the run by what an import would have added
+at the start.  Code that measures a worker's memory growth (tests of memory budgets, the benchmarks'
+peak-RSS columns) launches with ``start_method="spawn"``.
+
 What a fork does not bring along is the parent's *current* environment: torch's elastic agent hands each
 worker only the variables it sets itself (``RANK``, ``MASTER_PORT``, ...), and a forked child otherwise
 inherits the server's environment as it was when the server started.  :func:`run_with_parent_env` restores
@@ -22,6 +27,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
+from podscale.runtime.exit import run_exit_functions
 from podscale.runtime.hostmem import M_MMAP_THRESHOLD, M_TRIM_THRESHOLD, mallopt
 
 #: What the fork server imports once, so that no worker pays for it.
@@ -74,7 +80,10 @@ def run_with_parent_env(fn: Callable[..., Any], parent_env: dict[str, str], stre
         for fd, received in zip((1, 2), streams):
             os.dup2(received, fd)
             os.close(received)
-    return fn(*args)
+    try:
+        return fn(*args)
+    finally:  # multiprocessing ends a forked worker with os._exit: no atexit (see podscale.runtime.exit)
+        run_exit_functions()
 
 
 def start_server() -> None:

@@ -24,7 +24,6 @@ to :func:`backstop_s` (twice ``run.collective_timeout_s``, at least 2 minutes).
 """
 from __future__ import annotations
 
-import atexit
 import json
 import os
 import sys
@@ -33,6 +32,8 @@ import time
 from datetime import timedelta
 
 import torch.distributed as dist
+
+from podscale.runtime.exit import at_exit
 
 EXIT_CODE = 75  # (EX_TEMPFAIL: the job may succeed when restarted)
 _ABORT = "abort"
@@ -197,5 +198,5 @@ def start(mesh, timeout_s: float, prefix: str = "train") -> Watchdog | None:
     dog = Watchdog(mesh.ledger, mesh.rank, mesh.world_size, timeout_s, store)
     dog.publish()
     dog.start()
-    atexit.register(dog.stop)
+    at_exit(dog.stop)
     return dog

@@ -23,7 +23,6 @@ either completes whole or raises (short writes are retried to the end).
 """
 from __future__ import annotations
 
-import atexit
 import errno
 import logging
 import mmap
@@ -36,6 +35,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import torch
+
+from podscale.runtime.exit import at_exit
 
 ALIGN = 4096
 HUGE = 2 << 20  # transparent huge page size on x86-64 and most arm64 kernels
@@ -295,7 +296,7 @@ class AsyncFile:
 _open_files: "weakref.WeakSet[AsyncFile]" = weakref.WeakSet()
 
 
-@atexit.register
+@at_exit
 def _close_open_files() -> None:
     """Swap files are scratch space: remove any still open when the process exits normally (a worker that
     never called ``close``), so repeated runs do not fill the disk with pid-named leftovers."""

@@ -13,7 +13,6 @@ The engine knows no model family: batches are opaque and the loss is the task's 
 """
 from __future__ import annotations
 
-import atexit
 import time
 import weakref
 from dataclasses import dataclass
@@ -25,6 +24,7 @@ from podscale.config import TrainSection
 from podscale.optim import cosine_lr
 from podscale.parallel.strategy import LossFn, Strategy
 from podscale.runtime import comm
+from podscale.runtime.exit import at_exit
 from podscale.runtime.mesh import AXES
 from podscale.train.precision import DynamicLossScaler
 
@@ -32,7 +32,7 @@ from podscale.train.precision import DynamicLossScaler
 _OPEN: "weakref.WeakSet[Engine]" = weakref.WeakSet()
 
 
-@atexit.register
+@at_exit
 def _close_open_engines() -> None:
     """A script that never closes its engine still exits cleanly: at interpreter exit (also after the user
     destroyed the process group) every open engine drains what it has in flight, and torch's communication
