@@ -272,6 +272,15 @@ def load_partition(path: str | Path, rank: int) -> Partition:
                      d["features"], d["labels"], splits, d["orig_id"], meta)
 
 
+def whole_graph(g: Graph) -> Partition:
+    """The whole graph as the one partition of a single process (no relabelling: new ids = node ids)."""
+    n = g.num_nodes
+    return Partition(0, np.array([0, n], dtype=np.int64), g.indptr, g.indices, np.zeros(0, dtype=np.int64),
+                     g.features if g.features is not None else np.zeros((n, 0), np.float32),
+                     g.labels if g.labels is not None else np.full(n, -1, np.int64), dict(g.splits),
+                     np.arange(n), {"num_parts": 1, "num_nodes": n, "num_edges": g.num_edges, "method": "none"})
+
+
 def load_book(path: str | Path) -> dict[str, np.ndarray]:
     """The partition book's arrays ``new_id``, ``orig_id`` and ``part`` (original ids <-> new ids)."""
     with np.load(Path(path) / "book.npz", allow_pickle=False) as z:
