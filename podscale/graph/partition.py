@@ -132,9 +132,10 @@ def assign(g: Graph, k: int, method: str = "metis", imbalance: float = 0.05, see
     opts = pymetis.Options()
     opts.ufactor = max(1, int(imbalance * 1000))
     opts.seed = seed
-    # pymetis takes ncon = len(vweights) // len(xadj) and len(xadj) = N + 1: pad one row of zeros, which
-    # METIS never reads, so that ncon is the number of constraints and not one fewer
-    vw = np.concatenate([w[:, cols], np.zeros((1, len(cols)), dtype=np.int64)]).reshape(-1)
+    # older pymetis releases take ncon = len(vweights) // len(xadj), and len(xadj) = N + 1; newer ones divide
+    # by N.  One padding row of zeros, which METIS never reads, gives the right ncon under both (for N > ncon)
+    pad = 1 if g.num_nodes > len(cols) else 0
+    vw = np.concatenate([w[:, cols], np.zeros((pad, len(cols)), dtype=np.int64)]).reshape(-1)
     res = pymetis.part_graph(k, adjacency=pymetis.CSRAdjacency(xadj, adjncy), vweights=vw, options=opts)
     return _rebalance(g, np.asarray(res[1], dtype=np.int64), w, k, imbalance)
 
