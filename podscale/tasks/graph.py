@@ -48,6 +48,7 @@ from podscale.graph.source import load_graph
 from podscale.graph.store import FeatureStore
 from podscale.models.graphsage import GNN, GNNConfig
 from podscale.runtime import comm
+from podscale.runtime.env import under_launcher
 from podscale.runtime.mesh import Mesh
 from podscale.tasks.base import Task
 
@@ -83,6 +84,11 @@ def check_config(cfg) -> None:
     m, dp = cfg.model, cfg.dp
     if m.fanouts:
         check_fanouts(m.fanouts, m.layers)
+    if dp > 1 and m.fanouts and m.partitions and under_launcher():
+        # inside the workers: the launching process checked the graph against the partitions before they
+        # started; a worker reads only its partition, never the whole graph
+        check_matches(read_meta(m.partitions), m.partitions, dp)
+        return
     g = graph_of(m)
     if g.features is None or g.labels is None or "train" not in g.splits:
         raise GraphError(f"graph '{g.name}' needs node features, labels and a train split for node classification")
@@ -252,10 +258,25 @@ class GraphTask(Task):
     def graph(self) -> Graph:
         return graph_of(self.m)
 
+    @property
+    def distributed(self) -> bool:
+        """Training over partitions: each rank reads its own, never the whole graph."""
+        return self.cfg.dp > 1
+
+    @cached_property
+    def shape(self) -> dict:
+        """Nodes, edges, feature width and classes: from the partitions' description when distributed."""
+        if self.distributed:
+            meta = read_meta(self.m.partitions)
+            return {k: meta[k] for k in ("graph", "num_nodes", "num_edges", "feature_dim", "num_classes")}
+        g = self.graph
+        return {"graph": g.name, "num_nodes": g.num_nodes, "num_edges": g.num_edges,
+                "feature_dim": g.features.shape[1], "num_classes": g.num_classes}
+
     @cached_property
     def gnn(self) -> GNNConfig:
-        g = self.graph
-        return GNNConfig(self.m.kind, g.features.shape[1], self.m.hidden, g.num_classes, self.m.layers,
+        s = self.shape
+        return GNNConfig(self.m.kind, s["feature_dim"], self.m.hidden, s["num_classes"], self.m.layers,
                          self.m.dropout)
 
     def context(self, dp_rank: int, dp: int) -> _Context:
@@ -271,10 +292,10 @@ class GraphTask(Task):
 
     def describe(self, model: nn.Module) -> str:
         n = sum(p.numel() for p in model.parameters())
-        g = self.graph
+        s = self.shape
         how = f"fan-outs {list(self.m.fanouts)}, {self.cfg.train.global_batch} seeds a step" if self.m.fanouts \
             else "full graph"
-        return f"{self.m.kind} {n / 1e3:.1f}K params on {g.name} ({g.num_nodes} nodes, {g.num_edges} edges), {how}"
+        return f"{self.m.kind} {n / 1e3:.1f}K params on {s['graph']} ({s['num_nodes']} nodes, {s['num_edges']} edges), {how}"
 
     def _full_batch(self, split: str) -> GraphBatch:
         g = self.graph
@@ -320,5 +341,5 @@ class GraphTask(Task):
         return 1
 
     def flops_per_sample(self) -> float:
-        fan = float(np.mean(self.m.fanouts)) if self.m.fanouts else self.graph.num_edges / self.graph.num_nodes
+        fan = float(np.mean(self.m.fanouts)) if self.m.fanouts else self.shape["num_edges"] / self.shape["num_nodes"]
         return self.gnn.flops_per_node(fan)
