@@ -6,7 +6,7 @@
    ratio (podscale / PyG; below 1 is faster), and the largest difference of the logits.
 2. **METIS vs random partitions at 2 ranks**: mini-batch GraphSAGE (fan-outs 15, 10) through the GNN task on
    the same R-MAT graph partitioned both ways: epoch time, remote bytes per epoch (features and sampling
-   requests between ranks), sampled edges per second, and per rank the peak resident memory and the feature
+   requests between ranks), sampled edges per second, and per rank the resident memory after training and the feature
    bytes it holds against the whole graph's.
 
 Not run here: mini-batch sampling + training against PyG's ``NeighborLoader``, which needs torch-sparse or
@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import statistics
 import subprocess
 import sys
@@ -30,6 +29,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import psutil
 import torch
 import torch.nn.functional as F
 
@@ -120,7 +120,8 @@ def worker(cfg_path: str, epochs: int) -> dict:
     engine.close()
     return {"epochs": stats, "steps_per_epoch": source.steps_per_epoch,
             "feature_bytes": int(ctx.part.features.nbytes),
-            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+            # resident memory now (ru_maxrss would carry the launching process's peak across fork + exec)
+            "rss_mb": psutil.Process().memory_info().rss / 2**20}
 
 
 def partitions(scale: int, features: int, epochs: int, batch: int) -> list[dict]:
@@ -149,7 +150,7 @@ def partitions(scale: int, features: int, epochs: int, batch: int) -> list[dict]
                          "remote_mb_per_epoch": sum(x["remote_bytes_per_epoch"] for x in last) / 2**20,
                          "sampled_edges_per_s": sum(x["sampled_edges_per_s"] for x in last),
                          "feature_share_per_rank": [res[r]["feature_bytes"] / g.features.nbytes for r in (0, 1)],
-                         "peak_rss_mb": [round(res[r]["peak_rss_mb"]) for r in (0, 1)]})
+                         "rss_mb": [round(res[r]["rss_mb"]) for r in (0, 1)]})
     return rows, g
 
 
@@ -177,7 +178,7 @@ def main() -> None:
               f"{r['steps_per_epoch']} steps/epoch, epoch {r['epoch_s']:.2f} s, remote "
               f"{r['remote_mb_per_epoch']:.1f} MiB/epoch, {r['sampled_edges_per_s']:,.0f} sampled edges/s, "
               f"features per rank {', '.join(f'{x:.2f}' for x in r['feature_share_per_rank'])} of the graph's, "
-              f"peak RSS {r['peak_rss_mb']} MiB (partitioned in {r['partition_s']:.1f} s)")
+              f"RSS {r['rss_mb']} MiB (partitioned in {r['partition_s']:.1f} s)")
     m, rnd = rows
     print(f"METIS / random: epoch time {m['epoch_s'] / rnd['epoch_s']:.2f}, remote bytes "
           f"{m['remote_mb_per_epoch'] / max(rnd['remote_mb_per_epoch'], 1e-9):.2f}, sampled edges/s "
