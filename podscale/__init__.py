@@ -23,9 +23,13 @@ def init(cfg: Config | None = None, **sizes: int):
     missing axes are 1, and ``dp`` defaults to what the others leave of the world.
     """
     from podscale.runtime.mesh import Mesh
-    from podscale.runtime.process import init_process
+    from podscale.runtime.process import DEFAULT_TIMEOUT_S, init_process
+    from podscale.runtime.watchdog import backstop_s
 
-    info = init_process(device=cfg.run.device if cfg is not None else "auto")
+    # with a config: torch's process-group timeout from run.collective_timeout_s, as under `podscale train`
+    # (the hang watchdog itself is podscale.runtime.watchdog.start(mesh, cfg.run.collective_timeout_s))
+    timeout_s = backstop_s(cfg.run.collective_timeout_s) if cfg is not None else DEFAULT_TIMEOUT_S
+    info = init_process(timeout_s=timeout_s, device=cfg.run.device if cfg is not None else "auto")
     if cfg is not None:
         cfg.check_layout(info.world_size)
         sizes = cfg.mesh_sizes()
@@ -34,7 +38,7 @@ def init(cfg: Config | None = None, **sizes: int):
         for a in ("pp", "ep", "tp"):
             inner *= sizes.get(a, 1)
         sizes = dict(sizes, dp=max(1, info.world_size // inner))
-    return Mesh.build(info.device, **sizes)
+    return Mesh.build(info.device, timeout_s=timeout_s, **sizes)
 
 
 def parallelize(model, mesh, cfg: Config, task=None):

@@ -69,11 +69,13 @@ def cmd_train(args) -> int:
         return _fail(f"run directory '{cfg.run_dir}' already has checkpoints: pass --resume to continue it, "
                      f"--fresh to start over, or choose another run.name")
 
-    if args.resume and (found := checkpoint.latest(cfg.run_dir / "checkpoints")) is not None:
-        try:
-            checkpoint.verify(found)  # one line here rather than a traceback on every worker
-        except ValueError as err:
-            return _fail(str(err))
+    if args.resume and checkpoint.completed(cfg.run_dir / "checkpoints"):
+        # One line here rather than a traceback on every worker; a damaged newest checkpoint is passed over
+        # (the workers say so and resume from the previous complete one, see run_worker).
+        from podscale.tasks import task_for
+        found, skipped = checkpoint.latest_usable(cfg.run_dir / "checkpoints", checkpoint.expected_of(task_for(cfg)))
+        if found is None:
+            return _fail(f"no checkpoint of '{cfg.run_dir}' can be resumed; the newest: {skipped[0]}")
 
     if under_launcher():  # already a torchrun worker: join the job instead of spawning
         from podscale.train.loop import run_worker

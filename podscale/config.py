@@ -38,6 +38,11 @@ class RunSection(_Section):
     sample_tokens: int = Field(0, ge=0, description="bytes of text the GPT samples at the end of the run")
     tensorboard: bool = Field(False, description="also write the metrics as TensorBoard event files "
                                                  "(runs/NAME/tensorboard; needs the tensorboard package)")
+    collective_timeout_s: float = Field(
+        300.0, gt=0, description="hang watchdog: a rank that waits this long in one collective makes every "
+                                 "rank exit with a line naming the rank that did not arrive "
+                                 "(podscale.runtime.watchdog); torch's process-group timeout is twice this, "
+                                 "at least 120 s")
     device: Literal["auto", "cpu", "cuda"] = Field(
         "auto", description="auto: one GPU per rank where CUDA is visible (NCCL), else the CPU (gloo)")
 
@@ -121,6 +126,54 @@ class GPTModelSection(_Section):
                                   f"train.global_batch to a multiple of {p.pp * cfg.dp * t.micro_batch}")
 
 
+class GPTMoEModelSection(GPTModelSection):
+    """``[model] kind = "gpt-moe"``: the GPT with a GShard mixture-of-experts feed-forward in every
+    ``moe_every``-th block (:mod:`podscale.tasks.gpt_moe`); its experts are sharded over ``parallel.ep``."""
+
+    kind: Literal["gpt-moe"] = "gpt-moe"
+    experts: int = Field(8, ge=1, description="experts per MoE layer (a multiple of parallel.ep)")
+    top_k: int = Field(2, ge=1, description="experts per token: 1 (Switch) or 2 (GShard)")
+    capacity_factor: float = Field(1.25, description="GShard's C = ceil(cf * k * S / E) slots per expert")
+    eval_capacity_factor: float = Field(2.0, description="the capacity factor of evaluation forwards")
+    dropless: bool = Field(False, description="no capacity: every choice is dispatched")
+    random_routing: bool = Field(True, description="GShard: keep the second choice with probability 2*g2")
+    aux_loss_coef: float = Field(1e-2, ge=0.0, description="weight of the load-balancing loss")
+    z_loss_coef: float = Field(1e-3, ge=0.0, description="weight of the router z-loss (ST-MoE)")
+    moe_every: int = Field(2, ge=1, description="an MoE feed-forward in every moe_every-th block")
+    expert_hidden: int | None = Field(None, ge=1, description="expert hidden size; default 4 * n_embd")
+
+    @model_validator(mode="after")
+    def _moe_args(self):
+        if self.top_k > self.experts:
+            raise ValueError(f"model.top_k={self.top_k} exceeds model.experts={self.experts}: lower top_k "
+                             "or add experts")
+        for key in ("capacity_factor", "eval_capacity_factor"):
+            if not getattr(self, key) > 0:
+                raise ValueError(f"model.{key}={getattr(self, key)} must be > 0: use e.g. 1.25 (or "
+                                 "model.dropless = true for no capacity)")
+        return self
+
+    def task_class(self) -> type:
+        from podscale.tasks.gpt_moe import GPTMoETask
+        return GPTMoETask
+
+    def check_layout(self, cfg: "Config") -> None:
+        """Experts divide over ep; tensor and pipeline parallelism of the GPT-MoE are not built yet."""
+        from podscale.tasks.base import check_task_layout
+        p = cfg.parallel
+        if self.experts % p.ep:
+            raise ConfigError(f"model.experts={self.experts} is not divisible by parallel.ep={p.ep}: make "
+                              f"model.experts a multiple of {p.ep} or choose an ep that divides it")
+        if p.ep > 1 and cfg.zero.optimizer != "adamw":
+            raise ConfigError(f"zero.optimizer={cfg.zero.optimizer} with parallel.ep={p.ep}: the per-tensor trust "
+                              "ratios are not built for experts sharded over ep: set zero.optimizer = 'adamw'")
+        try:
+            check_task_layout(self.task_class(), p.tp, p.sequence_parallel, p.pp, p.ep)
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
+        super().check_layout(cfg)
+
+
 class CustomModelSection(BaseModel):
     """``[model] kind = "custom"``: a task from the user's own code.  ``task = "package.module:Class"`` names
     a :class:`podscale.tasks.Task` subclass that every worker can import (installed, or on ``PYTHONPATH``,
@@ -169,6 +222,131 @@ class CustomModelSection(BaseModel):
             raise ConfigError(str(err)) from None
 
 
+class DLRMTableSection(_Section):
+    """One sparse feature's table in ``[model] kind = "dlrm"`` (``tables = [{name = "C1", cardinality = 1000}]``)."""
+
+    name: str = Field(min_length=1, pattern=r"^[A-Za-z0-9_.-]+$")
+    cardinality: int = Field(ge=1, description="distinct ids the generator draws (Zipf over ranks)")
+    sharding: Literal["row", "table", "column"] | None = Field(None, description="default: model.sharding")
+
+
+class DLRMModelSection(_Section):
+    """``[model] kind = "dlrm"``: DLRM over sharded embedding tables (:mod:`podscale.tasks.dlrm`).
+
+    The MLPs are dense parameters under the data-parallel strategy (replicated or ZeRO); the tables are a
+    :class:`~podscale.table.ShardedEmbeddingBags` with its own sparse optimizer and, with ``dram_budget_mb``,
+    a DRAM cache over an SSD tier (RocksDB under ``ssd_path``).  ``data_format`` picks the data: the
+    Criteo-like generator (``generated``, no file), a Criteo TSV file (``criteo-tsv``: label, 13 integer and
+    26 hex categorical columns) or MovieLens-100K's ``u.data`` (``movielens``; click = rating >= 4).
+    """
+
+    kind: Literal["dlrm"]
+    data_format: Literal["generated", "criteo-tsv", "movielens"] = "generated"
+    tables: list[DLRMTableSection] | None = Field(
+        None, description="generated data: one table per sparse feature (default: Criteo's 26 cardinalities)")
+    num_dense: int = Field(13, ge=1, description="generated data: dense features")
+    embedding_dim: int = Field(16, ge=1)
+    bottom_mlp: list[int] = Field([64, 32], description="hidden sizes of the bottom MLP (dense features)")
+    top_mlp: list[int] = Field([64, 32], description="hidden sizes of the top MLP (to the click logit)")
+    pooling: Literal["sum", "mean"] = "mean"
+    sharding: Literal["row", "table", "column"] = "row"
+    declare_range: bool = Field(False, description="generated data: ids are ranks in [0, cardinality) and "
+                                                   "outside that range are errors (else hashed int64 ids)")
+    alpha: float = Field(1.05, gt=0.0, description="generated data: Zipf exponent of id popularity")
+    min_ids: int = Field(1, ge=1, description="generated data: ids per bag, at least")
+    max_ids: int = Field(1, ge=1, description="generated data: ids per bag, at most")
+    teacher_scale: float = Field(2.0, ge=0.0, description="generated data: strength of the hidden teacher")
+    data_seed: int = Field(0, ge=0, description="generated data: seed of the ids and of the teacher")
+    val_samples: int = Field(4096, ge=1, description="generated data: validation samples (AUC, log loss); "
+                                                    "files hold out data.val_fraction")
+    sparse_optimizer: Literal["adagrad", "sgd", "adam"] = "adagrad"
+    sparse_lr: float = Field(0.05, gt=0.0)
+    admit_after: int = Field(0, ge=0, description="occurrences before an id gets a row (reads zeros before)")
+    ttl_steps: int | None = Field(None, ge=1, description="rows unused this many steps are dropped")
+    dram_budget_mb: float | None = Field(None, gt=0.0, description="DRAM cache per table shard (MiB); rows "
+                                                                   "beyond it live in the SSD tier")
+    ssd_path: str | None = Field(None, description="folder of the SSD tier (needed with dram_budget_mb)")
+    cache_policy: Literal["lru", "lfu"] = "lru"
+    prefetch: bool = Field(True, description="promote the next batch's rows while this batch trains")
+    full_checkpoint_every: int = Field(4, ge=1, description="tables: every N-th checkpoint is full, the "
+                                                            "others hold only the rows changed since the last")
+
+    @model_validator(mode="after")
+    def _consistent(self):
+        if self.min_ids > self.max_ids:
+            raise ValueError(f"model.min_ids={self.min_ids} exceeds model.max_ids={self.max_ids}: set "
+                             "min_ids <= max_ids")
+        if self.dram_budget_mb is not None and not self.ssd_path:
+            raise ValueError("model.dram_budget_mb needs an SSD tier below the DRAM cache: set model.ssd_path "
+                             "to a folder on a writable disk")
+        if self.tables is not None:
+            names = [t.name for t in self.tables]
+            if not names or len(set(names)) != len(names):
+                raise ValueError(f"model.tables names {names}: give at least one table, each its own name")
+        return self
+
+    def task_class(self) -> type:
+        from podscale.tasks.dlrm import DLRMTask
+        return DLRMTask
+
+    def check_data(self, path: Path, given: str, head: bytes) -> None:
+        """``data.path`` must be a file of ``data_format`` (checked on its first line)."""
+        from podscale.tasks.dlrm import check_data_file
+        try:
+            check_data_file(self.data_format, path, head)
+        except ValueError as err:
+            raise ConfigError(f"data.path: '{given}' {err}") from None
+
+    def check_model(self) -> None:
+        """The SSD folder must be writable and the generated data needs no file."""
+        if self.ssd_path is not None:
+            path = Path(os.path.expanduser(self.ssd_path))
+            try:
+                path.mkdir(parents=True, exist_ok=True)
+                probe = path / ".podscale-write-probe"
+                probe.write_bytes(b"")
+                probe.unlink()
+            except OSError as err:
+                raise ConfigError(f"model.ssd_path '{self.ssd_path}' is not writable ({err.strerror}): point "
+                                  "it at a folder on a writable disk") from None
+
+    def check_layout(self, cfg: "Config") -> None:
+        """The tables update on every backward: one micro-batch per step, no fp16 loss scaling."""
+        from podscale.tasks.base import check_task_layout
+        from podscale.tasks.dlrm import DLRMTask
+        p = cfg.parallel
+        try:
+            check_task_layout(DLRMTask, p.tp, p.sequence_parallel, p.pp, p.ep)
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
+        if cfg.grad_accum != 1:
+            raise ConfigError(f"model.kind='dlrm' applies the sparse optimizer in each backward, so it needs one "
+                              f"micro-batch per step (global_batch / (dp * micro_batch) = {cfg.grad_accum}): set "
+                              f"train.micro_batch = {cfg.train.global_batch // cfg.dp}")
+        if cfg.train.precision == "fp16":
+            raise ConfigError("model.kind='dlrm' with train.precision='fp16': the loss scale would reach the "
+                              "sparse optimizer's gradients: use 'fp32' or 'bf16'")
+        if self.dram_budget_mb is not None:
+            # One step's rows of a shard must fit its DRAM cache: at most every id of the global batch
+            # (each bag's ids; a file's one id per feature -- MovieLens' genre bag: 6), capped by the
+            # table's cardinality where the generator declares one.
+            per_sample = {"generated": self.max_ids, "criteo-tsv": 1, "movielens": 6}[self.data_format]
+            cards = [t.cardinality for t in self.tables] if self.tables and self.data_format == "generated" \
+                else [None]
+            state = {"adagrad": 1, "sgd": 0, "adam": 2 * self.embedding_dim}[self.sparse_optimizer]
+            row = 4 * (self.embedding_dim + state + 1)
+            need = max(min(cfg.train.global_batch * per_sample, c or cfg.train.global_batch * per_sample)
+                       for c in cards)
+            have = int(self.dram_budget_mb * 2 ** 20) // row
+            if have < need:
+                raise ConfigError(f"model.dram_budget_mb={self.dram_budget_mb} holds {have} rows of {row} B per "
+                                  f"table shard, fewer than one batch's ids ({need}): raise it to at least "
+                                  f"{need * row / 2 ** 20:.3g} or lower train.global_batch")
+        if self.data_format != "generated" and cfg.data.path is None:
+            raise ConfigError(f"model.data_format='{self.data_format}' reads a file: set data.path (or use "
+                              "data_format='generated')")
+
+
 class GraphModelSection(_Section):
     """``[model] kind = "graphsage"`` or ``"gcn"``: node classification with the GNN task of
     :mod:`podscale.tasks.graph` on a generated or loaded graph; ``fanouts = []`` trains on the full graph
@@ -213,15 +391,15 @@ class GraphModelSection(_Section):
         from podscale.tasks.graph import GraphTask, check_config
         p = cfg.parallel
         try:
-            check_task_layout(GraphTask, p.tp, p.sequence_parallel, p.pp)
+            check_task_layout(GraphTask, p.tp, p.sequence_parallel, p.pp, p.ep)
             check_config(cfg)
         except (GraphError, ValueError) as err:
             raise ConfigError(f"model: {err}" if isinstance(err, GraphError) else str(err)) from None
 
 
 #: ``[model] kind`` -> its section (a fixed table: a user's own task is ``kind = "custom"`` with ``task``)
-MODEL_KINDS: dict[str, type] = {"gpt": GPTModelSection, "custom": CustomModelSection,
-                                "graphsage": GraphModelSection, "gcn": GraphModelSection}
+MODEL_KINDS: dict[str, type] = {"gpt": GPTModelSection, "gpt-moe": GPTMoEModelSection, "dlrm": DLRMModelSection,
+                                "graphsage": GraphModelSection, "gcn": GraphModelSection, "custom": CustomModelSection}
 
 
 def _model_kind(value) -> str:
@@ -232,8 +410,9 @@ def _model_kind(value) -> str:
 
 
 ModelSection = Annotated[
-    Union[Annotated[GPTModelSection, Tag("gpt")], Annotated[CustomModelSection, Tag("custom")],
-          Annotated[GraphModelSection, Tag("graphsage")], Annotated[GraphModelSection, Tag("gcn")]],
+    Union[Annotated[GPTModelSection, Tag("gpt")], Annotated[GPTMoEModelSection, Tag("gpt-moe")],
+          Annotated[DLRMModelSection, Tag("dlrm")], Annotated[GraphModelSection, Tag("graphsage")],
+          Annotated[GraphModelSection, Tag("gcn")], Annotated[CustomModelSection, Tag("custom")]],
     Discriminator(_model_kind, custom_error_type="unknown_model_kind", custom_error_message="unknown model kind"),
 ]
 
@@ -379,8 +558,13 @@ class Config(_Section):
         return p.dp if p.dp is not None else p.nproc // (p.pp * p.ep * p.tp)
 
     @property
+    def data_ranks(self) -> int:
+        """Ranks that see different samples: dp x ep (expert-parallel ranks also split the batch, GShard)."""
+        return self.dp * self.parallel.ep
+
+    @property
     def grad_accum(self) -> int:
-        return self.train.global_batch // (self.dp * self.train.micro_batch)
+        return self.train.global_batch // (self.data_ranks * self.train.micro_batch)
 
     def mesh_sizes(self) -> dict[str, int]:
         p = self.parallel
@@ -390,6 +574,9 @@ class Config(_Section):
         """Raise ConfigError unless the layout and batch fit ``world_size`` processes."""
         p, t = self.parallel, self.train
         inner = p.pp * p.ep * p.tp
+        if world_size % p.ep:
+            raise ConfigError(f"parallel.ep={p.ep} does not divide the {world_size} processes: use an ep that "
+                              f"divides {world_size} or a process count that is a multiple of {p.ep}")
         if p.dp is None and world_size % inner:
             raise ConfigError(f"parallel: pp*ep*tp={inner} does not divide {world_size} processes: "
                               f"use a process count that is a multiple of {inner}")
@@ -397,12 +584,18 @@ class Config(_Section):
             raise ConfigError(f"parallel: pp*dp*ep*tp={math.prod(self.mesh_sizes().values())} but there are "
                               f"{world_size} processes: set parallel.dp={world_size // inner} or "
                               f"parallel.nproc={math.prod(self.mesh_sizes().values())}")
-        if t.global_batch % (self.dp * t.micro_batch):
-            raise ConfigError(f"train.global_batch={t.global_batch} is not divisible by dp*micro_batch="
-                              f"{self.dp}*{t.micro_batch}: make global_batch a multiple of "
-                              f"{self.dp * t.micro_batch}")
-        if p.ep > 1:
-            raise ConfigError("parallel.ep > 1 is not available in this version: set parallel.ep = 1")
+        n = self.data_ranks
+        if t.global_batch % (n * t.micro_batch):
+            what = "dp*micro_batch" if p.ep == 1 else "dp*ep*micro_batch"
+            got = f"{self.dp}*{t.micro_batch}" if p.ep == 1 else f"{self.dp}*{p.ep}*{t.micro_batch}"
+            raise ConfigError(f"train.global_batch={t.global_batch} is not divisible by {what}="
+                              f"{got}: make global_batch a multiple of {n * t.micro_batch}")
+        if p.ep > 1:  # what the task says of experts (a model without experts has nothing to shard over ep)
+            from podscale.tasks.base import check_task_layout
+            try:
+                check_task_layout(self.model.task_class(), 1, False, 1, p.ep)
+            except ValueError as err:
+                raise ConfigError(str(err)) from None
         p = self.parallel
         if p.virtual_stages > 1 and p.schedule != "interleaved":
             raise ConfigError(f"parallel.virtual_stages={p.virtual_stages} needs parallel.schedule = "
@@ -452,9 +645,23 @@ def _known_keys(loc: tuple) -> str:
         part = parts.pop(0)
         if model is Config and part == "model":
             model = MODEL_KINDS[parts.pop(0)] if parts and parts[0] in MODEL_KINDS else GPTModelSection
+        elif part.isdigit():  # an item of a list of sections (model.tables.0): its model is already unwrapped
+            continue
         else:
-            model = model.model_fields[part].annotation
+            model = _section_of(model.model_fields[part].annotation)
     return ", ".join(model.model_fields)
+
+
+def _section_of(annotation):
+    """The section model inside ``annotation`` (``list[X] | None`` -> ``X``), or ``annotation`` itself."""
+    import typing
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in typing.get_args(annotation):
+        found = _section_of(arg)
+        if isinstance(found, type) and issubclass(found, BaseModel):
+            return found
+    return annotation
 
 
 def parse_config(data: dict, base_dir: Path | None = None) -> Config:

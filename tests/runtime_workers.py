@@ -89,3 +89,19 @@ def python_api_trains(data_path: str) -> list[float]:
     engine = podscale.parallelize(GPT(GPTConfig(n_layer=1, n_embd=32, block_size=32)), mesh, cfg)
     loader = ShardedLoader(load_tokens(data_path), 32, 8, 4, mesh.local_rank("dp"), mesh.size("dp"))
     return [engine.step(loader.next_step()).loss for _ in range(5)]
+
+
+def environment_and_imports(names: list[str]) -> dict:
+    """What a launched worker sees: the given environment variables, its rank and its parent process (the
+    fork server, or the launching process itself for a spawned worker)."""
+    import os
+    return {"env": {n: os.environ.get(n) for n in names}, "rank": os.environ["RANK"], "parent": os.getppid()}
+
+
+def print_and_return(text: str) -> int:
+    """Prints ``text`` on standard output and standard error; returns the rank."""
+    import os
+    import sys
+    print(text, flush=True)
+    print(text, file=sys.stderr, flush=True)
+    return int(os.environ["RANK"])

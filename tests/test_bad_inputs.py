@@ -41,6 +41,7 @@ CASES = [
     ("heads do not divide", _set("model.n_head=3"), ["n_embd=128", "n_head=3"]),
     ("block size 1", _set("model.block_size=1"), ["model.block_size"]),
     ("keep no checkpoints", _set("checkpoint.keep=0"), ["checkpoint.keep"]),
+    ("no hang timeout", _set("run.collective_timeout_s=0"), ["run.collective_timeout_s", "greater than 0"]),
     ("unknown schedule", _set("parallel.schedule='zigzag'"), ["parallel.schedule", "1f1b"]),
     ("negative bucket", _set("parallel.bucket_mb=-1"), ["parallel.bucket_mb"]),
     ("no validation data", _set("data.val_fraction=0"), ["data.val_fraction"]),

@@ -105,7 +105,7 @@ MODEL = '[model]\nkind = "custom"\ntask = "teacher_mlp:TeacherMLPTask"\n'
     (MODEL, "[parallel]\nnproc = 2\ntp = 2\n", ["parallel.tp=2", "does not support tensor parallelism",
                                                "parallel.tp = 1"]),
     (MODEL, "[parallel]\nnproc = 2\npp = 2\n", ["parallel.pp=2", "does not support pipeline", "parallel.pp = 1"]),
-    ('[model]\nkind = "bert"\n', "", ["model.kind", "unknown model kind 'bert'", "gpt, custom", "task ="]),
+    ('[model]\nkind = "bert"\n', "", ["model.kind", "unknown model kind 'bert'", "known kinds are gpt", "custom (", "task ="]),
 ])
 def test_task_config_errors_are_one_line(tmp_path, capsys, monkeypatch, model, extra, words):
     monkeypatch.syspath_prepend(str(EXAMPLES))

@@ -1,5 +1,6 @@
 """Mesh, instrumented collectives, the data-parallel wrapper's overlap, and the launchers."""
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -104,3 +105,35 @@ def test_python_api(tmp_path):
     res = launch(python_api_trains, (shakespeare(),), nproc=2)
     assert res[0] == res[1]
     assert res[0][-1] < res[0][0]
+
+
+def test_forked_workers_see_the_parents_environment_at_each_launch(monkeypatch):
+    """Workers fork from a server that imported torch once; each launch still hands them the parent's
+    environment as it is at that launch (a variable set, changed or removed after the server started) and
+    the agent's own variables (RANK differs per worker)."""
+    from runtime_workers import environment_and_imports
+    names = ["PODSCALE_T_SET", "PODSCALE_T_GONE"]
+    monkeypatch.setenv("PODSCALE_T_SET", "first")
+    monkeypatch.setenv("PODSCALE_T_GONE", "here")
+    first = launch(environment_and_imports, (names,), nproc=2)
+    monkeypatch.setenv("PODSCALE_T_SET", "second")
+    monkeypatch.delenv("PODSCALE_T_GONE")
+    second = launch(environment_and_imports, (names,), nproc=2)
+    assert [first[r]["env"] for r in (0, 1)] == [{"PODSCALE_T_SET": "first", "PODSCALE_T_GONE": "here"}] * 2
+    assert [second[r]["env"] for r in (0, 1)] == [{"PODSCALE_T_SET": "second", "PODSCALE_T_GONE": None}] * 2
+    assert {second[r]["rank"] for r in (0, 1)} == {"0", "1"}
+    me = os.getpid()  # the elastic agent runs in this process: forked workers' parent is the fork server
+    assert first[0]["parent"] == first[1]["parent"] == second[0]["parent"] != me
+    spawned = launch(environment_and_imports, (names,), nproc=2, start_method="spawn")
+    assert spawned[0]["env"]["PODSCALE_T_SET"] == "second" and spawned[0]["parent"] == me
+
+
+def test_forked_workers_write_to_the_launching_process_streams(capfd):
+    """A worker forked from the server writes to the standard output and error the launching process has
+    at this launch (here: the test's capture, which did not exist when the server started)."""
+    from runtime_workers import print_and_return
+    launch(print_and_return, ("warm",), nproc=2)  # the server is running before this capture starts
+    capfd.readouterr()
+    assert launch(print_and_return, ("hello from a worker",), nproc=2) == {0: 0, 1: 1}
+    out = capfd.readouterr()
+    assert out.out.count("hello from a worker") == 2 and out.err.count("hello from a worker") == 2

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import os
-import resource
 
 import torch
 
@@ -121,10 +120,6 @@ def resume_and_step(d: dict, ckpt: str, steps: int, save_root: str | None = None
     return {"losses": losses, "saved": saved, "loaded": loaded}
 
 
-def peak_rss_bytes() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
 def current_rss_bytes() -> int:
     import psutil
     return psutil.Process(os.getpid()).memory_info().rss
@@ -220,44 +215,45 @@ def nvme_budget_run(d: dict, steps: int, ckpt_root: str | None = None, then: int
     del tokens
     gc.collect()
     base = current_rss_bytes()
+    reset_peak_rss()  # ru_maxrss would carry the launching process's peak across exec
     torch.manual_seed(cfg.run.seed)
     with torch.device("meta"):
         model = GPT(gpt_config(cfg))
     strategy = build_strategy(model, mesh, cfg.train, cfg.zero)  # materialised by GPT.init_parameter
     engine = gpt_engine(model, mesh, cfg, strategy)
-    trace = [("built", current_rss_bytes() - base, peak_rss_bytes() - base)]
+    trace = [("built", current_rss_bytes() - base, hwm_rss_bytes() - base)]
     losses, times = [], []
     for b in batches[:steps]:
         r = engine.step(b)
         losses.append(r.loss)
         times.append(r.step_time_s)
-        trace.append(("step", current_rss_bytes() - base, peak_rss_bytes() - base))
+        trace.append(("step", current_rss_bytes() - base, hwm_rss_bytes() - base))
     out = {}
     if ckpt_root is not None:
         meta = {"step": engine.step_count, "world_size": info.world_size}
         saved = checkpoint.save(ckpt_root, engine.step_count, {"model": engine.model_state(),
                                                                "optim": engine.optim_state()},
                                 meta, {"torch_rng": torch.get_rng_state()}, info.rank, keep=1)
-        trace.append(("save", current_rss_bytes() - base, peak_rss_bytes() - base))
-        out["save_peak"] = peak_rss_bytes() - base
+        trace.append(("save", current_rss_bytes() - base, hwm_rss_bytes() - base))
+        out["save_peak"] = hwm_rss_bytes() - base
         out["losses_after_save"] = [engine.step(b).loss for b in batches[steps:]]
-        trace.append(("steps", current_rss_bytes() - base, peak_rss_bytes() - base))
+        trace.append(("steps", current_rss_bytes() - base, hwm_rss_bytes() - base))
         template = {"model": engine.model_state(), "optim": engine.optim_template()}
         meta, _ = checkpoint.load(saved, template, info.rank)
         engine.load_model_state(template["model"])
         engine.load_optim_state(template["optim"])
         engine.step_count = int(meta["step"])
         del template
-        trace.append(("load", current_rss_bytes() - base, peak_rss_bytes() - base))
-        out["load_peak"] = peak_rss_bytes() - base
+        trace.append(("load", current_rss_bytes() - base, hwm_rss_bytes() - base))
+        out["load_peak"] = hwm_rss_bytes() - base
         out["losses_after_load"] = [engine.step(b).loss for b in batches[steps:]]
-        trace.append(("steps", current_rss_bytes() - base, peak_rss_bytes() - base))
+        trace.append(("steps", current_rss_bytes() - base, hwm_rss_bytes() - base))
         out["ckpt_bytes"] = sum(f.stat().st_size for f in saved.rglob("*") if f.is_file())
     strategy.complete_step()  # the last step streams during the next forward: none comes, finish it
     sb = strategy.state_bytes()
     f = strategy.state.swap.file
     io = {"read": f.bytes_read, "written": f.bytes_written, "read_s": f.read_s, "write_s": f.write_s}
-    out.update({"growth": peak_rss_bytes() - base, "base": base, "on_disk": sb["on_disk"], "state_bytes": sb,
+    out.update({"growth": hwm_rss_bytes() - base, "base": base, "on_disk": sb["on_disk"], "state_bytes": sb,
                 "losses": losses, "step_s": times, "io": io,
                 "params": sum(p.numel() for p in model.parameters()),
                 "trace": [(k, round(a / 2**20), round(b / 2**20)) for k, a, b in trace]})

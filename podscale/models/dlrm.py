@@ -50,13 +50,45 @@ class DLRMDense(nn.Module):
         return self.top(z).squeeze(1)
 
 
-class DLRM(nn.Module):
-    """Sharded tables + :class:`DLRMDense`; ``forward(dense, sparse)`` returns click logits ``[B]``."""
+class _ScaleGrad(torch.autograd.Function):
+    """Identity whose backward multiplies the gradient by ``scale``."""
 
-    def __init__(self, tables: ShardedEmbeddingBags, dense: DLRMDense, names: list[str]):
+    @staticmethod
+    def forward(ctx, x, scale):
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * ctx.scale, None
+
+
+class DLRM(nn.Module):
+    """Sharded tables + :class:`DLRMDense`; ``forward(dense, sparse)`` returns click logits ``[B]``.
+
+    ``tables`` may be attached later (:meth:`attach_tables`: the tables need the mesh, the dense part
+    does not).  ``grad_divisor``: the pooled embeddings' gradients are divided by it on their way to the
+    tables -- the data-parallel size when each rank's loss is the mean of its share, so that a row's summed
+    gradient is the global mean loss's, as the dense gradients' all-reduce mean is.
+    """
+
+    def __init__(self, tables: ShardedEmbeddingBags | None, dense: DLRMDense, names: list[str],
+                 grad_divisor: int = 1):
         super().__init__()
         self.tables, self.dense, self.names = tables, dense, list(names)
+        self.grad_divisor = grad_divisor
+
+    def attach_tables(self, tables: ShardedEmbeddingBags, grad_divisor: int = 1) -> None:
+        self.tables, self.grad_divisor = tables, grad_divisor
 
     def forward(self, dense: torch.Tensor, sparse: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        if self.tables is None:
+            raise RuntimeError("DLRM has no tables: attach_tables(ShardedEmbeddingBags(...)) first")
         pooled = self.tables(sparse)
-        return self.dense(dense, [pooled[n] for n in self.names])
+        out = []
+        for n in self.names:
+            p = pooled[n].to(dense.device)
+            if self.grad_divisor != 1 and p.requires_grad:
+                p = _ScaleGrad.apply(p, 1.0 / self.grad_divisor)
+            out.append(p)
+        return self.dense(dense, out)

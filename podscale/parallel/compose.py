@@ -2,7 +2,8 @@
 
 Order of application (each one a function of model and mesh; axis size 1 = off):
 pipeline split on ``pp`` (stages, then virtual chunks) -> tensor/sequence parallelism on ``tp`` inside each
-chunk -> the data-parallel strategy on ``dp`` (replicated, or ZeRO when ``zero.stage`` > 0) -> the
+chunk -> the data-parallel strategy on ``dp`` (replicated, or ZeRO when ``zero.stage`` > 0; with expert
+parallelism on ``dp`` x ``ep``, the experts on ``dp`` only) -> the
 model-parallel wrapper that adds what tp and pp need on top (sequence-parallel gradient sums, the tied
 embedding across first and last stage, the true global gradient norm, the pipeline schedule).
 
@@ -20,19 +21,24 @@ from podscale.parallel.data import DataParallel
 from podscale.parallel.tensor import TensorParallelStrategy, apply_recompute, apply_tensor_parallel
 
 
-def _data_parallel(module: nn.Module, mesh, cfg):
+def _data_parallel(module: nn.Module, mesh, cfg, ep_sharded: list[nn.Parameter] = ()):
+    """The data-parallel strategy over the data ranks (dp, and ep when > 1); ``ep_sharded``: the parameters
+    each ep rank holds its own of (experts), replicated over dp only."""
     t = cfg.train
     if cfg.zero.stage > 0:
-        from podscale.parallel.zero import build_strategy  # ZeRO over dp
-        return build_strategy(module, mesh, t, cfg.zero, bucket_mb=cfg.parallel.bucket_mb)
+        from podscale.parallel.zero import build_strategy  # ZeRO over dp (dp x ep for dense parameters)
+        return build_strategy(module, mesh, t, cfg.zero, bucket_mb=cfg.parallel.bucket_mb, ep_sharded=ep_sharded)
     optimizer = build_adamw(module, t.lr, (t.beta1, t.beta2), t.eps, t.weight_decay)
-    return DataParallel(module, mesh, ("dp",), bucket_mb=cfg.parallel.bucket_mb, reduce_dtype=t.reduce_dtype,
-                        optimizer=optimizer)
+    return DataParallel(module, mesh, mesh.data_axes, bucket_mb=cfg.parallel.bucket_mb,
+                        reduce_dtype=t.reduce_dtype, optimizer=optimizer, ep_sharded=ep_sharded)
 
 
 def build_engine(model: nn.Module, mesh, cfg, task=None, measure_memory: bool = False):
-    """Apply ``cfg``'s (pp, dp, tp) layout to a single-process ``model`` and return an Engine that trains
-    it with ``task``'s loss (a :class:`podscale.tasks.Task`; default: the task ``cfg``'s ``[model]`` names).
+    """Apply ``cfg``'s (pp, dp, ep, tp) layout to ``model`` and return an Engine that trains it with
+    ``task``'s loss (a :class:`podscale.tasks.Task`; default: the task ``cfg``'s ``[model]`` names).  With
+    ep > 1 ``model`` is this rank's (:meth:`~podscale.tasks.Task.build_model_on`: its own experts) and the
+    data-parallel strategy reduces the task's :meth:`~podscale.tasks.Task.ep_sharded_parameters` over dp
+    and every other parameter over dp x ep.
 
     ``model`` may be built on the meta device (``with torch.device("meta"): GPT(cfg)``): then each rank
     gives memory only to its own pipeline chunks and tensor-parallel shards, each parameter initialised to
@@ -46,7 +52,8 @@ def build_engine(model: nn.Module, mesh, cfg, task=None, measure_memory: bool = 
 
     p = cfg.parallel
     task = task if task is not None else task_for(cfg)
-    check_task_layout(type(task), mesh.size("tp"), p.sequence_parallel, mesh.size("pp"))
+    check_task_layout(type(task), mesh.size("tp"), p.sequence_parallel, mesh.size("pp"), mesh.size("ep"))
+    task.bind(model, mesh)  # state outside the parameters (sharded tables), before the strategy wraps the model
     loss_fn = task.loss_fn(cfg.train.precision, mesh.device)
     if mesh.size("pp") > 1:
         from podscale.parallel.pipeline.schedule import PipelineParallel
@@ -56,7 +63,9 @@ def build_engine(model: nn.Module, mesh, cfg, task=None, measure_memory: bool = 
     if mesh.size("tp") == 1 and not p.sequence_parallel:
         if cfg.zero.stage == 0 and hasattr(model, "materialize"):
             model.materialize(mesh.device)  # (ZeRO materialises a meta-device model one unit at a time)
-        return Engine(model, mesh, cfg.train, _data_parallel(model, mesh, cfg), loss_fn)
+        # (after materialising: the parameters are the ones the strategy trains)
+        strategy = _data_parallel(model, mesh, cfg, task.ep_sharded_parameters(model))
+        return Engine(model, mesh, cfg.train, strategy, loss_fn)
     apply_tensor_parallel(model, mesh, p.sequence_parallel)
     model.materialize(mesh.device)  # what tp did not shard, on a model built on the meta device
     strategy = TensorParallelStrategy(_data_parallel(model, mesh, cfg), model, mesh, cfg.train.precision)

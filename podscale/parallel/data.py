@@ -7,6 +7,14 @@ post-accumulate-grad hook counts each bucket down and launches its asynchronous 
 full, so communication of late layers overlaps backward through early layers.  Buckets are always launched
 in index order so every rank issues the same collectives in the same order.  Gradients are pre-divided by
 the group size so the all-reduce yields the mean.
+
+Parameters sharded over ``ep`` (a mixture-of-experts model's experts: each ep rank holds other experts,
+GShard section 3) form buckets of their own.  The loss is the mean over every data rank (dp x ep) of its
+local loss, so a dense parameter, replicated on every rank, is averaged over dp x ep; an expert's parameters
+live on the dp ranks of one ep coordinate only, and their local gradient already sums the contributions of
+the tokens every ep rank sent them (the all-to-all's backward brings them home), so their buckets are summed
+over dp and divided by dp·ep.  They are broadcast at start over dp only, and the gradient norm adds their
+squares over ep.
 """
 from __future__ import annotations
 
@@ -27,6 +35,8 @@ _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
 class _Bucket:
     params: list[nn.Parameter]
     buffer: torch.Tensor
+    axes: tuple[str, ...]           # the ranks that hold these parameters (the all-reduce's group)
+    divisor: int                    # the gradient is the sum over ``axes`` divided by this
     ready: int = 0
     handle: comm.Handle | None = None
     wire: torch.Tensor | None = None
@@ -46,15 +56,26 @@ class DataParallel(LocalMicroBatches, DataParallelStrategy):
     sums_sequence_parallel = False  # the model-parallel wrapper sums them after the all-reduce
 
     def __init__(self, module: nn.Module, mesh, axes: tuple[str, ...] = ("dp",), bucket_mb: float = 25.0,
-                 reduce_dtype: str | None = None, optimizer: torch.optim.Optimizer | None = None):
+                 reduce_dtype: str | None = None, optimizer: torch.optim.Optimizer | None = None,
+                 ep_sharded: list[nn.Parameter] = ()):
+        """``axes``: the data ranks (``("dp", "ep")`` with expert parallelism); ``ep_sharded``: parameters
+        each ``ep`` rank holds its own of (experts), replicated over ``axes`` without ``ep``."""
         self.module, self.mesh, self.axes = module, mesh, axes
         self.size = mesh.size(*axes)
         self.reduce_dtype = _DTYPES[reduce_dtype]
         self.params = [p for p in module.parameters() if p.requires_grad]
+        # (ep = 1: every rank holds every expert, which are then ordinary replicated parameters)
+        sharded = {id(p) for p in ep_sharded} if mesh.size("ep") > 1 else set()
+        if sharded and "ep" not in axes:
+            raise ValueError(f"ep-sharded parameters need the data axes to include 'ep' (got {axes})")
+        self.expert_axes = tuple(a for a in axes if a != "ep")
+        self._sharded = sharded
         self.optimizer = optimizer
         self._sync = True
         self._broadcast_parameters()
-        self.buckets = self._make_buckets(int(bucket_mb * 2**20))
+        cap = int(bucket_mb * 2**20)
+        self.buckets = self._make_buckets([p for p in self.params if id(p) not in sharded], cap, axes) + \
+            self._make_buckets([p for p in self.params if id(p) in sharded], cap, self.expert_axes)
         self._bucket_of = {id(p): i for i, b in enumerate(self.buckets) for p in b.params}
         self._next_launch = 0
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params]
@@ -65,11 +86,12 @@ class DataParallel(LocalMicroBatches, DataParallelStrategy):
             return
         with torch.no_grad():
             for t in list(self.module.parameters()) + list(self.module.buffers()):
-                comm.broadcast(t.data, 0, self.mesh, self.axes)
+                axes = self.expert_axes if id(t) in self._sharded else self.axes
+                comm.broadcast(t.data, 0, self.mesh, axes)
 
-    def _make_buckets(self, cap_bytes: int) -> list[_Bucket]:
+    def _make_buckets(self, params: list[nn.Parameter], cap_bytes: int, axes: tuple[str, ...]) -> list[_Bucket]:
         buckets, current, size = [], [], 0
-        for p in reversed(self.params):
+        for p in reversed(params):
             current.append(p)
             size += p.numel() * p.element_size()
             if size >= cap_bytes:
@@ -85,7 +107,7 @@ class DataParallel(LocalMicroBatches, DataParallelStrategy):
             for p in params:
                 p.grad = buf[offset: offset + p.numel()].view_as(p)
                 offset += p.numel()
-            out.append(_Bucket(params=params, buffer=buf))
+            out.append(_Bucket(params=params, buffer=buf, axes=axes, divisor=self.size))
         return out
 
     @contextlib.contextmanager
@@ -118,10 +140,10 @@ class DataParallel(LocalMicroBatches, DataParallelStrategy):
 
     def _launch(self, b: _Bucket) -> None:
         if self.reduce_dtype is not None and self.reduce_dtype != b.buffer.dtype:
-            b.wire = b.buffer.to(self.reduce_dtype).div_(self.size)
+            b.wire = b.buffer.to(self.reduce_dtype).div_(b.divisor)
         else:
-            b.wire = b.buffer.div_(self.size)
-        b.handle = comm.all_reduce(b.wire, self.mesh, self.axes, async_op=True)
+            b.wire = b.buffer.div_(b.divisor)
+        b.handle = comm.all_reduce(b.wire, self.mesh, b.axes, async_op=True)
 
     def finish_grad_sync(self) -> None:
         """Launch buckets that unused parameters kept back, wait for all, and reset for the next step."""
@@ -141,8 +163,18 @@ class DataParallel(LocalMicroBatches, DataParallelStrategy):
             b.buffer.zero_()
 
     def grad_norm(self) -> torch.Tensor:
-        """Global L2 norm of the (already averaged, hence identical on every replica) gradients."""
-        return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(b.buffer) for b in self.buckets]))
+        """Global L2 norm of the (already averaged, hence identical on every replica) gradients; the squares
+        of ep-sharded buckets (other experts on each ep rank) are summed over ep."""
+        if not self._sharded:
+            return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(b.buffer) for b in self.buckets]))
+
+        def sq(buckets):
+            return torch.stack([torch.linalg.vector_norm(b.buffer).square() for b in buckets]).sum() if buckets \
+                else torch.zeros((), device=self.mesh.device)
+        dense = sq([b for b in self.buckets if b.axes == self.axes])
+        experts = sq([b for b in self.buckets if b.axes != self.axes]).reshape(1)
+        comm.all_reduce(experts, self.mesh, "ep")
+        return (dense + experts[0]).sqrt()
 
     def grads(self) -> list[torch.Tensor]:
         return [b.buffer for b in self.buckets]
@@ -155,7 +187,8 @@ class DataParallel(LocalMicroBatches, DataParallelStrategy):
         return nonfinite_flag(self.grads())
 
     def grad_pieces(self, params):
-        """Every replica holds the whole averaged gradient of each parameter."""
+        """Every replica holds the whole averaged gradient of each parameter (no ep-sharded parameters: a
+        model-parallel wrapper does not combine with expert parallelism)."""
         return [(p, p.grad) for p in params if p.grad is not None], False
 
     def pending_grad_scale(self) -> float:

@@ -90,8 +90,11 @@ class Holding:
     strategy's state itself (what is written into them is loaded), not a stand-in for state that does
     not exist yet."""
 
-    def __init__(self, shape: Shape, dp: int, boxes, view, own: bool = True):
+    def __init__(self, shape: Shape, dp: int, boxes, view, own: bool = True, axes: tuple[str, ...] = ("dp",)):
+        # ``axes``: the mesh axes of the ``dp`` holders (ZeRO under expert parallelism shards dense
+        # parameters over dp x ep, experts over dp; holder ``d`` is the d-th rank of that group)
         self.shape, self.dp, self.boxes, self.view, self.own = tuple(shape), dp, boxes, view, own
+        self.axes = tuple(axes)
 
 
 def replicated(t: torch.Tensor, dp: int, own: bool = True) -> Holding:
@@ -108,7 +111,14 @@ def publish(holding: Holding, layout, mesh) -> torch.Tensor:
     Every (dp, tp) rank of this pipeline stage describes the same global pieces; a piece several ranks hold
     is listed under this rank when it is one of them (so loading fills every replica) and under its first
     holder otherwise, which keeps each rank's global metadata a partition of the tensor."""
-    tp, my_t, my_d = mesh.size("tp"), mesh.local_rank("tp"), mesh.local_rank("dp")
+    tp, my_t, my_d = mesh.size("tp"), mesh.local_rank("tp"), mesh.local_rank(*holding.axes)
+    axes = [a for a in ("pp", "dp", "ep", "tp") if a in holding.axes]
+
+    def coords(d: int) -> dict[str, int]:  # holder d's coordinates on the holding's axes (row-major)
+        out = {}
+        for a in reversed(axes):
+            d, out[a] = divmod(d, mesh.sizes[a])
+        return out
     gshape = global_shape(layout, holding.shape, tp)
     t_range = range(tp) if layout is not None else range(1)  # tp-replicated: the same boxes on every t
     pieces: dict[tuple[Shape, Shape], list] = {}  # (global offsets, sizes) -> [holders, my view]
@@ -117,7 +127,7 @@ def publish(holding: Holding, layout, mesh) -> torch.Tensor:
             for off, size in holding.boxes(d):
                 for loff, lsize, goff in to_global(layout, holding.shape, t, tp, off, size):
                     entry = pieces.setdefault((goff, lsize), [[], None])
-                    ranks = [mesh.rank_of(dp=d, tp=x) for x in ([t] if layout is not None else range(tp))]
+                    ranks = [mesh.rank_of(**coords(d), tp=x) for x in ([t] if layout is not None else range(tp))]
                     entry[0].extend(r for r in ranks if r not in entry[0])
                     if d == my_d and (t == my_t or layout is None):
                         entry[1] = holding.view(loff, lsize)

@@ -2,8 +2,8 @@
 
 Like GShard's automatic sharding and DeepSpeed's autotuning, but by prediction rather than by trial:
 every layout the planner can enumerate for the config's GPT, world size and global batch
-(:func:`podscale.plan.search.candidate_layouts`: tp x pp x dp, ZeRO stage, optimizer offload, micro-batch,
-recompute, sequence parallelism, schedule) is predicted on the system (the calibrated ``local`` one by
+(:func:`podscale.plan.search.candidate_layouts`: tp x pp x dp x ep (a GPT-MoE's experts), ZeRO stage,
+optimizer offload, micro-batch, recompute, sequence parallelism, schedule) is predicted on the system (the calibrated ``local`` one by
 default), the ones that do not fit are dropped, and the fastest that the trainer's own config validator
 accepts is returned as config overrides. Nothing is measured here; the choice is as good as the
 calibration (BENCHMARKS.md, "--layout auto").
@@ -40,11 +40,20 @@ class AutoChoice:
 def gpt_of(cfg) -> GPT:
     """The planner's description of a training config's model."""
     kind = getattr(cfg.model, "kind", "gpt")
-    if kind != "gpt":
-        raise ValueError(f"--layout auto plans GPT models only (model.kind = {kind!r}): set the layout by hand")
+    if kind not in ("gpt", "gpt-moe"):
+        raise ValueError(f"--layout auto plans GPT and GPT-MoE models only (model.kind = {kind!r}): set the "
+                         "layout by hand")
     m = cfg.model
+    moe = {}
+    if kind == "gpt-moe":  # GShard MoE feed-forward every moe_every blocks; experts sharded over ep
+        if m.expert_hidden not in (None, 4 * m.n_embd):
+            raise ValueError(f"--layout auto plans experts of the dense MLP's width (model.expert_hidden = "
+                             f"{4 * m.n_embd}); got {m.expert_hidden}: set the layout by hand")
+        # dropless: every choice is processed, on average the capacity of factor 1
+        moe = dict(experts=m.experts, top_k=m.top_k, moe_every=m.moe_every,
+                   capacity_factor=1.0 if m.dropless else m.capacity_factor)
     return GPT(layers=m.n_layer, hidden=m.n_embd, heads=m.n_head, seq=m.block_size, vocab=m.vocab_size,
-               name=getattr(cfg.run, "name", "config"))
+               name=getattr(cfg.run, "name", "config"), **moe)
 
 
 def layout_overrides(lay: Layout) -> list:
@@ -79,8 +88,6 @@ def choose_layout(cfg, world_size: int, system: System | str = "local", keep: in
     mbs = tuple(d for d in range(1, batch + 1) if batch % d == 0 and d <= 64)
     preds, evaluated = [], 0
     for lay in candidate_layouts(system, world_size, model, batch, microbatches=mbs):
-        if lay.ep != 1:
-            continue
         lay = dataclasses.replace(lay, fused_attention=True)   # podscale's GPT runs torch's SDPA
         try:
             pred = predict(system, world_size, model, lay, batch)

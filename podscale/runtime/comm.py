@@ -5,6 +5,11 @@ the bytes each rank puts on the wire by the ring algorithm's count (all-reduce `
 all-gather and reduce-scatter ``(n-1)/n * full size``, all-to-all ``(n-1)/n * size``), the time
 from launch to completion ("busy") and the time the caller was blocked waiting ("exposed").  Exposed time
 is what overlap did not hide; busy time is what the planner's cost model is calibrated against.
+
+Each call also counts, in the mesh's :class:`Ledger`, which collective of its group this rank has entered
+and which one it is blocked in: the hang watchdog (:mod:`podscale.runtime.watchdog`) publishes that record
+from a thread and reads the other ranks' to name the one that did not arrive.  Recording is two dict
+operations per call and never touches the network.
 """
 from __future__ import annotations
 
@@ -83,12 +88,54 @@ class CommStats:
             self.ops.clear()
 
 
+class Ledger:
+    """What this rank's collectives have reached, in memory: the step being trained, how many collectives
+    it has entered per group (a group's members issue the same collectives in the same order, so the
+    ``k``-th entry on a group matches every member's ``k``-th), and the one it is blocked in.
+
+    Groups are keyed ``"AXIS:r0,r1,..."`` (the global ranks) and point-to-point pairs ``"AXIS:src>dst"``
+    (sender and receiver count under the same key).  The caller's thread writes; the watchdog's thread only
+    copies (each write is one assignment, atomic under the GIL).
+    """
+
+    __slots__ = ("step", "entered", "blocked", "_keys")
+
+    def __init__(self):
+        self.step = 0
+        self.entered: dict[str, int] = {}
+        #: ``(key, seq, op, axis, since)`` of the collective this rank waits in (``since``: time.monotonic())
+        self.blocked: tuple | None = None
+        self._keys: dict = {}
+
+    def group_key(self, mesh, axes) -> str:
+        """The key of this rank's group over ``axes`` (a name or a sequence of names), cached."""
+        axes = axes if isinstance(axes, (str, tuple)) else tuple(axes)
+        key = self._keys.get(axes)
+        if key is None:
+            ranks = mesh.group_ranks(*((axes,) if isinstance(axes, str) else axes))
+            key = self._keys[axes] = f"{_axis_name(axes)}:{','.join(map(str, ranks))}"
+        return key
+
+    def enter(self, key: str) -> int:
+        seq = self.entered.get(key, 0) + 1
+        self.entered[key] = seq
+        return seq
+
+    def snapshot(self) -> dict:
+        """A JSON-able copy: ``{"step", "entered", "blocked": [key, seq, op, axis, waited_s] | None}``."""
+        b = self.blocked
+        return {"step": self.step, "entered": dict(self.entered),
+                "blocked": None if b is None else [*b[:4], time.monotonic() - b[4]]}
+
+
 class Handle:
     """An in-flight collective; ``wait()`` blocks and books the blocked time as exposed."""
 
-    def __init__(self, work, stats: CommStats, axis: str, op: str, start: float, timed: bool = True):
+    def __init__(self, work, stats: CommStats, axis: str, op: str, start: float, timed: bool = True,
+                 ledger: Ledger | None = None, key: str = "", seq: int = 0):
         self._work, self._stats, self._axis, self._op = work, stats, axis, op
         self._start, self._done, self._timed = start, False, False
+        self._ledger, self._key, self._seq = ledger, key, seq
         if work is not None and timed:
             try:
                 fut = work.get_future()
@@ -108,7 +155,15 @@ class Handle:
             return
         t0 = time.perf_counter()
         if self._work is not None:
-            self._work.wait()
+            ledger = self._ledger
+            if ledger is None:
+                self._work.wait()
+            else:
+                mark = (self._key, self._seq, self._op, self._axis, time.monotonic())
+                ledger.blocked = mark
+                self._work.wait()
+                if ledger.blocked is mark:
+                    ledger.blocked = None
         now = time.perf_counter()
         busy = 0.0 if self._timed or self._work is None else now - self._start
         self._stats.add_time(self._axis, self._op, busy=busy, exposed=now - t0)
@@ -217,12 +272,15 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def _issue(mesh, axes, op, nbytes, fn, async_op, timed: bool = True):
+def _issue(mesh, axes, op, nbytes, fn, async_op, timed: bool = True, key: str | None = None):
     name = _axis_name(axes)
+    ledger = mesh.ledger
+    key = key or ledger.group_key(mesh, axes)
+    seq = ledger.enter(key)
     start = time.perf_counter()
     work = fn()
     mesh.stats.record(name, op, nbytes)
-    h = Handle(work, mesh.stats, name, op, start, timed)
+    h = Handle(work, mesh.stats, name, op, start, timed, ledger, key, seq)
     if async_op:
         return h
     h.wait()
@@ -298,10 +356,12 @@ def send(t: torch.Tensor, dst: int, mesh, axis: str = "pp", async_op: bool = Fal
     check_devices("send", axis, mesh, t)
     # No completion callback: a point-to-point message completes when its peer gets to it, which is not
     # busy time, and a callback per message takes the GIL from the compute thread on each completion.
-    return _issue(mesh, axis, "send", _nbytes(t), lambda: dist.isend(t, dst, tag=tag), async_op, timed=False)
+    return _issue(mesh, axis, "send", _nbytes(t), lambda: dist.isend(t, dst, tag=tag), async_op, timed=False,
+                  key=f"{axis}:{mesh.rank}>{dst}")
 
 
 def recv(t: torch.Tensor, src: int, mesh, axis: str = "pp", async_op: bool = False, tag: int = 0):
     """Point-to-point receive from global rank ``src`` into ``t`` (the send with the same ``tag``)."""
     check_devices("recv", axis, mesh, t)
-    return _issue(mesh, axis, "recv", _nbytes(t), lambda: dist.irecv(t, src, tag=tag), async_op, timed=False)
+    return _issue(mesh, axis, "recv", _nbytes(t), lambda: dist.irecv(t, src, tag=tag), async_op, timed=False,
+                  key=f"{axis}:{src}>{mesh.rank}")

@@ -23,6 +23,22 @@ import os
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # <malloc.h>
 
 _applied: int | None = None
+_mallopt = None
+
+
+def mallopt(param: int, value: int) -> bool:
+    """glibc's mallopt(3); False, changing nothing, where the C library is not glibc."""
+    global _mallopt
+    if _mallopt is None:
+        _mallopt = False
+        try:
+            libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+            if hasattr(libc, "gnu_get_libc_version"):
+                _mallopt = libc.mallopt
+                _mallopt.argtypes, _mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+        except (OSError, AttributeError):
+            pass
+    return bool(_mallopt) and _mallopt(param, value) == 1
 
 
 def set_mmap_threshold(nbytes: int) -> bool:
@@ -34,16 +50,7 @@ def set_mmap_threshold(nbytes: int) -> bool:
         return True
     if "MALLOC_MMAP_THRESHOLD_" in os.environ:  # the user's own setting (read by glibc at start) wins
         return False
-    name = ctypes.util.find_library("c")
-    try:
-        libc = ctypes.CDLL(name or "libc.so.6")
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):
-        return False
-    if not hasattr(libc, "gnu_get_libc_version"):
-        return False
-    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    if mallopt(M_MMAP_THRESHOLD, int(nbytes)) != 1:
+    if not mallopt(M_MMAP_THRESHOLD, int(nbytes)):
         return False
     # Setting the mmap threshold also freezes the trim threshold at its 128 KiB default, so every free at
     # the top of the heap (activations, small gradients) would be returned and faulted in again next

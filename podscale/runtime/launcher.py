@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import socket
 import uuid
-from typing import Any, Callable
+from typing import Any, Callable, Literal
 
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
@@ -18,6 +18,8 @@ from torch.distributed.elastic.rendezvous import RendezvousParameters, rendezvou
 from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import DynamicRendezvousHandler, RendezvousTimeout
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+from podscale.runtime import forkserver
 
 LOOPBACK = "127.0.0.1"
 _LOOPBACK_BACKEND = "podscale-loopback"
@@ -75,8 +77,12 @@ if _LOOPBACK_BACKEND not in rendezvous_handler_registry._registry:
 
 def launch(fn: Callable | str, args: tuple = (), nproc: int = 2, max_restarts: int = 0,
            host: str = LOOPBACK, port: int | None = None, run_id: str | None = None,
-           log_dir: str | None = None, quiet: bool = False) -> dict[int, Any]:
+           log_dir: str | None = None, quiet: bool = False,
+           start_method: Literal["forkserver", "spawn"] = "forkserver") -> dict[int, Any]:
     """Run ``fn(*args)`` on ``nproc`` local workers; ``fn`` may be a callable or a program path.
+
+    A callable runs in workers forked from a server that has imported torch and podscale once
+    (:mod:`podscale.runtime.forkserver`; ``start_method="spawn"`` starts each worker as a new interpreter).
 
     Returns ``{rank: return value}`` for a callable.  Raises ``ChildFailedError`` when the group fails
     after ``max_restarts`` restarts.
@@ -91,9 +97,13 @@ def launch(fn: Callable | str, args: tuple = (), nproc: int = 2, max_restarts: i
         # the user asking for a multi-node rendezvous on that address.
         rdzv_backend=_LOOPBACK_BACKEND if host == LOOPBACK else "c10d", rdzv_endpoint=f"{host}:{port}",
         rdzv_configs={"is_host": True},
-        max_restarts=max_restarts, monitor_interval=0.1, start_method="spawn",
+        max_restarts=max_restarts, monitor_interval=0.1, start_method=start_method,
         local_addr=host, logs_specs=logs,
     )
     # Workers on a CPU split its cores instead of each taking all of them.
     os.environ.setdefault("PODSCALE_LOCAL_WORLD", str(nproc))
+    if callable(fn) and start_method == "forkserver":
+        forkserver.start_server()
+        streams = None if log_dir or quiet else forkserver.parent_streams()  # (else the agent's log files)
+        return elastic_launch(config, forkserver.run_with_parent_env)(fn, dict(os.environ), streams, *args)
     return elastic_launch(config, fn)(*args)

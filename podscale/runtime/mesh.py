@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import itertools
 import math
+from datetime import timedelta
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
 from podscale.runtime import comm
-from podscale.runtime.comm import CommStats
+from podscale.runtime.comm import CommStats, Ledger
 
 AXES = ("pp", "dp", "ep", "tp")
 # Axis combinations that later parts need a group for, besides each single axis: dense parameters are
@@ -49,18 +50,23 @@ class Mesh:
 
     Build it with :meth:`Mesh.build` after ``torch.distributed`` is initialised (or without it for one
     process).  ``stats`` records the bytes and time of every collective issued through
-    :mod:`podscale.runtime.comm`, keyed by axis and operation.
+    :mod:`podscale.runtime.comm`, keyed by axis and operation; ``ledger`` what those collectives have
+    reached (read by the hang watchdog, :mod:`podscale.runtime.watchdog`).
     """
 
     sizes: dict[str, int]
     rank: int = 0
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     stats: CommStats = field(default_factory=CommStats)
+    ledger: Ledger = field(default_factory=Ledger, repr=False)
     _groups: dict[tuple[str, ...], object] = field(default_factory=dict, repr=False)
 
     @classmethod
-    def build(cls, device: torch.device | None = None, **sizes: int) -> "Mesh":
-        """Create the mesh and its process groups; every rank must call this with the same sizes."""
+    def build(cls, device: torch.device | None = None, timeout_s: float | None = None, **sizes: int) -> "Mesh":
+        """Create the mesh and its process groups; every rank must call this with the same sizes.
+
+        ``timeout_s`` bounds how long a collective of these groups may wait (torch's process-group timeout;
+        default: torch's, 30 minutes); ``new_group`` does not inherit the default group's."""
         if comm.strict_devices_requested():  # (the test suite: see comm.check_devices)
             comm.enable_strict_devices()
         initialized = dist.is_available() and dist.is_initialized()
@@ -70,8 +76,9 @@ class Mesh:
         check_shape(full, world)
         mesh = cls(sizes=full, rank=rank, device=device or torch.device("cpu"))
         if initialized and world > 1:
+            timeout = None if timeout_s is None else timedelta(seconds=timeout_s)
             for axes in [(a,) for a in AXES] + list(_COMBOS):
-                mesh._create_groups(axes)
+                mesh._create_groups(axes, timeout)
         return mesh
 
     # coordinates -------------------------------------------------------------------------------
@@ -106,6 +113,12 @@ class Mesh:
         return idx
 
     @property
+    def data_axes(self) -> tuple[str, ...]:
+        """The axes over which ranks see different samples: ``dp``, and ``ep`` when it is > 1 (expert-parallel
+        ranks split the batch too, GShard section 3).  Losses and metrics are averaged over these."""
+        return ("dp", "ep") if self.sizes["ep"] > 1 else ("dp",)
+
+    @property
     def world_size(self) -> int:
         return self.size()
 
@@ -127,7 +140,7 @@ class Mesh:
         ranges = [range(self.sizes[a]) for a in key]
         return [self.rank_of(**dict(zip(key, idx))) for idx in itertools.product(*ranges)]
 
-    def _create_groups(self, axes: tuple[str, ...]) -> None:
+    def _create_groups(self, axes: tuple[str, ...], timeout: timedelta | None = None) -> None:
         key = tuple(a for a in AXES if a in axes)
         if key in self._groups or self.size(*key) == 1:
             return
@@ -140,7 +153,7 @@ class Mesh:
                 self.rank_of(**(base | dict(zip(key, idx))))
                 for idx in itertools.product(*[range(self.sizes[a]) for a in key])
             ]
-            g = dist.new_group(ranks)
+            g = dist.new_group(ranks, timeout=timeout)
             if self.rank in ranks:
                 mine = g
         self._groups[key] = mine

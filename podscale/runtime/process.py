@@ -42,7 +42,10 @@ def device_kind(choice: str = "auto", local_ranks: int = 1) -> str:
     return "cuda"
 
 
-def init_process(timeout_s: float = 600.0, device: str = "auto") -> ProcessInfo:
+DEFAULT_TIMEOUT_S = 600.0  # torch's process-group timeout when no config sets one
+
+
+def init_process(timeout_s: float = DEFAULT_TIMEOUT_S, device: str = "auto") -> ProcessInfo:
     """Initialise torch.distributed from the launcher's environment (NCCL on CUDA, gloo on CPU).
 
     ``device`` is auto|cpu|cuda (see :func:`device_kind`).  Without a launcher this is a single process

@@ -99,6 +99,15 @@ class RowStore(ABC):
     def flush(self) -> None:
         """Write every dirty row down to the lowest tier."""
 
+    def clear(self) -> None:
+        """Remove every row from every tier (a fresh run, or before a checkpoint is loaded)."""
+        for keys, _ in list(self.scan()):
+            self.delete(keys)
+
+    def tier_bytes(self) -> list[int]:
+        """Bytes of rows each tier holds, top first (a cache: its slab; the SSD tier: its files)."""
+        return [len(self) * 4 * self.width]
+
     def close(self) -> None:
         """Flush and release files and threads."""
 
@@ -107,20 +116,112 @@ def _as_keys(keys: torch.Tensor) -> torch.Tensor:
     return keys.to(torch.int64).reshape(-1).cpu()
 
 
+class KeyIndex:
+    """int64 key -> int64 slot: open addressing with linear probing over numpy arrays, probed for a whole
+    batch of keys at once (a Python dict costs a bytecode loop per key; this costs a few array passes per
+    probe round, and at a load factor of at most 1/2 most keys settle in the first round).  Keys hash with
+    SplitMix64's finaliser; deleted entries are tombstones until the next rebuild."""
+
+    _EMPTY, _USED, _DEAD = 0, 1, 2
+
+    def __init__(self, capacity: int = 1024):
+        cap = 1 << max(4, int(capacity - 1).bit_length())
+        self._alloc(cap)
+        self.used = 0
+
+    def _alloc(self, cap: int) -> None:
+        self._k = np.zeros(cap, dtype=np.int64)
+        self._v = np.zeros(cap, dtype=np.int64)
+        self._st = np.zeros(cap, dtype=np.int8)
+        self._mask = np.uint64(cap - 1)
+        self._filled = 0  # used + tombstones
+
+    def _home(self, keys: np.ndarray) -> np.ndarray:
+        from podscale.table.hashing import mix64
+        return (mix64(keys.view(np.uint64)) & self._mask).astype(np.int64)
+
+    def _find(self, keys: np.ndarray) -> np.ndarray:
+        """Table position of each key, -1 where absent."""
+        out = np.full(len(keys), -1, dtype=np.int64)
+        pos = self._home(keys)
+        act = np.arange(len(keys))
+        mask = int(self._mask)
+        while len(act):
+            p = pos[act]
+            st = self._st[p]
+            hit = (st == self._USED) & (self._k[p] == keys[act])
+            out[act[hit]] = p[hit]
+            go = ~hit & (st != self._EMPTY)
+            act = act[go]
+            pos[act] = (pos[act] + 1) & mask
+        return out
+
+    def get(self, keys: np.ndarray) -> np.ndarray:
+        """Slots of ``keys`` (-1 where absent)."""
+        at = self._find(keys)
+        return np.where(at >= 0, self._v[np.maximum(at, 0)], -1)
+
+    def insert(self, keys: np.ndarray, slots: np.ndarray) -> None:
+        """Add absent, distinct ``keys`` with their ``slots``."""
+        if 2 * (self._filled + len(keys)) > len(self._k):
+            self._rebuild(2 * (self.used + len(keys)))
+        pos = self._home(keys)
+        act = np.arange(len(keys))
+        mask = int(self._mask)
+        while len(act):
+            p = pos[act]
+            free = self._st[p] != self._USED
+            cand, first = np.unique(p[free], return_index=True)  # one claimant per free position
+            won = act[free][first]
+            self._filled += int((self._st[cand] == self._EMPTY).sum())
+            self._k[cand], self._v[cand], self._st[cand] = keys[won], slots[won], self._USED
+            placed = np.zeros(len(keys), dtype=bool)
+            placed[won] = True
+            act = act[~placed[act]]
+            pos[act] = (pos[act] + 1) & mask
+        self.used += len(keys)
+
+    def remove(self, keys: np.ndarray) -> np.ndarray:
+        """Remove ``keys``; returns the slots of those that were present."""
+        at = self._find(keys)
+        at = at[at >= 0]
+        self._st[at] = self._DEAD
+        self.used -= len(at)
+        return self._v[at].copy()
+
+    def items(self) -> tuple[np.ndarray, np.ndarray]:
+        live = self._st == self._USED
+        return self._k[live].copy(), self._v[live].copy()
+
+    def _rebuild(self, need: int) -> None:
+        keys, slots = self.items()
+        cap = len(self._k)
+        while cap < 2 * need:
+            cap *= 2
+        self._alloc(cap)
+        self.used = 0
+        if len(keys):
+            self.insert(keys, slots)
+
+    def clear(self) -> None:
+        self._alloc(len(self._k))
+        self.used = 0
+
+
 class MemoryRowStore(RowStore):
-    """All rows in one slab on ``device``: a key -> slot dict, the slab doubling as keys arrive."""
+    """All rows in one slab on ``device``: a :class:`KeyIndex` from key to slot, the slab doubling as keys
+    arrive; freed slots are reused."""
 
     def __init__(self, width: int, device: str | torch.device = "cpu", initial_rows: int = 1024):
         self.width = int(width)
         self.device = torch.device(device)
         self._slab = torch.zeros(max(1, initial_rows), self.width, device=self.device)
-        self._slot: dict[int, int] = {}
+        self._index = KeyIndex(2 * max(1, initial_rows))
         self._free: list[int] = []
         self._next = 0
 
     def _slots(self, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        get = self._slot.get
-        s = torch.tensor([get(k, -1) for k in keys.tolist()], dtype=torch.int64)
+        s = torch.from_numpy(self._index.get(keys.numpy()))
         return s, s >= 0
 
     def get(self, keys):
@@ -144,39 +245,41 @@ class MemoryRowStore(RowStore):
     def put(self, keys, rows):
         keys = _as_keys(keys)
         slots, found = self._slots(keys)
-        new = (~found).nonzero().reshape(-1).tolist()
-        if new:
-            kl = keys.tolist()
-            fresh = []
-            for _ in new:
-                if self._free:
-                    fresh.append(self._free.pop())
-                else:
-                    fresh.append(self._next)
-                    self._next += 1
+        new = (~found).nonzero().reshape(-1)
+        if len(new):
+            reuse = min(len(self._free), len(new))
+            fresh = self._free[len(self._free) - reuse:][::-1]
+            del self._free[len(self._free) - reuse:]
+            extra = len(new) - reuse
+            fresh_t = torch.cat([torch.tensor(fresh, dtype=torch.int64),
+                                 torch.arange(self._next, self._next + extra, dtype=torch.int64)])
+            self._next += extra
             self._grow(self._next)
-            for i, s in zip(new, fresh):
-                self._slot[kl[i]] = s
-            slots[new] = torch.tensor(fresh, dtype=torch.int64)
+            self._index.insert(keys[new].numpy(), fresh_t.numpy())
+            slots[new] = fresh_t
         self._slab[slots.to(self.device)] = rows.to(self._slab.device, torch.float32)
 
     def delete(self, keys):
-        for k in _as_keys(keys).tolist():
-            s = self._slot.pop(k, None)
-            if s is not None:
-                self._free.append(s)
-                self._slab[s] = 0
+        freed = self._index.remove(_as_keys(keys).numpy())
+        if len(freed):
+            self._free.extend(freed.tolist())
+            self._slab[torch.from_numpy(freed).to(self.device)] = 0
 
     def scan(self, batch=65536):
-        items = list(self._slot.items())
-        for i in range(0, len(items), batch):
-            chunk = items[i: i + batch]
-            keys = torch.tensor([k for k, _ in chunk], dtype=torch.int64)
-            slots = torch.tensor([s for _, s in chunk], dtype=torch.int64)
-            yield keys, self._slab[slots.to(self.device)].clone()
+        keys, slots = self._index.items()
+        for i in range(0, len(keys), batch):
+            k = torch.from_numpy(keys[i: i + batch])
+            s = torch.from_numpy(slots[i: i + batch])
+            yield k, self._slab[s.to(self.device)].clone()
 
     def __len__(self):
-        return len(self._slot)
+        return self._index.used
+
+    def clear(self):
+        self._index.clear()
+        self._free.clear()
+        self._next = 0
+        self._slab.zero_()
 
 
 def _key_bytes(keys: torch.Tensor) -> list[bytes]:
@@ -283,6 +386,21 @@ class RocksRowStore(RowStore):
 
     def flush(self):
         self._db.flush()
+
+    def clear(self):
+        """One range tombstone over every key (non-negative int64 keys sort below 0x80...)."""
+        try:
+            self._db.delete_range(b"\x00" * 8, b"\xff" * 9)
+        except Exception as e:
+            raise StorageError(f"SSD tier at {self.path}: clearing failed ({e}): free space on that disk or "
+                               "move ssd_path") from None
+
+    def tier_bytes(self):
+        """The SSD files' size as RocksDB reports it (SST files plus memtables)."""
+        db = self._db
+        sst = db.property_int_value("rocksdb.total-sst-files-size") or 0
+        mem = db.property_int_value("rocksdb.cur-size-all-mem-tables") or 0
+        return [int(sst) + int(mem)]
 
     def close(self):
         self._db.close()
@@ -418,6 +536,21 @@ class CachedRowStore(RowStore):
         self.flush()
         self._pool.shutdown(wait=True)
         self.backing.close()
+
+    def clear(self):
+        self._wait_pending(count=False)
+        with self._lock:
+            self._map.clear()
+            self._dirty.zero_()
+            self._freq.zero_()
+            self._free = list(range(self._slab.shape[0] - 1, -1, -1))
+            self._absent.clear()
+            self._written.clear()
+        self.backing.clear()
+
+    def tier_bytes(self):
+        """This tier's rows (its slab's used part), then the tiers below."""
+        return [len(self._map) * 4 * self.width] + self.backing.tier_bytes()
 
     # -- internals --------------------------------------------------------------------------------
     def _wait_pending(self, count: bool) -> None:

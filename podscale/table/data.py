@@ -43,6 +43,7 @@ class CriteoLike:
     seed: int = 0
     teacher_scale: float = 1.0
     names: tuple[str, ...] = field(default=())
+    ranks_as_ids: bool = False        # ids are the popularity ranks in [0, cardinality) (a declared range)
 
     def __post_init__(self):
         if not self.cardinalities or min(self.cardinalities) < 1:
@@ -90,7 +91,8 @@ def make_batch(cfg: CriteoLike, step: int, batch: int):
     for name, card in zip(cfg.names, cfg.cardinalities):
         tseed = name_seed(cfg.seed, name)
         lens = rng.integers(cfg.min_ids, cfg.max_ids + 1, size=batch)
-        ids = rank_to_id(tseed, zipf_ranks(rng, int(lens.sum()), card, cfg.alpha))
+        ranks = zipf_ranks(rng, int(lens.sum()), card, cfg.alpha)
+        ids = ranks.astype(np.int64) if cfg.ranks_as_ids else rank_to_id(tseed, ranks)
         bag = np.repeat(np.arange(batch), lens)
         logit += np.bincount(bag, weights=_teacher_weight(tseed, ids), minlength=batch) / lens
         offsets = np.concatenate([[0], np.cumsum(lens)[:-1]]).astype(np.int64)

@@ -215,6 +215,9 @@ class ShardedEmbeddingBags(nn.Module, ShardedTable):
         self._deferred_text = ""
         self._counts: dict[tuple[int, int], dict[int, int]] = {}  # admission: occurrences of unadmitted keys
         self.stores: dict[tuple[int, int], RowStore] = {}
+        # incremental checkpoints: per local shard, keys written / deleted since the last mark_saved()
+        self._changed: dict[tuple[int, int], list[torch.Tensor]] = {}
+        self._deleted: dict[tuple[int, int], list[torch.Tensor]] = {}
         # A store that cannot be opened on one rank is an error on all of them.
         err = (0, 0, 0)
         for t, shards in enumerate(self.shards):
@@ -223,6 +226,8 @@ class ShardedEmbeddingBags(nn.Module, ShardedTable):
                     try:
                         self.stores[(t, sh.index)] = self._make_store(self.specs[t], sh)
                         self._counts[(t, sh.index)] = {}
+                        self._changed[(t, sh.index)] = []
+                        self._deleted[(t, sh.index)] = []
                     except StorageError:
                         err = (5, t, 0)
         try:
@@ -481,6 +486,7 @@ class ShardedEmbeddingBags(nn.Module, ShardedTable):
                 rows[idx] = fresh
                 admitted[idx] = True
                 store.put(ck, fresh)
+                self._mark(key, ck)
         return rows, admitted
 
     # -- backward: push gradients, owners update ------------------------------------------------------
@@ -528,6 +534,7 @@ class ShardedEmbeddingBags(nn.Module, ShardedTable):
             rows[:, -1] = float(self.step_count)
             try:
                 self.stores[key].put(rec.keys[a], rows)
+                self._mark(key, rec.keys[a])
             except StorageError as e:
                 # The other ranks are past their last collective of this step: the verdict is agreed at
                 # the start of the next exchange, so every rank raises it there instead of one hanging.
@@ -608,7 +615,7 @@ class ShardedEmbeddingBags(nn.Module, ShardedTable):
             if self.specs[t].trainable:
                 full[:, sh.width: -1] = self.optimizer.init_state(len(k), sh.width)
             full[:, -1] = float(self.step_count)
-            self.stores[(t, sh.index)].put(k, full)
+            self.put_rows((t, sh.index), k, full)
 
     def expire(self) -> int:
         """Remove rows unused for more than their table's ``ttl_steps``; returns rows removed here."""
@@ -622,6 +629,7 @@ class ShardedEmbeddingBags(nn.Module, ShardedTable):
                 dead = torch.cat(old)
                 if len(dead):
                     store.delete(dead)
+                    self._deleted[(t, i)].append(dead)
                     removed += len(dead)
         return removed
 
@@ -635,6 +643,92 @@ class ShardedEmbeddingBags(nn.Module, ShardedTable):
                 for k, r in self.stores[(t, sh.index)].scan():
                     out.append((k, sh.c0, sh.c1, r[:, : sh.width].clone()))
         return out
+
+    # -- local state for checkpoints (podscale.table.checkpoint) ---------------------------------------
+    def _mark(self, key: tuple[int, int], keys: torch.Tensor) -> None:
+        marks = self._changed[key]
+        marks.append(keys.clone())
+        if len(marks) > 64:  # keep the record compact: one sorted tensor of distinct keys
+            self._changed[key] = [torch.unique(torch.cat(marks))]
+
+    def local_shards(self) -> list[Shard]:
+        """Local: the shards this rank holds, in table order."""
+        return [self.shards[t][i] for (t, i) in self.stores]
+
+    def changed_since_save(self, sh: Shard) -> tuple[torch.Tensor, torch.Tensor]:
+        """Local: (keys written, keys deleted) in shard ``sh`` since the last :meth:`mark_saved`, each sorted
+        and distinct (a key deleted and written again is in both)."""
+        key = (sh.table, sh.index)
+        empty = torch.zeros(0, dtype=torch.int64)
+        ch, de = self._changed[key], self._deleted[key]
+        return (torch.unique(torch.cat(ch)) if ch else empty), (torch.unique(torch.cat(de)) if de else empty)
+
+    def mark_saved(self) -> None:
+        """Local: a checkpoint holds every row as it is now; start recording changes afresh."""
+        for key in self._changed:
+            self._changed[key], self._deleted[key] = [], []
+
+    def get_rows(self, sh: Shard, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Local: full stored rows (weights, optimizer state, last-used step) of ``keys`` in shard ``sh`` and
+        a found mask, read in pieces a cache tier can hold."""
+        store = self.stores[(sh.table, sh.index)]
+        step = max(1, (store.capacity() or len(keys) or 1) // 2)
+        rows, found = [], []
+        for a in range(0, len(keys), step):
+            r, f = store.get(keys[a: a + step])
+            rows.append(r.cpu())
+            found.append(f)
+        if not rows:
+            return torch.zeros(0, self.row_floats(sh.table, sh)), torch.zeros(0, dtype=torch.bool)
+        return torch.cat(rows), torch.cat(found)
+
+    def put_rows(self, key: tuple[int, int], keys: torch.Tensor, rows: torch.Tensor) -> None:
+        """Local: write full stored rows into a local shard (``key`` = (table, shard index)), in pieces a
+        cache tier can hold; recorded for the next incremental checkpoint."""
+        store = self.stores[key]
+        step = max(1, (store.capacity() or len(keys) or 1) // 2)
+        for a in range(0, len(keys), step):
+            store.put(keys[a: a + step], rows[a: a + step])
+        if len(keys):
+            self._mark(key, keys)
+
+    def delete_rows(self, key: tuple[int, int], keys: torch.Tensor) -> None:
+        """Local: remove ``keys`` from a local shard (recorded for the next incremental checkpoint)."""
+        if len(keys):
+            self.stores[key].delete(keys)
+            self._deleted[key].append(keys.clone())
+
+    def admission_counts(self, sh: Shard) -> tuple[torch.Tensor, torch.Tensor]:
+        """Local: (keys, occurrences) of keys in shard ``sh`` seen but not yet admitted."""
+        c = self._counts[(sh.table, sh.index)]
+        return torch.tensor(list(c), dtype=torch.int64), torch.tensor(list(c.values()), dtype=torch.int64)
+
+    def add_admission_counts(self, sh: Shard, keys: torch.Tensor, counts: torch.Tensor) -> None:
+        """Local: set the occurrence counts of not-yet-admitted ``keys`` in shard ``sh``."""
+        c = self._counts[(sh.table, sh.index)]
+        c.update(zip(keys.tolist(), counts.tolist()))
+
+    def clock(self) -> dict:
+        """The table's counters (the same on every rank): optimizer updates per table and lookups so far."""
+        return {"updates": list(self._updates), "step_count": self.step_count}
+
+    def set_clock(self, clock: dict, names: list[str]) -> None:
+        """Restore :meth:`clock` saved for tables ``names`` (matched by name)."""
+        by_name = dict(zip(names, clock["updates"]))
+        self._updates = [int(by_name.get(s.name, 0)) for s in self.specs]
+        self.step_count = int(clock["step_count"])
+
+    def clear(self) -> None:
+        """Local: remove every row of every local shard from every tier (a fresh run, or before loading a
+        checkpoint), with the admission counts and the change record."""
+        for key, store in self.stores.items():
+            store.clear()
+            self._counts[key].clear()
+        self.mark_saved()
+
+    def tier_bytes(self) -> dict[str, list[int]]:
+        """Local: per local shard, the bytes of rows each tier holds (top first)."""
+        return {f"{self.specs[t].name}/{i}": s.tier_bytes() for (t, i), s in self.stores.items()}
 
     def tier_stats(self) -> dict[str, list[TierStats]]:
         """Per local shard (``"table/shard"``), counters of each tier since the last reset."""

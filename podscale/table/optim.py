@@ -38,6 +38,21 @@ class SparseOptimizer(ABC):
         """Update weights ``w [n, dim]`` and ``state [n, state_width]`` in place from the summed row
         gradients ``g [n, dim]``; ``step`` counts this table's updates, starting at 1."""
 
+    def state_columns(self, state: torch.Tensor, width: int, a: int, b: int) -> torch.Tensor:
+        """The state of columns ``[a, b)`` of rows of ``width`` columns (resharding a checkpoint into other
+        column blocks).  Default: per-column state laid out as ``state_width(width) // width`` blocks of
+        ``width`` columns."""
+        k = self.state_width(width) // width if width else 0
+        return torch.cat([state[:, j * width + a: j * width + b] for j in range(k)], dim=1) if k else state[:, :0]
+
+    def join_state(self, parts: list[tuple[torch.Tensor, int]]) -> torch.Tensor:
+        """The state of rows joined from column pieces ``(state, width)`` in column order (the inverse of
+        :meth:`state_columns`)."""
+        total = sum(w for _, w in parts)
+        k = self.state_width(total) // total if total else 0
+        return torch.cat([p[:, j * w: (j + 1) * w] for j in range(k) for p, w in parts], dim=1) if k else \
+            parts[0][0][:, :0]
+
 
 class SparseSGD(SparseOptimizer):
     def __init__(self, lr: float):
@@ -63,6 +78,17 @@ class RowWiseAdagrad(SparseOptimizer):
     def update(self, w, state, g, step):
         state.add_(g.pow(2).mean(dim=1, keepdim=True))
         w.sub_(self.lr * g / (state.sqrt() + self.eps))
+
+    def state_columns(self, state, width, a, b):
+        """A column block starts from the row's accumulator (exact when blocks were joined from the same
+        row; an estimate of the block's own mean otherwise)."""
+        return state.clone()
+
+    def join_state(self, parts):
+        """The row's accumulator from the blocks': their column-weighted mean (exact: the mean of g^2 over
+        the row is the weighted mean of the blocks' means)."""
+        total = sum(w for _, w in parts)
+        return sum(p * (w / total) for p, w in parts)
 
 
 class LazyAdam(SparseOptimizer):

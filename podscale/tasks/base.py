@@ -71,6 +71,9 @@ class Task(ABC):
     supports_tensor_parallel: ClassVar[bool] = False
     #: Whether the model can be cut into pipeline stages (pp > 1).
     supports_pipeline: ClassVar[bool] = False
+    #: Whether the model has parameters sharded over the mesh's ``ep`` axis (mixture-of-experts): ep > 1
+    #: is refused before workers start when it does not.
+    supports_expert_parallel: ClassVar[bool] = False
     #: What throughput counts, plural ("tokens", "samples", "edges"): the metrics log's
     #: ``<unit>_per_s`` key and the axis label of ``podscale report``.
     throughput_unit: ClassVar[str] = "samples"
@@ -84,6 +87,26 @@ class Task(ABC):
         """The single-process model, with torch's global generator seeded by ``run.seed``.  It may be on
         the meta device when it can initialise its parameters itself (``materialize`` / ``init_parameter``,
         as the GPT does); otherwise on the CPU, and the strategy moves it."""
+
+    def build_model_on(self, mesh) -> nn.Module:
+        """This rank's model before the strategies apply, for a task whose model needs the mesh at build time
+        (its experts sharded over ``ep``: only this rank's are built).  Default: :meth:`build_model`.  The
+        parameters :meth:`ep_sharded_parameters` names must carry the same names at every ep size (global
+        ids), so checkpoints load at another ep and ``podscale export`` writes :meth:`build_model`'s."""
+        return self.build_model()
+
+    def ep_sharded_parameters(self, model: nn.Module) -> list[nn.Parameter]:
+        """The parameters of ``model`` that differ across the ``ep`` axis (each ep rank holds its own share,
+        e.g. its experts): replicated and reduced over dp only, while every other parameter is replicated
+        and reduced over dp x ep.  Default: none."""
+        return []
+
+    def step_metrics(self, model: nn.Module, mesh) -> dict[str, float]:
+        """Per-step figures of the model itself (e.g. routing statistics), as ``{"<series>/<name>": value}``:
+        the metrics log keeps them under the step record's ``"task"`` key and ``podscale report`` plots every
+        ``<name>`` over the steps, one line per ``<series>``.  Collective: every rank calls it once after
+        each step.  ``model`` is the module the strategy trains.  Default: none."""
+        return {}
 
     @abstractmethod
     def model_config(self) -> dict:
@@ -136,6 +159,27 @@ class Task(ABC):
         sampled text; ``say`` prints on rank 0.  Returns entries for the run's summary (default: none)."""
         return {}
 
+    # model state outside the strategy (sharded tables): optional hooks, default nothing -------------------
+    def bind(self, model: nn.Module, mesh) -> None:
+        """Give ``model`` the state that lives on the mesh outside its parameters -- rows by key on their
+        owner ranks, updated by a model-owned sparse optimizer inside backward (the DLRM's embedding tables)
+        -- before the strategy wraps the model (``parallelize`` calls it once, on every rank).  The strategy
+        then sees only the dense parameters.  Default: nothing."""
+
+    def save_state(self, step_dir: Path, root: Path, step: int) -> None:
+        """Collective: write what :meth:`bind` added (not in the strategy's tensors) into checkpoint ``step``,
+        while the trunk writes ``step_dir`` (the unfinished folder, renamed into place after every rank
+        returns).  State shared by several checkpoints (incremental saves) may go under ``root`` with files in
+        ``step_dir`` naming it.  Default: nothing."""
+
+    def load_state(self, step_dir: Path) -> None:
+        """Collective: restore what :meth:`save_state` wrote into the finished checkpoint ``step_dir`` (written
+        by any number of ranks).  Default: nothing."""
+
+    def close(self) -> None:
+        """Release what :meth:`bind` opened (files, threads); the loop calls it once at the end of a run,
+        also a failed one.  Default: nothing."""
+
     # what the trunk builds from the above -----------------------------------------------------------------
     def on_device(self, fn: LossFn, precision: str, device: torch.device) -> LossFn:
         """``fn`` as the engine calls it: the batch moved to ``device`` by :meth:`to_device` and ``fn`` run
@@ -182,7 +226,7 @@ def task_for(cfg: Config) -> Task:
     return cfg.model.task_class()(cfg)
 
 
-def check_task_layout(task: type[Task], tp: int, sequence_parallel: bool, pp: int) -> None:
+def check_task_layout(task: type[Task], tp: int, sequence_parallel: bool, pp: int, ep: int = 1) -> None:
     """ValueError (one line naming the key and the fix) when the layout asks for a parallelism the task
     class does not support.  The config refuses such a layout before workers start; ``build_engine``
     checks again for the Python API."""
@@ -194,3 +238,6 @@ def check_task_layout(task: type[Task], tp: int, sequence_parallel: bool, pp: in
     if pp > 1 and not task.supports_pipeline:
         raise ValueError(f"parallel.pp={pp}: task {name} does not support pipeline parallelism: "
                          "set parallel.pp = 1")
+    if ep > 1 and not task.supports_expert_parallel:
+        raise ValueError(f"parallel.ep={ep}: task {name} has no experts to shard over ep (expert parallelism "
+                         "needs a mixture-of-experts model): set parallel.ep = 1 or model.kind = 'gpt-moe'")

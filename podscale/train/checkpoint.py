@@ -17,7 +17,9 @@ import os
 import re
 import shutil
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -66,8 +68,11 @@ def latest(root: Path) -> Path | None:
     return done[-1] if done else None
 
 
-def save(root: Path, step: int, tensors: dict, meta: dict, rank_state: dict, rank: int, keep: int) -> Path:
-    """Collective: write checkpoint ``step`` under ``root`` atomically and keep the newest ``keep``."""
+def save(root: Path, step: int, tensors: dict, meta: dict, rank_state: dict, rank: int, keep: int,
+         extra: Callable[[Path], None] | None = None) -> Path:
+    """Collective: write checkpoint ``step`` under ``root`` atomically and keep the newest ``keep``.
+    ``extra(partial_dir)`` (every rank) writes state beside the tensors before the folder is renamed into
+    place (a task's :meth:`~podscale.tasks.Task.save_state`)."""
     root = Path(root)
     final, partial = root / f"step_{step:08d}", root / f".step_{step:08d}.partial"
     if rank == 0:
@@ -80,6 +85,8 @@ def save(root: Path, step: int, tensors: dict, meta: dict, rank_state: dict, ran
     rank_file = partial / f"rank_{rank:05d}.pt"
     torch.save(rank_state, rank_file.with_suffix(".tmp"))
     os.replace(rank_file.with_suffix(".tmp"), rank_file)
+    if extra is not None:
+        extra(partial)
     faults.maybe_crash_in_save(step)
     _barrier()
     if rank == 0:
@@ -107,9 +114,117 @@ def read_meta(path: Path) -> dict:
                          "point at a step_XXXXXXXX folder written by podscale") from None
 
 
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be resumed; the message is one line naming the file and the fix."""
+
+
+@dataclass(frozen=True)
+class Expected:
+    """What the run that resumes a checkpoint needs it to hold (None: not checked).
+
+    ``task`` is the task class as ``module:Class`` and ``model_config`` its :meth:`Task.model_config`, as
+    ``meta.json`` records them; ``shapes`` maps each model tensor's stored key (``"model.<name>"``, the
+    single-process name) to its full shape, as the DCP metadata records them."""
+
+    task: str | None = None
+    model_config: dict | None = None
+    shapes: dict[str, tuple[int, ...]] | None = None
+
+
+_FIX = "the checkpoint is damaged: delete it to resume from an earlier one, or start over with --fresh"
+
+
+def check(path: Path, expected: Expected | None = None) -> None:
+    """Raise :class:`CheckpointError` unless checkpoint ``path`` is complete and fits ``expected``.
+
+    Complete: ``meta.json`` readable; the DCP metadata readable by the allow-list reader; every file it
+    points at present and at least as long as the bytes it points into (a truncated shard is caught here,
+    not half-way through a load); one ``rank_XXXXX.pt`` per rank of the world that wrote it.  Fits: the
+    task, model config and tensor shapes are the resuming run's (metadata of another model is refused).
+    Reads no tensor: costs a few ``stat`` calls and the metadata.
+    """
+    path = Path(path)
+    try:
+        meta = read_meta(path)
+        md = SafeFileSystemReader(str(path)).read_metadata()
+    except ValueError as err:
+        raise CheckpointError(str(err)) from None
+    if expected is not None:  # (first: another model's metadata points past this one's files)
+        _check_fits(path, meta, md, expected)
+    needed: dict[str, int] = {}
+    for info in (md.storage_data or {}).values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    for name, size in sorted(needed.items()):
+        f = path / name
+        if not f.is_file():
+            raise CheckpointError(f"checkpoint file '{f}' is missing: {_FIX}")
+        have = f.stat().st_size
+        if have < size:
+            raise CheckpointError(f"checkpoint file '{f}' is truncated ({have} of {size} bytes): {_FIX}")
+    for r in range(int(meta.get("world_size", 0))):
+        f = path / f"rank_{r:05d}.pt"
+        if not f.is_file():
+            raise CheckpointError(f"checkpoint file '{f}' is missing: {_FIX}")
+
+
+def _check_fits(path: Path, meta: dict, md, expected: Expected) -> None:
+    """The task, model config (``meta.json``) and model tensor shapes (DCP metadata) are ``expected``'s."""
+    other = ("resume it with the config it was written with, or start over with --fresh or another run.name")
+    if expected.task is not None and meta.get("task", expected.task) != expected.task:
+        raise CheckpointError(f"checkpoint '{path / 'meta.json'}' was written by task {meta.get('task')}, this run "
+                              f"trains {expected.task}: {other}")
+    if expected.model_config is not None and meta.get("model_config") not in (None, expected.model_config):
+        theirs = meta["model_config"]
+        diff = ", ".join(f"{k}={theirs.get(k)!r} there, {expected.model_config.get(k)!r} here"
+                         for k in sorted(set(theirs) | set(expected.model_config))
+                         if theirs.get(k) != expected.model_config.get(k))
+        raise CheckpointError(f"checkpoint '{path / 'meta.json'}' was written for another model ({diff}): {other}")
+    if expected.shapes is not None:
+        stored = {k: tuple(e.size) for k, e in md.state_dict_metadata.items() if k.startswith("model.")}
+        for key in sorted(set(stored) | set(expected.shapes)):
+            if stored.get(key) != expected.shapes.get(key):
+                what = (f"has no {key}" if key not in stored else f"holds {key} that this model has not"
+                        if key not in expected.shapes else
+                        f"has {key} of shape {list(stored[key])}, this model {list(expected.shapes[key])}")
+                raise CheckpointError(f"checkpoint metadata '{path / '.metadata'}' describes another model (it "
+                                      f"{what}): {other}")
+
+
+def expected_of(task, model=None) -> Expected:
+    """What resuming ``task`` needs of a checkpoint; with ``model`` (the task's plain model, on any device
+    including meta) also the tensor shapes."""
+    shapes = None if model is None else {f"model.{k}": tuple(v.shape) for k, v in model.state_dict().items()}
+    return Expected(task=task_name(task), model_config=task.model_config(), shapes=shapes)
+
+
+def task_name(task) -> str:
+    """A task's class as ``module:Class`` (recorded in ``meta.json``)."""
+    return f"{type(task).__module__}:{type(task).__qualname__}"
+
+
+def latest_usable(root: Path, expected: Expected | None = None) -> tuple[Path | None, list[str]]:
+    """The newest checkpoint under ``root`` that passes :func:`check`, and one line for each newer one
+    passed over (what was wrong with it); (None, lines) when none is usable."""
+    skipped: list[str] = []
+    for path in reversed(completed(root)):
+        try:
+            check(path, expected)
+            return path, skipped
+        except CheckpointError as err:
+            skipped.append(str(err))
+    return None, skipped
+
+
+def fallback_note(skipped: list[str], found: Path | None) -> str:
+    """The line that says which checkpoint a resume falls back to, and why."""
+    then = "starting from step 0: no earlier checkpoint is usable" if found is None else \
+        f"resuming from {found.name}, the previous complete checkpoint"
+    return f"podscale: warning: {'; '.join(skipped)}; {then}"
+
+
 def verify(path: Path) -> None:
     """Raise a one-line ValueError unless ``path`` has a readable meta.json and DCP metadata that the
-    allow-list reader accepts (what the CLI checks before workers start)."""
+    allow-list reader accepts."""
     read_meta(path)
     SafeFileSystemReader(str(path)).read_metadata()
 

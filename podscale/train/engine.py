@@ -122,8 +122,8 @@ class Engine:
         self.strategy.zero_grad()
 
         mean_loss = loss_sum / n
-        comm.all_reduce(mean_loss, self.mesh, "dp")
-        mean_loss /= self.mesh.size("dp")
+        comm.all_reduce(mean_loss, self.mesh, self.mesh.data_axes)
+        mean_loss /= self.mesh.size(*self.mesh.data_axes)
         self.step_count += 1
         return StepResult(self.step_count, float(mean_loss), lr, float(norm), skipped,
                           time.perf_counter() - t0, scale)
@@ -131,14 +131,14 @@ class Engine:
     @torch.no_grad()
     def evaluate(self, batches: list, metric: LossFn | None = None) -> float:
         """The mean of ``metric(module, batch)`` (default: the loss) over ``batches`` (this rank's shares),
-        averaged over the dp axis; every rank gets the same value.  A pipeline runs only the GPT, whose
+        averaged over the data ranks (dp, and ep when > 1); every rank gets the same value.  A pipeline runs only the GPT, whose
         chunks compute its loss themselves (its only metric)."""
         self.model.eval()
         total = self.strategy.forward_only(batches, metric if metric is not None else self.loss_fn)
         total = total if total is not None else torch.zeros((), device=self.device)
         total = total / max(1, len(batches))
-        comm.all_reduce(total, self.mesh, "dp")
-        return float(total) / self.mesh.size("dp")
+        comm.all_reduce(total, self.mesh, self.mesh.data_axes)
+        return float(total) / self.mesh.size(*self.mesh.data_axes)
 
     # checkpoint state: tensors only (DCP would pickle anything else) --------------------------------
     def model_state(self) -> dict[str, torch.Tensor]:

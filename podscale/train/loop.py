@@ -15,7 +15,7 @@ import torch
 from podscale import parallelize
 from podscale.config import Config
 from podscale.parallel.rng import rng_tracker, seed_model_parallel
-from podscale.runtime import comm
+from podscale.runtime import comm, watchdog
 from podscale.runtime.mesh import AXES, Mesh
 from podscale.runtime.metrics import MetricsLog, matmul_peak, peak_memory_bytes
 from podscale.runtime.process import init_process
@@ -42,17 +42,24 @@ def _gather_per_rank(value: float, mesh: Mesh) -> list[float]:
 
 def run_worker(cfg: Config, resume: bool = False) -> dict:
     """Train as one rank of the job described by ``cfg``; returns a summary (rank 0's is complete)."""
-    info = init_process(device=cfg.run.device)
+    # torch's process-group timeout is the backstop of the hang watchdog (see podscale.runtime.watchdog)
+    backstop = watchdog.backstop_s(cfg.run.collective_timeout_s)
+    info = init_process(timeout_s=backstop, device=cfg.run.device)
     _set_cpu_threads(info.device)
     cfg.check_layout(info.world_size)
-    mesh = Mesh.build(info.device, **cfg.mesh_sizes())
-    rank, dp_rank, dp = info.rank, mesh.local_rank("dp"), mesh.size("dp")
+    mesh = Mesh.build(info.device, timeout_s=backstop, **cfg.mesh_sizes())
+    dog = watchdog.start(mesh, cfg.run.collective_timeout_s)
+    # data ranks: dp, and ep when > 1 (expert-parallel ranks split the batch too)
+    rank, dp_rank, dp = info.rank, mesh.local_rank(*mesh.data_axes), mesh.size(*mesh.data_axes)
     run_dir = cfg.run_dir
     ckpt_root = run_dir / "checkpoints"
 
     task = task_for(cfg)
     torch.manual_seed(cfg.run.seed)
-    model = task.build_model()
+    model = task.build_model_on(mesh)
+    # what a checkpoint must hold to resume (before parallelize: the single-process names and shapes; under
+    # expert parallelism this rank's model holds only its experts, so the shapes are not compared)
+    expected = checkpoint.expected_of(task, model if mesh.size("ep") == 1 else None)
     engine = parallelize(model, mesh, cfg, task)
     try:
         loader = task.train_data(dp_rank, dp)
@@ -63,12 +70,17 @@ def run_worker(cfg: Config, resume: bool = False) -> dict:
         tracker = rng_tracker(mesh)
 
         start_step = 0
-        restored = checkpoint.latest(ckpt_root) if resume or info.restart_count > 0 else None
+        restored = None
+        if resume or info.restart_count > 0:  # the newest checkpoint that is complete and fits this model
+            restored, skipped = checkpoint.latest_usable(ckpt_root, expected)
+            if skipped and rank == 0:
+                print(checkpoint.fallback_note(skipped, restored), flush=True)
         if restored is not None:
             template = {"model": engine.model_state(), "optim": engine.optim_template()}
             meta, rank_state = checkpoint.load(restored, template, rank)
             engine.load_model_state(template["model"])
             engine.load_optim_state(template["optim"])
+            task.load_state(restored)
             engine.step_count = start_step = int(meta["step"])
             loader.load_state_dict(meta["loader"])
             if engine.scaler is not None and meta.get("scaler"):
@@ -94,20 +106,24 @@ def run_worker(cfg: Config, resume: bool = False) -> dict:
 
         def save(step: int) -> None:
             meta = {"step": step, "loader": loader.state_dict(), "world_size": info.world_size,
-                    "mesh": mesh.sizes, "task": f"{type(task).__module__}:{type(task).__qualname__}",
+                    "mesh": mesh.sizes, "task": checkpoint.task_name(task),
                     "model_config": task.model_config(),
                     "scaler": engine.scaler.state_dict() if engine.scaler else None, "time": time.time()}
             rng = {"torch_rng": torch.get_rng_state(), **{f"rng.{k}": v for k, v in tracker.get_states().items()}}
             checkpoint.save(ckpt_root, step, {"model": engine.model_state(), "optim": engine.optim_state()},
-                            meta, rng, rank, cfg.checkpoint.keep)
+                            meta, rng, rank, cfg.checkpoint.keep,
+                            extra=lambda partial: task.save_state(partial, ckpt_root, step))
 
         last = {}
         mesh.stats.reset()
         for step in range(start_step, cfg.run.steps):
+            mesh.ledger.step = step + 1  # (as logged; the watchdog names it)
             faults.maybe_kill(step, rank)
+            faults.maybe_stall(step, rank)
             res = engine.step(loader.next_step())
             comm_totals, comm_axes = mesh.stats.totals(), mesh.stats.per_axis()
             mesh.stats.reset()
+            task_metrics = task.step_metrics(engine.model, mesh)  # (collective; its traffic is not the step's)
             s = res.step
             record = {
                 "step": s, "loss": res.loss, "lr": res.lr, "grad_norm": res.grad_norm, "skipped": res.skipped,
@@ -122,6 +138,8 @@ def run_worker(cfg: Config, resume: bool = False) -> dict:
             }
             if res.loss_scale is not None:
                 record["loss_scale"] = res.loss_scale
+            if task_metrics:
+                record["task"] = task_metrics
             if cfg.run.eval_every and (s % cfg.run.eval_every == 0 or s == cfg.run.steps):
                 record.update({f"val_{k}": v for k, v in task.evaluate(engine, val).items()})
             if s % cfg.run.log_every == 0 or s == cfg.run.steps:
@@ -145,4 +163,9 @@ def run_worker(cfg: Config, resume: bool = False) -> dict:
         sys.stdout.flush()
         return summary
     finally:
-        engine.close()  # the strategy's scratch state (swap files), also when the run failed
+        try:
+            engine.close()  # the strategy's scratch state (swap files), also when the run failed
+        finally:
+            task.close()
+            if dog is not None:
+                dog.stop()

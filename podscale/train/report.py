@@ -1,6 +1,8 @@
 """``podscale report RUN_DIR``: PNG plots of a run's loss and throughput from its metrics.jsonl, for any
 task: the loss, the task's other validation metrics (``val_*`` keys, e.g. accuracy) and the throughput in
-the unit the run logged (``throughput`` and ``throughput_unit``)."""
+the unit the run logged (``throughput`` and ``throughput_unit``), and the task's own per-step series (the
+record's ``"task"`` entries, ``"<series>/<name>"``: one panel per name, one line per series; e.g. a
+mixture-of-experts model's per-layer expert load and dropped share)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -9,8 +11,8 @@ from podscale.runtime.metrics import read_metrics
 
 
 def write_report(run_dir: Path, out: Path | None = None) -> list[Path]:
-    """Write ``loss.png``, ``throughput.png`` and, when the task logged validation metrics besides the
-    loss, ``metrics.png``; returns their paths."""
+    """Write ``loss.png``, ``throughput.png``, ``metrics.png`` when the task logged validation metrics
+    besides the loss, and ``task.png`` when it logged per-step series; returns their paths."""
     path = Path(run_dir) / "metrics.jsonl"
     if not path.is_file():
         raise FileNotFoundError(f"no metrics.jsonl in '{run_dir}': give the directory of a podscale train run")
@@ -76,4 +78,40 @@ def write_report(run_dir: Path, out: Path | None = None) -> list[Path]:
         fig.savefig(metrics_png, dpi=110)
         plt.close(fig)
         written.append(metrics_png)
+
+    task_png = _task_series(rows, out, Path(run_dir).name, plt)
+    if task_png is not None:
+        written.append(task_png)
     return written
+
+
+def _task_series(rows: list[dict], out: Path, title: str, plt) -> Path | None:
+    """``task.png``: every name of the rows' ``"task"`` entries over the steps, one panel per name and one
+    line per series (the part before the last '/'); None when the task logged none."""
+    series: dict[str, dict[str, list[tuple[int, float]]]] = {}
+    for r in rows:
+        for key, value in (r.get("task") or {}).items():
+            who, _, name = key.rpartition("/")
+            series.setdefault(name, {}).setdefault(who or name, []).append((r["step"], value))
+    if not series:
+        return None
+    names = sorted(series)
+    cols = min(3, len(names))
+    nrows = -(-len(names) // cols)
+    fig, axes = plt.subplots(nrows, cols, figsize=(4.5 * cols, 3.2 * nrows), squeeze=False)
+    for ax, name in zip(axes.flat, names):
+        for who, points in sorted(series[name].items()):
+            ax.plot(*zip(*points), lw=1, label=who)
+        ax.set_title(name)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        if len(series[name]) > 1:
+            ax.legend(fontsize=7)
+    for ax in list(axes.flat)[len(names):]:
+        ax.set_visible(False)
+    fig.suptitle(f"{title}: per-step task metrics")
+    fig.tight_layout()
+    path = out / "task.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

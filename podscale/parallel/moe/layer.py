@@ -43,8 +43,10 @@ What a data-parallel strategy must do with an MoE model (the contract :func:`red
 3. gradient norm for clipping: dense squares once, expert squares summed over ep;
 4. checkpoints: the names are already global (one file per expert id), so no translation between ep sizes.
 
-Wrapping the whole model in today's ``DataParallel(axes=("dp", "ep"))`` would be wrong on two counts: it
-broadcasts rank 0's experts over ep and averages different experts' gradients together.
+:class:`~podscale.parallel.data.DataParallel` and :class:`~podscale.parallel.zero.ZeroStrategy` follow it
+for the parameters a task names in :meth:`~podscale.tasks.Task.ep_sharded_parameters` (the GPT-MoE task:
+:func:`expert_parameters`); plain data parallelism over ``("dp", "ep")`` without that split would be wrong
+on two counts: it would broadcast rank 0's experts over ep and average different experts' gradients together.
 """
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ from podscale.parallel.zero.strategy import ZeroStrategy
 __all__ = ["ZeroStrategy", "build_strategy"]
 
 
-def build_strategy(model, mesh, train, zero, bucket_mb: float = 25.0, param_init=None):
+def build_strategy(model, mesh, train, zero, bucket_mb: float = 25.0, param_init=None, ep_sharded=()):
     """The Engine strategy for ``zero.stage``: None (the engine's replicated DataParallel) for stage 0,
     else a :class:`ZeroStrategy` over the model moved to the mesh's device.  ``zero`` is a validated
     :class:`~podscale.config.ZeroSection` (its validators hold ZeRO's rules)."""
@@ -15,4 +15,4 @@ def build_strategy(model, mesh, train, zero, bucket_mb: float = 25.0, param_init
         model = model.to(mesh.device)
     elif param_init is None:  # a meta-device model that knows its own initialisation (podscale's GPT)
         param_init = getattr(model, "init_parameter", None)
-    return ZeroStrategy(model, mesh, train, zero, param_init=param_init)
+    return ZeroStrategy(model, mesh, train, zero, param_init=param_init, ep_sharded=ep_sharded)

@@ -15,6 +15,7 @@ layout.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
@@ -55,7 +56,10 @@ class Unit:
     """Parameters sharing one flat buffer; offsets are in elements of the unit's flat order."""
 
     def __init__(self, index: int, params: list[nn.Parameter], names: list[str], dp: int, dp_rank: int,
-                 module: nn.Module | None = None, persistent: bool = True):
+                 module: nn.Module | None = None, persistent: bool = True, axes: tuple[str, ...] = ("dp",)):
+        """``dp``, ``dp_rank``: the size of the group the unit is sharded over and this rank's index in it;
+        ``axes``: that group's mesh axes (``("dp", "ep")`` for dense parameters under expert parallelism,
+        ``("dp",)`` for experts)."""
         decay = [i for i, p in enumerate(params) if p.dim() >= 2]
         no_decay = [i for i, p in enumerate(params) if p.dim() < 2]
         order = decay + no_decay
@@ -67,7 +71,7 @@ class Unit:
         self.offsets = [sum(self.numels[:i]) for i in range(len(self.params))]
         self.numel = sum(self.numels)
         self.n_decay = sum(self.numels[: len(decay)])
-        self.dp, self.dp_rank = dp, dp_rank
+        self.dp, self.dp_rank, self.axes = dp, dp_rank, tuple(axes)
         self.padded = -(-self.numel // dp) * dp
         self.shard = self.padded // dp
         self.lo, self.hi = dp_rank * self.shard, (dp_rank + 1) * self.shard
@@ -109,8 +113,37 @@ class Unit:
         return out
 
 
-def bucket_units(named: list[tuple[str, nn.Parameter]], cap_bytes: int, dp: int, dp_rank: int) -> list[Unit]:
-    """Stages 1 and 2: buckets of about ``cap_bytes`` in reverse registration order (backward's order)."""
+@dataclass(frozen=True)
+class ShardGroup:
+    """The ranks a set of parameters is replicated over, hence sharded over by ZeRO: mesh ``axes``, their
+    ``size`` and this rank's index ``rank`` among them.  Under expert parallelism dense parameters are
+    replicated over dp x ep and the experts (each ep rank its own) over dp only."""
+
+    axes: tuple[str, ...]
+    size: int
+    rank: int
+
+    @classmethod
+    def of(cls, mesh, axes: tuple[str, ...]) -> "ShardGroup":
+        return cls(tuple(axes), mesh.size(*axes), mesh.local_rank(*axes))
+
+
+def _split(named, sharded: set[int]):
+    return [(n, p) for n, p in named if id(p) not in sharded], [(n, p) for n, p in named if id(p) in sharded]
+
+
+def bucket_units(named: list[tuple[str, nn.Parameter]], cap_bytes: int, dp: int, dp_rank: int,
+                 axes: tuple[str, ...] = ("dp",), sharded: set[int] = frozenset(),
+                 sharded_group: ShardGroup | None = None) -> list[Unit]:
+    """Stages 1 and 2: buckets of about ``cap_bytes`` in reverse registration order (backward's order);
+    parameters in ``sharded`` (ids) go to buckets of their own over ``sharded_group``."""
+    if sharded:
+        dense, experts = _split(named, sharded)
+        units = bucket_units(dense, cap_bytes, dp, dp_rank, axes) + \
+            bucket_units(experts, cap_bytes, sharded_group.size, sharded_group.rank, sharded_group.axes)
+        for i, u in enumerate(units):
+            u.index = i
+        return units
     groups, cur, size = [], [], 0
     for name, p in reversed(named):
         cur.append((name, p))
@@ -120,7 +153,7 @@ def bucket_units(named: list[tuple[str, nn.Parameter]], cap_bytes: int, dp: int,
             cur, size = [], 0
     if cur:
         groups.append(cur)
-    return [Unit(i, [p for _, p in g], [n for n, _ in g], dp, dp_rank) for i, g in enumerate(groups)]
+    return [Unit(i, [p for _, p in g], [n for n, _ in g], dp, dp_rank, axes=axes) for i, g in enumerate(groups)]
 
 
 def wrap_modules(model: nn.Module) -> list[nn.Module]:
@@ -139,11 +172,20 @@ def wrap_modules(model: nn.Module) -> list[nn.Module]:
 
 
 def layer_units(model: nn.Module, named: list[tuple[str, nn.Parameter]], threshold: int, dp: int,
-                dp_rank: int, cap_bytes: int) -> tuple[list[Unit], list[Unit], Unit | None]:
+                dp_rank: int, cap_bytes: int, axes: tuple[str, ...] = ("dp",), sharded: set[int] = frozenset(),
+                sharded_group: ShardGroup | None = None) -> tuple[list[Unit], list[Unit], Unit | None]:
     """Stage 3: one unit per wrapped module (gathered just before use and released after), one root
     unit for the remaining large parameters (embeddings, tied head, final norm), and persistent units
     holding every parameter with fewer than ``threshold`` elements (always whole, as DeepSpeed's
-    ``param_persistence_threshold``).  Returns (layer units in forward order, persistent units, root)."""
+    ``param_persistence_threshold``).  Returns (layer units in forward order, persistent units, root).
+
+    Parameters in ``sharded`` (ids: experts) are sharded over ``sharded_group`` instead of (``dp``,
+    ``axes``): a module holding both gets two consecutive units (dense, then its experts), gathered and
+    released together by its hooks; their small parameters get persistent buckets of their own."""
+    group = ShardGroup(tuple(axes), dp, dp_rank)
+
+    def grp(p) -> ShardGroup:
+        return sharded_group if id(p) in sharded else group
     name_of = {id(p): n for n, p in named}
     taken: set[int] = set()
     small: list[tuple[str, nn.Parameter]] = []
@@ -156,19 +198,25 @@ def layer_units(model: nn.Module, named: list[tuple[str, nn.Parameter]], thresho
                 continue
             taken.add(id(p))
             (small if p.numel() < threshold else big).append((name_of[id(p)], p))
-        if big:
-            layers.append(Unit(idx, [p for _, p in big], [n for n, _ in big], dp, dp_rank, m, persistent=False))
-            idx += 1
+        for g in (group, sharded_group) if sharded else (group,):
+            mine = [(n, p) for n, p in big if grp(p) == g]
+            if mine:
+                layers.append(Unit(idx, [p for _, p in mine], [n for n, _ in mine], g.size, g.rank, m,
+                                   persistent=False, axes=g.axes))
+                idx += 1
     rest = []
     for n, p in named:
         if id(p) not in taken:
             (small if p.numel() < threshold else rest).append((n, p))
     root = None
+    if any(id(p) in sharded for _, p in rest):
+        raise ValueError("ep-sharded parameters outside the model's blocks: ZeRO-3 gathers them per block")
     if rest:
-        root = Unit(idx, [p for _, p in rest], [n for n, _ in rest], dp, dp_rank, model, persistent=False)
+        root = Unit(idx, [p for _, p in rest], [n for n, _ in rest], dp, dp_rank, model, persistent=False,
+                    axes=axes)
         idx += 1
     persistent = []
-    for u in bucket_units(small, cap_bytes, dp, dp_rank) if small else []:
+    for u in bucket_units(small, cap_bytes, dp, dp_rank, axes, sharded, sharded_group) if small else []:
         u.index = idx
         idx += 1
         persistent.append(u)

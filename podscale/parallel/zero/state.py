@@ -42,7 +42,7 @@ def zero_slice(u, i: int, buf: torch.Tensor) -> Holding:
     def view(off, size):
         start = u.offsets[i] + flat_start(off, shape) - u.lo
         return buf[start:start + math.prod(size)].view(size)
-    return Holding(shape, u.dp, boxes, view)
+    return Holding(shape, u.dp, boxes, view, axes=u.axes)
 
 
 class ZeroSource(CheckpointSource):
@@ -85,7 +85,8 @@ class ZeroSource(CheckpointSource):
             return zero_slice(u, i, self.state.read_unit(array, u))
         key = (array, u.index)
         h = zero_slice(u, i, self.pool.buffer(key, u.shard))
-        return Holding(h.shape, h.dp, h.boxes, lambda off, size: self.pool.view(key, lambda: h.view(off, size)))
+        return Holding(h.shape, h.dp, h.boxes, lambda off, size: self.pool.view(key, lambda: h.view(off, size)),
+                       axes=h.axes)
 
     def prepare_load(self, kinds):
         self.strategy.checkpoint_units()

@@ -82,7 +82,7 @@ import torch.nn as nn
 from podscale.parallel.sharded_state import CheckpointPublisher
 from podscale.parallel.strategy import DataParallelStrategy, LocalMicroBatches
 from podscale.parallel.zero.flat_state import DTYPES, FlatState, make_flat_state
-from podscale.parallel.zero.layout import Unit, bucket_units, layer_units
+from podscale.parallel.zero.layout import ShardGroup, Unit, bucket_units, layer_units
 from podscale.parallel.zero.state import ZeroSource
 from podscale.runtime import comm, hostmem
 
@@ -132,13 +132,19 @@ class ZeroStrategy(LocalMicroBatches, DataParallelStrategy):
     sums_sequence_parallel = True  # wrappers leave the tp sum of sequence-parallel gradients to ZeRO
     reduce_commutes = False        # a reduce-scatter needs the full tp/pp sums first
 
-    def __init__(self, module: nn.Module, mesh, train, zero, param_init=None):
+    def __init__(self, module: nn.Module, mesh, train, zero, param_init=None, ep_sharded=()):
         if zero.stage not in (1, 2, 3):
             raise ValueError(f"ZeroStrategy runs stages 1-3 (got zero.stage={zero.stage}); stage 0 is "
                              "podscale.parallel.data.DataParallel")
         self.module, self.mesh, self.stage, self.zcfg = module, mesh, zero.stage, zero
-        self.axes = "dp"
-        self.dp, self.dp_rank = mesh.size("dp"), mesh.local_rank("dp")
+        # the data ranks (dp, and ep when > 1): dense parameters are replicated, hence sharded, over them;
+        # ep-sharded parameters (experts: each ep rank its own) over dp only.  Every gradient is a sum over
+        # its group divided by the number of data ranks (the loss is the mean over all of them).
+        self.axes = mesh.data_axes
+        self.dp, self.dp_rank = mesh.size(*self.axes), mesh.local_rank(*self.axes)
+        self.grad_divisor = self.dp
+        sharded = {id(p) for p in ep_sharded} if mesh.size("ep") > 1 else set()
+        expert_group = ShardGroup.of(mesh, ("dp",)) if sharded else None
         self.device = mesh.device
         self.cdtype = DTYPES[train.precision]
         self.rdtype = DTYPES[train.reduce_dtype] if train.reduce_dtype else self.cdtype
@@ -164,14 +170,15 @@ class ZeroStrategy(LocalMicroBatches, DataParallelStrategy):
         cap = int(zero.reduce_bucket_mb * 2**20)
         if self.stage == 3:
             self.layers, persistent, self.root = layer_units(module, named, zero.param_persistence_threshold,
-                                                             self.dp, self.dp_rank, cap)
+                                                             self.dp, self.dp_rank, cap, self.axes, sharded,
+                                                             expert_group)
             self.units = self.layers + ([self.root] if self.root else []) + persistent
             # the state's flat arrays in the order the forward uses the units: a deferred step (NVMe) runs
             # front to back while the next forward catches up with it
             order = persistent + ([self.root] if self.root else []) + self.layers
         else:
             self.layers, self.root = [], None
-            self.units = bucket_units(named, cap, self.dp, self.dp_rank)
+            self.units = bucket_units(named, cap, self.dp, self.dp_rank, self.axes, sharded, expert_group)
             order = self.units
         self._persistent = [u for u in self.units if u.persistent]
         # sequence-parallel parameters: (offset, numel) ranges per unit, summed over tp before the reduce
@@ -225,7 +232,7 @@ class ZeroStrategy(LocalMicroBatches, DataParallelStrategy):
                         self.param_init(name, full[o:o + n].view(p.shape))
                     else:
                         full[o:o + n].copy_(p.detach().reshape(-1))
-                comm.broadcast(full, 0, self.mesh, self.axes)  # every replica starts from rank 0's weights
+                comm.broadcast(full, 0, self.mesh, u.axes)  # every replica starts from rank 0's weights
                 u.full = full if self.cdtype == torch.float32 else full.to(self.cdtype)
                 for i, (p, o, n, shape) in enumerate(zip(u.params, u.offsets, u.numels, u.shapes)):
                     if p.is_meta:  # a new Parameter over the buffer, under every name it had
@@ -273,7 +280,7 @@ class ZeroStrategy(LocalMicroBatches, DataParallelStrategy):
         # kept until the gather is done; a shard in host memory (offload) is copied to the device first
         u.src_tmp = src.to(self.device, non_blocking=True) if src.device != self.device else src
         with torch.no_grad():
-            h = comm.all_gather(u.full, u.src_tmp, self.mesh, self.axes, async_op=True)
+            h = comm.all_gather(u.full, u.src_tmp, self.mesh, u.axes, async_op=True)
         u.gathered = True
         u.gather_handle = h
         if not async_op:
@@ -306,10 +313,15 @@ class ZeroStrategy(LocalMicroBatches, DataParallelStrategy):
                 return out
             if self.reshard_after_forward or not torch.is_grad_enabled():
                 self._free(u)  # (else it stays gathered until its gradients are reduce-scattered)
-            if torch.is_grad_enabled() and isinstance(out, torch.Tensor) and out.requires_grad:
+            # a block may return a tuple (an MoE block: its output and its routing record): the tensors in it
+            # that backward will reach are wrapped (gathering is idempotent)
+            tensors = [out] if isinstance(out, torch.Tensor) else list(out) if isinstance(out, tuple) else []
+            if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors):
                 if u.index >= len(self.layers) - 2:  # backward starts with the last two: read them now
                     self._prefetch(u)
-                return _RegatherBeforeBackward.apply(self, u, out)
+                wrapped = [_RegatherBeforeBackward.apply(self, u, t)
+                           if isinstance(t, torch.Tensor) and t.requires_grad else t for t in tensors]
+                return wrapped[0] if isinstance(out, torch.Tensor) else type(out)(wrapped)
             return out
         return hook
 
@@ -393,7 +405,8 @@ class ZeroStrategy(LocalMicroBatches, DataParallelStrategy):
                 u.staging[u.numel:].zero_()
             i = u.pos[id(p)]
             # one pass: scale by 1/N_d (the mean over ranks) while copying into the bucket
-            torch.mul(p.grad.reshape(-1), 1.0 / self.dp, out=u.staging[u.offsets[i]:u.offsets[i] + u.numels[i]])
+            torch.mul(p.grad.reshape(-1), 1.0 / self.grad_divisor,
+                      out=u.staging[u.offsets[i]:u.offsets[i] + u.numels[i]])
             p.grad = None
         u.ready.add(id(p))
         if len(u.ready) == len(u.params):
@@ -425,7 +438,7 @@ class ZeroStrategy(LocalMicroBatches, DataParallelStrategy):
         """Reduce-scatter unit ``u``'s gradients (pre-divided by N_d, so the result is the mean)."""
         if self.stage == 1:
             wire = u.grad_full.to(self.rdtype) if self.rdtype != u.grad_full.dtype else u.grad_full
-            wire.div_(self.dp)
+            wire.div_(self.grad_divisor)
         else:
             wire, u.staging = u.staging, None
             if len(u.ready) < len(u.params):  # parameters without a gradient this micro-batch contribute 0
@@ -442,7 +455,7 @@ class ZeroStrategy(LocalMicroBatches, DataParallelStrategy):
             out = shard  # reduce straight into the shard: no receive buffer, no copy
         else:
             out = torch.empty(u.shard, dtype=self.rdtype, device=self.device)
-        h = comm.reduce_scatter(out, wire, self.mesh, self.axes, async_op=True)
+        h = comm.reduce_scatter(out, wire, self.mesh, u.axes, async_op=True)
         self._inflight.append((u, out, wire, h, first))
         if self.stage == 3 and not u.persistent:
             self._free(u)
@@ -559,10 +572,10 @@ class ZeroStrategy(LocalMicroBatches, DataParallelStrategy):
         until the next forward starts)."""
         for u in self._persistent:
             src = self.state.param_source(u).to(device=self.device, dtype=self.cdtype, copy=True)
-            if self.dp == 1:
+            if u.dp == 1:
                 u.full[u.lo:u.hi].copy_(src)
             else:
-                self._param_gathers.append(comm.all_gather(u.full, src, self.mesh, self.axes, async_op=True))
+                self._param_gathers.append(comm.all_gather(u.full, src, self.mesh, u.axes, async_op=True))
 
     def complete_step(self) -> None:
         """Finish a deferred step and publish its persistent units (collective: every rank calls it at the

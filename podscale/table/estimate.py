@@ -1,0 +1,114 @@
+"""Memory per tier and expected DRAM hit rate of a sharded table, before it runs (``podscale memory --table-rows``).
+
+Bytes: a stored row is ``4 * (dim + state + 1)`` (float32 weights, the sparse optimizer's state --
+row-wise Adagrad 1 float, lazy Adam ``2 * dim``, SGD none -- and the last-used step that TTL reads).  Each
+of ``shards`` ranks holds ``rows / shards`` rows: all in DRAM without a budget; with one, at most the budget
+in the DRAM tier (a preallocated slab) plus its key map, and every row in the SSD tier (RocksDB: the rows
+plus its per-key overhead, keys of 8 bytes and a few bytes of block index).
+
+Hit rate: ids drawn from the bounded Zipf law of :func:`podscale.table.data.zipf_ranks`, whose CDF is
+``P(rank < k) = ((k + 1)^(1 - a) - 1) / ((n + 1)^(1 - a) - 1)`` (``log(k + 1) / log(n + 1)`` at ``a = 1``).
+A frequency-ordered cache of ``k`` rows (LFU at steady state) keeps the ``k`` most popular ids, so its hit
+rate per draw is ``P(rank < k)`` (per step's deduplicated ids: see :func:`hit_rate`); row-wise sharding hashes ids uniformly over the shards, so each shard's cache of
+``k`` rows holds about ``k * shards`` of the globally most popular.  LRU keeps fewer of them: Che's
+approximation (Che, Tung and Wang, IEEE JSAC 2002) gives its hit rate from the characteristic time ``T``
+with ``sum_i (1 - exp(-p_i T)) = k``.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+STATE_FLOATS = {"adagrad": lambda d: 1, "sgd": lambda d: 0, "adam": lambda d: 2 * d}
+DRAM_KEY_BYTES = 120      # the cache's key -> slot map per row (a Python dict entry with its int objects)
+SSD_KEY_BYTES = 24        # RocksDB per row beside the value: 8-byte key, sequence number, index share
+
+
+def row_bytes(dim: int, optimizer: str = "adagrad") -> int:
+    return 4 * (dim + STATE_FLOATS[optimizer](dim) + 1)
+
+
+def zipf_cdf(k: np.ndarray | float, n: int, alpha: float) -> np.ndarray:
+    """P(rank < k) of the generator's bounded Zipf(``alpha``) law over ``n`` ranks."""
+    k = np.minimum(np.asarray(k, dtype=np.float64), n)
+    if abs(alpha - 1.0) < 1e-9:
+        return np.log(k + 1.0) / math.log(n + 1.0)
+    e = 1.0 - alpha
+    return ((k + 1.0) ** e - 1.0) / ((n + 1.0) ** e - 1.0)
+
+
+def hit_rate(n: int, alpha: float, cache_rows: int, shards: int = 1, policy: str = "lfu",
+             ids_per_step: int | None = None, buckets: int = 4096) -> float:
+    """Expected share of the rows a step needs that its shard's DRAM cache (``cache_rows`` rows, ``policy``)
+    already holds, for Zipf(``alpha``) ids over ``n`` keys hashed over ``shards``.
+
+    With ``ids_per_step`` (the ids of one global batch, all tables' draws for this table), requests are the
+    step's deduplicated ids -- what the table looks up and its counters count: id ``i`` is needed in a
+    step with probability ``q_i = 1 - (1 - p_i)^m``; without it, every draw counts (``q_i = p_i``).  LFU
+    keeps the ``cache_rows * shards`` most popular ids; LRU follows Che's approximation over steps.
+    """
+    k = cache_rows * shards
+    if k >= n:
+        return 1.0
+    edges = np.unique(np.concatenate([[0, k, n], np.round(np.geomspace(1, n, buckets)).astype(np.int64)]))
+    cdf = zipf_cdf(edges, n, alpha)
+    mass = np.diff(cdf)
+    count = np.diff(edges).astype(np.float64)
+    p = mass / count                                     # per-id probability within each bucket
+    q = p if ids_per_step is None else -np.expm1(ids_per_step * np.log1p(-np.minimum(p, 1 - 1e-15)))
+    demand = count * q                                   # expected requests per step from each bucket
+    if policy == "lfu":
+        return float(demand[edges[:-1] < k].sum() / demand.sum())
+    lo, hi = 0.0, 1.0
+    while (count * -np.expm1(-q * hi)).sum() < k:
+        hi *= 2
+    for _ in range(100):
+        t = (lo + hi) / 2
+        if (count * -np.expm1(-q * t)).sum() < k:
+            lo = t
+        else:
+            hi = t
+    return float((demand * -np.expm1(-q * hi)).sum() / demand.sum())
+
+
+@dataclass
+class TableEstimate:
+    rows: int
+    row_bytes: int
+    shards: int
+    dram_bytes: float          # per shard
+    ssd_bytes: float           # per shard
+    cache_rows: int | None     # per shard
+    hit_rate: float | None
+
+
+def estimate_table(rows: int, dim: int, shards: int = 1, optimizer: str = "adagrad",
+                   dram_budget_bytes: int | None = None, alpha: float = 1.05, policy: str = "lfu",
+                   ids_per_step: int | None = None) -> TableEstimate:
+    """Bytes per tier per shard and the expected DRAM hit rate of a table of ``rows`` keys."""
+    if rows < 1 or dim < 1 or shards < 1:
+        raise ValueError(f"rows={rows}, dim={dim} and shards={shards} must be positive")
+    rb = row_bytes(dim, optimizer)
+    per = math.ceil(rows / shards)
+    if dram_budget_bytes is None:
+        return TableEstimate(rows, rb, shards, per * (rb + DRAM_KEY_BYTES), 0.0, None, 1.0)
+    cache = int(dram_budget_bytes) // rb
+    if cache < 1:
+        raise ValueError(f"a DRAM budget of {dram_budget_bytes} B holds no row of {rb} B: raise it")
+    hit = hit_rate(rows, alpha, cache, shards, policy, ids_per_step)
+    return TableEstimate(rows, rb, shards, cache * rb + min(cache, per) * DRAM_KEY_BYTES,
+                         per * (rb + SSD_KEY_BYTES), cache, hit)
+
+
+def format_table_estimate(e: TableEstimate, alpha: float, policy: str) -> str:
+    mib = 2 ** 20
+    lines = [f"table of {e.rows:,} rows x {e.row_bytes} B ({e.rows * e.row_bytes / mib:,.1f} MiB) over {e.shards} "
+             f"shard(s), per shard:",
+             f"  DRAM tier  {e.dram_bytes / mib:12,.1f} MiB"
+             + (f"  ({e.cache_rows:,} rows cached)" if e.cache_rows is not None else "  (every row)"),
+             f"  SSD tier   {e.ssd_bytes / mib:12,.1f} MiB"]
+    if e.cache_rows is not None:
+        lines.append(f"  expected DRAM hit rate {e.hit_rate:.1%} ({policy.upper()}, Zipf({alpha}) ids)")
+    return "\n".join(lines)

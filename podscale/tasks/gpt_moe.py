@@ -1,0 +1,96 @@
+"""The GPT-MoE task (``[model] kind = "gpt-moe"``): the byte-level GPT with a GShard mixture-of-experts
+feed-forward in every ``moe_every``-th block (:class:`~podscale.models.gpt_moe.GPTMoE`; Lepikhin et al. 2020,
+Fedus et al. 2021), experts sharded over the mesh's ``ep`` axis.
+
+It is the GPT task (same corpus, loader, evaluation, sampling, throughput unit) with four differences:
+
+* the model is built per rank (:meth:`GPTMoETask.build_model_on`): on an ep layout a rank builds only its
+  experts, each named by its global expert id and initialised to its single-process value, so checkpoints
+  and ``podscale export`` carry the same names at every ep size (export builds the one-process model);
+* the loss is the cross-entropy plus every MoE layer's ``aux_loss_coef * aux + z_loss_coef * z`` (the model
+  adds them);
+* :meth:`GPTMoETask.ep_sharded_parameters` names the experts, which the data-parallel strategies replicate
+  and reduce over dp only (dense parameters over dp x ep);
+* :meth:`GPTMoETask.step_metrics` reports per step and MoE layer the dropped share of the choices, the
+  per-expert load (min, max, entropy over log E) and the mean aux and z losses, summed over the data ranks.
+
+Tensor and pipeline parallelism of the GPT-MoE are not built (the config refuses tp > 1 and pp > 1).
+"""
+from __future__ import annotations
+
+from dataclasses import asdict
+
+import torch
+import torch.nn as nn
+
+from podscale.models.gpt_moe import GPTMoE, GPTMoEConfig
+from podscale.parallel.moe import expert_parameters
+from podscale.tasks.gpt import GPTTask
+
+
+def gpt_moe_config(cfg) -> GPTMoEConfig:
+    """The :class:`GPTMoEConfig` of a config's ``[model]`` section (``kind = "gpt-moe"``)."""
+    m = cfg.model
+    return GPTMoEConfig(vocab_size=m.vocab_size, block_size=m.block_size, n_layer=m.n_layer, n_head=m.n_head,
+                        n_embd=m.n_embd, dropout=m.dropout, bias=m.bias, experts=m.experts, top_k=m.top_k,
+                        moe_every=m.moe_every, capacity_factor=m.capacity_factor,
+                        eval_capacity_factor=m.eval_capacity_factor, dropless=m.dropless,
+                        random_routing=m.random_routing, aux_loss_coef=m.aux_loss_coef,
+                        z_loss_coef=m.z_loss_coef, expert_hidden=m.expert_hidden)
+
+
+def _gpt_moe(module: nn.Module) -> GPTMoE:
+    if not isinstance(module, GPTMoE):
+        raise TypeError(f"the GPT-MoE task trains a GPTMoE, got {type(module).__name__}")
+    return module
+
+
+class GPTMoETask(GPTTask):
+    """The GPT-MoE: batches, loss and sampling are the GPT's; experts are sharded over ``ep``."""
+
+    supports_tensor_parallel = False
+    supports_pipeline = False
+    supports_expert_parallel = True
+
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        self.gpt = gpt_moe_config(cfg)
+
+    def build_model(self) -> nn.Module:
+        """The single-process model (every expert), on the meta device (materialised by the strategy)."""
+        with torch.device("meta"):
+            return GPTMoE(self.gpt)
+
+    def build_model_on(self, mesh) -> nn.Module:
+        """This rank's model: the dense part and the experts of its ep coordinate (meta device)."""
+        with torch.device("meta"):
+            return GPTMoE(self.gpt, mesh)
+
+    def model_config(self) -> dict:
+        return asdict(self.gpt)
+
+    def describe(self, model: nn.Module) -> str:
+        m = _gpt_moe(model)
+        return (f"{self.gpt.experts} experts x {sum(self.gpt.is_moe(i) for i in range(self.gpt.n_layer))} MoE "
+                f"layers (top-{self.gpt.top_k}), {m.active_params_per_token() / 1e6:.2f}M active params per "
+                f"token, global batch {self.cfg.train.global_batch} x {self.gpt.block_size} tokens")
+
+    def ep_sharded_parameters(self, model: nn.Module) -> list[nn.Parameter]:
+        return expert_parameters(model)
+
+    def step_metrics(self, model: nn.Module, mesh) -> dict[str, float]:
+        """Routing statistics of the step's training forwards, summed over dp x ep (collective)."""
+        out = {}
+        for layer, summary in _gpt_moe(model).moe_metrics.pop(mesh, ("dp", "ep")).items():
+            for k, v in summary.items():
+                out[f"{layer}/{k}"] = v
+        return out
+
+    def flops_per_sample(self) -> float:
+        """6 x active parameters per token (the k chosen experts, not all E) plus the attention and the
+        output head (PaLM, App. B), times the sequence length."""
+        g = self.gpt
+        with torch.device("meta"):
+            active = GPTMoE(g).active_params_per_token()
+        per_token = 6 * active + 6 * g.vocab_size * g.n_embd + 12 * g.n_layer * g.n_embd * g.block_size
+        return per_token * g.block_size

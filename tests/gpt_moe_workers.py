@@ -1,0 +1,121 @@
+"""Worker functions for the GPT-MoE task tests (a module of its own so spawned workers import it).
+
+``run_jobs`` trains the GPT-MoE task through the trunk (``podscale.parallelize``: the engine, the
+data-parallel strategy with its expert/dense split, AdamW, clipping) on several (dp, ep, ZeRO stage)
+layouts in a row inside one process group, and reports per step what the single-process run must
+reproduce.  The model is fp64 end to end (the GPT's fp32 cast of the loss swapped for an fp64 one), so the
+few-ulp differences between layouts cannot flip a routing decision: routing statistics compare exactly.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import podscale
+from podscale.config import parse_config
+from podscale.models.gpt_moe import GPTMoE
+from podscale.runtime.mesh import Mesh
+from podscale.runtime.process import init_process
+from podscale.tasks.gpt_moe import GPTMoETask
+from podscale.train import checkpoint
+
+DATA = str(Path(__file__).resolve().parent / "data" / "tinyshakespeare.txt")
+MODES = {
+    "top1": dict(top_k=1, capacity_factor=1.0, random_routing=False),
+    "top2": dict(top_k=2, capacity_factor=1.25, random_routing=True),
+    "dropless": dict(top_k=2, dropless=True, random_routing=False),
+}
+
+
+class CrossEntropy64(nn.Module):
+    """The GPT's loss without its cast to fp32, so an fp64 run stays fp64 end to end."""
+
+    def forward(self, logits, targets):
+        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+
+
+class GPTMoETask64(GPTMoETask):
+    """The GPT-MoE task with the model built on the CPU in fp64 (each rank its own experts)."""
+
+    def build_model_on(self, mesh) -> nn.Module:
+        model = GPTMoE(self.gpt, mesh).double()
+        model.loss_fn = CrossEntropy64()
+        return model
+
+
+def config(mode: str, dp: int, ep: int, stage: int = 0, steps: int = 20):
+    return parse_config({
+        "run": {"name": "moe", "steps": steps, "seed": 7},
+        "model": {"kind": "gpt-moe", "n_layer": 2, "n_head": 2, "n_embd": 32, "block_size": 32, "experts": 8,
+                  "moe_every": 1, "expert_hidden": 48, "aux_loss_coef": 0.01, "z_loss_coef": 0.001,
+                  **MODES[mode]},
+        "data": {"path": DATA},
+        "parallel": {"nproc": dp * ep, "dp": dp, "ep": ep},
+        # (decay_steps fixed: a run resumed with fewer steps keeps the same learning-rate schedule)
+        "train": {"global_batch": 8, "micro_batch": 8 // (dp * ep), "lr": 3e-3, "warmup_steps": 2,
+                  "decay_steps": 20, "grad_clip": 1.0},
+        "zero": {"stage": stage, "param_persistence_threshold": 100},
+    })
+
+
+def run_job(job: dict, mesh: Mesh) -> dict:
+    """One layout: ``job`` = mode, dp, ep, stage, steps; optionally ``load`` (a checkpoint folder to start
+    from) and ``save_at`` (a step after which to save under ``save_root``)."""
+    cfg = config(job["mode"], job["dp"], job["ep"], job.get("stage", 0), job["steps"])
+    task = GPTMoETask64(cfg)
+    torch.manual_seed(cfg.run.seed)
+    model = task.build_model_on(mesh)
+    engine = podscale.parallelize(model, mesh, cfg, task)
+    data_rank, data_ranks = mesh.local_rank(*mesh.data_axes), mesh.size(*mesh.data_axes)
+    loader = task.train_data(data_rank, data_ranks)
+    out = {"losses": [], "grad_norms": [], "metrics": [], "grads": None, "held": sorted(engine.model_state())}
+    try:
+        start = 0
+        if job.get("load"):
+            template = {"model": engine.model_state(), "optim": engine.optim_template()}
+            meta, _ = checkpoint.load(Path(job["load"]), template, mesh.rank)
+            engine.load_model_state(template["model"])
+            engine.load_optim_state(template["optim"])
+            engine.step_count = start = int(meta["step"])
+            loader.load_state_dict(meta["loader"])
+        elif job.get("stage", 0) == 0:
+            # the gradients of the first batch, reduced (the data-parallel strategy's buckets), at step 0
+            s = engine.strategy
+            s.forward_backward(loader.next_step(), None, engine.loss_fn)
+            s.finish_grad_sync()
+            out["grads"] = {n: p.grad.clone() for n, p in engine.model.named_parameters()}
+            s.zero_grad()
+            task.step_metrics(engine.model, mesh)
+            loader.consumed = 0
+        for step in range(start, job["steps"]):
+            res = engine.step(loader.next_step())
+            out["losses"].append(res.loss)
+            out["grad_norms"].append(res.grad_norm)
+            out["metrics"].append(task.step_metrics(engine.model, mesh))
+            if job.get("save_at") == res.step:
+                meta = {"step": res.step, "loader": loader.state_dict(), "task": "gpt-moe"}
+                checkpoint.save(Path(job["save_root"]), res.step,
+                                {"model": engine.model_state(), "optim": engine.optim_state()}, meta, {},
+                                mesh.rank, keep=5)
+        if job.get("stage", 0) == 0:
+            out["params"] = {n: p.detach().clone() for n, p in engine.model.named_parameters()}
+    finally:
+        engine.close()
+    return out
+
+
+def run_jobs(jobs: list[dict]) -> list[dict]:
+    """Every job on this process group (the meshes of each (dp, ep) shape built once)."""
+    info = init_process(timeout_s=300)
+    torch.set_num_threads(1)
+    meshes: dict[tuple[int, int], Mesh] = {}
+    out = []
+    for job in jobs:
+        key = (job["dp"], job["ep"])
+        if key not in meshes:
+            meshes[key] = Mesh.build(info.device, dp=job["dp"], ep=job["ep"])
+        out.append(run_job(job, meshes[key]))
+    return out

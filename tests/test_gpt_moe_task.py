@@ -1,0 +1,236 @@
+"""The GPT-MoE task through the trunk: config checks, expert parallelism with the data-parallel strategies'
+expert/dense gradient split against one process, checkpoints that move between ep sizes, and
+``podscale train`` end to end with routing metrics and ``podscale export``.
+
+Tolerances: the runs are fp64 end to end (tests/gpt_moe_workers.py), so routing statistics (dropped
+shares, per-expert loads: functions of the global integer counts) must be identical; reduced gradients,
+gradient norms and parameters after 20 AdamW steps agree to 1e-9 relative (measured: ~1e-14 for gradients,
+~1e-12 for parameters); the engine reports losses in fp32 (a sum of micro-batch losses), hence 1e-6; the
+routing statistics' aux and z losses are fp32 means, 1e-6.
+"""
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+import gpt_moe_workers as W
+from conftest import shakespeare
+from podscale.cli import main
+from podscale.config import ConfigError, parse_config
+from podscale.runtime.launcher import launch
+from podscale.runtime.mesh import Mesh
+
+STEPS = 20
+CKPT_AT = 4  # the ep=2 run saves after this step; ep=1 continues one step and saves; ep=4 continues one more
+
+
+def _moe_cfg(**over):
+    data = {"model": {"kind": "gpt-moe", "n_layer": 2, "n_head": 2, "n_embd": 32, "block_size": 32,
+                      "experts": 4},
+            "parallel": {"nproc": 2, "ep": 2}, "train": {"global_batch": 8, "micro_batch": 2}}
+    for key, value in over.items():
+        section, k = key.split("__")
+        data.setdefault(section, {})[k] = value
+    return data
+
+
+@pytest.mark.parametrize("over,world,words", [
+    (dict(model__experts=6, parallel__ep=4, parallel__nproc=4), 4, ["model.experts=6", "parallel.ep=4"]),
+    (dict(model__top_k=5), 2, ["model.top_k=5", "model.experts=4"]),
+    (dict(model__capacity_factor=0.0), 2, ["model.capacity_factor=0.0", "> 0"]),
+    (dict(model__eval_capacity_factor=-1.0), 2, ["model.eval_capacity_factor", "> 0"]),
+    (dict(parallel__ep=3, parallel__nproc=4, model__experts=6), 4, ["parallel.ep=3", "does not divide the 4"]),
+    (dict(model__kind="gpt", model__experts=None, parallel__ep=2), 2, ["parallel.ep=2", "no experts",
+                                                                        "parallel.ep = 1"]),
+    (dict(parallel__tp=2, parallel__ep=1), 2, ["parallel.tp=2", "tensor parallelism"]),
+    (dict(train__global_batch=6), 2, ["train.global_batch=6", "dp*ep*micro_batch"]),
+])
+def test_config_errors_are_one_line(over, world, words):
+    data = _moe_cfg(**over)
+    if data["model"].get("experts", 0) is None:
+        data["model"] = {k: v for k, v in data["model"].items() if k != "experts"}
+    with pytest.raises(ConfigError) as err:
+        parse_config(data).check_layout(world)
+    msg = str(err.value)
+    assert "\n" not in msg
+    for w in words:
+        assert w in msg, msg
+
+
+def test_good_config_has_dp_times_ep_data_ranks():
+    cfg = parse_config(_moe_cfg(parallel__nproc=4))
+    cfg.check_layout(4)
+    assert (cfg.dp, cfg.data_ranks, cfg.grad_accum) == (2, 4, 1)
+
+
+# ---------------------------------------------------------------------------------------------------
+# expert parallelism against one process
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max()) / max(float(b.abs().max()), 1e-30)
+
+
+def _same_routing(ours: list[dict], ref: list[dict], label: str):
+    assert len(ours) == len(ref), label
+    for step, (m, r) in enumerate(zip(ours, ref)):
+        assert m.keys() == r.keys(), label
+        for k, v in r.items():
+            if k.endswith(("aux_loss", "z_loss")):
+                assert m[k] == pytest.approx(v, rel=1e-6), f"{label} step {step + 1} {k}"
+            else:  # functions of the global integer counts: exactly equal
+                assert m[k] == v, f"{label} step {step + 1} {k}: {m[k]} vs {v}"
+
+
+def _matches(ours: dict, ref: dict, label: str, norm_rel: float = 1e-9):
+    _same_routing(ours["metrics"], ref["metrics"], label)
+    assert ours["losses"] == pytest.approx(ref["losses"], rel=1e-6), label
+    assert ours["grad_norms"] == pytest.approx(ref["grad_norms"], rel=norm_rel), label
+    if ours["grads"] is not None:
+        for name, g in ours["grads"].items():
+            assert _rel(g, ref["grads"][name]) <= 1e-9, f"{label} grad {name}"
+    if "params" in ours:
+        for name, p in ours["params"].items():
+            assert _rel(p, ref["params"][name]) <= 1e-9, f"{label} param {name}"
+
+
+def _jobs(dp: int, ep: int, tmp: Path) -> list[dict]:
+    return [dict(mode=m, dp=dp, ep=ep, steps=STEPS) for m in W.MODES]
+
+
+@pytest.fixture(scope="module")
+def ckpt_root(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("moe_ckpt")
+
+
+@pytest.fixture(scope="module")
+def ep2(ckpt_root):
+    """ep = 2 on 2 ranks: the three routing modes; top-2 saving a checkpoint after step CKPT_AT; ZeRO-1
+    resuming that checkpoint for one step."""
+    first = str(ckpt_root / "ep2" / f"step_{CKPT_AT:08d}")
+    jobs = _jobs(1, 2, ckpt_root) + [
+        dict(mode="top2", dp=1, ep=2, steps=CKPT_AT + 2, save_at=CKPT_AT, save_root=str(ckpt_root / "ep2")),
+        dict(mode="top2", dp=1, ep=2, steps=CKPT_AT + 1, stage=1, load=first)]
+    return launch(W.run_jobs, (jobs,), nproc=2)
+
+
+@pytest.fixture(scope="module")
+def single(ep2, ckpt_root):
+    """One process: the three modes, then the ep=2 checkpoint continued for one step and saved."""
+    mesh = Mesh.build()
+    out = {m: W.run_job(dict(mode=m, dp=1, ep=1, steps=STEPS), mesh) for m in W.MODES}
+    out["resumed"] = W.run_job(dict(mode="top2", dp=1, ep=1, steps=CKPT_AT + 1, save_at=CKPT_AT + 1,
+                                    save_root=str(ckpt_root / "ep1"),
+                                    load=str(ckpt_root / "ep2" / f"step_{CKPT_AT:08d}")), mesh)
+    return out
+
+
+@pytest.fixture(scope="module")
+def ep4(single, ckpt_root):
+    """4 ranks: dp = 2 x ep = 2 with top-2, replicated and ZeRO-3 (the 4-rank layout, once), then ep = 4 under
+    ZeRO-3 continuing the ep=1 checkpoint for one step."""
+    jobs = [dict(mode="top2", dp=2, ep=2, steps=STEPS), dict(mode="top2", dp=2, ep=2, steps=STEPS, stage=3),
+            dict(mode="top2", dp=1, ep=4, steps=CKPT_AT + 2, stage=3,
+                 load=str(ckpt_root / "ep1" / f"step_{CKPT_AT + 1:08d}"))]
+    return launch(W.run_jobs, (jobs,), nproc=4)
+
+
+def test_ep2_matches_one_process_for_top1_top2_and_dropless(ep2, single):
+    for i, mode in enumerate(W.MODES):
+        for rank, res in ep2.items():
+            _matches(res[i], single[mode], f"ep=2 {mode} rank {rank}")
+        dropped = [m["blocks.0/dropped_share"] for m in single[mode]["metrics"]]
+        assert (max(dropped) == 0) == (mode == "dropless"), (mode, dropped)  # capacity binds where it should
+    # each rank holds its own half of the experts; together every expert once
+    held = [set(k for k in res[0]["held"] if ".experts." in k) for res in ep2.values()]
+    assert not held[0] & held[1]
+    assert held[0] | held[1] == {k for k in single["top1"]["params"] if ".experts." in k}
+
+
+def test_dp2_ep2_matches_one_process_replicated_and_zero3(ep4, single):
+    """ZeRO-3 (dense parameters sharded over dp x ep = 4 ranks, experts over dp = 2) computes in fp32: the
+    same routing as the fp64 run, losses within 1e-6 and gradient norms within 2e-5 (measured: 1e-7 and
+    6e-6, the fp32 forward's own distance from fp64)."""
+    for rank, res in ep4.items():
+        _matches(res[0], single["top2"], f"dp=2 ep=2 rank {rank}")
+        _matches(res[1], single["top2"], f"ZeRO-3 dp=2 ep=2 rank {rank}", norm_rel=2e-5)
+
+
+def test_checkpoint_moves_from_ep2_to_ep1_to_ep4_with_optimizer_state(ep2, single, ep4):
+    """The ep=2 run went on for two steps after saving; the ep=1 run resumed from its checkpoint and the
+    ep=4 run (ZeRO-3: a stage change too) from ep=1's; ZeRO-1 at ep=2 resumed the ep=2 checkpoint: each
+    continued step has the loss the ep=2 run had (optimizer state included: AdamW's moments decide the
+    update; the checkpoint holds every expert under its global id)."""
+    ep2_losses = ep2[0][len(W.MODES)]["losses"]  # steps 1 .. CKPT_AT + 2
+    resumed = single["resumed"]["losses"]              # step CKPT_AT + 1
+    assert resumed == pytest.approx([ep2_losses[CKPT_AT]], rel=1e-6)
+    for rank, res in ep2.items():
+        assert res[len(W.MODES) + 1]["losses"] == pytest.approx([ep2_losses[CKPT_AT]], rel=1e-6), rank
+    for rank, res in ep4.items():
+        assert res[2]["losses"] == pytest.approx([ep2_losses[CKPT_AT + 1]], rel=1e-6), rank
+
+
+# ---------------------------------------------------------------------------------------------------
+# podscale train end to end
+
+
+def test_podscale_train_logs_and_plots_routing_metrics_and_exports_one_process_model(tmp_path):
+    cfg = tmp_path / "moe.toml"
+    cfg.write_text(f"""
+[run]
+name = "moe"
+out_dir = "{tmp_path / 'runs'}"
+steps = 3
+log_every = 1
+sample_tokens = 0
+[model]
+kind = "gpt-moe"
+n_layer = 2
+n_head = 2
+n_embd = 32
+block_size = 32
+experts = 4
+moe_every = 2
+[data]
+path = "{shakespeare()}"
+[parallel]
+nproc = 2
+ep = 2
+[train]
+global_batch = 4
+micro_batch = 2
+""")
+    assert main(["train", str(cfg)]) == 0
+    run = tmp_path / "runs" / "moe"
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 3
+    for row in rows:
+        t = row["task"]
+        assert set(t) == {f"blocks.1/{k}" for k in ("dropped_share", "load_min", "load_max", "load_entropy",
+                                                    "aux_loss", "z_loss")}
+        assert 0 <= t["blocks.1/load_min"] <= 0.25 <= t["blocks.1/load_max"] <= 1
+        assert 0 < t["blocks.1/load_entropy"] <= 1 and 0 <= t["blocks.1/dropped_share"] < 1
+    assert main(["report", str(run)]) == 0
+    assert (run / "task.png").stat().st_size > 0  # the routing series, plotted over the steps
+    out = tmp_path / "model.pt"
+    assert main(["export", str(run), str(out)]) == 0
+    blob = torch.load(out, weights_only=True)
+    from podscale.models.gpt_moe import GPTMoE, GPTMoEConfig
+    model = GPTMoE(GPTMoEConfig(**blob["model_config"]))
+    model.load_state_dict(blob["model"])  # every expert of both ranks, under its global id
+    assert blob["task"] == "podscale.tasks.gpt_moe:GPTMoETask"
+
+
+def test_layout_auto_plans_the_gpt_moe_with_expert_parallel_layouts():
+    """``--layout auto`` describes the GPT-MoE to the planner (experts, top_k, moe_every, capacity) and
+    searches ep too; every layout it returns is one the trainer accepts."""
+    from podscale.plan.auto import choose_layout, gpt_of
+    cfg = parse_config(_moe_cfg(model__top_k=2, model__moe_every=2, model__capacity_factor=1.5,
+                                parallel__ep=1))
+    model = gpt_of(cfg)
+    assert (model.experts, model.top_k, model.moe_every, model.capacity_factor) == (4, 2, 2, 1.5)
+    choice = choose_layout(cfg, 2, "dgx-a100-80g", keep=50)
+    eps = {o for _, over in choice.ranked for o in over if o.startswith("parallel.ep=")}
+    assert eps == {"parallel.ep=1", "parallel.ep=2"}, eps
+    assert not any("parallel.tp=2" in over or "parallel.pp=2" in over for _, over in choice.ranked)
