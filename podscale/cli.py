@@ -1,4 +1,4 @@
-"""The ``podscale`` command: train, launch, report, export, memory, plan."""
+"""The ``podscale`` command: train, launch, report, export, memory, plan, graph."""
 from __future__ import annotations
 
 import argparse
@@ -203,10 +203,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="file format (default: safetensors for a .safetensors name, else torch)")
     e.set_defaults(func=cmd_export)
 
+    from podscale.graph.cli import add_graph_parser
     from podscale.parallel.zero.cli import add_memory_parser
     from podscale.plan.cli import add_plan_parser
     add_memory_parser(sub)
     add_plan_parser(sub)
+    add_graph_parser(sub)
     return parser
 
 

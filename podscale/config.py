@@ -347,9 +347,59 @@ class DLRMModelSection(_Section):
                               "data_format='generated')")
 
 
+class GraphModelSection(_Section):
+    """``[model] kind = "graphsage"`` or ``"gcn"``: node classification with the GNN task of
+    :mod:`podscale.tasks.graph` on a generated or loaded graph; ``fanouts = []`` trains on the full graph
+    (one process), else mini-batches of sampled neighbourhoods, over ``partitions`` when dp > 1."""
+
+    kind: Literal["graphsage", "gcn"]
+    graph: Literal["sbm", "rmat", "planetoid", "ogb"] = Field(
+        "sbm", description="generated sbm (planted communities) or rmat, a Planetoid .npz or an OGB-style folder")
+    graph_path: str | None = Field(None, description="the .npz (planetoid) or folder (ogb)")
+    graph_seed: int = Field(0, ge=0, description="seed of a generated graph")
+    nodes: int = Field(2000, ge=2, description="nodes of the generated sbm")
+    scale: int = Field(14, ge=1, le=32, description="log2 of the nodes of the generated rmat graph")
+    features: int = Field(32, ge=1, description="feature width of a generated graph")
+    classes: int = Field(8, ge=2, description="classes (communities) of a generated graph")
+    hidden: int = Field(64, ge=1)
+    layers: int = Field(2, ge=1)
+    dropout: float = Field(0.5, ge=0.0, lt=1.0)
+    fanouts: list[int] = Field([10, 5], description="sampled neighbours per layer, input layer first; [] = full graph")
+    partitions: str | None = Field(None, description="folder of `podscale graph partition` (dp > 1)")
+    feature_cache_rows: int = Field(0, ge=0, description="remote feature rows each rank caches")
+
+    def task_class(self) -> type:
+        from podscale.tasks.graph import GraphTask
+        return GraphTask
+
+    def check_data(self, path: Path, given: str, head: bytes) -> None:
+        raise ConfigError(f"data.path: the GNN task reads its graph from model.graph and model.graph_path: remove "
+                          f"data.path '{given}' and set model.graph_path")
+
+    def check_model(self) -> None:
+        if any(f <= 0 for f in self.fanouts):
+            raise ConfigError(f"model.fanouts={self.fanouts}: every fan-out must be a positive neighbour count "
+                              "(e.g. [10, 5]); [] trains on the full graph")
+        if self.fanouts and len(self.fanouts) != self.layers:
+            raise ConfigError(f"model.fanouts={self.fanouts} has {len(self.fanouts)} entries but model.layers="
+                              f"{self.layers}: give one fan-out per layer")
+
+    def check_layout(self, cfg: "Config") -> None:
+        """Tensor and pipeline parallelism are refused; the graph, its partitions and the world must agree."""
+        from podscale.graph.core import GraphError
+        from podscale.tasks.base import check_task_layout
+        from podscale.tasks.graph import GraphTask, check_config
+        p = cfg.parallel
+        try:
+            check_task_layout(GraphTask, p.tp, p.sequence_parallel, p.pp, p.ep)
+            check_config(cfg)
+        except (GraphError, ValueError) as err:
+            raise ConfigError(f"model: {err}" if isinstance(err, GraphError) else str(err)) from None
+
+
 #: ``[model] kind`` -> its section (a fixed table: a user's own task is ``kind = "custom"`` with ``task``)
 MODEL_KINDS: dict[str, type] = {"gpt": GPTModelSection, "gpt-moe": GPTMoEModelSection, "dlrm": DLRMModelSection,
-                                "custom": CustomModelSection}
+                                "graphsage": GraphModelSection, "gcn": GraphModelSection, "custom": CustomModelSection}
 
 
 def _model_kind(value) -> str:
@@ -361,7 +411,8 @@ def _model_kind(value) -> str:
 
 ModelSection = Annotated[
     Union[Annotated[GPTModelSection, Tag("gpt")], Annotated[GPTMoEModelSection, Tag("gpt-moe")],
-          Annotated[DLRMModelSection, Tag("dlrm")], Annotated[CustomModelSection, Tag("custom")]],
+          Annotated[DLRMModelSection, Tag("dlrm")], Annotated[GraphModelSection, Tag("graphsage")],
+          Annotated[GraphModelSection, Tag("gcn")], Annotated[CustomModelSection, Tag("custom")]],
     Discriminator(_model_kind, custom_error_type="unknown_model_kind", custom_error_message="unknown model kind"),
 ]
 

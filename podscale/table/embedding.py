@@ -44,7 +44,7 @@ from torch import nn
 from podscale.runtime import comm
 from podscale.storage.rows import CachedRowStore, MemoryRowStore, RocksRowStore, RowStore, StorageError, TierStats
 from podscale.table.base import ShardedTable
-from podscale.table.hashing import init_rows, name_seed, owner_of
+from podscale.table.hashing import KeyOwner, init_rows, name_seed, owner_of
 from podscale.table.optim import SparseOptimizer
 
 SHARDINGS = ("row", "table", "column")
@@ -187,8 +187,11 @@ class ShardedEmbeddingBags(nn.Module, ShardedTable):
     """
 
     def __init__(self, specs: list[TableSpec], mesh, optimizer: SparseOptimizer | None = None,
-                 seed: int = 0, axes: str | tuple[str, ...] = "dp"):
+                 seed: int = 0, axes: str | tuple[str, ...] = "dp", owner: KeyOwner | None = None):
         super().__init__()
+        # row-wise placement: hash(key) mod n by default; a caller that knows where its keys belong passes
+        # its own (the GNN feature store: the partition book, so each node's row lives with its partition)
+        self._owner: KeyOwner = owner or owner_of
         self.specs = list(specs)
         self.mesh, self.axes, self.seed = mesh, axes, seed
         self.optimizer = optimizer
@@ -325,7 +328,7 @@ class ShardedEmbeddingBags(nn.Module, ShardedTable):
             uniq[t], inv[t], counts[t] = u, i, c
             shards = self.shards[t]
             if shards[0].hashed:
-                own = owner_of(u, self.n)
+                own = self._owner(u, self.n)
                 for sh in shards:
                     pos = (own == sh.rank).nonzero().reshape(-1)
                     if len(pos):
@@ -605,7 +608,7 @@ class ShardedEmbeddingBags(nn.Module, ShardedTable):
         for sh in self.shards[t]:
             if sh.rank != self.me:
                 continue
-            mine = (owner_of(keys, self.n) == sh.rank) if sh.hashed else torch.ones(len(keys), dtype=torch.bool)
+            mine = (self._owner(keys, self.n) == sh.rank) if sh.hashed else torch.ones(len(keys), dtype=torch.bool)
             k = keys[mine]
             full = torch.zeros(len(k), self.row_floats(t, sh))
             full[:, : sh.width] = rows[mine, sh.c0: sh.c1]

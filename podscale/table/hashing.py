@@ -9,6 +9,7 @@ as the GPT draws each parameter from a generator seeded by its name.
 from __future__ import annotations
 
 import zlib
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -30,6 +31,13 @@ def mix64(x: np.ndarray) -> np.ndarray:
 def name_seed(seed: int, name: str) -> int:
     """A 64-bit value for (seed, table name): the same on every rank and every run."""
     return int(mix64(np.array([(seed << 32) ^ zlib.crc32(name.encode())], dtype=np.uint64))[0])
+
+
+class KeyOwner(Protocol):
+    """Where row-wise sharding puts keys: ``owner(keys, n)`` is the rank in ``[0, n)`` of each int64 key,
+    the same on every rank.  :func:`owner_of` (a hash) is the default."""
+
+    def __call__(self, keys: torch.Tensor, n: int) -> torch.Tensor: ...
 
 
 def owner_of(keys: torch.Tensor, n: int) -> torch.Tensor:

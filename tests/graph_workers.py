@@ -1,0 +1,45 @@
+"""Workers for the distributed graph tests (importable by spawned ranks): the feature store and the
+distributed sampler over partitions written by the test."""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from podscale.graph.partition import load_book, load_partition
+from podscale.graph.sampler import DistSampler
+from podscale.graph.store import FeatureStore
+from podscale.runtime.mesh import Mesh
+from podscale.runtime.process import init_process
+
+
+def store_and_sampler(path: str, seeds: list[int], fanout: int, rounds: int, cache_rows: int) -> dict:
+    info = init_process(device="cpu")
+    mesh = Mesh.build(info.device, dp=info.world_size)
+    part = load_partition(path, info.rank)
+    book = load_book(path)
+    n = int(part.offsets[-1])
+    # feature store: every node's row, in a shuffled order, twice (the second time partly from the cache)
+    store = FeatureStore(part, mesh, cache_rows=cache_rows)
+    ids = torch.from_numpy(np.random.default_rng(info.rank).permutation(n))
+    first = store.fetch(ids)
+    bytes1, rows1 = store.remote_bytes, store.remote_rows
+    store.reset_stats()
+    second = store.fetch(ids)
+    out = {"ids": ids.numpy(), "rows": first.numpy(), "same": bool(torch.equal(first, second)),
+           "bytes1": bytes1, "rows1": rows1, "bytes2": store.remote_bytes, "hits2": store.cache_hits,
+           "inner": part.num_inner}
+    store.close()
+    # sampler: the same seeds (new ids, some owned here, some not) `rounds` times
+    sampler = DistSampler(part.indptr, part.indices, part.offsets, mesh, seed=11)
+    new = book["new_id"][np.asarray(seeds)]
+    pairs = []
+    for _ in range(rounds):
+        counts, nbrs = sampler.hop(new, fanout)
+        pairs.append(np.stack([np.repeat(new, counts), nbrs]))
+    # ranks with different numbers of seeds (here: none on one rank) still sample together
+    blocks = sampler.sample(new[:5] if info.rank == 0 else new[:0], [3, 2])
+    out.update(pairs=book["orig_id"][np.concatenate(pairs, axis=1)], remote_sample_bytes=sampler.remote_bytes,
+               block_shapes=[(b.num_src, b.num_dst, b.num_edges) for b in blocks],
+               block_src=[book["orig_id"][b.src_ids.numpy()] for b in blocks],
+               block_edges=[(b.indptr.numpy(), b.indices.numpy()) for b in blocks])
+    return out
