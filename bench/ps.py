@@ -27,7 +27,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -174,6 +173,7 @@ def run_torchrec(s: dict, sharding: str) -> dict:
     import torchrec
     from torchrec.distributed.model_parallel import DistributedModelParallel
     from torchrec.distributed.planner import EmbeddingShardingPlanner, ParameterConstraints, Topology
+    from torchrec.distributed.types import Awaitable
     from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
     from torchrec.optim.apply_optimizer_in_backward import apply_optimizer_in_backward
     from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
@@ -206,7 +206,8 @@ def run_torchrec(s: dict, sharding: str) -> dict:
 
     def step(i):
         d, kjt, y = batches[i]
-        pooled = model(kjt).wait() if hasattr(model(kjt), "wait") else model(kjt)
+        out = model(kjt)  # sharded modules return an Awaitable of the pooled KeyedTensor
+        pooled = out.wait() if isinstance(out, Awaitable) else out
         loss = F.binary_cross_entropy_with_logits(dense(d, [pooled[k] for k in names]), y)
         loss.backward()
         dense_opt.step()
