@@ -57,9 +57,14 @@ def run_worker(cfg: Config, resume: bool = False) -> dict:
     task = task_for(cfg)
     torch.manual_seed(cfg.run.seed)
     model = task.build_model_on(mesh)
-    # what a checkpoint must hold to resume (before parallelize: the single-process names and shapes; under
-    # expert parallelism this rank's model holds only its experts, so the shapes are not compared)
-    expected = checkpoint.expected_of(task, model if mesh.size("ep") == 1 else None)
+    # what a checkpoint must hold to resume: the single-process names and shapes (under expert parallelism this
+    # rank's model holds only its experts, so the one-process model is built on the meta device to compare)
+    if mesh.size("ep") == 1:
+        single = model
+    else:
+        with torch.device("meta"):
+            single = task.build_model()
+    expected = checkpoint.expected_of(task, single)
     engine = parallelize(model, mesh, cfg, task)
     try:
         loader = task.train_data(dp_rank, dp)
