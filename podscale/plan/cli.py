@@ -173,13 +173,18 @@ def cmd_validate(args) -> int:
         vm, vw = summary(sub)
         print(f"  {source}: {len(sub)} runs, mean |error| {100 * vm:.1f}%, max {100 * vw:.1f}%")
     print()
+    from .validate import VALIDATED_WITHIN, best_error_by_system
+    for name, err in sorted(best_error_by_system(vrows).items()):
+        mark = "validated" if load_system(name).validated else "not validated"
+        print(f"  {name}: best |error| {100 * err:.1f}% (validated when within {100 * VALIDATED_WITHIN:.0f}%): {mark}")
     unvalidated = []
     for name in system_names():
         if name == "local":
             continue
         if not load_system(name).validated:
             unvalidated.append(name)
-    print("systems without a published result to validate against (predictions are estimates): "
+    print("systems not validated (no published run predicted within 10 %, or none found; predictions are "
+          "estimates): "
           + ", ".join(unvalidated))
     mean, worst = summary(rows)
     return 0 if (mean <= 0.03 and worst <= 0.08) else 1

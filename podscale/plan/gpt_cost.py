@@ -79,7 +79,7 @@ def _layer_times(system: System, model: GPT, lay: Layout, moe: bool) -> dict:
     depend on (a search predicts thousands of layouts that share them)."""
     key = (system.topology, system.devices_per_node, system.device, system.intra, system.inter, system.ici,
            system.torus, system.stream, model, moe, lay.microbatch, lay.tp, lay.ep, lay.sequence_parallel,
-           lay.tp_overlap, lay.fused_attention)
+           lay.tp_overlap, lay.fused_attention, lay.parallel_block)
     hit = _LAYER_CACHE.get(key)
     if hit is None:
         if len(_LAYER_CACHE) > 50_000:
@@ -144,6 +144,15 @@ def _layer_times_uncached(system: System, model: GPT, lay: Layout, moe: bool) ->
             "kernels": KERNELS_PER_LAYER * dev.kernel_overhead, "tp_bwd": _tp_backward(lay, tp_ar, wgrad)}
 
 
+def _tp_collectives_per_pass(lay: Layout) -> int:
+    """Tensor-parallel all-reduces (or reduce-scatter/all-gather pairs) of one layer in one pass: two in
+    Megatron's sequential block (after attention, after the MLP: Shoeybi et al. 2019, Fig. 3); one in the
+    parallel formulation, whose attention and MLP outputs are summed before a single reduction
+    (Chowdhery et al. 2022, PaLM, Sec. 2: "the MLP and attention ... can be fused"; Wang & Komatsuzaki's
+    GPT-J)."""
+    return 1 if lay.parallel_block else 2
+
+
 def _tp_backward(lay: Layout, ar: float, wgrad: list) -> float:
     """Exposed tensor-parallel communication of one layer's backward (Shoeybi et al. 2019, Fig. 3: one
     all-reduce of the input gradient per column-parallel linear, two per layer; with sequence parallelism
@@ -157,8 +166,11 @@ def _tp_backward(lay: Layout, ar: float, wgrad: list) -> float:
     # the input-gradient collective of each column-parallel linear: an all-reduce, or (sp) a reduce-scatter
     collective = ar / 2 if sp else ar
     redo_gather = ar / 2 if sp else 0.0     # sp: all-gather the input again for the weight gradient
+    k = _tp_collectives_per_pass(lay)
     if not lay.tp_overlap or not wgrad:
-        return 2 * (collective + redo_gather) if sp else 2 * ar
+        return k * (collective + redo_gather) if sp else k * ar
+    if k == 1:      # one collective for the fused input gradient, under both weight-gradient GEMMs
+        return redo_gather + max(0.0, collective - sum(wgrad))
     return sum(redo_gather + max(0.0, collective - w) for w in wgrad)
 
 
@@ -189,10 +201,11 @@ def predict_gpt(system: System, devices: int, model: GPT, lay: Layout, batch: in
     bwd = per_layer("gemm_bwd") + per_layer("attn_bwd") + BWD_OVER_FWD * (ew + launch)
     # selective recompute re-runs the attention core's forward (fused or not) before its backward
     recompute = {"none": 0.0, "selective": attn, "full": fwd}[lay.recompute]
-    n_tp = 4 + (2 if lay.recompute == "full" else 0)      # all-reduces (or AG+RS pairs) per layer
-    n_fwd = n_tp - 2                                      # forward passes' (incl. recompute's) collectives
+    per_pass = _tp_collectives_per_pass(lay)
+    n_fwd = per_pass * (2 if lay.recompute == "full" else 1)   # forward passes' (incl. recompute's) collectives
     tp_comm = n_fwd * per_layer("tp_ar") + per_layer("tp_bwd")
-    ep_comm = n_tp * moe_frac * moe_t["a2a"]
+    passes = 3 if lay.recompute == "full" else 2
+    ep_comm = 2 * passes * moe_frac * moe_t["a2a"]           # dispatch and combine in every pass
     # Last stage: vocabulary projection and cross-entropy (Megatron places them there).
     logits_elems = b * s * V / t
     head = (3 * gemm_time(dev, b * s, V / t, h, bytes_per_element=dev.dtype_bytes)

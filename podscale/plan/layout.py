@@ -37,7 +37,10 @@ class Layout:
                                   # gradient's collective under the weight-gradient GEMM (2022 on)
     fused_attention: bool = False   # FlashAttention / torch SDPA (what podscale's GPT runs) instead of
                                     # Megatron's separate score GEMM, softmax, dropout and value GEMM
-    pp_scatter_gather: bool = True  # Megatron's scatter-gather pipeline sends (False: DeepSpeed's engine)
+    pp_scatter_gather: bool = True  # pipeline sends split over the tp ranks and all-gathered on arrival
+                                    # (Megatron; DeepSpeed's pipe_partitioned, its default); False: whole
+    parallel_block: bool = False  # attention and MLP read the same layer norm and are summed (GPT-J, PaLM):
+                                  # one tensor-parallel collective per pass and layer instead of two
     pipeline_layers: tuple = ()   # blocks per model chunk (pp * interleave of them), as the trainer's
                                   # parallel.pipeline_layers; () -> the trainer's parameter-balanced split
 
@@ -111,6 +114,8 @@ class Layout:
             s += " sp"
         if self.fused_attention:
             s += " flash"
+        if self.parallel_block:
+            s += " parallel"
         if self.pipeline_layers and len(set(self.pipeline_layers)) > 1:
             s += " layers " + "/".join(map(str, self.pipeline_layers))
         return s

@@ -113,14 +113,18 @@ def _mt_nlg():
     # Smith et al. 2022, "Using DeepSpeed and Megatron to Train Megatron-Turing NLG 530B" (arXiv:2201.11990),
     # Sec. 2.4: batch 1920 on 280 / 350 / 420 DGX A100 nodes, 60.1 / 50.2 / 44.4 s per iteration
     # (126 / 121 / 113 TFLOP/s per GPU); tp 8 x pp 35, data parallel across the remaining nodes, micro-batch 1,
-    # activation checkpointing, DeepSpeed's pipeline engine (no interleaving, whole-tensor sends between
-    # stages, even split of the 105 layers).
+    # activation checkpointing, DeepSpeed's pipeline engine (no interleaving, even split of the 105 layers).
+    # Its stage sends are partitioned over the tensor-parallel group and all-gathered on arrival
+    # (deepspeed/runtime/pipe/engine.py: PartitionedTensor when ``pipeline.pipe_partitioned``, default True
+    # in deepspeed/runtime/config.py), like Megatron's scatter-gather; its gradient all-reduce runs after the
+    # last micro-batch (schedule.py TrainSchedule: ReduceTiedGrads, ReduceGrads, OptimizerStep at the last
+    # step), which overlap_grad_reduce = False models.
     model = _k("mt-nlg-530b", 105, 20480, 128)
     runs = []
     for nodes, sec in ((280, 60.1), (350, 50.2), (420, 44.4)):
         gpus = nodes * 8
         lay = Layout(tp=8, pp=35, dp=gpus // 280, microbatch=1, recompute="full", overlap_grad_reduce=False,
-                     pipeline_layers=(3,) * 35, pp_scatter_gather=False)
+                     pipeline_layers=(3,) * 35)
         runs.append((f"MT-NLG 530B, {gpus} GPUs", model, "dgx-a100-80g", lay, gpus, 1920, sec, "seconds",
                      "Smith et al. 2022 (arXiv:2201.11990), Sec. 2.4"))
     return runs
@@ -131,16 +135,81 @@ def _bloom():
     # hidden 14336, 112 heads, vocabulary 250,880, seq 2048, global batch 2048, 384 A100 80GB on Jean Zay,
     # tp 4 x pp 12 x dp 8, micro-batch 2, activation checkpointing, ZeRO-1, bf16: "about 150 TFLOP/s" per GPU.
     # 70 layers on 12 stages do not divide: Megatron-DeepSpeed balances them (the planner's default split);
-    # DeepSpeed's pipeline engine sends whole tensors between stages.
+    # DeepSpeed's pipeline engine partitions its stage sends over tp as MT-NLG's (above).
     model = GPT(layers=70, hidden=14336, heads=112, seq=2048, vocab=250880, name="bloom-176b")
-    lay = Layout(tp=4, pp=12, dp=8, microbatch=2, recompute="full", zero_stage=1, overlap_grad_reduce=False,
-                 pp_scatter_gather=False)
+    lay = Layout(tp=4, pp=12, dp=8, microbatch=2, recompute="full", zero_stage=1, overlap_grad_reduce=False)
     return [("BLOOM 176B", model, "jean-zay-a100", lay, 384, 2048, 150.0, "tflops",
              "Le Scao et al. 2022 (arXiv:2211.05100), Sec. 3.4; bigscience.notion.site 176B training page")]
 
 
+def _palm():
+    # Chowdhery et al. 2022, "PaLM" (arXiv:2204.02311): 540B, 118 layers, d_model 18,432, 48 heads of 256
+    # (multi-query), SwiGLU d_ff 73,728, vocabulary 256k, seq 2048, no biases, "parallel" layers (attention and
+    # MLP on the same layer norm, summed). Sec. 4 / Table 3: 6144 TPU v4 chips in two pods of 3072, 46.2 % MFU
+    # (57.8 % HFU, rematerialisation included); within a pod 12-way model parallelism x 256-way fully sharded
+    # data parallelism (weights sharded over both axes: tensor parallelism + ZeRO-3 here), 2-way data
+    # parallelism across the pods over the data-centre network. MFU counts 6N + 12 L H Q T FLOPs per token
+    # (Appendix B), so 46.2 % of 6144 x 275 TFLOP/s is 238k tokens/s: 17.6 s for the final 2048-sequence batch.
+    # Modelled: one pod, its 1024 sequences, on a 12 x 16 x 16 slice of the 3-D torus (3 x 4 x 4 cubes of
+    # 4 x 4 x 4 chips); the cross-pod gradient exchange is not modelled. The GPT description carries PaLM's
+    # parameters and GEMM FLOPs: multi-query attention has 2 h x 12,288 + 2 h x 256 weights rather than 4 h^2,
+    # so ffn = 86,256 in the two-matrix form gives 540.35B parameters (PaLM: 540.35B). Its attention scores
+    # are counted over h = 18,432 (PaLM: 12,288), +0.6 % of the FLOPs. PaLM does not state a micro-batch:
+    # 4 sequences per chip-group would need 41 GiB of the 32, 2 fit (two micro-batches). Rematerialisation:
+    # HFU / MFU = 1.25 means about 3/4 of a forward is recomputed; "full" recomputes all of it (the model is
+    # ~6 % slow on that account). XLA overlaps the input-gradient collective with the weight gradient, as
+    # tp_overlap does.
+    model = GPT(layers=118, hidden=18432, heads=48, seq=2048, vocab=256000, ffn=86256, name="palm-540b")
+    mfu_flops_per_token = 6 * 540.35e9 + 12 * 118 * 48 * 256 * 2048
+    seconds = 2048 * 2048 / (0.462 * 6144 * 275e12 / mfu_flops_per_token)
+    lay = Layout(tp=12, dp=256, microbatch=2, zero_stage=3, recompute="full", tp_overlap=True,
+                 parallel_block=True)
+    return [("PaLM 540B, 2 x 3072 TPU v4", model, ("tpu-v4-pod", {"torus": (12, 16, 16), "max_devices": 3072}),
+             lay, 3072, 1024, seconds, "seconds",
+             "Chowdhery et al. 2022, PaLM (arXiv:2204.02311), Sec. 4, Table 3 and Appendix B")]
+
+
+# MosaicML's MPT benchmarks on H100 80GB, bf16 (mosaicml/llm-foundry, scripts/train/benchmarking/README.md,
+# table "H100 80GB BF16", 2023): PyTorch FSDP FULL_SHARD over all GPUs (ZeRO-3), FlashAttention, seq 2048,
+# vocabulary 50,432, 8-GPU H100 SXM nodes with 8 x 400 Gb/s InfiniBand (dgx-h100). Published: tokens/s per
+# GPU; here seconds per global batch = batch x 2048 / (tokens/s/GPU x GPUs).
+# name: (layers, hidden, heads, GPUs, micro-batch, accumulation, activation checkpointing, tokens/s/GPU)
+MPT_H100 = {"mpt-7b": (32, 4096, 32, 8, 6, 1, False, 10643),
+            "mpt-13b": (40, 5120, 40, 64, 2, 1, False, 4800),
+            "mpt-30b": (48, 7168, 64, 32, 14, 3, True, 2308),
+            "mpt-70b": (80, 8192, 64, 64, 8, 4, True, 1039)}
+
+
+def _mpt_h100():
+    runs = []
+    for name, (layers, hidden, heads, gpus, mb, accum, ckpt, tps) in MPT_H100.items():
+        model = GPT(layers=layers, hidden=hidden, heads=heads, seq=2048, vocab=50432, name=name)
+        batch = gpus * mb * accum
+        lay = Layout(dp=gpus, microbatch=mb, zero_stage=3, recompute="full" if ckpt else "none",
+                     fused_attention=True)
+        runs.append((f"MPT {name[4:].upper()}, {gpus} H100", model, "dgx-h100", lay, gpus, batch,
+                     batch * 2048 / (tps * gpus), "seconds",
+                     "MosaicML llm-foundry 2023, scripts/train/benchmarking/README.md (H100 80GB BF16)"))
+    return runs
+
+
 def validation_runs() -> list:
-    return _korthikanti() + _mt_nlg() + _bloom()
+    return _korthikanti() + _mt_nlg() + _bloom() + _palm() + _mpt_h100()
+
+
+def _resolve(sysname, systems: dict) -> System:
+    """A system by name, or (name, overrides) for the slice of a larger machine a run used (PaLM's pod)."""
+    name, overrides = (sysname, {}) if isinstance(sysname, str) else sysname
+    system = systems.get(name) or load_system(name)
+    return dataclasses.replace(system, **overrides) if overrides else system
+
+
+def system_label(sysname) -> str:
+    if isinstance(sysname, str):
+        return sysname
+    name, overrides = sysname
+    torus = overrides.get("torus")
+    return f"{name} [{'x'.join(map(str, torus))}]" if torus else name
 
 
 def validation_set(systems: dict | None = None) -> list[Row]:
@@ -148,12 +217,27 @@ def validation_set(systems: dict | None = None) -> list[Row]:
     rows = []
     systems = dict(systems or {})
     for name, model, sysname, lay, gpus, batch, published, metric, source in validation_runs():
-        system = systems.get(sysname) or load_system(sysname)
+        system = _resolve(sysname, systems)
         pred = predict(system, gpus, model, lay, batch)
         value = pred.step_time_s if metric == "seconds" else \
             narayanan_flops(model, batch) / (pred.step_time_s * gpus) / 1e12
-        rows.append(Row(name, lay, gpus, batch, published, value, model.params / 1e9, metric, sysname, source))
+        rows.append(Row(name, lay, gpus, batch, published, value, model.params / 1e9, metric,
+                        system_label(sysname), source))
     return rows
+
+
+# A system description counts as validated when at least one published run on it, outside the fitting set,
+# is predicted within this relative error (its TOML file lists those runs under ``validated``).
+VALIDATED_WITHIN = 0.10
+
+
+def best_error_by_system(rows: list[Row]) -> dict:
+    """{system name: smallest |error| of its validation runs} (a slice such as PaLM's counts for its system)."""
+    best: dict = {}
+    for r in rows:
+        name = r.system.split(" [")[0]
+        best[name] = min(best.get(name, float("inf")), abs(r.error))
+    return best
 
 
 EFFICIENCY_GRID = tuple(i / 100 for i in range(60, 91))
