@@ -168,10 +168,12 @@ def cmd_validate(args) -> int:
     print("Validation set: published runs nothing in the planner is fitted to (sources in podscale/plan/validate.py)")
     vrows = validation_set()
     print(format_table(vrows, goal=False))
-    for source in sorted({r.source.split(",")[0].split(" (")[0] for r in vrows}):
-        sub = [r for r in vrows if r.source.startswith(source)]
+    groups: dict = {}
+    for r in vrows:
+        groups.setdefault((r.source.split(",")[0].split(" (")[0], r.system.split(" [")[0]), []).append(r)
+    for (source, system), sub in sorted(groups.items()):
         vm, vw = summary(sub)
-        print(f"  {source}: {len(sub)} runs, mean |error| {100 * vm:.1f}%, max {100 * vw:.1f}%")
+        print(f"  {source}: {len(sub)} runs on {system}, mean |error| {100 * vm:.1f}%, max {100 * vw:.1f}%")
     print()
     from .validate import VALIDATED_WITHIN, best_error_by_system
     for name, err in sorted(best_error_by_system(vrows).items()):

@@ -169,32 +169,44 @@ def _palm():
              "Chowdhery et al. 2022, PaLM (arXiv:2204.02311), Sec. 4, Table 3 and Appendix B")]
 
 
-# MosaicML's MPT benchmarks on H100 80GB, bf16 (mosaicml/llm-foundry, scripts/train/benchmarking/README.md,
-# table "H100 80GB BF16", 2023): PyTorch FSDP FULL_SHARD over all GPUs (ZeRO-3), FlashAttention, seq 2048,
-# vocabulary 50,432, 8-GPU H100 SXM nodes with 8 x 400 Gb/s InfiniBand (dgx-h100). Published: tokens/s per
-# GPU; here seconds per global batch = batch x 2048 / (tokens/s/GPU x GPUs).
-# name: (layers, hidden, heads, GPUs, micro-batch, accumulation, activation checkpointing, tokens/s/GPU)
-MPT_H100 = {"mpt-7b": (32, 4096, 32, 8, 6, 1, False, 10643),
-            "mpt-13b": (40, 5120, 40, 64, 2, 1, False, 4800),
-            "mpt-30b": (48, 7168, 64, 32, 14, 3, True, 2308),
-            "mpt-70b": (80, 8192, 64, 64, 8, 4, True, 1039)}
+# MosaicML's MPT benchmarks (mosaicml/llm-foundry, scripts/train/benchmarking/README.md, 2023): the same
+# training code on H100 80GB, A100 80GB and A100 40GB nodes of 8 GPUs (H100: 8 x 400 Gb/s InfiniBand; A100:
+# "1600 Gbps node-node interconnect", 8 x 200 Gb/s, as dgx-a100-80g / dgx-a100-40g), bf16, PyTorch FSDP
+# FULL_SHARD over all GPUs (ZeRO-3), FlashAttention, vocabulary 50,432. MPT: 7B 32 x 4096 (32 heads), 13B
+# 40 x 5120 (40), 30B 48 x 7168 (64), 70B 80 x 8192 (64). Rows taken, chosen before predicting any: for each
+# system and size, the sequence-2048 row with the most GPUs. Published: tokens/s per GPU; here seconds per
+# global batch = batch x 2048 / (tokens/s/GPU x GPUs).
+MPT_DIMS = {"7b": (32, 4096, 32), "13b": (40, 5120, 40), "30b": (48, 7168, 64), "70b": (80, 8192, 64)}
+# system: [(size, GPUs, micro-batch, accumulation, activation checkpointing, tokens/s/GPU)], README tables
+# "H100 80GB BF16", "A100 80GB with 1600 Gbps node-node interconnect (RoCE)", "A100 40GB with 1600 Gbps ..."
+MPT_RUNS = {
+    "dgx-h100": [("7b", 8, 6, 1, False, 10643), ("13b", 64, 2, 1, False, 4800), ("30b", 32, 14, 3, True, 2308),
+                 ("70b", 64, 8, 4, True, 1039)],
+    "dgx-a100-80g": [("7b", 8, 6, 2, False, 4641), ("13b", 8, 2, 3, False, 2262), ("30b", 8, 3, 21, True, 916),
+                     ("70b", 64, 8, 4, True, 410)],
+    "dgx-a100-40g": [("7b", 128, 18, 1, True, 3623), ("13b", 128, 16, 1, True, 1972),
+                     ("30b", 128, 6, 1, True, 865), ("70b", 128, 4, 1, True, 376)],
+}
+_MPT_GPU = {"dgx-h100": "H100", "dgx-a100-80g": "A100-80GB", "dgx-a100-40g": "A100-40GB"}
 
 
-def _mpt_h100():
+def _mpt():
     runs = []
-    for name, (layers, hidden, heads, gpus, mb, accum, ckpt, tps) in MPT_H100.items():
-        model = GPT(layers=layers, hidden=hidden, heads=heads, seq=2048, vocab=50432, name=name)
-        batch = gpus * mb * accum
-        lay = Layout(dp=gpus, microbatch=mb, zero_stage=3, recompute="full" if ckpt else "none",
-                     fused_attention=True)
-        runs.append((f"MPT {name[4:].upper()}, {gpus} H100", model, "dgx-h100", lay, gpus, batch,
-                     batch * 2048 / (tps * gpus), "seconds",
-                     "MosaicML llm-foundry 2023, scripts/train/benchmarking/README.md (H100 80GB BF16)"))
+    for system, rows in MPT_RUNS.items():
+        for size, gpus, mb, accum, ckpt, tps in rows:
+            layers, hidden, heads = MPT_DIMS[size]
+            model = GPT(layers=layers, hidden=hidden, heads=heads, seq=2048, vocab=50432, name=f"mpt-{size}")
+            batch = gpus * mb * accum
+            lay = Layout(dp=gpus, microbatch=mb, zero_stage=3, recompute="full" if ckpt else "none",
+                         fused_attention=True)
+            runs.append((f"MPT {size.upper()}, {gpus} {_MPT_GPU[system]}", model, system, lay, gpus, batch,
+                         batch * 2048 / (tps * gpus), "seconds",
+                         "MosaicML llm-foundry 2023, scripts/train/benchmarking/README.md"))
     return runs
 
 
 def validation_runs() -> list:
-    return _korthikanti() + _mt_nlg() + _bloom() + _palm() + _mpt_h100()
+    return _korthikanti() + _mt_nlg() + _bloom() + _palm() + _mpt()
 
 
 def _resolve(sysname, systems: dict) -> System:
