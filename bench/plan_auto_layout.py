@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import sys
+import time
 import tempfile
 from pathlib import Path
 
@@ -51,6 +53,7 @@ def main(argv=None) -> int:
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--system", default="local")
     args = ap.parse_args(argv)
+    start = time.perf_counter()
     cfg = load_config(None, MODEL)
     system = load_system(args.system)
     choice = choose_layout(cfg, 2, system, keep=3)
@@ -74,8 +77,12 @@ def main(argv=None) -> int:
                   flush=True)
     best = min(m for _, m, _ in results)
     ratio = results[0][1] / best
-    print(f"{len(results)} layouts measured; chosen / best measured = {ratio:.3f} (goal <= 1.10)")
-    return 0 if ratio <= 1.10 else 1
+    met = ratio <= 1.10 and len(results) >= 7
+    print(f"{len(results)} layouts measured; chosen / best measured = {ratio:.3f}")
+    print(f"GOAL (issue 15): the layout --layout auto chooses is within 10 % of the best of >= 7 measured "
+          f"layouts: {'MET' if met else 'NOT MET'} ({time.perf_counter() - start:.0f} s; "
+          f"load average {os.getloadavg()[0]:.1f} at the end: figures are final only on an idle machine)")
+    return 0 if met else 1
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@ import tomllib
 import pytest
 
 from podscale.plan import predict
-from podscale.plan.calibrate import fit_ring
+from podscale.plan.calibrate import fit_ring, sync_wait, system_toml
 from podscale.plan.cli import main
 from podscale.plan.hardware import load_system
 
@@ -29,6 +29,7 @@ def test_quick_calibration_writes_a_local_system(tmp_path, monkeypatch, capsys):
     assert data["device"]["memory_bw_gbps"] > 0.1
     assert data["intra_node"]["bandwidth_gbps"] > 0 and data["intra_node"]["latency_us"] >= 0
     assert len(data["calibration"]["allreduce_bytes_seconds"]) >= 3
+    assert data["calibration"]["sync_wait_us"] >= 0
     assert data["host"]["nvme_gbps"] > 0.01  # the swap folder's disk, measured (was a fixed 1 GB/s)
     local = load_system("local")
     assert local.device.dtype_bytes == 4 and local.device.matmul_table
@@ -36,6 +37,23 @@ def test_quick_calibration_writes_a_local_system(tmp_path, monkeypatch, capsys):
     p = predict(local, 2, tiny, {"tp": 1, "pp": 1, "dp": 2, "microbatch": 4}, 16)
     q = predict(local, 2, tiny, {"tp": 2, "pp": 1, "dp": 1, "microbatch": 4}, 16)
     assert 1e-4 < p.step_time_s < 10 and q.time_breakdown_s["tp_communication"] > 0
+
+
+def test_the_wait_of_a_collective_between_kernels_is_added_to_the_latency():
+    """A collective issued after a multiply waits for the slowest rank: that measured excess over the
+    back-to-back time is spread over the ring's 2(n-1) latencies; none measured, none added."""
+    alpha, bw, n = 50e-6, 2e9, 2
+    samples = [(s, 2 * (n - 1) * alpha + 2 * (n - 1) / n * s / bw) for s in (1 << 12, 1 << 16, 1 << 20, 1 << 24)]
+    data = {"matmul": [[64, 64, 64, 1e10]], "memory_bw": 1e10, "elementwise_bw": 5e9, "kernel_overhead": 5e-6,
+            "allreduce": samples, "threads": 1, "nvme_bw": 1e9,
+            "sync": {"bytes": 1 << 19, "pair_s": 3.0e-3, "mm_s": 2.0e-3, "allreduce_s": 0.4e-3}}
+    assert sync_wait(data) == pytest.approx(0.6e-3)
+    lat = tomllib.loads(system_toml(data, n, quick=True))["intra_node"]["latency_us"]
+    assert lat == pytest.approx((alpha + 0.6e-3 / 2) * 1e6, rel=1e-3)
+    data["sync"]["pair_s"] = 2.1e-3                    # faster than its parts: noise, no negative wait
+    assert sync_wait(data) == 0.0
+    del data["sync"]                                   # files calibrated before this measurement existed
+    assert tomllib.loads(system_toml(data, n, quick=True))["intra_node"]["latency_us"] == pytest.approx(50, rel=1e-3)
 
 
 def test_calibrate_rejects_a_missing_swap_dir(tmp_path, capsys):

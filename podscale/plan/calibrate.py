@@ -7,7 +7,13 @@ runs them, so they share cores, caches and memory bandwidth), each with cores/ra
     the element-wise kernels of a transformer layer (on a CPU they are compute-bound, below the copy
     rate), and the host cost of one small autograd-recorded kernel;
   - gloo all-reduce time by message size over ``ranks`` processes; a least-squares fit of the ring
-    model t(S) = 2(n-1) alpha + 2(n-1)/n * S / B (Thakur et al. 2005) gives latency alpha and bandwidth B.
+    model t(S) = 2(n-1) alpha + 2(n-1)/n * S / B (Thakur et al. 2005) gives latency alpha and bandwidth B;
+  - the wait of a collective issued *between compute kernels*, as the trainer issues its tensor-parallel
+    all-reduces (several per layer): each rank multiplies, then all ranks all-reduce a tensor-parallel-sized
+    message. The ranks reach the collective at different moments (scheduling, their gloo threads and other
+    processes competing for the same cores) and each waits for the last one; back-to-back timings after a
+    barrier never see that wait. Its excess over t(S) is added to the latency the planner uses
+    (``sync_wait_us`` below), so every collective of a step pays it.
 The rendezvous store listens on 127.0.0.1 only and gloo is pinned to the loopback interface.
 """
 from __future__ import annotations
@@ -29,6 +35,8 @@ GRID_M = (64, 256, 1024, 4096)
 GRID_NK = (32, 128, 512, 2048)
 QUICK_M, QUICK_NK = (256, 2048), (128, 1024)
 ALLREDUCE_BYTES = (1 << 12, 1 << 14, 1 << 16, 1 << 18, 1 << 20, 1 << 22, 1 << 24)
+SYNC_BYTES = 1 << 19          # a tensor-parallel activation on a CPU: 8 x 128 tokens x 128 wide, float32
+SYNC_GEMM = 384               # the multiply between two collectives (~0.1 GFLOP: one layer's linear)
 
 
 def low_percentile(times, q: float = 0.2) -> float:
@@ -108,12 +116,46 @@ def _worker(rank: int, ranks: int, port: int, quick: bool, out_path: str) -> Non
             dist.all_reduce(buf)
             times.append(time.perf_counter() - t0)
         ar.append([nbytes, low_percentile(times)])
+    sync = _sync_wait(dist, torch, 10 if quick else 30)
     if rank == 0:
         with open(out_path, "w") as f:
             json.dump({"matmul": table, "memory_bw": mem_bw, "elementwise_bw": elementwise_bw,
-                       "kernel_overhead": kernel_overhead, "allreduce": ar, "threads": threads}, f)
+                       "kernel_overhead": kernel_overhead, "allreduce": ar, "threads": threads,
+                       "sync": sync}, f)
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _sync_wait(dist, torch, reps: int) -> dict:
+    """Median seconds per iteration of (multiply; all-reduce SYNC_BYTES), of the multiply alone, and of the
+    all-reduce alone back to back: the first minus the other two is what a collective between kernels
+    waits for the other ranks (the same fixed number of collectives on every rank)."""
+    a, b = torch.randn(SYNC_GEMM, SYNC_GEMM), torch.randn(SYNC_GEMM, SYNC_GEMM)
+    c, buf = torch.empty(SYNC_GEMM, SYNC_GEMM), torch.ones(SYNC_BYTES // 4)
+
+    def run(body) -> float:
+        times = []
+        dist.barrier()
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            body()
+            times.append(time.perf_counter() - t0)
+        return sorted(times)[len(times) // 2]
+
+    def both():
+        torch.mm(a, b, out=c)
+        dist.all_reduce(buf)
+
+    mm = run(lambda: torch.mm(a, b, out=c))
+    alone = run(lambda: dist.all_reduce(buf))
+    pair = run(both)
+    return {"bytes": SYNC_BYTES, "pair_s": pair, "mm_s": mm, "allreduce_s": alone}
+
+
+def sync_wait(data: dict) -> float:
+    """Seconds a collective issued between compute kernels waits beyond its back-to-back time (>= 0)."""
+    s = data.get("sync")
+    return max(0.0, s["pair_s"] - s["mm_s"] - s["allreduce_s"]) if s else 0.0
 
 
 def fit_ring(samples, ranks: int) -> tuple[float, float]:
@@ -177,7 +219,9 @@ def _total_memory() -> float:
 
 def system_toml(data: dict, ranks: int, quick: bool) -> str:
     """Render the measured numbers in the catalog's TOML schema; one 'device' is one rank."""
-    alpha, bw = fit_ring(data["allreduce"], ranks)
+    alpha0, bw = fit_ring(data["allreduce"], ranks)
+    wait = sync_wait(data)
+    alpha = alpha0 + wait / (2 * (ranks - 1))         # t(S) pays 2(n-1) latencies: spread the wait over them
     peak = max(f for *_, f in data["matmul"])
     cores = os.cpu_count() or 1
     when = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
@@ -211,7 +255,9 @@ matmul_table = [
 ]
 
 [intra_node]
-# gloo all-reduce over loopback, least-squares fit of the ring model to the samples below.
+# gloo all-reduce over loopback, least-squares fit of the ring model to the samples below (latency
+# {alpha0 * 1e6:.4g} us back to back), plus the measured wait of a collective between compute kernels
+# ({wait * 1e6:.4g} us per collective, spread over its 2(n-1) steps).
 bandwidth_gbps = {bw / GB:.6g}
 efficiency = 1.0
 latency_us = {alpha * 1e6:.4g}
@@ -231,6 +277,7 @@ nvme_gbps = {data.get("nvme_bw", GB) / GB:.6g}            # O_DIRECT sequential,
 ranks = {ranks}
 threads_per_rank = {data["threads"]}
 allreduce_bytes_seconds = [{ar}]
+sync_wait_us = {wait * 1e6:.4g}
 '''
 
 
@@ -258,10 +305,12 @@ def calibrate(out: str | None = None, quick: bool = False, ranks: int = 2, log=p
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(system_toml(data, ranks, quick))
     alpha, bw = fit_ring(data["allreduce"], ranks)
+    wait = sync_wait(data)
     log(f"matmul: best {max(f for *_, f in data['matmul']) / 1e9:.1f} GFLOP/s per rank "
         f"({len(data['matmul'])} shapes); memory copy {data['memory_bw'] / GB:.2f} GB/s, element-wise "
         f"{data['elementwise_bw'] / GB:.2f} GB/s per rank; kernel {data['kernel_overhead'] * 1e6:.1f} us; "
-        f"gloo all-reduce ({ranks} ranks): latency {alpha * 1e6:.0f} us, bandwidth {bw / GB:.2f} GB/s; "
+        f"gloo all-reduce ({ranks} ranks): latency {alpha * 1e6:.0f} us, bandwidth {bw / GB:.2f} GB/s, "
+        f"wait between kernels {wait * 1e6:.0f} us; "
         f"swap disk {data['nvme_bw'] / GB:.2f} GB/s; "
         f"{time.perf_counter() - start:.1f} s")
     return path
