@@ -301,8 +301,10 @@ def predict_gpt(system: System, devices: int, model: GPT, lay: Layout, batch: in
     act_layer = ((1 - moe_frac) * activation_bytes_per_layer(recompute=kept, **act_kw)
                  + moe_frac * activation_bytes_per_layer(recompute=kept, mlp_scale=mlp_scale, **act_kw))
     working = 0.0
-    if lay.recompute == "full":   # one layer re-materialised during its backward
-        working = activation_bytes_per_layer(recompute="none", mlp_scale=mlp_scale, **act_kw)
+    if lay.recompute == "full":   # one layer re-materialised during its backward (a fused attention kernel
+        # keeps no s x s tensors then either)
+        working = activation_bytes_per_layer(recompute="selective" if lay.fused_attention else "none",
+                                             mlp_scale=mlp_scale, **act_kw)
     prec = precision_of(dev.dtype_bytes)
     gathered = zero3_gathered_bytes(moe_layer / t, prec) if lay.zero_stage == 3 else 0.0  # current + prefetched
     logits_buf = 6 * logits_elems          # fp16 logits + fp32 softmax of the vocab-parallel loss
@@ -428,7 +430,7 @@ def predict_weight_streaming(system: System, devices: int, model: GPT, lay: Layo
     kept = "selective" if lay.fused_attention and lay.recompute == "none" else lay.recompute
     act = L * activation_bytes_per_layer(recompute=kept, **act_kw)
     if lay.recompute == "full":
-        act += activation_bytes_per_layer(recompute="none", **act_kw)
+        act += activation_bytes_per_layer(recompute="selective" if lay.fused_attention else "none", **act_kw)
     largest = max(model.layer_params(moe=model.moe_layers > 0), V * h)
     memory = {"activations": act, "logits": 6 * b * s * V,
               "streamed_layers": 2 * 2 * dev.dtype_bytes * largest,     # current + next, weights + gradients
