@@ -61,7 +61,7 @@ def main(argv=None) -> int:
     layouts = [choice.layout] + [Layout(**{k: v for k, v in p.layout.items() if k != "pipeline_layers"})
                                  for p, _ in choice.ranked[1:]]
     for lay in EXTRA:
-        lay = dataclasses.replace(lay, fused_attention=True)
+        lay = dataclasses.replace(lay, fused_attention=True, tp_overlap=lay.tp > 1)
         if cfg.train.global_batch % (lay.dp * lay.microbatch):
             continue
         if all(lay.short() != seen.short() for seen in layouts):

@@ -4,7 +4,9 @@ import tomllib
 import pytest
 
 from podscale.plan import predict
-from podscale.plan.calibrate import fit_ring, sync_wait, system_toml
+from podscale.plan.calibrate import fit_ring, overlap_penalty, sync_wait, system_toml
+from podscale.plan.hardware import system_from_dict
+from podscale.plan.layout import Layout
 from podscale.plan.cli import main
 from podscale.plan.hardware import load_system
 
@@ -29,7 +31,7 @@ def test_quick_calibration_writes_a_local_system(tmp_path, monkeypatch, capsys):
     assert data["device"]["memory_bw_gbps"] > 0.1
     assert data["intra_node"]["bandwidth_gbps"] > 0 and data["intra_node"]["latency_us"] >= 0
     assert len(data["calibration"]["allreduce_bytes_seconds"]) >= 3
-    assert data["calibration"]["sync_wait_us"] >= 0
+    assert data["calibration"]["sync_wait_us"] >= 0 and data["device"]["overlap_penalty_us"] >= 0
     assert data["host"]["nvme_gbps"] > 0.01  # the swap folder's disk, measured (was a fixed 1 GB/s)
     local = load_system("local")
     assert local.device.dtype_bytes == 4 and local.device.matmul_table
@@ -54,6 +56,32 @@ def test_the_wait_of_a_collective_between_kernels_is_added_to_the_latency():
     assert sync_wait(data) == 0.0
     del data["sync"]                                   # files calibrated before this measurement existed
     assert tomllib.loads(system_toml(data, n, quick=True))["intra_node"]["latency_us"] == pytest.approx(50, rel=1e-3)
+
+
+def test_an_all_reduce_overlapped_with_a_matmul_costs_its_measured_penalty_in_the_tp_backward():
+    """podscale's column-parallel backward all-reduces the input gradient under the weight-gradient matmul;
+    on a CPU whose cores all compute, that costs more than the longer of the two (the measured penalty),
+    which the tensor-parallel backward pays once per overlapped collective (two per layer)."""
+    alpha, bw, n = 50e-6, 2e9, 2
+    samples = [(s, 2 * (n - 1) * alpha + 2 * (n - 1) / n * s / bw) for s in (1 << 12, 1 << 16, 1 << 20, 1 << 24)]
+    data = {"matmul": [[64, 64, 64, 1e10], [1024, 1024, 1024, 1e10]], "memory_bw": 1e10, "elementwise_bw": 5e9,
+            "kernel_overhead": 5e-6, "allreduce": samples, "threads": 1, "nvme_bw": 1e9,
+            "sync": {"bytes": 1 << 19, "pair_s": 1.4e-3, "mm_s": 1.0e-3, "allreduce_s": 0.4e-3,
+                     "overlapped_s": 2.5e-3}}
+    assert overlap_penalty(data) == pytest.approx(1.5e-3)
+    with_penalty = system_from_dict(tomllib.loads(system_toml(data, n, quick=True)))
+    assert with_penalty.device.overlap_penalty == pytest.approx(1.5e-3, rel=1e-3)
+    data["sync"]["overlapped_s"] = 0.9e-3                     # faster than the matmul alone: noise, no penalty
+    without = system_from_dict(tomllib.loads(system_toml(data, n, quick=True)))
+    assert without.device.overlap_penalty == 0.0
+    tiny = {"layers": 4, "hidden": 128, "heads": 4, "seq": 128, "vocab": 256}
+    lay = Layout(tp=2, microbatch=8, tp_overlap=True)
+    a = predict(with_penalty, 2, tiny, lay, 16).time_breakdown_s["tp_communication"]
+    b = predict(without, 2, tiny, lay, 16).time_breakdown_s["tp_communication"]
+    assert a - b == pytest.approx(2 * 4 * 2 * 1.5e-3, rel=1e-6)     # 2 per layer x 4 layers x 2 micro-batches
+    # a layout that does not overlap pays nothing extra
+    plain = Layout(tp=2, microbatch=8)
+    assert predict(with_penalty, 2, tiny, plain, 16).step_time_s == predict(without, 2, tiny, plain, 16).step_time_s
 
 
 def test_calibrate_rejects_a_missing_swap_dir(tmp_path, capsys):

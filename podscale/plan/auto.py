@@ -88,7 +88,9 @@ def choose_layout(cfg, world_size: int, system: System | str = "local", keep: in
     mbs = tuple(d for d in range(1, batch + 1) if batch % d == 0 and d <= 64)
     preds, evaluated = [], 0
     for lay in candidate_layouts(system, world_size, model, batch, microbatches=mbs):
-        lay = dataclasses.replace(lay, fused_attention=True)   # podscale's GPT runs torch's SDPA
+        # podscale's GPT runs torch's SDPA, and its column-parallel layers overlap the input gradient's
+        # all-reduce with the weight gradient (parallel/tensor.py, ColumnParallelLinear)
+        lay = dataclasses.replace(lay, fused_attention=True, tp_overlap=lay.tp > 1)
         try:
             pred = predict(system, world_size, model, lay, batch)
         except LayoutError:

@@ -13,7 +13,10 @@ runs them, so they share cores, caches and memory bandwidth), each with cores/ra
     message. The ranks reach the collective at different moments (scheduling, their gloo threads and other
     processes competing for the same cores) and each waits for the last one; back-to-back timings after a
     barrier never see that wait. Its excess over t(S) is added to the latency the planner uses
-    (``sync_wait_us`` below), so every collective of a step pays it.
+    (``sync_wait_us`` below), so every collective of a step pays it; and the same all-reduce issued
+    asynchronously under a matmul, as the tensor-parallel backward overlaps the input gradient's
+    all-reduce with the weight gradient: what it costs beyond the longer of the two is the device's
+    ``overlap_penalty_us`` (the collective's thread competes with the compute threads for the cores).
 The rendezvous store listens on 127.0.0.1 only and gloo is pinned to the loopback interface.
 """
 from __future__ import annotations
@@ -146,10 +149,24 @@ def _sync_wait(dist, torch, reps: int) -> dict:
         torch.mm(a, b, out=c)
         dist.all_reduce(buf)
 
+    def overlapped():          # what the tensor-parallel backward does: input gradient under weight gradient
+        handle = dist.all_reduce(buf, async_op=True)
+        torch.mm(a, b, out=c)
+        handle.wait()
+
     mm = run(lambda: torch.mm(a, b, out=c))
     alone = run(lambda: dist.all_reduce(buf))
     pair = run(both)
-    return {"bytes": SYNC_BYTES, "pair_s": pair, "mm_s": mm, "allreduce_s": alone}
+    over = run(overlapped)
+    return {"bytes": SYNC_BYTES, "pair_s": pair, "mm_s": mm, "allreduce_s": alone, "overlapped_s": over}
+
+
+def overlap_penalty(data: dict) -> float:
+    """Seconds an all-reduce overlapped with a matmul costs beyond the longer of the two (>= 0)."""
+    s = data.get("sync")
+    if not s or "overlapped_s" not in s:
+        return 0.0
+    return max(0.0, s["overlapped_s"] - max(s["mm_s"], s["allreduce_s"]))
 
 
 def sync_wait(data: dict) -> float:
@@ -244,6 +261,7 @@ memory_gib = {mem / ranks / GiB:.4g}            # RAM / ranks
 memory_bw_gbps = {data["memory_bw"] / GB:.6g}        # tensor copy, bytes read + written per s, per rank
 elementwise_gbps = {data["elementwise_bw"] / GB:.6g}      # GeLU / layer norm / softmax, bytes per s
 kernel_overhead_us = {data["kernel_overhead"] * 1e6:.4g}      # one small autograd-recorded op
+overlap_penalty_us = {overlap_penalty(data) * 1e6:.4g}      # all-reduce under a matmul, beyond the longer of them
 matmul_efficiency = 1.0
 memory_efficiency = 1.0
 reserved_gib = 0.5
@@ -310,7 +328,7 @@ def calibrate(out: str | None = None, quick: bool = False, ranks: int = 2, log=p
         f"({len(data['matmul'])} shapes); memory copy {data['memory_bw'] / GB:.2f} GB/s, element-wise "
         f"{data['elementwise_bw'] / GB:.2f} GB/s per rank; kernel {data['kernel_overhead'] * 1e6:.1f} us; "
         f"gloo all-reduce ({ranks} ranks): latency {alpha * 1e6:.0f} us, bandwidth {bw / GB:.2f} GB/s, "
-        f"wait between kernels {wait * 1e6:.0f} us; "
+        f"wait between kernels {wait * 1e6:.0f} us, overlap penalty {overlap_penalty(data) * 1e6:.0f} us; "
         f"swap disk {data['nvme_bw'] / GB:.2f} GB/s; "
         f"{time.perf_counter() - start:.1f} s")
     return path

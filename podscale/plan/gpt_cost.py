@@ -141,7 +141,8 @@ def _layer_times_uncached(system: System, model: GPT, lay: Layout, moe: bool) ->
     attn_bwd = (FUSED_ATTN_BWD_OVER_FWD if lay.fused_attention else BWD_OVER_FWD) * (attn + ew_attn)
     return {"gemm": dense, "gemm_bwd": dense_bwd, "attn": attn + ew_attn, "attn_bwd": attn_bwd, "ew": ew,
             "tp_ar": tp_ar, "a2a": a2a,
-            "kernels": KERNELS_PER_LAYER * dev.kernel_overhead, "tp_bwd": _tp_backward(lay, tp_ar, wgrad)}
+            "kernels": KERNELS_PER_LAYER * dev.kernel_overhead,
+            "tp_bwd": _tp_backward(lay, tp_ar, wgrad, dev.overlap_penalty)}
 
 
 def _tp_collectives_per_pass(lay: Layout) -> int:
@@ -153,13 +154,14 @@ def _tp_collectives_per_pass(lay: Layout) -> int:
     return 1 if lay.parallel_block else 2
 
 
-def _tp_backward(lay: Layout, ar: float, wgrad: list) -> float:
+def _tp_backward(lay: Layout, ar: float, wgrad: list, penalty: float = 0.0) -> float:
     """Exposed tensor-parallel communication of one layer's backward (Shoeybi et al. 2019, Fig. 3: one
     all-reduce of the input gradient per column-parallel linear, two per layer; with sequence parallelism
     a reduce-scatter each, plus the all-gather of the layer input that Korthikanti et al. 2022, Sec. 4.2.2,
     redo in the backward rather than keep). With ``tp_overlap`` (Megatron-LM's asynchronous tensor-parallel
     all-reduce, 2022) the input-gradient collective runs under the weight-gradient GEMM of the same linear,
-    so only what exceeds it is exposed."""
+    so only what exceeds it is exposed, plus the device's measured ``penalty`` per overlapped collective
+    (a CPU, whose collective thread competes with the compute threads for the cores)."""
     if ar == 0.0:
         return 0.0
     sp = lay.sequence_parallel
@@ -170,8 +172,8 @@ def _tp_backward(lay: Layout, ar: float, wgrad: list) -> float:
     if not lay.tp_overlap or not wgrad:
         return k * (collective + redo_gather) if sp else k * ar
     if k == 1:      # one collective for the fused input gradient, under both weight-gradient GEMMs
-        return redo_gather + max(0.0, collective - sum(wgrad))
-    return sum(redo_gather + max(0.0, collective - w) for w in wgrad)
+        return redo_gather + max(0.0, collective - sum(wgrad)) + penalty
+    return sum(redo_gather + max(0.0, collective - w) + penalty for w in wgrad)
 
 
 def predict_gpt(system: System, devices: int, model: GPT, lay: Layout, batch: int) -> Prediction:

@@ -48,6 +48,10 @@ class Device:
     # Host-side cost per kernel when kernels run synchronously (CPU); GPUs queue kernels asynchronously,
     # so it is 0 there.
     kernel_overhead: float = 0.0
+    # Measured (local only): what a collective overlapped with a matmul costs beyond the longer of the two,
+    # per collective. On a CPU whose cores all compute, the collective's worker thread competes with them
+    # for every message round trip; GPUs run collectives on their own engines, so it is 0 there.
+    overlap_penalty: float = 0.0
     # Measured matmul throughput by shape (local calibration only): tuples (m, n, k, flop/s).
     matmul_table: tuple = ()
     # GEMM shape model (compute.gemm_time): streaming multiprocessors, the output tiles a GEMM library
@@ -143,6 +147,7 @@ def system_from_dict(data: dict, source: str = "") -> System:
             dtype_bytes=int(dev.get("dtype_bytes", 2)),
             elementwise_bw=float(dev.get("elementwise_gbps", 0.0)) * GB,
             kernel_overhead=float(dev.get("kernel_overhead_us", 0.0)) * 1e-6,
+            overlap_penalty=float(dev.get("overlap_penalty_us", 0.0)) * 1e-6,
             matmul_table=table,
             sm_count=int(dev.get("sm_count", 0)),
             gemm_tiles=tuple(tuple(int(x) for x in t) for t in dev.get("gemm_tiles", ())),
