@@ -22,6 +22,7 @@ from podscale.runtime.mesh import Mesh
 from podscale.runtime.process import init_process
 from podscale.tasks.gpt_moe import GPTMoETask
 from podscale.train import checkpoint
+from podscale.train.data import eval_batches, load_tokens, split_tokens
 
 DATA = str(Path(__file__).resolve().parent / "data" / "tinyshakespeare.txt")
 MODES = {
@@ -104,6 +105,10 @@ def run_job(job: dict, mesh: Mesh) -> dict:
                 checkpoint.save(Path(job["save_root"]), res.step,
                                 {"model": engine.model_state(), "optim": engine.optim_state()}, meta, {},
                                 mesh.rank, keep=5)
+        if job.get("eval"):
+            # the same 8 validation sequences on every layout, each data rank its share as one batch
+            val = split_tokens(load_tokens(DATA), cfg.data.val_fraction)[1]
+            out["eval"] = engine.evaluate(eval_batches(val, cfg.model.block_size, 8, 1, data_rank, data_ranks))
         if job.get("stage", 0) == 0:
             out["params"] = _full(_named(engine, mesh), mesh, lambda p: p.detach())
     finally:

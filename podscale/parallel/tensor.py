@@ -290,7 +290,7 @@ class _VocabParallelCrossEntropyFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, targets, mesh, start, vocab_size):
         ctx.dtype = logits.dtype
-        logits = logits.float()
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # 16-bit up to fp32; fp64 kept
         targets = targets.reshape(-1)
         rows = logits.shape[1]
         pad = start + rows - vocab_size  # padded columns of the last shard take no probability

@@ -376,6 +376,10 @@ class MoELayer(nn.Module):
         if self.tp == 1:
             return self._forward_local(x, keys)
         if x.dim() < 3 or x.shape[0] % self.tp:
+            if not torch.is_grad_enabled():
+                # inference on fewer samples than tp ranks (sampling one sequence): every tp rank routes
+                # all of them, the same way (its result is the split one's)
+                return self._forward_local(x, keys)
             raise ValueError(f"an MoE layer under tensor parallelism splits the samples over tp={self.tp}: "
                              f"{x.shape[0] if x.dim() >= 3 else 1} samples do not divide; make train.micro_batch "
                              f"a multiple of parallel.tp")
