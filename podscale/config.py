@@ -182,9 +182,6 @@ class GPTMoEModelSection(GPTModelSection):
         if self.experts % p.ep:
             raise ConfigError(f"model.experts={self.experts} is not divisible by parallel.ep={p.ep}: make "
                               f"model.experts a multiple of {p.ep} or choose an ep that divides it")
-        if p.ep > 1 and cfg.zero.optimizer != "adamw":
-            raise ConfigError(f"zero.optimizer={cfg.zero.optimizer} with parallel.ep={p.ep}: the per-tensor trust "
-                              "ratios are not built for experts sharded over ep: set zero.optimizer = 'adamw'")
         try:
             check_task_layout(self.task_class(), p.tp, p.sequence_parallel, p.pp, p.ep)
         except ValueError as err:

@@ -49,7 +49,7 @@ class GPTMoETask64(GPTMoETask):
 
 
 def config(mode: str, dp: int, ep: int, stage: int = 0, steps: int = 20, pp: int = 1, tp: int = 1,
-           micro_batch: int | None = None, schedule: str = "1f1b"):
+           micro_batch: int | None = None, schedule: str = "1f1b", optimizer: str = "adamw"):
     """The test model on a (pp, dp, ep, tp) layout; ``micro_batch`` default: one micro-batch per step."""
     return parse_config({
         "run": {"name": "moe", "steps": steps, "seed": 7},
@@ -61,7 +61,7 @@ def config(mode: str, dp: int, ep: int, stage: int = 0, steps: int = 20, pp: int
         # (decay_steps fixed: a run resumed with fewer steps keeps the same learning-rate schedule)
         "train": {"global_batch": 8, "micro_batch": micro_batch or 8 // (dp * ep), "lr": 3e-3, "warmup_steps": 2,
                   "decay_steps": 20, "grad_clip": 1.0},
-        "zero": {"stage": stage, "param_persistence_threshold": 100},
+        "zero": {"stage": stage, "param_persistence_threshold": 100, "optimizer": optimizer},
     })
 
 
@@ -69,7 +69,7 @@ def run_job(job: dict, mesh: Mesh) -> dict:
     """One layout: ``job`` = mode, dp, ep, stage, steps; optionally ``load`` (a checkpoint folder to start
     from) and ``save_at`` (a step after which to save under ``save_root``)."""
     cfg = config(job["mode"], job["dp"], job["ep"], job.get("stage", 0), job["steps"], job.get("pp", 1),
-                 job.get("tp", 1), job.get("micro_batch"), job.get("schedule", "1f1b"))
+                 job.get("tp", 1), job.get("micro_batch"), job.get("schedule", "1f1b"), job.get("optimizer", "adamw"))
     task = GPTMoETask64(cfg)
     torch.manual_seed(cfg.run.seed)
     model = task.build_model_on(mesh)
@@ -109,7 +109,7 @@ def run_job(job: dict, mesh: Mesh) -> dict:
             # the same 8 validation sequences on every layout, each data rank its share as one batch
             val = split_tokens(load_tokens(DATA), cfg.data.val_fraction)[1]
             out["eval"] = engine.evaluate(eval_batches(val, cfg.model.block_size, 8, 1, data_rank, data_ranks))
-        if job.get("stage", 0) == 0:
+        if job.get("stage", 0) <= 1:  # (ZeRO-1's compute parameters are whole on every rank)
             out["params"] = _full(_named(engine, mesh), mesh, lambda p: p.detach())
     finally:
         engine.close()

@@ -540,7 +540,9 @@ def apply_recompute(model: nn.Module, mode: str) -> nn.Module:
 
 def sync_sequence_parallel_grads(params, mesh) -> None:
     """Sum over tp the gradients of parameters used on a sequence shard (layer norms, position embedding,
-    row-parallel biases), so every tp rank holds the full gradient (Korthikanti et al. 2022, 4.2.2)."""
+    row-parallel biases), so every tp rank holds the full gradient (Korthikanti et al. 2022, 4.2.2); also
+    those used on a share of the samples (a mixture-of-experts layer's router and experts under tp, which
+    carry the same ``sequence_parallel`` marker)."""
     if mesh.size("tp") == 1:
         return
     grads = [p.grad for p in params if getattr(p, "sequence_parallel", False) and p.grad is not None]
