@@ -367,8 +367,10 @@ class MoELayer(nn.Module):
         same tokens.  Rather than route them all and run every expert tp times, each tp rank takes ``1/tp``
         of the samples (dim 0: whole groups, so every routing decision is the single-process one), routes
         them and exchanges them over its own ep group, and the outputs are all-gathered over tp
-        (:class:`~podscale.parallel.tensor.SplitBatchToTP` / :class:`~podscale.parallel.tensor.GatherBatchFromTP`;
-        Megatron-core's MoE likewise splits the tokens over tp before its dispatcher and gathers after).
+        (:class:`~podscale.parallel.tensor.SplitBatchToTP` / :class:`~podscale.parallel.tensor.GatherBatchFromTP`).
+        Megatron-core's MoE likewise gives its token dispatcher ``S/tp * B`` tokens per rank, but gets them
+        from sequence parallelism, which it requires with tp; here whole sequences are split, since a
+        sequence is a routing group (its capacity), so routing stays the one-process routing.
         The aux and z losses are means over groups and tokens, so the layer's loss is the tp-mean of the
         ranks' (``ReduceFromTP``: all-reduce forward, identity backward), and the router's and experts'
         gradients, partial per tp rank, are summed over tp by the strategy (they carry the
