@@ -158,15 +158,30 @@ class GPTMoEModelSection(GPTModelSection):
         return GPTMoETask
 
     def check_layout(self, cfg: "Config") -> None:
-        """Experts divide over ep; tensor and pipeline parallelism of the GPT-MoE are not built yet."""
+        """Experts divide over ep; the layouts the GPT-MoE runs under (pipelines: GPipe and 1F1B; tensor
+        parallelism without sequence parallelism, its MoE layers splitting the samples over tp; not both)."""
         from podscale.tasks.base import check_task_layout
         p = cfg.parallel
+        if p.tp > 1 and p.pp > 1:
+            raise ConfigError(f"parallel.tp={p.tp} with parallel.pp={p.pp}: tensor and pipeline parallelism "
+                              "together are not built for model.kind='gpt-moe': set parallel.tp = 1 or parallel.pp = 1")
+        if p.sequence_parallel:
+            raise ConfigError("parallel.sequence_parallel=true is not built for model.kind='gpt-moe' (its "
+                              "routing groups are whole sequences): set parallel.sequence_parallel = false")
+        if p.tp > 1 and cfg.train.micro_batch % p.tp:
+            raise ConfigError(f"train.micro_batch={cfg.train.micro_batch} is not divisible by parallel.tp={p.tp}: "
+                              "the MoE layers split each micro-batch's sequences over tp; make train.micro_batch "
+                              f"a multiple of {p.tp}")
+        if p.pp > 1 and p.schedule == "interleaved":
+            raise ConfigError("parallel.schedule='interleaved' is not built for model.kind='gpt-moe': use "
+                              "parallel.schedule = '1f1b' or 'gpipe'")
+        if p.pp > 1 and p.pipeline_layers is None and p.pipeline_balance == "time":
+            raise ConfigError("parallel.pipeline_balance='time' is not built for model.kind='gpt-moe' (timing an "
+                              "MoE block alone would skip its ep exchange): use pipeline_balance = 'params' "
+                              "or list parallel.pipeline_layers")
         if self.experts % p.ep:
             raise ConfigError(f"model.experts={self.experts} is not divisible by parallel.ep={p.ep}: make "
                               f"model.experts a multiple of {p.ep} or choose an ep that divides it")
-        if p.ep > 1 and cfg.zero.optimizer != "adamw":
-            raise ConfigError(f"zero.optimizer={cfg.zero.optimizer} with parallel.ep={p.ep}: the per-tensor trust "
-                              "ratios are not built for experts sharded over ep: set zero.optimizer = 'adamw'")
         try:
             check_task_layout(self.task_class(), p.tp, p.sequence_parallel, p.pp, p.ep)
         except ValueError as err:

@@ -17,10 +17,12 @@ import torch.nn.functional as F
 import podscale
 from podscale.config import parse_config
 from podscale.models.gpt_moe import GPTMoE
+from podscale.parallel.tensor import unshard
 from podscale.runtime.mesh import Mesh
 from podscale.runtime.process import init_process
 from podscale.tasks.gpt_moe import GPTMoETask
 from podscale.train import checkpoint
+from podscale.train.data import eval_batches, load_tokens, split_tokens
 
 DATA = str(Path(__file__).resolve().parent / "data" / "tinyshakespeare.txt")
 MODES = {
@@ -46,25 +48,28 @@ class GPTMoETask64(GPTMoETask):
         return model
 
 
-def config(mode: str, dp: int, ep: int, stage: int = 0, steps: int = 20):
+def config(mode: str, dp: int, ep: int, stage: int = 0, steps: int = 20, pp: int = 1, tp: int = 1,
+           micro_batch: int | None = None, schedule: str = "1f1b", optimizer: str = "adamw"):
+    """The test model on a (pp, dp, ep, tp) layout; ``micro_batch`` default: one micro-batch per step."""
     return parse_config({
         "run": {"name": "moe", "steps": steps, "seed": 7},
         "model": {"kind": "gpt-moe", "n_layer": 2, "n_head": 2, "n_embd": 32, "block_size": 32, "experts": 8,
                   "moe_every": 1, "expert_hidden": 48, "aux_loss_coef": 0.01, "z_loss_coef": 0.001,
                   **MODES[mode]},
         "data": {"path": DATA},
-        "parallel": {"nproc": dp * ep, "dp": dp, "ep": ep},
+        "parallel": {"nproc": pp * dp * ep * tp, "dp": dp, "ep": ep, "pp": pp, "tp": tp, "schedule": schedule},
         # (decay_steps fixed: a run resumed with fewer steps keeps the same learning-rate schedule)
-        "train": {"global_batch": 8, "micro_batch": 8 // (dp * ep), "lr": 3e-3, "warmup_steps": 2,
+        "train": {"global_batch": 8, "micro_batch": micro_batch or 8 // (dp * ep), "lr": 3e-3, "warmup_steps": 2,
                   "decay_steps": 20, "grad_clip": 1.0},
-        "zero": {"stage": stage, "param_persistence_threshold": 100},
+        "zero": {"stage": stage, "param_persistence_threshold": 100, "optimizer": optimizer},
     })
 
 
 def run_job(job: dict, mesh: Mesh) -> dict:
     """One layout: ``job`` = mode, dp, ep, stage, steps; optionally ``load`` (a checkpoint folder to start
     from) and ``save_at`` (a step after which to save under ``save_root``)."""
-    cfg = config(job["mode"], job["dp"], job["ep"], job.get("stage", 0), job["steps"])
+    cfg = config(job["mode"], job["dp"], job["ep"], job.get("stage", 0), job["steps"], job.get("pp", 1),
+                 job.get("tp", 1), job.get("micro_batch"), job.get("schedule", "1f1b"), job.get("optimizer", "adamw"))
     task = GPTMoETask64(cfg)
     torch.manual_seed(cfg.run.seed)
     model = task.build_model_on(mesh)
@@ -86,7 +91,7 @@ def run_job(job: dict, mesh: Mesh) -> dict:
             s = engine.strategy
             s.forward_backward(loader.next_step(), None, engine.loss_fn)
             s.finish_grad_sync()
-            out["grads"] = {n: p.grad.clone() for n, p in engine.model.named_parameters()}
+            out["grads"] = _full(_named(engine, mesh), mesh, lambda p: p.grad)
             s.zero_grad()
             task.step_metrics(engine.model, mesh)
             loader.consumed = 0
@@ -100,22 +105,44 @@ def run_job(job: dict, mesh: Mesh) -> dict:
                 checkpoint.save(Path(job["save_root"]), res.step,
                                 {"model": engine.model_state(), "optim": engine.optim_state()}, meta, {},
                                 mesh.rank, keep=5)
-        if job.get("stage", 0) == 0:
-            out["params"] = {n: p.detach().clone() for n, p in engine.model.named_parameters()}
+        if job.get("eval"):
+            # the same 8 validation sequences on every layout, each data rank its share as one batch
+            val = split_tokens(load_tokens(DATA), cfg.data.val_fraction)[1]
+            out["eval"] = engine.evaluate(eval_batches(val, cfg.model.block_size, 8, 1, data_rank, data_ranks))
+        if job.get("stage", 0) <= 1:  # (ZeRO-1's compute parameters are whole on every rank)
+            out["params"] = _full(_named(engine, mesh), mesh, lambda p: p.detach())
     finally:
         engine.close()
     return out
 
 
+def _named(engine, mesh):
+    """Parameters by single-process name (a pipeline's strategy names its chunks' parameters so)."""
+    return engine.strategy.named_parameters() if mesh.size("pp") > 1 else engine.model.named_parameters()
+
+
+def _full(named, mesh, value) -> dict[str, torch.Tensor]:
+    """``value(p)`` of every parameter by its single-process name, tensor-parallel shards gathered
+    (collective over tp); a pipeline's last-stage copy of the tied embedding is left out."""
+    out = {}
+    for n, p in named:
+        if getattr(p, "pipeline_duplicate", False):
+            continue
+        v = value(p)
+        layout = getattr(p, "tp_layout", None)
+        out[n] = (unshard(v, layout, mesh) if layout is not None and mesh.size("tp") > 1 else v).clone()
+    return out
+
+
 def run_jobs(jobs: list[dict]) -> list[dict]:
-    """Every job on this process group (the meshes of each (dp, ep) shape built once)."""
+    """Every job on this process group (the meshes of each (pp, dp, ep, tp) shape built once)."""
     info = init_process(timeout_s=300)
     torch.set_num_threads(1)
-    meshes: dict[tuple[int, int], Mesh] = {}
+    meshes: dict[tuple[int, ...], Mesh] = {}
     out = []
     for job in jobs:
-        key = (job["dp"], job["ep"])
+        key = (job.get("pp", 1), job["dp"], job["ep"], job.get("tp", 1))
         if key not in meshes:
-            meshes[key] = Mesh.build(info.device, dp=job["dp"], ep=job["ep"])
+            meshes[key] = Mesh.build(info.device, pp=key[0], dp=key[1], ep=key[2], tp=key[3])
         out.append(run_job(job, meshes[key]))
     return out

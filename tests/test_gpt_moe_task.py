@@ -22,6 +22,7 @@ from podscale.runtime.launcher import launch
 from podscale.runtime.mesh import Mesh
 
 STEPS = 20
+TRUST_STEPS = 4  # LAMB / LARS under ZeRO-1 at ep = 2
 CKPT_AT = 4  # the ep=2 run saves after this step; ep=1 continues one step and saves; ep=4 continues one more
 
 
@@ -43,7 +44,7 @@ def _moe_cfg(**over):
     (dict(parallel__ep=3, parallel__nproc=4, model__experts=6), 4, ["parallel.ep=3", "does not divide the 4"]),
     (dict(model__kind="gpt", model__experts=None, parallel__ep=2), 2, ["parallel.ep=2", "no experts",
                                                                         "parallel.ep = 1"]),
-    (dict(parallel__tp=2, parallel__ep=1), 2, ["parallel.tp=2", "tensor parallelism"]),
+    (dict(parallel__tp=2, parallel__ep=1, train__micro_batch=1), 2, ["train.micro_batch=1", "parallel.tp=2"]),
     (dict(train__global_batch=6), 2, ["train.global_batch=6", "dp*ep*micro_batch"]),
 ])
 def test_config_errors_are_one_line(over, world, words):
@@ -83,16 +84,18 @@ def _same_routing(ours: list[dict], ref: list[dict], label: str):
                 assert m[k] == v, f"{label} step {step + 1} {k}: {m[k]} vs {v}"
 
 
-def _matches(ours: dict, ref: dict, label: str, norm_rel: float = 1e-9):
+def _matches(ours: dict, ref: dict, label: str, norm_rel: float = 1e-9, param_rel: float | None = 1e-9):
+    """Same routing statistics, losses, gradient norms, step-0 gradients and (unless ``param_rel`` is None)
+    final parameters as the one-process run ``ref``."""
     _same_routing(ours["metrics"], ref["metrics"], label)
     assert ours["losses"] == pytest.approx(ref["losses"], rel=1e-6), label
     assert ours["grad_norms"] == pytest.approx(ref["grad_norms"], rel=norm_rel), label
     if ours["grads"] is not None:
         for name, g in ours["grads"].items():
             assert _rel(g, ref["grads"][name]) <= 1e-9, f"{label} grad {name}"
-    if "params" in ours:
+    if "params" in ours and param_rel is not None:
         for name, p in ours["params"].items():
-            assert _rel(p, ref["params"][name]) <= 1e-9, f"{label} param {name}"
+            assert _rel(p, ref["params"][name]) <= param_rel, f"{label} param {name}"
 
 
 def _jobs(dp: int, ep: int, tmp: Path) -> list[dict]:
@@ -107,11 +110,12 @@ def ckpt_root(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def ep2(ckpt_root):
     """ep = 2 on 2 ranks: the three routing modes; top-2 saving a checkpoint after step CKPT_AT; ZeRO-1
-    resuming that checkpoint for one step."""
+    resuming that checkpoint for one step; LAMB and LARS under ZeRO-1."""
     first = str(ckpt_root / "ep2" / f"step_{CKPT_AT:08d}")
     jobs = _jobs(1, 2, ckpt_root) + [
         dict(mode="top2", dp=1, ep=2, steps=CKPT_AT + 2, save_at=CKPT_AT, save_root=str(ckpt_root / "ep2")),
-        dict(mode="top2", dp=1, ep=2, steps=CKPT_AT + 1, stage=1, load=first)]
+        dict(mode="top2", dp=1, ep=2, steps=CKPT_AT + 1, stage=1, load=first)] + [
+        dict(mode="top2", dp=1, ep=2, steps=TRUST_STEPS, stage=1, optimizer=o) for o in ("lamb", "lars")]
     return launch(W.run_jobs, (jobs,), nproc=2)
 
 
@@ -120,6 +124,8 @@ def single(ep2, ckpt_root):
     """One process: the three modes, then the ep=2 checkpoint continued for one step and saved."""
     mesh = Mesh.build()
     out = {m: W.run_job(dict(mode=m, dp=1, ep=1, steps=STEPS), mesh) for m in W.MODES}
+    for o in ("lamb", "lars"):
+        out[o] = W.run_job(dict(mode="top2", dp=1, ep=1, steps=TRUST_STEPS, stage=1, optimizer=o), mesh)
     out["resumed"] = W.run_job(dict(mode="top2", dp=1, ep=1, steps=CKPT_AT + 1, save_at=CKPT_AT + 1,
                                     save_root=str(ckpt_root / "ep1"),
                                     load=str(ckpt_root / "ep2" / f"step_{CKPT_AT:08d}")), mesh)
@@ -146,6 +152,18 @@ def test_ep2_matches_one_process_for_top1_top2_and_dropless(ep2, single):
     held = [set(k for k in res[0]["held"] if ".experts." in k) for res in ep2.values()]
     assert not held[0] & held[1]
     assert held[0] | held[1] == {k for k in single["top1"]["params"] if ".experts." in k}
+
+
+def test_lamb_and_lars_trust_ratios_under_ep2_match_one_process(ep2, single):
+    """ZeRO-1 at ep = 2: a dense tensor's trust-ratio norms are summed over dp x ep (its shards), an expert's
+    over dp only (each ep rank holds other experts).  Against ZeRO-1 on one process (whose per-tensor
+    ratios tests/test_zero_lamb.py checks): same routing, losses 1e-6, gradient norms 2e-5 and parameters
+    after 4 steps 2.5e-5 relative (fp32 compute; measured 6.5e-6 for LAMB, while summing the dense norms
+    over dp only, as before, left them 9.2e-5 apart)."""
+    for i, o in enumerate(("lamb", "lars")):
+        for rank, res in ep2.items():
+            _matches(res[len(W.MODES) + 2 + i], single[o], f"ep=2 ZeRO-1 {o} rank {rank}", norm_rel=2e-5,
+                     param_rel=2.5e-5)
 
 
 def test_dp2_ep2_matches_one_process_replicated_and_zero3(ep4, single):
@@ -233,4 +251,7 @@ def test_layout_auto_plans_the_gpt_moe_with_expert_parallel_layouts():
     choice = choose_layout(cfg, 2, "dgx-a100-80g", keep=50)
     eps = {o for _, over in choice.ranked for o in over if o.startswith("parallel.ep=")}
     assert eps == {"parallel.ep=1", "parallel.ep=2"}, eps
-    assert not any("parallel.tp=2" in over or "parallel.pp=2" in over for _, over in choice.ranked)
+    # the GPT-MoE now runs under pipelines and tensor parallelism (tests/test_gpt_moe_layouts.py): the
+    # search may return them, and only layouts the config accepts
+    assert any("parallel.pp=2" in over for _, over in choice.ranked)
+    assert not any("parallel.sequence_parallel=true" in over for _, over in choice.ranked)

@@ -161,11 +161,22 @@ class GPT(nn.Module):
             self.lm_head.weight = self.wte.weight  # re-tie after materialising
         return self
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
+    def empty_chunk(self) -> "GPT":
+        """A module of this model's class holding nothing yet but the configuration and the init seed: the
+        pipeline fills in a stage's layers (:func:`podscale.parallel.pipeline.partition.split_chunk`).  A
+        subclass with state beside its modules adds it here."""
+        chunk = type(self).__new__(type(self))
+        nn.Module.__init__(chunk)
+        chunk.cfg, chunk.init_seed = self.cfg, self.init_seed
+        return chunk
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, tokens: torch.Tensor | None = None):
         """Logits for ``idx`` (B, T); with ``targets``, also the mean cross-entropy over all tokens.
 
         A pipeline stage (``podscale.parallel.pipeline``) keeps only some layers: without ``wte`` it takes
         the previous stage's activations as ``idx``, without ``lm_head`` it returns its activations.
+        ``tokens``: the micro-batch's token ids, which a pipeline gives every stage (the GPT does not use
+        them; a GPT-MoE's random routing draws from them on stages past the first).
         """
         if self.wte is not None:
             T = idx.shape[1]

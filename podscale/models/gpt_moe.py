@@ -77,12 +77,21 @@ class MoEMetrics:
     def add(self, name: str, stats: MoEStats) -> None:
         self.layers[name] = self.layers[name] + stats if name in self.layers else stats
 
-    def pop(self, mesh=None, axes=("dp", "ep")) -> dict[str, dict[str, float]]:
-        """Summaries per layer (``{"blocks.1": {"dropped_share": ..., "load_min": ...}}``), summed over
-        ``axes`` of ``mesh`` when given (collective), and clear."""
+    def take(self, other: "MoEMetrics") -> None:
+        """Move ``other``'s statistics into this one (a pipeline rank's chunks hold other layers)."""
+        for name, s in other.layers.items():
+            self.add(name, s)
+        other.layers.clear()
+
+    def pop(self, mesh=None, groups=(("dp", "ep"),)) -> dict[str, dict[str, float]]:
+        """Summaries per layer (``{"blocks.1": {"dropped_share": ..., "load_min": ...}}``), the counts summed
+        over each axis group of ``groups`` in turn on ``mesh`` when given (collective), and clear."""
         out = {}
         for name, s in sorted(self.layers.items()):
-            out[name] = (s.all_reduce(mesh, axes) if mesh is not None else s).summary()
+            if mesh is not None:
+                for axes in groups:
+                    s = s.all_reduce(mesh, axes)
+            out[name] = s.summary()
         self.layers.clear()
         return out
 
@@ -121,31 +130,60 @@ class GPTMoE(GPT):
         g = torch.Generator().manual_seed((self.init_seed + zlib.crc32(name.encode())) % 2**63)
         t.copy_(torch.empty(t.shape, dtype=t.dtype).normal_(0.0, std, generator=g))
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
-        """Logits and, with targets, the cross-entropy plus every MoE layer's weighted aux and z losses."""
-        logits, lm_loss, moe_loss, stats = self.forward_detailed(idx, targets)
+    def empty_chunk(self) -> "GPTMoE":
+        """A pipeline stage's module: a GPTMoE with its own routing statistics (see :meth:`GPT.empty_chunk`)."""
+        chunk = super().empty_chunk()
+        chunk.moe_metrics = MoEMetrics()
+        return chunk
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, tokens: torch.Tensor | None = None):
+        """Logits and, with targets, the cross-entropy plus every MoE layer's weighted aux and z losses.
+
+        A pipeline stage before the last (no ``lm_head``) returns its activations and the weighted aux and
+        z losses of its own MoE layers (None when it has none): the schedule adds their gradient to the
+        activations' in the stage's backward and their value to the step's loss, since the loss computed on
+        the last stage cannot reach them.  ``tokens``: the micro-batch's token ids, for random routing on a
+        stage past the first (whose ``idx`` are activations)."""
+        out, lm_loss, moe_loss, stats = self.forward_detailed(idx, targets, tokens)
         if self.training:
             for name, s in stats.items():
                 self.moe_metrics.add(name, s)
-        return logits, None if lm_loss is None else lm_loss + moe_loss.to(lm_loss.dtype)
+        if self.lm_head is None:
+            return out, moe_loss
+        if lm_loss is None:
+            return out, None
+        return out, lm_loss if moe_loss is None else lm_loss + moe_loss.to(lm_loss.dtype)
 
-    def forward_detailed(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
-        """(logits, cross-entropy or None, summed MoE losses, {block name: MoEStats})."""
-        T = idx.shape[1]
-        if T > self.cfg.block_size:
-            raise ValueError(f"sequence length {T} exceeds block_size {self.cfg.block_size}")
-        keys = sequence_token_keys(idx) if self.cfg.random_routing and self.training else None
-        pos = torch.arange(T, device=idx.device)
-        x = self.drop(self.wte(idx) + self.wpe(pos))
-        moe_loss = x.new_zeros((), dtype=torch.float32)
+    def forward_detailed(self, idx: torch.Tensor, targets: torch.Tensor | None = None,
+                         tokens: torch.Tensor | None = None):
+        """(logits — a stage's activations when it has no head —, cross-entropy or None, summed MoE losses
+        or None when there is no MoE layer, {block name: MoEStats})."""
+        if self.wte is not None:
+            T = idx.shape[1]
+            if T > self.cfg.block_size:
+                raise ValueError(f"sequence length {T} exceeds block_size {self.cfg.block_size}")
+            tokens = idx
+            pos = torch.arange(T, device=idx.device)
+            x = self.drop(self.wte(idx) + self.wpe(pos))
+        else:
+            x = idx
+        keys = None
+        if self.cfg.random_routing and self.training:
+            if tokens is None:
+                raise ValueError("a GPT-MoE stage past the first needs the micro-batch's token ids for random "
+                                 "routing: pass tokens=")
+            keys = sequence_token_keys(tokens)
+        moe_loss = None
         stats = {}
         for name, block in self.blocks.items():
             if isinstance(block, MoEBlock):
                 x, out = block(x, keys)
-                moe_loss = moe_loss + out.loss
+                moe_loss = out.loss if moe_loss is None else moe_loss + out.loss
                 stats[f"blocks.{name}"] = out.stats
             else:
                 x = block(x)
+        if self.lm_head is None:
+            return x, None, moe_loss, stats
         logits = self.lm_head(self.ln_f(x))
         lm_loss = None if targets is None else self.loss_fn(logits, targets)
         return logits, lm_loss, moe_loss, stats

@@ -7,7 +7,9 @@ parallelism on ``dp`` x ``ep``, the experts on ``dp`` only) -> the
 model-parallel wrapper that adds what tp and pp need on top (sequence-parallel gradient sums, the tied
 embedding across first and last stage, the true global gradient norm, the pipeline schedule).
 
-Every ZeRO stage composes with every (pp, tp, sp) layout.  ZeRO sums the sequence-parallel gradients over
+Every ZeRO stage composes with every (pp, tp, sp) layout.  With expert parallelism the pipeline and the
+tensor-parallel wrapper get the same expert/dense split of the data-parallel strategy (a GPT-MoE: pp or tp,
+each with ep, not both).  ZeRO sums the sequence-parallel gradients over
 tp itself, unit by unit before each reduce-scatter; under a pipeline it accumulates the micro-batches'
 gradients locally and reduce-scatters once per step from each chunk's last backward, the tied embedding's
 unit after the first and last stage have added their copies (see :mod:`podscale.parallel.zero.strategy`).
@@ -57,7 +59,9 @@ def build_engine(model: nn.Module, mesh, cfg, task=None, measure_memory: bool = 
     loss_fn = task.loss_fn(cfg.train.precision, mesh.device)
     if mesh.size("pp") > 1:
         from podscale.parallel.pipeline.schedule import PipelineParallel
-        strategy = PipelineParallel.build(model, mesh, cfg, _data_parallel, measure_memory)
+        def make_data_parallel(module, mesh, cfg):  # this rank's chunks; their experts (if any) over dp only
+            return _data_parallel(module, mesh, cfg, task.ep_sharded_parameters(module))
+        strategy = PipelineParallel.build(model, mesh, cfg, make_data_parallel, measure_memory)
         return Engine(strategy.module, mesh, cfg.train, strategy, loss_fn)
     apply_recompute(model, p.recompute)
     if mesh.size("tp") == 1 and not p.sequence_parallel:
@@ -68,5 +72,6 @@ def build_engine(model: nn.Module, mesh, cfg, task=None, measure_memory: bool = 
         return Engine(model, mesh, cfg.train, strategy, loss_fn)
     apply_tensor_parallel(model, mesh, p.sequence_parallel)
     model.materialize(mesh.device)  # what tp did not shard, on a model built on the meta device
-    strategy = TensorParallelStrategy(_data_parallel(model, mesh, cfg), model, mesh, cfg.train.precision)
+    strategy = TensorParallelStrategy(_data_parallel(model, mesh, cfg, task.ep_sharded_parameters(model)), model, mesh,
+                                      cfg.train.precision)
     return Engine(model, mesh, cfg.train, strategy, loss_fn)

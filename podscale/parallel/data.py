@@ -187,8 +187,8 @@ class DataParallel(LocalMicroBatches, DataParallelStrategy):
         return nonfinite_flag(self.grads())
 
     def grad_pieces(self, params):
-        """Every replica holds the whole averaged gradient of each parameter (no ep-sharded parameters: a
-        model-parallel wrapper does not combine with expert parallelism)."""
+        """Every replica holds the whole averaged gradient of each parameter (ep-sharded ones — experts,
+        marked ``expert_parallel`` — are this ep rank's own: the wrapper's norm sums their squares over ep)."""
         return [(p, p.grad) for p in params if p.grad is not None], False
 
     def pending_grad_scale(self) -> float:

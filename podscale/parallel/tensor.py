@@ -43,6 +43,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from podscale.models.gpt import Block
 from podscale.parallel.sharded_state import ShardedCheckpointState
 from podscale.parallel.strategy import DataParallelStrategy, LocalMicroBatches, Strategy
 from podscale.parallel.rng import ForkedDropout, rng_tracker
@@ -133,6 +134,46 @@ class ReduceScatterToSP(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return _gather_seq(grad, ctx.mesh), None
+
+
+def _gather_batch(x: torch.Tensor, mesh) -> torch.Tensor:
+    out = torch.empty((mesh.size("tp") * x.shape[0],) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
+    comm.all_gather(out, x.contiguous(), mesh, "tp")  # rank-major along dim 0
+    return out
+
+
+def _split_batch(x: torch.Tensor, mesh) -> torch.Tensor:
+    return x.chunk(mesh.size("tp"), dim=0)[mesh.local_rank("tp")].contiguous()
+
+
+class SplitBatchToTP(torch.autograd.Function):
+    """This rank's ``1/tp`` of the samples (dim 0) of an activation every tp rank holds whole; backward:
+    all-gather of the gradient.  With :class:`GatherBatchFromTP` it brackets a region whose work is split
+    by samples instead of by weights (the mixture-of-experts layer under tensor parallelism), as Megatron-
+    core's MoE splits tokens over tp ranks before its dispatcher and gathers them after."""
+
+    @staticmethod
+    def forward(ctx, x, mesh):
+        ctx.mesh = mesh
+        return _split_batch(x, mesh)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather_batch(grad, ctx.mesh), None
+
+
+class GatherBatchFromTP(torch.autograd.Function):
+    """All-gather over tp along the samples (dim 0); backward: this rank's part of the gradient (which
+    every tp rank holds whole and identical, downstream of the gather)."""
+
+    @staticmethod
+    def forward(ctx, x, mesh):
+        ctx.mesh = mesh
+        return _gather_batch(x, mesh)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _split_batch(grad, ctx.mesh), None
 
 
 class _ColumnParallelLinearFn(torch.autograd.Function):
@@ -249,7 +290,7 @@ class _VocabParallelCrossEntropyFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, targets, mesh, start, vocab_size):
         ctx.dtype = logits.dtype
-        logits = logits.float()
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # 16-bit up to fp32; fp64 kept
         targets = targets.reshape(-1)
         rows = logits.shape[1]
         pad = start + rows - vocab_size  # padded columns of the last shard take no probability
@@ -403,7 +444,7 @@ def apply_tensor_parallel(model: nn.Module, mesh, sequence_parallel: bool = Fals
 
     with torch.no_grad():
         for key, block in model.blocks.items():
-            a, m = block.attn, block.mlp
+            a = block.attn
             pre = f"blocks.{key}."
             # qkv rows are [q; k; v]: this rank takes its heads of each, in that order
             qkv_bias = full(pre + "attn.qkv.bias", a.qkv.bias)
@@ -414,6 +455,11 @@ def apply_tensor_parallel(model: nn.Module, mesh, sequence_parallel: bool = Fals
             a.proj = RowParallelLinear(shard(full(pre + "attn.proj.weight", a.proj.weight), "cols", mesh),
                                        None if proj_bias is None else proj_bias.clone(), mesh, sp)
             _layout(a.proj, "cols")
+            if not isinstance(block, Block):
+                # a mixture-of-experts block: its layer, built with the mesh, splits its tokens over tp
+                # itself (podscale.parallel.moe.layer); its router and experts stay whole on every tp rank
+                continue
+            m = block.mlp
             fc_bias = full(pre + "mlp.fc.bias", m.fc.bias)
             m.fc = ColumnParallelLinear(shard(full(pre + "mlp.fc.weight", m.fc.weight), "rows", mesh),
                                         None if fc_bias is None else shard(fc_bias, "rows", mesh), mesh, sp)
@@ -453,7 +499,7 @@ def apply_tensor_parallel(model: nn.Module, mesh, sequence_parallel: bool = Fals
         tracker = rng_tracker(mesh)
         for block in model.blocks.values():
             block.attn.heads_rng = tracker.fork
-            if sp:
+            if sp and isinstance(block, Block):
                 block.attn.resid_drop = ForkedDropout(block.attn.resid_drop.p, tracker)
                 block.mlp.drop = ForkedDropout(block.mlp.drop.p, tracker)
         if sp and model.drop is not None:
@@ -494,7 +540,9 @@ def apply_recompute(model: nn.Module, mode: str) -> nn.Module:
 
 def sync_sequence_parallel_grads(params, mesh) -> None:
     """Sum over tp the gradients of parameters used on a sequence shard (layer norms, position embedding,
-    row-parallel biases), so every tp rank holds the full gradient (Korthikanti et al. 2022, 4.2.2)."""
+    row-parallel biases), so every tp rank holds the full gradient (Korthikanti et al. 2022, 4.2.2); also
+    those used on a share of the samples (a mixture-of-experts layer's router and experts under tp, which
+    carry the same ``sequence_parallel`` marker)."""
     if mesh.size("tp") == 1:
         return
     grads = [p.grad for p in params if getattr(p, "sequence_parallel", False) and p.grad is not None]
@@ -514,23 +562,38 @@ def global_grad_norm(pieces, mesh, dp_sharded: bool = False) -> torch.Tensor:
     ``pieces`` are (parameter, gradient part held here).  tp-sharded parameters contribute their squared
     norm summed over tp, tp-replicated ones once; over pp every stage's contribution is summed, except
     parameters marked ``pipeline_duplicate`` (the last stage's copy of the tied embedding), which the first
-    stage counts; with ZeRO (``dp_sharded``) the disjoint slices are summed over dp too.
+    stage counts; with ZeRO (``dp_sharded``) the disjoint slices are summed over the data ranks (dp x ep)
+    too.  Parameters marked ``expert_parallel`` (a mixture-of-experts layer's experts, each ep rank holding
+    others; tp-replicated) are summed over ep.
     """
     dev = mesh.device
-    sq = torch.zeros(2, dtype=torch.float32, device=dev)  # [tp-sharded, tp-replicated]
+    # squares summed in fp64 (three scalars), returned in fp32 unless a gradient is fp64: an fp64 model's
+    # clipping coefficient is then the one-process run's to fp64 precision
+    sq = torch.zeros(3, dtype=torch.float64, device=dev)  # [tp-sharded, tp-replicated, expert-parallel]
+    out_dtype = torch.float32
     seen = set()
     for p, g in pieces:
         if g is None or getattr(p, "pipeline_duplicate", False) or (not dp_sharded and id(p) in seen):
             continue
         seen.add(id(p))
-        sq[0 if getattr(p, "tensor_parallel", False) else 1] += g.float().pow(2).sum().to(dev)
+        kind = 2 if getattr(p, "expert_parallel", False) else 0 if getattr(p, "tensor_parallel", False) else 1
+        sq[kind] += g.double().pow(2).sum().to(dev)
+        if g.dtype == torch.float64:
+            out_dtype = torch.float64
     if dp_sharded:
-        comm.all_reduce(sq, mesh, "dp")
+        # ZeRO: dense slices are disjoint over the data ranks (dp x ep), experts' over dp and each ep rank
+        # holds other experts, so every square is summed over dp x ep once
+        comm.all_reduce(sq, mesh, ("dp", "ep"))
+    elif mesh.size("ep") > 1:
+        # replicas of dense parameters count once; each ep rank holds other experts (expert parallelism)
+        experts = sq[2:].clone()
+        comm.all_reduce(experts, mesh, "ep")
+        sq[2:] = experts
     sharded = sq[:1].clone()
     comm.all_reduce(sharded, mesh, "tp")
-    total = (sharded + sq[1:]).reshape(1)
+    total = (sharded + sq[1:2] + sq[2:]).reshape(1)
     comm.all_reduce(total, mesh, "pp")
-    return total.sqrt()[0]
+    return total.sqrt()[0].to(out_dtype)
 
 
 # ------------------------------------------------------------------------------------------------------

@@ -14,7 +14,14 @@ It is the GPT task (same corpus, loader, evaluation, sampling, throughput unit) 
 * :meth:`GPTMoETask.step_metrics` reports per step and MoE layer the dropped share of the choices, the
   per-expert load (min, max, entropy over log E) and the mean aux and z losses, summed over the data ranks.
 
-Tensor and pipeline parallelism of the GPT-MoE are not built (the config refuses tp > 1 and pp > 1).
+Pipelines (``pp``, GPipe and 1F1B): the GPT-MoE is cut into stages as the GPT is (each stage a
+:class:`GPTMoE` holding some blocks); a stage's MoE losses join the backward there (see
+:meth:`podscale.parallel.pipeline.schedule.PipelineParallel.forward_backward`) and the ep all-to-alls run
+inside each stage: the ep peers of a stage share its pp coordinate, hence its schedule, so they run the same
+micro-batches' forwards and backwards in the same order.  Tensor parallelism (``tp``, without sequence
+parallelism) shards the attention and the dense MLPs; an MoE layer splits its samples over tp (see
+:meth:`podscale.parallel.moe.MoELayer.forward`).  tp and pp together, sequence parallelism and interleaved
+pipelines are refused by the config.
 """
 from __future__ import annotations
 
@@ -23,8 +30,9 @@ from dataclasses import asdict
 import torch
 import torch.nn as nn
 
-from podscale.models.gpt_moe import GPTMoE, GPTMoEConfig
-from podscale.parallel.moe import expert_parameters
+from podscale.models.gpt_moe import GPTMoE, GPTMoEConfig, MoEMetrics
+from podscale.parallel.moe import MoEStats, expert_parameters
+from podscale.runtime import comm
 from podscale.tasks.gpt import GPTTask
 
 
@@ -48,8 +56,8 @@ def _gpt_moe(module: nn.Module) -> GPTMoE:
 class GPTMoETask(GPTTask):
     """The GPT-MoE: batches, loss and sampling are the GPT's; experts are sharded over ``ep``."""
 
-    supports_tensor_parallel = False
-    supports_pipeline = False
+    supports_tensor_parallel = True
+    supports_pipeline = True
     supports_expert_parallel = True
 
     def __init__(self, cfg):
@@ -79,9 +87,26 @@ class GPTMoETask(GPTTask):
         return expert_parameters(model)
 
     def step_metrics(self, model: nn.Module, mesh) -> dict[str, float]:
-        """Routing statistics of the step's training forwards, summed over dp x ep (collective)."""
+        """Routing statistics of the step's training forwards, summed over dp x ep (and tp, whose ranks
+        route different samples), every MoE layer's on every rank (collective).  ``model``: the GPTMoE or,
+        under a pipeline, this rank's chunks (each a GPTMoE holding some layers); the other stages'
+        layers arrive by a sum over pp of a fixed (layer, figure) table, zero where a stage lacks a layer."""
+        metrics = MoEMetrics()
+        for m in model.modules():
+            if isinstance(m, GPTMoE):
+                metrics.take(m.moe_metrics)
+        groups = (("dp", "ep"),) + ((("tp",),) if mesh.size("tp") > 1 else ())
+        summaries = metrics.pop(mesh, groups)
+        if mesh.size("pp") > 1:
+            names = [f"blocks.{i}" for i in range(self.gpt.n_layer) if self.gpt.is_moe(i)]
+            table = torch.zeros(len(names), len(MoEStats.SUMMARY_KEYS), dtype=torch.float64, device=mesh.device)
+            for name, summary in summaries.items():
+                table[names.index(name)] = torch.tensor([summary[k] for k in MoEStats.SUMMARY_KEYS],
+                                                        dtype=torch.float64)
+            comm.all_reduce(table, mesh, "pp")
+            summaries = {name: dict(zip(MoEStats.SUMMARY_KEYS, row.tolist())) for name, row in zip(names, table)}
         out = {}
-        for layer, summary in _gpt_moe(model).moe_metrics.pop(mesh, ("dp", "ep")).items():
+        for layer, summary in summaries.items():
             for k, v in summary.items():
                 out[f"{layer}/{k}"] = v
         return out

@@ -227,6 +227,9 @@ class MoEStats:
         return MoEStats(flat[0], flat[1:1 + E], flat[1 + E:], (losses[0] / n).float(), (losses[1] / n).float(),
                         self.forwards)
 
+    #: the keys of :meth:`summary`, in its order
+    SUMMARY_KEYS = ("dropped_share", "load_min", "load_max", "load_entropy", "aux_loss", "z_loss")
+
     @property
     def dropped(self) -> int:
         """Choices dropped for capacity."""

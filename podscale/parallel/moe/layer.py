@@ -58,6 +58,7 @@ import torch.nn.functional as F
 
 from podscale.parallel.moe.gate import MoEStats, Router, Routing, expert_capacity, load_balancing_loss, \
     route, routing_uniform, router_z_loss
+from podscale.parallel.tensor import GatherBatchFromTP, ReduceFromTP, SplitBatchToTP
 from podscale.runtime import comm
 
 
@@ -317,6 +318,7 @@ class MoELayer(nn.Module):
         ep = mesh.sizes["ep"] if mesh is not None else 1
         check_moe_args(experts, top_k, capacity_factor, eval_capacity_factor, ep)
         self.mesh, self.ep = mesh, ep
+        self.tp = mesh.sizes["tp"] if mesh is not None else 1
         self.num_experts, self.top_k = experts, top_k
         self.capacity_factor, self.eval_capacity_factor, self.dropless = capacity_factor, eval_capacity_factor, dropless
         self.random_routing, self.seed = random_routing, seed
@@ -324,6 +326,11 @@ class MoELayer(nn.Module):
         self.router = Router(d_model, experts, bias_balancing, bias_update_rate)
         ep_rank = mesh.coords()["ep"] if mesh is not None else 0
         self.experts = Experts(d_model, d_hidden, experts, ep, ep_rank, bias)
+        if self.tp > 1:
+            # each tp rank routes its own share of the samples (see forward): the router's and the experts'
+            # gradients are partial over tp and summed there, as a sequence-parallel layer norm's are
+            for p in self.parameters():
+                p.sequence_parallel = True
 
     # routing -----------------------------------------------------------------------------------------
     def capacity(self, group_size: int) -> int | None:
@@ -354,7 +361,40 @@ class MoELayer(nn.Module):
     # the training path ---------------------------------------------------------------------------------
     def forward(self, x: torch.Tensor, keys: torch.Tensor | None = None) -> tuple[torch.Tensor, MoEOutput]:
         """``x`` (..., S, d): groups of S tokens.  Returns the output (same shape; zero for a token none of
-        whose choices was dispatched) and the :class:`MoEOutput`."""
+        whose choices was dispatched) and the :class:`MoEOutput`.
+
+        Under tensor parallelism (the mesh's tp > 1, without sequence parallelism) every tp rank holds the
+        same tokens.  Rather than route them all and run every expert tp times, each tp rank takes ``1/tp``
+        of the samples (dim 0: whole groups, so every routing decision is the single-process one), routes
+        them and exchanges them over its own ep group, and the outputs are all-gathered over tp
+        (:class:`~podscale.parallel.tensor.SplitBatchToTP` / :class:`~podscale.parallel.tensor.GatherBatchFromTP`).
+        Megatron-core's MoE likewise gives its token dispatcher ``S/tp * B`` tokens per rank, but gets them
+        from sequence parallelism, which it requires with tp; here whole sequences are split, since a
+        sequence is a routing group (its capacity), so routing stays the one-process routing.
+        The aux and z losses are means over groups and tokens, so the layer's loss is the tp-mean of the
+        ranks' (``ReduceFromTP``: all-reduce forward, identity backward), and the router's and experts'
+        gradients, partial per tp rank, are summed over tp by the strategy (they carry the
+        ``sequence_parallel`` marker).  ``MoEOutput.aux_loss``/``z_loss``/``stats`` are this rank's."""
+        if self.tp == 1:
+            return self._forward_local(x, keys)
+        if x.dim() < 3 or x.shape[0] % self.tp:
+            if not torch.is_grad_enabled():
+                # inference on fewer samples than tp ranks (sampling one sequence): every tp rank routes
+                # all of them, the same way (its result is the split one's)
+                return self._forward_local(x, keys)
+            raise ValueError(f"an MoE layer under tensor parallelism splits the samples over tp={self.tp}: "
+                             f"{x.shape[0] if x.dim() >= 3 else 1} samples do not divide; make train.micro_batch "
+                             f"a multiple of parallel.tp")
+        mine = SplitBatchToTP.apply(x, self.mesh)
+        if keys is not None:
+            keys = keys.chunk(self.tp, dim=0)[self.mesh.local_rank("tp")]
+        y, out = self._forward_local(mine, keys)
+        loss = ReduceFromTP.apply(out.loss / self.tp, self.mesh)
+        return GatherBatchFromTP.apply(y, self.mesh), MoEOutput(loss, out.aux_loss, out.z_loss, out.routing,
+                                                                out.stats)
+
+    def _forward_local(self, x: torch.Tensor, keys: torch.Tensor | None) -> tuple[torch.Tensor, MoEOutput]:
+        """The layer on this rank's tokens (the sort/index fast path; ep exchange inside)."""
         flat, r, out = self._route(x, keys)
         N, k = r.expert.shape
         token = r.order // k                                   # the kept choices' tokens, sorted by expert

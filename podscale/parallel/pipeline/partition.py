@@ -128,13 +128,11 @@ def stage_layers(model: GPT, chunks: int, balance: str = "params", layers: list[
 
 
 def split_chunk(model: GPT, layers: list[int], first: bool, last: bool) -> GPT:
-    """A GPT holding only ``layers`` (and the embeddings if ``first``, the head and loss if ``last``).
+    """A GPT (of ``model``'s class) holding only ``layers`` (and the embeddings if ``first``, the head and loss if ``last``).
 
     Shares the modules of ``model`` (which should not be used afterwards).
     """
-    chunk = GPT.__new__(GPT)
-    nn.Module.__init__(chunk)
-    chunk.cfg, chunk.init_seed = model.cfg, model.init_seed
+    chunk = model.empty_chunk()  # the model's own class (a GPT-MoE stage is a GPTMoE)
     chunk.wte = model.wte if first else None
     chunk.wpe = model.wpe if first else None
     chunk.drop = model.drop if first else None
@@ -143,7 +141,7 @@ def split_chunk(model: GPT, layers: list[int], first: bool, last: bool) -> GPT:
     chunk.loss_fn = model.loss_fn if last else None
     if last and not first:
         src = model.lm_head.weight
-        head = nn.Linear(model.cfg.n_embd, model.cfg.vocab_size, bias=False, device=src.device)
+        head = nn.Linear(model.cfg.n_embd, model.cfg.vocab_size, bias=False, device=src.device, dtype=src.dtype)
         with torch.no_grad():
             head.weight.copy_(src)  # on the meta device a no-op: materialising gives the tied init
         head.weight.pipeline_duplicate = True

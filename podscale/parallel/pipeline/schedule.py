@@ -281,16 +281,18 @@ class PipelineParallel(ShardedCheckpointState, WrapsDataParallel):
         mine.add_(theirs)
 
     # forward only: validation and sampling ------------------------------------------------------------
-    def _forward_pipeline(self, inputs, last) -> list:
+    def _forward_pipeline(self, inputs, last) -> tuple[list, torch.Tensor]:
         """Forward ``inputs`` (a list of ``(x, y)``, same shapes on every rank) through the pipeline without
         autograd: each micro-batch through this rank's chunks in stage order, receiving blocking right
         before a chunk needs its input and sending asynchronously, so micro-batches flow through the stages
         as in GPipe's forward phase.  Returns ``last(output, loss)`` of each micro-batch on the last stage
-        (an empty list elsewhere).  Every rank's order sorts by (micro-batch, stage), which is also the
-        order of the dependencies, so it cannot deadlock."""
+        (an empty list elsewhere) and the sum of the losses the other stages' chunks return (a GPT-MoE
+        stage's auxiliary losses; zero for a GPT).  Every rank's order sorts by (micro-batch, stage), which
+        is also the order of the dependencies, so it cannot deadlock."""
         p, stages, dev = self.p, self.p * self.v, self.mesh.device
         dtype = next(self.module.parameters()).dtype
         sends, out = [], []
+        stage_loss = torch.zeros((), device=dev)
         with torch.no_grad():
             self.inner.begin_forward()
             for mb, (x, y) in enumerate(inputs):
@@ -303,24 +305,27 @@ class PipelineParallel(ShardedCheckpointState, WrapsDataParallel):
                         inp = torch.empty(shape, device=dev, dtype=dtype)
                         _recv(inp, self.ranks[(s - 1) % p], self.mesh, _tag(mb, s, False, stages)).wait()
                     with autocast(self.precision, dev):
-                        h, loss = chunk(inp, None if y is None or s < stages - 1 else y.to(dev))
+                        h, loss = chunk(inp, None if y is None or s < stages - 1 else y.to(dev), tokens=x.to(dev))
                     if s == stages - 1:
                         out.append(last(h, loss))
                     else:
+                        if loss is not None:
+                            stage_loss += loss.float()
                         sends.append(_send(h.contiguous(), self.ranks[(s + 1) % p], self.mesh,
                                            _tag(mb, s + 1, False, stages)))
             self.inner.end_forward()
         for h in sends:
             h.wait()
-        return out
+        return out, stage_loss
 
     def forward_only(self, batches, loss_fn=None) -> torch.Tensor:
-        """The sum of the losses of ``batches`` (evaluation), computed on the last stage, on every rank.
-        The GPT chunks compute the loss themselves on the last stage: ``loss_fn`` is not called (only the
-        GPT task runs under a pipeline)."""
-        losses = self._forward_pipeline(batches, lambda h, loss: loss.float())
-        total = torch.stack(losses).sum() if losses else torch.zeros((), device=self.mesh.device)
-        comm.broadcast(total, self.p - 1, self.mesh, "pp")
+        """The sum of the losses of ``batches`` (evaluation) on every rank: the last stage's plus the other
+        stages' auxiliary losses (a GPT-MoE's), summed over pp.  The chunks compute the loss themselves:
+        ``loss_fn`` is not called (only the GPT tasks run under a pipeline)."""
+        losses, total = self._forward_pipeline(batches, lambda h, loss: loss.float())
+        if losses:
+            total = total + torch.stack(losses).sum()
+        comm.all_reduce(total, self.mesh, "pp")
         return total
 
     def next_logits(self, idx: torch.Tensor) -> torch.Tensor:
@@ -328,7 +333,7 @@ class PipelineParallel(ShardedCheckpointState, WrapsDataParallel):
         gathers the vocab shards over tp and broadcasts them over pp."""
         T, vocab = idx.shape[1], self.chunks[0].cfg.vocab_size
         padded = pad_to_shards(idx, self.mesh, self.seq_shards > 1)
-        out = self._forward_pipeline([(padded, None)], lambda h, _: h[:, T - 1, :])
+        out, _ = self._forward_pipeline([(padded, None)], lambda h, _: h[:, T - 1, :])
         if out:  # the last stage
             logits = gather_vocab_logits(out[0], self.mesh, vocab)
         else:
@@ -340,7 +345,15 @@ class PipelineParallel(ShardedCheckpointState, WrapsDataParallel):
     # the schedule -------------------------------------------------------------------------------------
     def forward_backward(self, micro_batches, loss_scale: float | None, loss_fn=None) -> torch.Tensor:
         """Run the schedule over ``micro_batches`` (``(x, y)`` token pairs); the last stage's GPT chunk
-        computes the loss, so ``loss_fn`` is not called (only the GPT task runs under a pipeline)."""
+        computes the loss, so ``loss_fn`` is not called (only the GPT tasks run under a pipeline).
+
+        A chunk before the last may return a loss of its own beside its activations (a GPT-MoE stage: its
+        MoE layers' weighted aux and z losses).  Its backward then starts from both, ``(activations,
+        loss / m * loss_scale)`` with gradients ``(received gradient, 1)``, so the auxiliary losses of every
+        stage reach the gradients with the scale the last stage's loss has; its value is added to the
+        step's loss (summed over pp).  Megatron-core gets the same gradient by attaching the aux loss to the
+        activations with an identity autograd function whose backward adds the scaled loss gradient
+        (``MoEAuxLossAutoScaler``); here the schedule owns the scale, so it passes both roots to backward."""
         m = len(micro_batches)
         self.inner.begin_forward()  # the dp strategy's per-step work (ZeRO waits for its parameter all-gather)
         actions = schedule_actions(self.schedule, self.p, m, self.v)[self.stage_rank]
@@ -402,37 +415,45 @@ class PipelineParallel(ShardedCheckpointState, WrapsDataParallel):
                 hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t) if self.measure_memory \
                     else contextlib.nullcontext()
                 with hooks, autocast(self.precision, dev):
-                    out, loss = chunk(inp, y.to(dev) if s == stages - 1 else None)
+                    out, loss = chunk(inp, y.to(dev) if s == stages - 1 else None, tokens=x.to(dev))
                 st.compute_s += time.perf_counter() - t0
+                scale = (loss_scale if loss_scale is not None else 1.0) / m
+                aux = None
                 if s == stages - 1:
                     loss_sum += loss.detach().float()
-                    out = loss / m * (loss_scale if loss_scale is not None else 1.0)
+                    out = loss * scale
                 else:
                     sends.append(_send(out.detach().contiguous(), self.ranks[(s + 1) % p], self.mesh,
                                        _tag(mb, s + 1, False, stages)))
-                stash[(c, mb)] = (inp, out)
+                    if loss is not None:  # this stage's own loss (a GPT-MoE stage's aux and z losses)
+                        loss_sum += loss.detach().float()
+                        aux = loss * scale
+                stash[(c, mb)] = (inp, out, aux)
                 live_bytes[(c, mb)] = saved[0]
                 st.peak_in_flight = max(st.peak_in_flight, len(stash))
                 st.peak_activation_bytes = max(st.peak_activation_bytes, sum(live_bytes.values()))
             else:
-                inp, out = stash.pop((c, mb))
+                inp, out, aux = stash.pop((c, mb))
                 live_bytes.pop((c, mb))
                 grad = received(i) if s < stages - 1 else None
+                roots, grads = (out,), (grad,)
+                if aux is not None:
+                    roots, grads = (out, aux), (grad, torch.ones_like(aux))
                 t0 = time.perf_counter()
                 with contextlib.nullcontext() if last_b.get(c) == i else self.inner.no_sync():
-                    torch.autograd.backward(out, grad)
+                    torch.autograd.backward(roots, grads)
                 st.compute_s += time.perf_counter() - t0
                 if s > 0:
                     sends.append(_send(inp.grad, self.ranks[(s - 1) % p], self.mesh, _tag(mb, s - 1, True, stages)))
-                del inp, out
+                del inp, out, aux, roots
             sends = [h for h in sends if not _completed(h)]  # release what has been delivered
             st.timeline.append((kind, c, mb, a_start, time.perf_counter() - t_start))
         t0 = time.perf_counter()
         for h in sends:
             h.wait()
         st.wait_s += time.perf_counter() - t0
-        # the loss lives on the last stage; every rank reports it
-        comm.broadcast(loss_sum, p - 1, self.mesh, "pp")
+        # the loss lives on the last stage (and a GPT-MoE's aux losses on every stage); every rank reports it
+        comm.all_reduce(loss_sum, self.mesh, "pp")
         st.total_s = time.perf_counter() - t_start
         self.stats = st
         return loss_sum

@@ -96,8 +96,21 @@ class FlatState(ABC):
     def n_tensors(self) -> int:
         return sum(len(u.params) for u in self.units)
 
-    def _allreduce_dp(self, t: torch.Tensor) -> None:
-        comm.all_reduce(t, self.mesh, "dp")
+    def _allreduce_trust(self, t: torch.Tensor) -> None:
+        """Sum the per-tensor squares ``t`` (2 x n_tensors) of the trust ratios over the ranks that hold
+        pieces of each tensor: its unit's axes.  Under expert parallelism a dense tensor is sharded over dp x
+        ep and an expert's over dp only (each ep rank's tensor at that index is another expert, so a sum over
+        ep would mix experts): one all-reduce per group of axes."""
+        axes = [u.axes for u in self.units for _ in u.params]
+        groups = sorted(set(axes))
+        if len(groups) == 1:
+            comm.all_reduce(t, self.mesh, groups[0])
+            return
+        for g in groups:
+            idx = torch.tensor([i for i, a in enumerate(axes) if a == g], device=t.device)
+            part = t.index_select(1, idx)
+            comm.all_reduce(part, self.mesh, g)
+            t.index_copy_(1, idx, part)
 
     # initial state ---------------------------------------------------------------------------------
     @abstractmethod
@@ -267,7 +280,7 @@ class MemoryFlatState(FlatState):
         pieces = [flat_lamb.Piece(i, self._master[u.index][s:e], self._grad[u.index][s:e],
                                   self._view(self.exp_avg, u)[s:e], self._view(self.exp_avg_sq, u)[s:e], wd)
                   for i, u, s, e, wd in self.pieces()]
-        self.trust = flat_lamb.FlatTrustRatio(rule, pieces, self.n_tensors, self._allreduce_dp, self.device)
+        self.trust = flat_lamb.FlatTrustRatio(rule, pieces, self.n_tensors, self._allreduce_trust, self.device)
 
     def _segments(self, u: Unit) -> list[Segment]:
         m, g = self._master[u.index], self._grad[u.index]
@@ -410,7 +423,7 @@ class NvmeFlatState(FlatState):
         if self.optimizer_name != "adamw":
             rule = flat_lamb.make_rule(self.optimizer_name, self.betas, self.eps)
             pieces = [(i, u.goff + s, e - s, wd) for i, u, s, e, wd in self.pieces()]
-            self.swap.use_trust_ratio(rule, lambda: flat_lamb.TrustRatioNorms(self.n_tensors, self._allreduce_dp,
+            self.swap.use_trust_ratio(rule, lambda: flat_lamb.TrustRatioNorms(self.n_tensors, self._allreduce_trust,
                                                                                self.device), pieces)
         self._cshard: dict[int, torch.Tensor] = {}
         self._reads: dict[int, tuple] = {}       # unit index -> (request or None, buffer): parameter reads
