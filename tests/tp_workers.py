@@ -4,6 +4,7 @@ from __future__ import annotations
 import contextlib
 
 import torch
+from torch._dynamo.utils import counters
 
 from podscale.config import parse_config
 from podscale.models.gpt import GPT
@@ -127,6 +128,7 @@ def train_layouts(cfg_dicts: list[dict]) -> list[dict]:
         with torch.device("meta") if meta else contextlib.nullcontext():
             model = GPT(gpt_config(cfg))
         engine = build_engine(model, mesh, cfg, measure_memory=True)
+        graphs = counters["stats"]["unique_graphs"]  # (train.compile: graphs Dynamo traces while this trains)
         out_meta = {"meta_left": any(p.is_meta for p in engine.strategy.module.parameters())}
         tokens, _ = split_tokens(load_tokens(cfg.data.path), cfg.data.val_fraction)
         loader = ShardedLoader(tokens, cfg.model.block_size, cfg.train.global_batch, cfg.train.micro_batch,
@@ -143,6 +145,7 @@ def train_layouts(cfg_dicts: list[dict]) -> list[dict]:
         params = full_named(engine, mesh)
         inner = getattr(engine.strategy, "inner", engine.strategy)
         out_meta["zero_units"] = [len(getattr(inner, "units", [])), len(getattr(inner, "layers", []))]
+        out_meta["compiled_graphs"] = counters["stats"]["unique_graphs"] - graphs
         out.append({**out_meta, "losses": losses, "grad_norms": norms, "skipped": skipped,
                     "params": params if info.rank == 0 else None,
                     "grads1": grads1 if info.rank == 0 else None,

@@ -135,6 +135,14 @@ class ReduceScatterToSP(torch.autograd.Function):
         return _gather_seq(grad, ctx.mesh), None
 
 
+@torch.compiler.disable
+def _collective(fn: type[torch.autograd.Function], *args):
+    """``fn.apply(*args)`` for the operators above that communicate, kept out of ``torch.compile``'s graphs:
+    under ``train.compile`` (:mod:`podscale.train.compile`) a compiled block breaks its graph here, runs the
+    collective eagerly through :mod:`podscale.runtime.comm` and compiles the pieces between collectives."""
+    return fn.apply(*args)
+
+
 class _ColumnParallelLinearFn(torch.autograd.Function):
     """``f`` (or sequence-parallel ``g``) fused with the linear layer, so that backward overlaps the
     input gradient's all-reduce (reduce-scatter) with the weight gradient's matmul."""
@@ -196,8 +204,8 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.overlap:
-            return _ColumnParallelLinearFn.apply(x, self.weight, self.bias, self.mesh, self.sequence_parallel)
-        x = GatherFromSP.apply(x, self.mesh) if self.sequence_parallel else CopyToTP.apply(x, self.mesh)
+            return _collective(_ColumnParallelLinearFn, x, self.weight, self.bias, self.mesh, self.sequence_parallel)
+        x = _collective(GatherFromSP, x, self.mesh) if self.sequence_parallel else _collective(CopyToTP, x, self.mesh)
         return F.linear(x, self.weight, self.bias)
 
 
@@ -212,7 +220,7 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.linear(x, self.weight)
-        y = ReduceScatterToSP.apply(y, self.mesh) if self.sequence_parallel else ReduceFromTP.apply(y, self.mesh)
+        y = _collective(ReduceScatterToSP if self.sequence_parallel else ReduceFromTP, y, self.mesh)
         return y if self.bias is None else y + self.bias
 
 

@@ -14,7 +14,8 @@ It is the GPT task (same corpus, loader, evaluation, sampling, throughput unit) 
 * :meth:`GPTMoETask.step_metrics` reports per step and MoE layer the dropped share of the choices, the
   per-expert load (min, max, entropy over log E) and the mean aux and z losses, summed over the data ranks.
 
-Tensor and pipeline parallelism of the GPT-MoE are not built (the config refuses tp > 1 and pp > 1).
+Tensor and pipeline parallelism of the GPT-MoE are not built (the config refuses tp > 1 and pp > 1), nor is
+``train.compile``.
 """
 from __future__ import annotations
 
@@ -51,6 +52,9 @@ class GPTMoETask(GPTTask):
     supports_tensor_parallel = False
     supports_pipeline = False
     supports_expert_parallel = True
+    #: the MoE blocks route tokens with data-dependent capacities and all-to-alls and record routing
+    #: statistics from Python: not compiled (train.compile is refused before workers start)
+    supports_compile = False
 
     def __init__(self, cfg):
         super().__init__(cfg)
