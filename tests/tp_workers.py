@@ -153,6 +153,27 @@ def train_layouts(cfg_dicts: list[dict]) -> list[dict]:
     return out
 
 
+def compiled_one_process_then_layouts(single: dict, micro_batches: int, backend: str, cfg_dicts: list[dict]):
+    """Rank 0 first trains ``single`` in one process with its blocks compiled (:func:`reference.reference_run`
+    with ``backend``, ``micro_batches`` forwards per step) while the other ranks wait, so that its compiled
+    kernels are in the inductor cache before every rank trains ``cfg_dicts`` (:func:`train_layouts`).
+    Returns (that run or None, the graphs Dynamo traced for it, the layouts' results, the CPU seconds this
+    worker used: what the test would take on an idle machine, as inductor compiles in the worker itself)."""
+    import resource
+
+    import torch.distributed as dist
+
+    from reference import reference_run
+    info = init_process()
+    graphs = counters["stats"]["unique_graphs"]
+    one = reference_run(single, backend, micro_batches) if info.rank == 0 else None
+    graphs = counters["stats"]["unique_graphs"] - graphs
+    dist.barrier()
+    out = train_layouts(cfg_dicts)
+    use = resource.getrusage(resource.RUSAGE_SELF)
+    return one, graphs, out, use.ru_utime + use.ru_stime
+
+
 def _first_step(engine, loader, mesh):
     """Engine.step, with the gradients captured between the reduction and the optimizer step."""
     captured = {}
