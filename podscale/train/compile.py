@@ -20,6 +20,12 @@ Why per unit, not the whole model:
 * *static shapes* (``dynamic=False``): a training step's shapes do not change; a forward with other shapes
   (sampling, which grows the context one token at a time) runs eagerly inside :func:`eager`.
 
+Dynamo runs frames eagerly while a ``TorchFunctionMode`` is active (the test suite's strict device check,
+:func:`podscale.runtime.comm.enable_strict_devices`, holds one for the whole process): the compile tests turn
+that check off.  Dropout inside a compiled block draws from inductor's own random streams (the same
+distribution, not eager's numbers); under tensor parallelism its per-rank streams are not traced, and the
+config refuses ``train.compile`` with dropout there.
+
 The backend is ``train.compile_backend``: ``inductor`` (C++/OpenMP kernels on a CPU, Triton on a GPU) or
 ``aot_eager`` (the same forward/backward tracing, run eagerly; for debugging).  Compiled kernels are cached on
 disk by inductor (``TORCHINDUCTOR_CACHE_DIR``), so later runs and other ranks of the same shapes reuse them.
