@@ -118,6 +118,11 @@ class GPTModelSection(_Section):
         elif p.pp > 1 and m.n_layer < chunks:
             raise ConfigError(f"model.n_layer={m.n_layer} is fewer than the {chunks} pipeline stages "
                               f"(pp * virtual_stages): use at least {chunks} layers or fewer stages")
+        if t.compile and m.dropout > 0 and (p.tp > 1 or p.sequence_parallel):
+            raise ConfigError(f"train.compile = true with model.dropout={m.dropout} under parallel.tp={p.tp}: the "
+                              "per-rank dropout streams of tensor parallelism are not traced by torch.compile: "
+                              "set model.dropout = 0, train.compile = false, or parallel.tp = 1 without "
+                              "sequence parallelism")
         if p.pp > 1:
             micro = cfg.grad_accum
             if p.schedule == "interleaved" and micro % p.pp:
@@ -540,6 +545,14 @@ class TrainSection(_Section):
     reduce_dtype: Literal["fp32", "bf16", "fp16"] | None = None
     loss_scale_init: float = Field(2.0**16, gt=0.0)
     loss_scale_window: int = Field(1000, ge=1)
+    compile: bool = Field(
+        False, description="compile each of the task's repeated units (the GPT's transformer blocks) with "
+                           "torch.compile, one graph shared by all of them; parallel wrappers, hooks and "
+                           "collectives stay outside the compiled regions (podscale.train.compile)")
+    compile_backend: Literal["inductor", "aot_eager"] = Field(
+        "inductor", description="torch.compile backend: inductor generates C++ (CPU) or Triton (GPU) kernels; "
+                                "aot_eager traces forward and backward the same way but runs them eagerly "
+                                "(no code generation: for debugging a compiled run)")
 
     @model_validator(mode="after")
     def _lr_range(self):
@@ -619,6 +632,12 @@ class Config(_Section):
             raise ConfigError("parallel.schedule = 'interleaved' needs parallel.virtual_stages >= 2 (model "
                               "chunks per pipeline rank): set it, or use schedule = '1f1b'")
         self.model.check_layout(self)  # what the model family needs of tp, sp and pp
+        if self.train.compile:
+            from podscale.tasks.base import check_task_compile
+            try:
+                check_task_compile(self.model.task_class(), p.recompute)
+            except ValueError as err:
+                raise ConfigError(str(err)) from None
 
 
 def _where(loc: tuple) -> str:

@@ -19,11 +19,17 @@ from podscale.train.data import ShardedLoader, load_tokens, split_tokens
 from podscale.tasks.gpt import gpt_config
 
 
-def reference_run(d: dict) -> dict:
-    """Losses and gradient norms per step, gradients after step 1 and parameters after the last step."""
+def reference_run(d: dict, compile_backend: str | None = None, micro_batches: int = 1) -> dict:
+    """Losses and gradient norms per step, gradients after step 1 and parameters after the last step.
+    ``compile_backend``: the GPT's blocks compiled with it as ``train.compile`` does; ``micro_batches``: each
+    global batch run as that many equal forwards whose gradients add up (the loss is their mean)."""
     cfg = parse_config(d)
     torch.manual_seed(cfg.run.seed)
     model = GPT(gpt_config(cfg))
+    if compile_backend is not None:
+        from podscale.tasks.gpt import GPTTask
+        from podscale.train.compile import compile_units
+        compile_units(GPTTask(cfg).compile_units(model), compile_backend)
     t = cfg.train
     opt = torch.optim.AdamW(param_groups(model, t.weight_decay), lr=t.lr, betas=(t.beta1, t.beta2),
                             eps=t.eps, fused=True)
@@ -38,10 +44,13 @@ def reference_run(d: dict) -> dict:
         for g in opt.param_groups:
             g["lr"] = cosine_lr(step, t.lr, t.min_lr, t.warmup_steps, t.decay_steps)
         (x, y), = loader.next_step()
-        with torch.autocast("cpu", dtype=dtype, enabled=dtype is not None):
-            logits, _ = model(x)
-        loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), y.view(-1))
-        scaler.scale(loss).backward()
+        loss = 0.0
+        for xm, ym in zip(x.chunk(micro_batches), y.chunk(micro_batches)):
+            with torch.autocast("cpu", dtype=dtype, enabled=dtype is not None):
+                logits, _ = model(xm)
+            part = F.cross_entropy(logits.float().view(-1, logits.size(-1)), ym.view(-1)) / micro_batches
+            scaler.scale(part).backward()
+            loss = loss + part
         scaler.unscale_(opt)
         norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)))
         if step == 0:

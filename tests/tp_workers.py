@@ -4,6 +4,7 @@ from __future__ import annotations
 import contextlib
 
 import torch
+from torch._dynamo.utils import counters
 
 from podscale.config import parse_config
 from podscale.models.gpt import GPT
@@ -127,6 +128,7 @@ def train_layouts(cfg_dicts: list[dict]) -> list[dict]:
         with torch.device("meta") if meta else contextlib.nullcontext():
             model = GPT(gpt_config(cfg))
         engine = build_engine(model, mesh, cfg, measure_memory=True)
+        graphs = counters["stats"]["unique_graphs"]  # (train.compile: graphs Dynamo traces while this trains)
         out_meta = {"meta_left": any(p.is_meta for p in engine.strategy.module.parameters())}
         tokens, _ = split_tokens(load_tokens(cfg.data.path), cfg.data.val_fraction)
         loader = ShardedLoader(tokens, cfg.model.block_size, cfg.train.global_batch, cfg.train.micro_batch,
@@ -143,11 +145,34 @@ def train_layouts(cfg_dicts: list[dict]) -> list[dict]:
         params = full_named(engine, mesh)
         inner = getattr(engine.strategy, "inner", engine.strategy)
         out_meta["zero_units"] = [len(getattr(inner, "units", [])), len(getattr(inner, "layers", []))]
+        out_meta["compiled_graphs"] = counters["stats"]["unique_graphs"] - graphs
         out.append({**out_meta, "losses": losses, "grad_norms": norms, "skipped": skipped,
                     "params": params if info.rank == 0 else None,
                     "grads1": grads1 if info.rank == 0 else None,
                     "comm": mesh.stats.snapshot(), "pipeline": _pipeline_stats(engine)})
     return out
+
+
+def compiled_one_process_then_layouts(single: dict, micro_batches: int, backend: str, cfg_dicts: list[dict]):
+    """Rank 0 first trains ``single`` in one process with its blocks compiled (:func:`reference.reference_run`
+    with ``backend``, ``micro_batches`` forwards per step) while the other ranks wait, so that its compiled
+    kernels are in the inductor cache before every rank trains ``cfg_dicts`` (:func:`train_layouts`).
+    Returns (that run or None, the graphs Dynamo traced for it, the layouts' results, the CPU seconds this
+    worker and the C++ compilers it ran used: inductor compiles in the worker itself)."""
+    import resource
+
+    import torch.distributed as dist
+
+    from reference import reference_run
+    info = init_process()
+    graphs = counters["stats"]["unique_graphs"]
+    one = reference_run(single, backend, micro_batches) if info.rank == 0 else None
+    graphs = counters["stats"]["unique_graphs"] - graphs
+    dist.barrier()
+    out = train_layouts(cfg_dicts)
+    cpu = sum(u.ru_utime + u.ru_stime for u in (resource.getrusage(resource.RUSAGE_SELF),
+                                               resource.getrusage(resource.RUSAGE_CHILDREN)))  # (+ the C++ compiler)
+    return one, graphs, out, cpu
 
 
 def _first_step(engine, loader, mesh):

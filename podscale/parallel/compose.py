@@ -5,7 +5,9 @@ pipeline split on ``pp`` (stages, then virtual chunks) -> tensor/sequence parall
 chunk -> the data-parallel strategy on ``dp`` (replicated, or ZeRO when ``zero.stage`` > 0; with expert
 parallelism on ``dp`` x ``ep``, the experts on ``dp`` only) -> the
 model-parallel wrapper that adds what tp and pp need on top (sequence-parallel gradient sums, the tied
-embedding across first and last stage, the true global gradient norm, the pipeline schedule).
+embedding across first and last stage, the true global gradient norm, the pipeline schedule) -> with
+``train.compile``, the task's repeated units compiled one by one, inside all of the above
+(:mod:`podscale.train.compile`).
 
 Every ZeRO stage composes with every (pp, tp, sp) layout.  With expert parallelism the pipeline and the
 tensor-parallel wrapper get the same expert/dense split of the data-parallel strategy (a GPT-MoE: pp or tp,
@@ -50,11 +52,14 @@ def build_engine(model: nn.Module, mesh, cfg, task=None, measure_memory: bool = 
     ``measure_memory``: the pipeline schedule counts the bytes each micro-batch saves for backward.
     """
     from podscale.tasks import check_task_layout, task_for
+    from podscale.tasks.base import check_task_compile
     from podscale.train.engine import Engine
 
     p = cfg.parallel
     task = task if task is not None else task_for(cfg)
     check_task_layout(type(task), mesh.size("tp"), p.sequence_parallel, mesh.size("pp"), mesh.size("ep"))
+    if cfg.train.compile:
+        check_task_compile(type(task), p.recompute)
     task.bind(model, mesh)  # state outside the parameters (sharded tables), before the strategy wraps the model
     loss_fn = task.loss_fn(cfg.train.precision, mesh.device)
     if mesh.size("pp") > 1:
@@ -62,16 +67,23 @@ def build_engine(model: nn.Module, mesh, cfg, task=None, measure_memory: bool = 
         def make_data_parallel(module, mesh, cfg):  # this rank's chunks; their experts (if any) over dp only
             return _data_parallel(module, mesh, cfg, task.ep_sharded_parameters(module))
         strategy = PipelineParallel.build(model, mesh, cfg, make_data_parallel, measure_memory)
-        return Engine(strategy.module, mesh, cfg.train, strategy, loss_fn)
-    apply_recompute(model, p.recompute)
-    if mesh.size("tp") == 1 and not p.sequence_parallel:
-        if cfg.zero.stage == 0 and hasattr(model, "materialize"):
-            model.materialize(mesh.device)  # (ZeRO materialises a meta-device model one unit at a time)
-        # (after materialising: the parameters are the ones the strategy trains)
-        strategy = _data_parallel(model, mesh, cfg, task.ep_sharded_parameters(model))
-        return Engine(model, mesh, cfg.train, strategy, loss_fn)
-    apply_tensor_parallel(model, mesh, p.sequence_parallel)
-    model.materialize(mesh.device)  # what tp did not shard, on a model built on the meta device
-    strategy = TensorParallelStrategy(_data_parallel(model, mesh, cfg, task.ep_sharded_parameters(model)), model, mesh,
-                                      cfg.train.precision)
-    return Engine(model, mesh, cfg.train, strategy, loss_fn)
+        engine = Engine(strategy.module, mesh, cfg.train, strategy, loss_fn)
+    else:
+        apply_recompute(model, p.recompute)
+        if mesh.size("tp") == 1 and not p.sequence_parallel:
+            if cfg.zero.stage == 0 and hasattr(model, "materialize"):
+                model.materialize(mesh.device)  # (ZeRO materialises a meta-device model one unit at a time)
+            # (after materialising: the parameters are the ones the strategy trains)
+            strategy = _data_parallel(model, mesh, cfg, task.ep_sharded_parameters(model))
+        else:
+            apply_tensor_parallel(model, mesh, p.sequence_parallel)
+            model.materialize(mesh.device)  # what tp did not shard, on a model built on the meta device
+            strategy = TensorParallelStrategy(_data_parallel(model, mesh, cfg, task.ep_sharded_parameters(model)),
+                                              model, mesh, cfg.train.precision)
+        engine = Engine(model, mesh, cfg.train, strategy, loss_fn)
+    if cfg.train.compile:
+        # last, once every layout has shaped the units (tp's layers, ZeRO's parameters and hooks, pipeline
+        # chunks, which share their blocks with ``model``): each unit's forward compiles at its first call
+        from podscale.train.compile import compile_units
+        compile_units(task.compile_units(model), cfg.train.compile_backend)
+    return engine

@@ -176,6 +176,21 @@ class GatherBatchFromTP(torch.autograd.Function):
         return _split_batch(grad, ctx.mesh), None
 
 
+def _collective(fn: type[torch.autograd.Function], *args):
+    """``fn.apply(*args)`` for the operators above that communicate, kept out of ``torch.compile``'s graphs:
+    under ``train.compile`` (:mod:`podscale.train.compile`) a compiled block breaks its graph here, runs the
+    collective eagerly through :mod:`podscale.runtime.comm` and compiles the pieces between collectives.  (An
+    eager forward calls ``apply`` directly: the disabled wrapper costs a few microseconds a call.)"""
+    if torch.compiler.is_compiling():
+        return _outside_graph(fn, *args)
+    return fn.apply(*args)
+
+
+@torch.compiler.disable
+def _outside_graph(fn: type[torch.autograd.Function], *args):
+    return fn.apply(*args)
+
+
 class _ColumnParallelLinearFn(torch.autograd.Function):
     """``f`` (or sequence-parallel ``g``) fused with the linear layer, so that backward overlaps the
     input gradient's all-reduce (reduce-scatter) with the weight gradient's matmul."""
@@ -237,8 +252,8 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.overlap:
-            return _ColumnParallelLinearFn.apply(x, self.weight, self.bias, self.mesh, self.sequence_parallel)
-        x = GatherFromSP.apply(x, self.mesh) if self.sequence_parallel else CopyToTP.apply(x, self.mesh)
+            return _collective(_ColumnParallelLinearFn, x, self.weight, self.bias, self.mesh, self.sequence_parallel)
+        x = _collective(GatherFromSP, x, self.mesh) if self.sequence_parallel else _collective(CopyToTP, x, self.mesh)
         return F.linear(x, self.weight, self.bias)
 
 
@@ -253,7 +268,7 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.linear(x, self.weight)
-        y = ReduceScatterToSP.apply(y, self.mesh) if self.sequence_parallel else ReduceFromTP.apply(y, self.mesh)
+        y = _collective(ReduceScatterToSP if self.sequence_parallel else ReduceFromTP, y, self.mesh)
         return y if self.bias is None else y + self.bias
 
 

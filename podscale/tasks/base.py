@@ -74,6 +74,9 @@ class Task(ABC):
     #: Whether the model has parameters sharded over the mesh's ``ep`` axis (mixture-of-experts): ep > 1
     #: is refused before workers start when it does not.
     supports_expert_parallel: ClassVar[bool] = False
+    #: Whether ``train.compile`` can compile the model's repeated units (:meth:`compile_units`); a config
+    #: with ``train.compile = true`` is refused before workers start when it cannot.
+    supports_compile: ClassVar[bool] = False
     #: What throughput counts, plural ("tokens", "samples", "edges"): the metrics log's
     #: ``<unit>_per_s`` key and the axis label of ``podscale report``.
     throughput_unit: ClassVar[str] = "samples"
@@ -107,6 +110,15 @@ class Task(ABC):
         ``<name>`` over the steps, one line per ``<series>``.  Collective: every rank calls it once after
         each step.  ``model`` is the module the strategy trains.  Default: none."""
         return {}
+
+    def compile_units(self, model: nn.Module) -> list[nn.Module]:
+        """The repeated units of ``model`` (this rank's model, or the model a pipeline cut its chunks from) that
+        ``train.compile`` compiles one by one, e.g. the transformer blocks: each unit's ``forward`` is compiled
+        and units of one class share one compiled graph (:mod:`podscale.train.compile`), so the parallel
+        wrappers, their hooks and the collectives between units run eagerly around them (as torchtitan
+        compiles per block).  A unit's forward must be traceable: no data-dependent shapes or Python-side
+        state that changes from call to call.  Default: none (``supports_compile`` is False)."""
+        return []
 
     @abstractmethod
     def model_config(self) -> dict:
@@ -241,3 +253,16 @@ def check_task_layout(task: type[Task], tp: int, sequence_parallel: bool, pp: in
     if ep > 1 and not task.supports_expert_parallel:
         raise ValueError(f"parallel.ep={ep}: task {name} has no experts to shard over ep (expert parallelism "
                          "needs a mixture-of-experts model): set parallel.ep = 1 or model.kind = 'gpt-moe'")
+
+
+def check_task_compile(task: type[Task], recompute: str) -> None:
+    """ValueError (one line naming the key and the fix) when ``train.compile = true`` cannot work: the task
+    has no units to compile, or activation recomputation also replaces the blocks' forward."""
+    name = f"{task.__module__}:{task.__qualname__}"
+    if not task.supports_compile:
+        raise ValueError(f"train.compile = true: task {name} has no units that torch.compile can compile "
+                         "(supports_compile is false): set train.compile = false")
+    if recompute != "none":
+        raise ValueError(f"train.compile = true with parallel.recompute='{recompute}': compiled blocks are not "
+                         "built with activation recomputation: set parallel.recompute = 'none' or "
+                         "train.compile = false")

@@ -19,6 +19,7 @@ import torch.nn as nn
 from podscale.models.gpt import GPT, GPTConfig, sample
 from podscale.parallel.strategy import LossFn
 from podscale.tasks.base import Task, on_device
+from podscale.train.compile import eager
 from podscale.train.data import ShardedLoader, eval_batches, load_tokens, split_tokens
 
 
@@ -54,8 +55,9 @@ def generate(engine, idx: torch.Tensor, max_new_tokens: int, block_size: int, te
     must call it (tp and pp forwards are collective) and every rank gets the same tokens for the same
     ``generator`` seed (the strategy gathers vocabulary shards and broadcasts the last stage's logits)."""
     engine.model.eval()
-    return sample(engine.strategy.next_logits, idx.to(engine.device), max_new_tokens, block_size, temperature, top_k,
-                  generator)
+    with eager():  # the context grows one token at a time: compiled blocks (train.compile) would recompile
+        return sample(engine.strategy.next_logits, idx.to(engine.device), max_new_tokens, block_size, temperature,
+                      top_k, generator)
 
 
 class GPTTask(Task):
@@ -63,6 +65,7 @@ class GPTTask(Task):
 
     supports_tensor_parallel = True
     supports_pipeline = True
+    supports_compile = True
     throughput_unit = "tokens"
 
     def __init__(self, cfg):
@@ -82,6 +85,11 @@ class GPTTask(Task):
 
     def model_config(self) -> dict:
         return asdict(self.gpt)
+
+    def compile_units(self, model: nn.Module) -> list[nn.Module]:
+        """The transformer blocks (a pipeline's chunks share them with ``model``); the embeddings, final norm
+        and (vocab-parallel) head and loss run eagerly."""
+        return list(model.blocks.values())
 
     def describe(self, model: nn.Module) -> str:
         return (f"{self.gpt.num_params() / 1e6:.2f}M params, global batch {self.cfg.train.global_batch} x "

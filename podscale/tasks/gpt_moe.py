@@ -21,7 +21,7 @@ inside each stage: the ep peers of a stage share its pp coordinate, hence its sc
 micro-batches' forwards and backwards in the same order.  Tensor parallelism (``tp``, without sequence
 parallelism) shards the attention and the dense MLPs; an MoE layer splits its samples over tp (see
 :meth:`podscale.parallel.moe.MoELayer.forward`).  tp and pp together, sequence parallelism and interleaved
-pipelines are refused by the config.
+pipelines are refused by the config. ``train.compile`` is refused too.
 """
 from __future__ import annotations
 
@@ -59,6 +59,9 @@ class GPTMoETask(GPTTask):
     supports_tensor_parallel = True
     supports_pipeline = True
     supports_expert_parallel = True
+    #: the MoE blocks route tokens with data-dependent capacities and all-to-alls and record routing
+    #: statistics from Python: not compiled (train.compile is refused before workers start)
+    supports_compile = False
 
     def __init__(self, cfg):
         super().__init__(cfg)
