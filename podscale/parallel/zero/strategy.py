@@ -455,7 +455,8 @@ class ZeroStrategy(LocalMicroBatches, DataParallelStrategy):
             out = shard  # reduce straight into the shard: no receive buffer, no copy
         else:
             out = torch.empty(u.shard, dtype=self.rdtype, device=self.device)
-        h = comm.reduce_scatter(out, wire, self.mesh, u.axes, async_op=True)
+        # stages 2/3: the staging bucket is scratch once reduced (gloo then reduces in it, no staging copies)
+        h = comm.reduce_scatter(out, wire, self.mesh, u.axes, async_op=True, scratch_input=self.stage >= 2)
         self._inflight.append((u, out, wire, h, first))
         if self.stage == 3 and not u.persistent:
             self._free(u)
