@@ -11,7 +11,9 @@ clock changes hit them alike; the median step time of each and the throughput ra
   podscale stage 0 over dp = 2.
 
 The GPT is built eagerly from the same seed on every side.  On CUDA (``--device cuda``) every step ends with
-``torch.cuda.synchronize()`` on both sides.  ``--profile`` prints a ``torch.profiler`` table of one step of
+``torch.cuda.synchronize()`` on both sides.  Each side's loss is read as a Python float every step (the
+plain loop's ``loss.item()`` for logging; podscale's ``Engine.step`` returns floats), so both synchronise
+once per step.  ``--profile`` prints a ``torch.profiler`` table of one step of
 each side on rank 0 (self CPU time per op: the host work each side adds).
 
     python bench/overhead.py [--device cpu|cuda] [--layers 6 --width 384 --micro 4 --block 128]
@@ -144,6 +146,8 @@ def main(argv=None) -> None:
                     "plain,stage0 for 2)")
     ap.add_argument("--profile", action="store_true")
     a = ap.parse_args(argv)
+    if a.device == "cuda" and a.nproc > torch.cuda.device_count():
+        ap.error(f"--nproc {a.nproc} needs {a.nproc} GPUs (found {torch.cuda.device_count()}): use --nproc 1")
     from podscale.runtime.launcher import launch
     sides = a.sides.split(",") if a.sides else (["plain", "stage0", "zero3"] if a.nproc == 1 else ["plain", "stage0"])
     args = dict(vars(a), sides=sides, world=a.nproc)

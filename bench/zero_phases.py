@@ -67,6 +67,7 @@ def worker(args: dict) -> dict:
             setattr(s, m, timed(name, m, getattr(s, m)))
     total = {n: [] for n in engines}
     cpu = {n: [] for n in engines}  # process CPU time (every thread: compute and gloo's), robust to load
+    sys_t = {n: [] for n in engines}  # of which in the kernel (TCP copies, page faults)
     from podscale.runtime import comm
     inplace_min = comm.GLOO_INPLACE_MIN_BYTES
     prof_table = None
@@ -77,7 +78,7 @@ def worker(args: dict) -> dict:
                     v.clear()
             # "stageN:flat": torch's flat gloo collectives (with their staging copies), for an A/B in one run
             comm.GLOO_INPLACE_MIN_BYTES = 1 << 62 if name.endswith(":flat") else inplace_min
-            t0, c0 = time.perf_counter(), time.process_time()
+            t0, c0, s0 = time.perf_counter(), time.process_time(), os.times().system
             if args["profile"] and i == len(batches) - 1:
                 from torch.profiler import ProfilerActivity, profile
                 with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
@@ -91,9 +92,11 @@ def worker(args: dict) -> dict:
             if i >= args["warmup"]:
                 total[name].append(time.perf_counter() - t0)
                 cpu[name].append(time.process_time() - c0)
+                sys_t[name].append(os.times().system - s0)
     for e in engines.values():
         e.close()
-    out = {n: {"total": statistics.median(v), "process CPU": statistics.median(cpu[n])} for n, v in total.items()}
+    out = {n: {"total": statistics.median(v), "process CPU": statistics.median(cpu[n]),
+              "of which system": statistics.median(sys_t[n])} for n, v in total.items()}
     for n, ph in phases.items():
         for label, v in ph.items():
             out[n][label] = statistics.median(v) if v else 0.0
@@ -122,12 +125,12 @@ def main(argv=None) -> None:
     res = launch(worker, (args,), nproc=a.nproc, quiet=True)
     r0 = res[0]
     kinds = args["kinds"]
-    labels = ["total", "process CPU", "forward", "backward", "finish_grad_sync", "grad_norm", "scale_grads", "step", "zero_grad"]
+    labels = ["total", "process CPU", "of which system", "forward", "backward", "finish_grad_sync", "grad_norm", "scale_grads", "step", "zero_grad"]
     print(f"GPT {a.layers}x{a.width}, vocab {a.vocab}, seq {a.block}, {a.micro} seq/rank, {a.nproc} ranks; "
           f"rank 0, median of {a.steps} steps (ms), engines alternating step by step")
-    print(f"{'phase':18s}" + "".join(f"{k:>10s}" for k in kinds))
+    print(f"{'phase':18s}" + "".join(f"{k:>12s}" for k in kinds))
     for lab in labels:
-        print(f"{lab:18s}" + "".join(f"{r0['phases'][k].get(lab, 0.0) * 1e3:10.1f}" for k in kinds))
+        print(f"{lab:18s}" + "".join(f"{r0['phases'][k].get(lab, 0.0) * 1e3:12.1f}" for k in kinds))
     if r0["profile"]:
         print(r0["profile"])
 

@@ -369,7 +369,8 @@ def all_gather(out: torch.Tensor, shard: torch.Tensor, mesh, axes, async_op: boo
     check_devices("all_gather", axes, mesh, out, shard)
     n = _size(mesh, axes)
     if n == 1:
-        out.copy_(shard.reshape(out.shape))
+        if out.data_ptr() != shard.data_ptr():
+            out.copy_(shard.reshape(out.shape))
         return Handle(None, mesh.stats, _axis_name(axes), "all_gather", 0.0) if async_op else None
     g = _group(mesh, axes)
     if out.is_contiguous() and _gloo_inplace(g, _nbytes(out)):
@@ -389,7 +390,8 @@ def reduce_scatter(out: torch.Tensor, full: torch.Tensor, mesh, axes, op=dist.Re
     check_devices("reduce_scatter", axes, mesh, out, full)
     n = _size(mesh, axes)
     if n == 1:
-        out.copy_(full.reshape(out.shape))
+        if out.data_ptr() != full.data_ptr():
+            out.copy_(full.reshape(out.shape))
         return Handle(None, mesh.stats, _axis_name(axes), "reduce_scatter", 0.0) if async_op else None
     g = _group(mesh, axes)
     if scratch_input and full.is_contiguous() and out.is_contiguous() and _gloo_inplace(g, _nbytes(full)):

@@ -168,7 +168,12 @@ class ZeroStrategy(LocalMicroBatches, DataParallelStrategy):
         for n, p in module.named_parameters(remove_duplicate=False):
             self.aliases.setdefault(id(p), []).append(n)
         cap = int(zero.reduce_bucket_mb * 2**20)
-        if self.stage == 3:
+        # One data rank (dp = 1) without parameter offload or NVMe: a stage-3 shard is the whole unit, so
+        # releasing and re-gathering blocks would only copy them; the parameters stay whole, in stage 2's
+        # buckets (same memory, no gathers, no block hooks; bench/overhead.py, ZeRO-3 on one rank).
+        self.sharded_params = self.stage == 3 and not (
+            self.dp == 1 and zero.offload_param == "none" and zero.offload_optimizer != "nvme")
+        if self.sharded_params:
             self.layers, persistent, self.root = layer_units(module, named, zero.param_persistence_threshold,
                                                              self.dp, self.dp_rank, cap, self.axes, sharded,
                                                              expert_group)
@@ -186,7 +191,7 @@ class ZeroStrategy(LocalMicroBatches, DataParallelStrategy):
         self._tp_ranges = {id(u): _merge([(o, n) for p, o, n in zip(u.params, u.offsets, u.numels)
                                           if sp and getattr(p, "sequence_parallel", False)]) for u in self.units}
         self._layer_ids = {id(u) for u in self.layers}
-        if self.stage == 3 and self.device.type == "cpu" and self.layers:
+        if self.sharded_params and self.device.type == "cpu" and self.layers:
             mb = zero.host_mmap_threshold_mb
             # default glibc's cap (32 MiB): blocks below it reuse heap memory (no page faults per gather),
             # larger ones are mmapped and leave on release; a fixed threshold stops the dynamic growth that
@@ -572,11 +577,13 @@ class ZeroStrategy(LocalMicroBatches, DataParallelStrategy):
         """All-gather the updated shards of the persistent units into their compute buffers (overlapped
         until the next forward starts)."""
         for u in self._persistent:
+            if u.dp == 1:  # (skipped where the buffer is its own master: an fp32 unit of one rank)
+                src = self.state.param_source(u)
+                if src.data_ptr() != u.full.data_ptr() or src.dtype != u.full.dtype:
+                    u.full[u.lo:u.hi].copy_(src)
+                continue
             src = self.state.param_source(u).to(device=self.device, dtype=self.cdtype, copy=True)
-            if u.dp == 1:
-                u.full[u.lo:u.hi].copy_(src)
-            else:
-                self._param_gathers.append(comm.all_gather(u.full, src, self.mesh, u.axes, async_op=True))
+            self._param_gathers.append(comm.all_gather(u.full, src, self.mesh, u.axes, async_op=True))
 
     def complete_step(self) -> None:
         """Finish a deferred step and publish its persistent units (collective: every rank calls it at the
