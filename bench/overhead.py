@@ -105,7 +105,7 @@ def worker(args: dict) -> dict:
     times = {n: [] for n in sides}
     cpu = {n: [] for n in sides}  # process CPU time of the step (every thread), less sensitive to machine load
     losses = {n: [] for n in sides}
-    tables = {}
+    tables, counts = {}, {}
     for i, batch in enumerate(batches):
         for name, step in sides.items():
             sync()
@@ -123,10 +123,15 @@ def worker(args: dict) -> dict:
             with profile(activities=acts) as prof:
                 step(batches[-1])
                 sync()
+            # load-independent counts of host work: operators dispatched (top level: not nested in another
+            # operator) and all operators, per step
+            ev = [e for e in prof.events() if e.name.startswith("aten::")]
+            top = [e for e in ev if e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::")]
+            counts[name] = (len(top), len(ev))
             tables[name] = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=18,
                                                      max_name_column_width=50)
     return {"median": {n: statistics.median(v) for n, v in times.items()},
-            "cpu": {n: statistics.median(v) for n, v in cpu.items()}, "losses": losses, "tables": tables,
+            "cpu": {n: statistics.median(v) for n, v in cpu.items()}, "losses": losses, "tables": tables, "counts": counts,
             "device": str(dev), "world": world}
 
 
@@ -167,6 +172,8 @@ def main(argv=None) -> None:
         print(f"  {label:22s} {med[name] * 1e3:9.2f} ms {cpu[name] * 1e3:11.2f} ms{ratio}")
     last = {n: v[-1] for n, v in r0["losses"].items()}
     print("  last losses: " + ", ".join(f"{n} {v:.5f}" for n, v in last.items()))
+    for name, (top, every) in r0["counts"].items():
+        print(f"  operators per step, {name:8s}: {top:5d} dispatched by Python, {every:5d} in all")
     for name, t in r0["tables"].items():
         print(f"\n== {name} ==\n{t}")
 

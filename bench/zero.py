@@ -9,6 +9,9 @@ its own; step time is the median over the measured steps after warm-up.
 ``shallow-wide`` (4 x 1536), ``large-vocab`` (8 x 512, 50,257-token vocabulary), ``issue16`` (12 x 640, the
 shape on which ZeRO-3's lead shrank), or ``all`` (the first three, and issue16, one after another).
 
+Besides the median step time, each row prints the median process CPU time per step (every thread of the
+rank: compute and communication), which a loaded machine inflates far less than wall time.
+
 Model construction is the same on every side (printed with the results): every engine gets the same GPT
 built eagerly on the CPU from the same seed (``--construct eager``, the default), so each side's peak RSS
 counts one full fp32 model before sharding.  ``--construct meta`` gives each side its documented
@@ -83,7 +86,7 @@ def worker(kind: str, stage: int, offload: str, args: dict) -> dict:
     block, steps = args["block"], args["warmup"] + args["steps"]
     batches = _data(args["tokens"], steps, info.rank, info.world_size, block, args["vocab"])
     meta = args["construct"] == "meta"
-    times = []
+    times, cpus = [], []  # wall and process CPU time (every thread) per step
     if kind == "podscale":
         from podscale.config import TrainSection, ZeroSection
         from podscale.parallel.zero import build_strategy
@@ -107,9 +110,10 @@ def worker(kind: str, stage: int, offload: str, args: dict) -> dict:
                 if offload == "nvme":
                     strategy.complete_step()  # the last warm-up step streams under the next forward
                 io0 = _disk_io()
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             engine.step([(x, y)])
             times.append(time.perf_counter() - t0)
+            cpus.append(time.process_time() - c0)
         if offload == "nvme":
             strategy.complete_step()
         io1 = _disk_io()
@@ -132,13 +136,14 @@ def worker(kind: str, stage: int, offload: str, args: dict) -> dict:
         except Exception:
             opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1)
         for x, y in batches:
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             _, loss = model(x, y)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
             opt.zero_grad()
             times.append(time.perf_counter() - t0)
+            cpus.append(time.process_time() - c0)
     elif kind == "deepspeed":
         import deepspeed
         zero = {"stage": stage}
@@ -160,17 +165,19 @@ def worker(kind: str, stage: int, offload: str, args: dict) -> dict:
         for i, (x, y) in enumerate(batches):
             if i == args["warmup"]:
                 io0 = _disk_io()
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             _, loss = engine(x, y)
             engine.backward(loss)
             engine.step()
             times.append(time.perf_counter() - t0)
+            cpus.append(time.process_time() - c0)
         io1 = _disk_io()
     measured = times[args["warmup"]:]
     io = None
     if offload == "nvme" and kind != "fsdp2":  # bytes this process moved to and from storage, per step
         io = ((io1[0] - io0[0]) / args["steps"], (io1[1] - io0[1]) / args["steps"])
     return {"step_s": statistics.median(measured), "io_per_step": io,
+            "cpu_s": statistics.median(cpus[args["warmup"]:]),
             "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "params": gcfg.num_params()}
 
 
@@ -198,6 +205,7 @@ def run(kind, stage, offload, args, nproc):
     io = [r.get("io_per_step") for r in res.values()]
     both = [sum(x[k] for x in io) for k in (0, 1)] if all(x is not None for x in io) else None
     return {"step_s": max(r["step_s"] for r in res.values()), "peak_rss": max(r["peak_rss"] for r in res.values()),
+            "cpu_s": max(r["cpu_s"] for r in res.values()),
             "params": res[0]["params"], "io_per_step": both}
 
 
@@ -273,7 +281,7 @@ def main(argv=None) -> None:
                     extra = (f"  disk per step {rd / 2**20:.0f} MiB read + {wr / 2**20:.0f} MiB written, "
                              f"{(rd + wr) / r['step_s'] / 1e9:.2f} GB/s (both ranks)")
                 print(f"[{rep + 1}/{a.repeat}] {name:22s} {r['params'] / 1e6:6.1f}M params  step "
-                      f"{r['step_s'] * 1e3:8.1f} ms  peak RSS/rank {r['peak_rss'] / 2**20:8.0f} MiB{extra}", flush=True)
+                      f"{r['step_s'] * 1e3:8.1f} ms  process CPU/rank {r['cpu_s'] * 1e3:8.1f} ms  peak RSS/rank {r['peak_rss'] / 2**20:8.0f} MiB{extra}", flush=True)
                 if name not in out or r["step_s"] < out[name]["step_s"]:
                     out[name] = r
     if any(k.endswith("nvme") for out in results.values() for k in out):
@@ -289,7 +297,8 @@ def main(argv=None) -> None:
                 ours, theirs = out.get(f"podscale-{stage}-{off}"), out.get(f"{peer}-{stage}-{off}")
                 if ours and theirs:
                     print(f"  {shape:13s} stage {stage} offload {off:5s} vs {peer:9s}: step "
-                          f"{ours['step_s'] / theirs['step_s']:.2f}x, peak RSS {ours['peak_rss'] / theirs['peak_rss']:.2f}x")
+                          f"{ours['step_s'] / theirs['step_s']:.2f}x, process CPU {ours['cpu_s'] / theirs['cpu_s']:.2f}x, "
+                          f"peak RSS {ours['peak_rss'] / theirs['peak_rss']:.2f}x")
     if a.json:
         Path(a.json).write_text(json.dumps(results, indent=1))
 
