@@ -1,7 +1,8 @@
 """Data parallelism with bucketed gradient all-reduce overlapped with backward compute.
 
 Gradients live in flat bucket buffers (each parameter's ``.grad`` is a view into its bucket), so a bucket
-is reduced with one collective and no copies.  Buckets are filled in reverse registration order, which is
+is reduced with one collective and no copies.  With a single replica there is nothing to reduce and the
+gradients are autograd's own tensors, exactly as in a plain training loop.  Buckets are filled in reverse registration order, which is
 roughly the order backward produces gradients (Li et al. 2020, "PyTorch Distributed", section 3.2.3); a
 post-accumulate-grad hook counts each bucket down and launches its asynchronous all-reduce as soon as it is
 full, so communication of late layers overlaps backward through early layers.  Buckets are always launched

@@ -45,6 +45,8 @@ How each stage is built here (see :mod:`podscale.parallel.zero.layout` for the f
   ``zero.reshard_after_forward = false`` (FSDP2's name for it) keeps a block gathered from its first
   forward until its gradients are reduce-scattered: one all-gather per block and reduction instead of two
   (with a pipeline: one per step instead of ``2m``), for the memory of all of this rank's blocks at once.
+  With one data rank (and no parameter offload) a shard is the whole block, so stage 3 keeps the
+  parameters whole in stage 2's buckets: same memory, no gathers.
 
 Sequence parallelism (Korthikanti et al. 2022, 4.2.2): parameters marked ``sequence_parallel`` (layer
 norms, position embedding, row-parallel biases under tp) hold partial gradients on each tp rank.  Their
