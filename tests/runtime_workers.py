@@ -52,12 +52,13 @@ def large_gloo_collectives_match_torch(mesh) -> dict:
         n, g = mesh.size(*key), mesh.group(*key)
         per = comm.GLOO_INPLACE_MIN_BYTES // 4 + 3  # elements per rank: the path applies, odd sizes
         gen = torch.Generator().manual_seed(mesh.rank)
-        shard = torch.randn(per, generator=gen)
-        full = torch.randn(per * n, generator=gen)
-        ours, ref = torch.empty(per * n), torch.empty(per * n)
+        dev = mesh.device
+        shard = torch.randn(per, generator=gen).to(dev)
+        full = torch.randn(per * n, generator=gen).to(dev)
+        ours, ref = torch.empty(per * n, device=dev), torch.empty(per * n, device=dev)
         comm.all_gather(ours, shard, mesh, axes)
         dist.all_gather_into_tensor(ref, shard, group=g)
-        rs_ours, rs_ref = torch.empty(per), torch.empty(per)
+        rs_ours, rs_ref = torch.empty(per, device=dev), torch.empty(per, device=dev)
         comm.reduce_scatter(rs_ours, full.clone(), mesh, axes, scratch_input=True)
         h = comm.reduce_scatter(rs_ref, full.clone(), mesh, axes, async_op=True)  # torch's flat collective
         h.wait()
