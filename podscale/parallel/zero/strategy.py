@@ -85,6 +85,7 @@ from podscale.parallel.sharded_state import CheckpointPublisher
 from podscale.parallel.strategy import DataParallelStrategy, LocalMicroBatches
 from podscale.parallel.zero.flat_state import DTYPES, FlatState, make_flat_state
 from podscale.parallel.zero.layout import ShardGroup, Unit, bucket_units, layer_units
+from podscale.parallel.zero.memory import reduce_buffers
 from podscale.parallel.zero.state import ZeroSource
 from podscale.runtime import comm, hostmem
 
@@ -188,6 +189,9 @@ class ZeroStrategy(LocalMicroBatches, DataParallelStrategy):
             self.units = bucket_units(named, cap, self.dp, self.dp_rank, self.axes, sharded, expert_group)
             order = self.units
         self._persistent = [u for u in self.units if u.persistent]
+        # staging buffers alive at once (one rule with the memory estimator)
+        largest = max((u.padded for u in (self.layers or self.units)), default=0) * self.rdtype.itemsize
+        self._max_inflight = reduce_buffers(largest, self.max_inflight_reduce) - 1
         # sequence-parallel parameters: (offset, numel) ranges per unit, summed over tp before the reduce
         sp = mesh.size("tp") > 1
         self._tp_ranges = {id(u): _merge([(o, n) for p, o, n in zip(u.params, u.offsets, u.numels)
@@ -212,10 +216,10 @@ class ZeroStrategy(LocalMicroBatches, DataParallelStrategy):
                     self._owners.setdefault(id(p), []).append((mod, attr))
         self.state: FlatState = make_flat_state(self.units, order, mesh, train, zero, self.stage)
         self._allocate()
-        self.state.initialized()
-        self._source = ZeroSource(self, self.state)
         if self._huge:  # the model's original weights, freed into the heap by the move into unit buffers
             hostmem.trim_heap()
+        self.state.initialized()  # (allocates the gradient shard and moments, after the weights left)
+        self._source = ZeroSource(self, self.state)
         self._unit_of = {id(p): u for u in self.units for p in u.params}
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for u in self.units for p in u.params]
         self._hooks.append(module.register_forward_pre_hook(self._pre_model))
@@ -467,7 +471,7 @@ class ZeroStrategy(LocalMicroBatches, DataParallelStrategy):
         self._inflight.append((u, out, wire, h, first))
         if self.stage == 3 and not u.persistent:
             self._free(u)
-        while self.stage >= 2 and len(self._inflight) > self.max_inflight_reduce:
+        while self.stage >= 2 and len(self._inflight) > self._max_inflight:
             self._retire()
 
     def _sum_over_tp(self, buf: torch.Tensor, ranges: list[tuple[int, int]]) -> None:
