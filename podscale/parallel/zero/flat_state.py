@@ -223,10 +223,9 @@ class MemoryFlatState(FlatState):
         self.grad_in_full = stage == 1 and self.gdtype == self.cdtype and self.opt_device == self.device
         # the master aliases a persistent unit's compute buffer when it is fp32 in the same place
         self._alias = {u.index: u.persistent and self.cdtype == torch.float32 and not offload for u in units}
-        # gradient shard and moments: allocated in initialized(), once the strategy has moved the model's own
-        # weights into unit buffers and released them (an eagerly built model and 3/4 of the state were
-        # both resident at construction: the peak RSS of bench/zero.py's wide shapes)
-        self.grad_flat = self.exp_avg = self.exp_avg_sq = None
+        self.grad_flat = self._empty(0 if self.grad_in_full else self.total, self.gdtype)
+        self.exp_avg = self._empty(self.total, torch.float32)
+        self.exp_avg_sq = self._empty(self.total, torch.float32)
         self.master_flat = self._empty(sum(u.shard for u in units if not self._alias[u.index]), torch.float32)
         self._moff = 0
         self._master: dict[int, torch.Tensor] = {}
@@ -252,8 +251,7 @@ class MemoryFlatState(FlatState):
             m = self._master[u.index] = self.master_flat[self._moff:self._moff + u.shard]
             self._moff += u.shard
             m.copy_(master)
-        if self.grad_in_full:
-            self._grad[u.index] = u.grad_full[u.lo:u.hi]
+        self._grad[u.index] = u.grad_full[u.lo:u.hi] if self.grad_in_full else self._view(self.grad_flat, u)
         if not u.persistent and (self.cdtype != torch.float32 or self._stage_offload or self.param_cpu):
             # stage 3: the gather source; in host memory (pinned on CUDA) with offload_param=cpu
             c = master.to(self.cdtype).clone()
@@ -262,12 +260,6 @@ class MemoryFlatState(FlatState):
             self._cshard[u.index] = c
 
     def initialized(self):
-        self.grad_flat = self._empty(0 if self.grad_in_full else self.total, self.gdtype)
-        self.exp_avg = self._empty(self.total, torch.float32)
-        self.exp_avg_sq = self._empty(self.total, torch.float32)
-        if not self.grad_in_full:
-            for u in self.units:
-                self._grad[u.index] = self._view(self.grad_flat, u)
         if self.optimizer_name == "adamw":
             self.optimizer = FlatAdamW([self._segments(u) for u in self.units], self.betas, self.eps)
             return

@@ -216,10 +216,10 @@ class ZeroStrategy(LocalMicroBatches, DataParallelStrategy):
                     self._owners.setdefault(id(p), []).append((mod, attr))
         self.state: FlatState = make_flat_state(self.units, order, mesh, train, zero, self.stage)
         self._allocate()
+        self.state.initialized()
+        self._source = ZeroSource(self, self.state)
         if self._huge:  # the model's original weights, freed into the heap by the move into unit buffers
             hostmem.trim_heap()
-        self.state.initialized()  # (allocates the gradient shard and moments, after the weights left)
-        self._source = ZeroSource(self, self.state)
         self._unit_of = {id(p): u for u in self.units for p in u.params}
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for u in self.units for p in u.params]
         self._hooks.append(module.register_forward_pre_hook(self._pre_model))
