@@ -37,7 +37,33 @@ def collectives_on_a_2x2_mesh() -> dict:
     comm.all_to_all(recv, inp, mesh, "tp", out_splits, splits_in)
     out["a2a"] = recv.tolist()
     out["stats"] = mesh.stats.snapshot()
+    out["large"] = large_gloo_collectives_match_torch(mesh)
     return out
+
+
+def large_gloo_collectives_match_torch(mesh) -> dict:
+    """Tensors of at least comm.GLOO_INPLACE_MIN_BYTES take gloo's in-place path (a broadcast / reduce per
+    rank): the results equal torch's flat collectives on the same group, on a sub-group (tp) and on the
+    world (dp x tp), for a scratch-input reduce-scatter too."""
+    import torch.distributed as dist
+    res = {}
+    for axes in ("tp", ("dp", "tp")):
+        key = (axes,) if isinstance(axes, str) else axes
+        n, g = mesh.size(*key), mesh.group(*key)
+        per = comm.GLOO_INPLACE_MIN_BYTES // 4 + 3  # elements per rank: the path applies, odd sizes
+        gen = torch.Generator().manual_seed(mesh.rank)
+        dev = mesh.device
+        shard = torch.randn(per, generator=gen).to(dev)
+        full = torch.randn(per * n, generator=gen).to(dev)
+        ours, ref = torch.empty(per * n, device=dev), torch.empty(per * n, device=dev)
+        comm.all_gather(ours, shard, mesh, axes)
+        dist.all_gather_into_tensor(ref, shard, group=g)
+        rs_ours, rs_ref = torch.empty(per, device=dev), torch.empty(per, device=dev)
+        comm.reduce_scatter(rs_ours, full.clone(), mesh, axes, scratch_input=True)
+        h = comm.reduce_scatter(rs_ref, full.clone(), mesh, axes, async_op=True)  # torch's flat collective
+        h.wait()
+        res["+".join(key)] = {"ag": torch.equal(ours, ref), "rs": torch.allclose(rs_ours, rs_ref, rtol=0, atol=1e-5)}
+    return res
 
 
 def buckets_launch_during_backward() -> dict:

@@ -51,6 +51,7 @@ def test_collectives_on_a_2x2_mesh():
         assert st["dp+tp/all_reduce"]["bytes"] == 2 * 3 * 4 // 4
         assert st["tp/reduce_scatter"]["bytes"] == 16 and st["tp/all_gather"]["bytes"] == 16
         assert all(s["busy_s"] > 0 for s in st.values())
+        assert out["large"] == {"tp": {"ag": True, "rs": True}, "dp+tp": {"ag": True, "rs": True}}
 
 
 def test_gradient_buckets_go_on_the_wire_during_backward():

@@ -1,7 +1,8 @@
 """Data parallelism with bucketed gradient all-reduce overlapped with backward compute.
 
 Gradients live in flat bucket buffers (each parameter's ``.grad`` is a view into its bucket), so a bucket
-is reduced with one collective and no copies.  Buckets are filled in reverse registration order, which is
+is reduced with one collective and no copies.  With a single replica there is nothing to reduce and the
+gradients are autograd's own tensors, exactly as in a plain training loop.  Buckets are filled in reverse registration order, which is
 roughly the order backward produces gradients (Li et al. 2020, "PyTorch Distributed", section 3.2.3); a
 post-accumulate-grad hook counts each bucket down and launches its asynchronous all-reduce as soon as it is
 full, so communication of late layers overlaps backward through early layers.  Buckets are always launched
@@ -74,11 +75,16 @@ class DataParallel(LocalMicroBatches, DataParallelStrategy):
         self._sync = True
         self._broadcast_parameters()
         cap = int(bucket_mb * 2**20)
-        self.buckets = self._make_buckets([p for p in self.params if id(p) not in sharded], cap, axes) + \
+        # One replica: nothing to reduce, so no buckets and no hooks; gradients are autograd's own tensors,
+        # stolen by AccumulateGrad and dropped by zero_grad, as in a plain loop (buckets would cost an
+        # in-place add per gradient and a memset per step: bench/overhead.py).
+        solo = self.size == 1
+        self.buckets = [] if solo else \
+            self._make_buckets([p for p in self.params if id(p) not in sharded], cap, axes) + \
             self._make_buckets([p for p in self.params if id(p) in sharded], cap, self.expert_axes)
         self._bucket_of = {id(p): i for i, b in enumerate(self.buckets) for p in b.params}
         self._next_launch = 0
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params]
+        self._hooks = [] if solo else [p.register_post_accumulate_grad_hook(self._on_grad) for p in self.params]
 
     def _broadcast_parameters(self) -> None:
         """Start every replica from rank 0's weights and buffers, as DDP does."""
@@ -159,12 +165,19 @@ class DataParallel(LocalMicroBatches, DataParallelStrategy):
         self._next_launch = 0
 
     def zero_grad(self) -> None:
+        if self.size == 1:
+            for p in self.params:
+                p.grad = None
         for b in self.buckets:
             b.buffer.zero_()
 
     def grad_norm(self) -> torch.Tensor:
         """Global L2 norm of the (already averaged, hence identical on every replica) gradients; the squares
         of ep-sharded buckets (other experts on each ep rank) are summed over ep."""
+        if self.size == 1:
+            grads = self.grads()
+            return torch.nn.utils.get_total_norm(grads, foreach=True) if grads else \
+                torch.zeros((), device=self.mesh.device)
         if not self._sharded:
             return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(b.buffer) for b in self.buckets]))
 
@@ -177,11 +190,14 @@ class DataParallel(LocalMicroBatches, DataParallelStrategy):
         return (dense + experts[0]).sqrt()
 
     def grads(self) -> list[torch.Tensor]:
+        if self.size == 1:
+            return [p.grad for p in self.params if p.grad is not None]
         return [b.buffer for b in self.buckets]
 
     def scale_grads(self, coef) -> None:
-        for g in self.grads():
-            g.mul_(coef.to(g.device) if torch.is_tensor(coef) else coef)
+        grads = self.grads()
+        if grads:
+            torch._foreach_mul_(grads, coef.to(grads[0].device) if torch.is_tensor(coef) else coef)
 
     def found_inf(self) -> torch.Tensor:
         return nonfinite_flag(self.grads())

@@ -125,8 +125,9 @@ class Engine:
         comm.all_reduce(mean_loss, self.mesh, self.mesh.data_axes)
         mean_loss /= self.mesh.size(*self.mesh.data_axes)
         self.step_count += 1
-        return StepResult(self.step_count, float(mean_loss), lr, float(norm), skipped,
-                          time.perf_counter() - t0, scale)
+        # one device-to-host copy for both figures (each float() of a device tensor is a synchronisation)
+        loss_f, norm_f = torch.stack([mean_loss.reshape(()).float(), norm.reshape(()).float()]).tolist()
+        return StepResult(self.step_count, loss_f, lr, norm_f, skipped, time.perf_counter() - t0, scale)
 
     @torch.no_grad()
     def evaluate(self, batches: list, metric: LossFn | None = None) -> float:

@@ -45,6 +45,8 @@ How each stage is built here (see :mod:`podscale.parallel.zero.layout` for the f
   ``zero.reshard_after_forward = false`` (FSDP2's name for it) keeps a block gathered from its first
   forward until its gradients are reduce-scattered: one all-gather per block and reduction instead of two
   (with a pipeline: one per step instead of ``2m``), for the memory of all of this rank's blocks at once.
+  With one data rank (and no parameter offload) a shard is the whole block, so stage 3 keeps the
+  parameters whole in stage 2's buckets: same memory, no gathers.
 
 Sequence parallelism (Korthikanti et al. 2022, 4.2.2): parameters marked ``sequence_parallel`` (layer
 norms, position embedding, row-parallel biases under tp) hold partial gradients on each tp rank.  Their
@@ -83,6 +85,7 @@ from podscale.parallel.sharded_state import CheckpointPublisher
 from podscale.parallel.strategy import DataParallelStrategy, LocalMicroBatches
 from podscale.parallel.zero.flat_state import DTYPES, FlatState, make_flat_state
 from podscale.parallel.zero.layout import ShardGroup, Unit, bucket_units, layer_units
+from podscale.parallel.zero.memory import reduce_buffers
 from podscale.parallel.zero.state import ZeroSource
 from podscale.runtime import comm, hostmem
 
@@ -168,7 +171,12 @@ class ZeroStrategy(LocalMicroBatches, DataParallelStrategy):
         for n, p in module.named_parameters(remove_duplicate=False):
             self.aliases.setdefault(id(p), []).append(n)
         cap = int(zero.reduce_bucket_mb * 2**20)
-        if self.stage == 3:
+        # One data rank (dp = 1) without parameter offload or NVMe: a stage-3 shard is the whole unit, so
+        # releasing and re-gathering blocks would only copy them; the parameters stay whole, in stage 2's
+        # buckets (same memory, no gathers, no block hooks; bench/overhead.py, ZeRO-3 on one rank).
+        self.sharded_params = self.stage == 3 and not (
+            self.dp == 1 and zero.offload_param == "none" and zero.offload_optimizer != "nvme")
+        if self.sharded_params:
             self.layers, persistent, self.root = layer_units(module, named, zero.param_persistence_threshold,
                                                              self.dp, self.dp_rank, cap, self.axes, sharded,
                                                              expert_group)
@@ -181,12 +189,15 @@ class ZeroStrategy(LocalMicroBatches, DataParallelStrategy):
             self.units = bucket_units(named, cap, self.dp, self.dp_rank, self.axes, sharded, expert_group)
             order = self.units
         self._persistent = [u for u in self.units if u.persistent]
+        # staging buffers alive at once (one rule with the memory estimator)
+        largest = max((u.padded for u in (self.layers or self.units)), default=0) * self.rdtype.itemsize
+        self._max_inflight = reduce_buffers(largest, self.max_inflight_reduce) - 1
         # sequence-parallel parameters: (offset, numel) ranges per unit, summed over tp before the reduce
         sp = mesh.size("tp") > 1
         self._tp_ranges = {id(u): _merge([(o, n) for p, o, n in zip(u.params, u.offsets, u.numels)
                                           if sp and getattr(p, "sequence_parallel", False)]) for u in self.units}
         self._layer_ids = {id(u) for u in self.layers}
-        if self.stage == 3 and self.device.type == "cpu" and self.layers:
+        if self.sharded_params and self.device.type == "cpu" and self.layers:
             mb = zero.host_mmap_threshold_mb
             # default glibc's cap (32 MiB): blocks below it reuse heap memory (no page faults per gather),
             # larger ones are mmapped and leave on release; a fixed threshold stops the dynamic growth that
@@ -455,11 +466,12 @@ class ZeroStrategy(LocalMicroBatches, DataParallelStrategy):
             out = shard  # reduce straight into the shard: no receive buffer, no copy
         else:
             out = torch.empty(u.shard, dtype=self.rdtype, device=self.device)
-        h = comm.reduce_scatter(out, wire, self.mesh, u.axes, async_op=True)
+        # stages 2/3: the staging bucket is scratch once reduced (gloo then reduces in it, no staging copies)
+        h = comm.reduce_scatter(out, wire, self.mesh, u.axes, async_op=True, scratch_input=self.stage >= 2)
         self._inflight.append((u, out, wire, h, first))
         if self.stage == 3 and not u.persistent:
             self._free(u)
-        while self.stage >= 2 and len(self._inflight) > self.max_inflight_reduce:
+        while self.stage >= 2 and len(self._inflight) > self._max_inflight:
             self._retire()
 
     def _sum_over_tp(self, buf: torch.Tensor, ranges: list[tuple[int, int]]) -> None:
@@ -571,11 +583,13 @@ class ZeroStrategy(LocalMicroBatches, DataParallelStrategy):
         """All-gather the updated shards of the persistent units into their compute buffers (overlapped
         until the next forward starts)."""
         for u in self._persistent:
+            if u.dp == 1:  # (skipped where the buffer is its own master: an fp32 unit of one rank)
+                src = self.state.param_source(u)
+                if src.data_ptr() != u.full.data_ptr() or src.dtype != u.full.dtype:
+                    u.full[u.lo:u.hi].copy_(src)
+                continue
             src = self.state.param_source(u).to(device=self.device, dtype=self.cdtype, copy=True)
-            if u.dp == 1:
-                u.full[u.lo:u.hi].copy_(src)
-            else:
-                self._param_gathers.append(comm.all_gather(u.full, src, self.mesh, u.axes, async_op=True))
+            self._param_gathers.append(comm.all_gather(u.full, src, self.mesh, u.axes, async_op=True))
 
     def complete_step(self) -> None:
         """Finish a deferred step and publish its persistent units (collective: every rank calls it at the
