@@ -24,8 +24,10 @@ occurrences and reads zeros until then, as Monolith and PaddlePaddle do) and TTL
 
 Bad input -- negative ids, ids outside a declared range, a batch whose rows do not fit a shard's DRAM
 budget, an SSD path that cannot be written -- raises :class:`TableError` with the same one-line message
-on every rank: each rank's verdict is exchanged (a 4-integer all-gather) before the collective that would
-otherwise hang, and nothing is written to a store before the verdict on the ids and the budget.  A store
+on every rank: each rank's verdict on its ids travels with the split sizes of the first ``all_to_all`` (so
+agreeing costs no collective of its own), the verdicts on the budget and the stores (only for tables with
+a cache tier) with a 4-integer all-gather, each before the collective that would otherwise hang, and
+nothing is written to a store before the verdict on the ids and the budget.  A store
 that fails while reading or creating rows is agreed before the row exchange; one that fails while writing
 the update (after the step's last collective) is recorded and raised by every rank at the next lookup.
 Each write to the SSD tier is one atomic RocksDB write batch and a cache drops a dirty row only after it
