@@ -17,8 +17,10 @@ def _fail(message: str, code: int = 2) -> int:
 
 def _train_entry(config_json: str, resume: bool) -> dict:
     """What each spawned worker runs (module level, so the elastic agent can start it by spawn)."""
+    from podscale.runtime.errors import exit_on_input_error
     from podscale.train.loop import run_worker
-    return run_worker(Config.model_validate_json(config_json), resume)
+    with exit_on_input_error(int(os.environ.get("RANK", "0"))):
+        return run_worker(Config.model_validate_json(config_json), resume)
 
 
 def cmd_train(args) -> int:
@@ -78,8 +80,10 @@ def cmd_train(args) -> int:
             return _fail(f"no checkpoint of '{cfg.run_dir}' can be resumed; the newest: {skipped[0]}")
 
     if under_launcher():  # already a torchrun worker: join the job instead of spawning
+        from podscale.runtime.errors import exit_on_input_error
         from podscale.train.loop import run_worker
-        run_worker(cfg, args.resume)
+        with exit_on_input_error(int(os.environ.get("RANK", "0"))):
+            run_worker(cfg, args.resume)
         return 0
 
     try:
@@ -88,11 +92,18 @@ def cmd_train(args) -> int:
         return _fail(str(err))
     (cfg.run_dir / "config.json").write_text(cfg.model_dump_json(indent=1))
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from podscale.runtime.errors import quiet_input_exits
     from podscale.runtime.launcher import launch
+    quiet_input_exits()
     try:
         results = launch(_train_entry, (cfg.model_dump_json(), args.resume), nproc=cfg.parallel.nproc,
                          max_restarts=args.max_restarts, host=args.host, port=args.port)
     except ChildFailedError as err:
+        # bad input found inside the workers (podscale.runtime.errors): its one line, once
+        from podscale.runtime.errors import input_error_line
+        line = input_error_line({r: f.message for r, f in err.failures.items()})
+        if line is not None:
+            return _fail(line, code=1)
         failures = "; ".join(f"rank {r}: exit {f.exitcode}" for r, f in err.failures.items())
         return _fail(f"training failed ({failures}); logs above. Resume with --resume", code=1)
     summary = results[0]
@@ -130,7 +141,40 @@ def cmd_report(args) -> int:
     return 0
 
 
+def cmd_export_tables(args) -> int:
+    """``podscale export RUN_DIR OUT --tables``: the sharded tables of a checkpoint for serving, one folder
+    (:func:`podscale.table.checkpoint.export_tables`: per table sorted ``keys`` and ``weights`` in
+    safetensors files, ``index.json``); the latest checkpoint that holds tables unless one is named."""
+    from podscale.table.checkpoint import MANIFEST, export_tables
+    from podscale.train import checkpoint
+    path = Path(args.checkpoint)
+    if (path / "checkpoints").is_dir():
+        path = path / "checkpoints"
+    if not (path / MANIFEST).is_file():
+        found = [p for p in checkpoint.completed(path) if (p / MANIFEST).is_file()]
+        if not found:
+            return _fail(f"no checkpoint with sharded tables ({MANIFEST}) in '{args.checkpoint}': give the run "
+                         "directory of a run with [model] kind = \"dlrm\" (or another task with sharded tables) "
+                         "or one of its step_XXXXXXXX folders")
+        path = found[-1]
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        return _fail(f"'{out}' is a file: --tables writes a folder (index.json and one safetensors file per "
+                     "table chunk); name a folder")
+    try:
+        out = export_tables(path, out)
+    except (ValueError, OSError) as err:  # TableError (damaged manifest or segment): one line naming it
+        return _fail(str(err))
+    import json
+    index = json.loads((out / "index.json").read_text())
+    rows = sum(t["rows"] for t in index["tables"])
+    print(f"podscale: exported {len(index['tables'])} tables ({rows:,} rows) of {path} to {out} for serving")
+    return 0
+
+
 def cmd_export(args) -> int:
+    if args.tables:
+        return cmd_export_tables(args)
     from podscale.train import checkpoint
     path = Path(args.checkpoint)
     if (path / "checkpoints").is_dir():
@@ -196,11 +240,15 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--out", help="folder for the plots (default: the run directory)")
     r.set_defaults(func=cmd_report)
 
-    e = sub.add_parser("export", help="consolidate a checkpoint's model into one plain file (torch or safetensors)")
+    e = sub.add_parser("export", help="consolidate a checkpoint's model into one plain file (torch or safetensors), "
+                                      "or with --tables its sharded embedding tables into a serving folder")
     e.add_argument("checkpoint", help="a run directory or one of its checkpoints/step_XXXXXXXX folders")
-    e.add_argument("out", help="output file, e.g. model.pt or model.safetensors")
+    e.add_argument("out", help="output file, e.g. model.pt or model.safetensors (with --tables: a folder)")
     e.add_argument("--format", choices=("torch", "safetensors"), default=None,
                    help="file format (default: safetensors for a .safetensors name, else torch)")
+    e.add_argument("--tables", action="store_true",
+                   help="export the sharded tables (DLRM's embeddings) for serving instead: per table sorted "
+                        "keys and weights (safetensors) and index.json, in folder OUT")
     e.set_defaults(func=cmd_export)
 
     from podscale.graph.cli import add_graph_parser

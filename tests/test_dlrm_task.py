@@ -242,3 +242,27 @@ def test_rocks_store_reopens_consistent_after_sigkill_mid_write(tmp_path):
     assert torch.equal(torch.sort(keys).values, torch.arange(2000))
     assert rows.min() == rows.max() >= 3  # one generation everywhere
     s.close()
+
+
+def test_a_data_file_damaged_past_its_first_line_is_one_line_from_every_rank(tmp_path):
+    """Bad input found inside the workers (the config check reads only the first line): each rank prints the
+    line, the command prints it once, no traceback, exit status 1 (podscale.runtime.errors)."""
+    data = tmp_path / "c.tsv"
+    write_criteo_tsv(data, 300)
+    lines = data.read_text().splitlines()
+    lines[200] = "garbage\tline"
+    data.write_text("\n".join(lines) + "\n")
+    cfg = tmp_path / "c.toml"
+    cfg.write_text('[run]\nname = "bad"\nsteps = 2\n[model]\nkind = "dlrm"\nembedding_dim = 8\n'
+                   f'data_format = "criteo-tsv"\n[data]\npath = "{data}"\n[parallel]\nnproc = 2\n'
+                   "[train]\nglobal_batch = 64\nmicro_batch = 32\n")
+    e = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    p = subprocess.run([sys.executable, "-m", "podscale", "train", str(cfg), "--out-dir", str(tmp_path / "runs")],
+                       env=e, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 1, p.stderr[-3000:]
+    assert "Traceback" not in p.stderr, p.stderr[-3000:]
+    last = p.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"podscale: error: data.path '{data}': line 201 has 2 tab-separated fields")
+    assert "fix or remove that record" in last
+    ranks = [ln for ln in p.stderr.splitlines() if ln.startswith("podscale: rank ")]
+    assert ranks and all("line 201" in ln for ln in ranks)

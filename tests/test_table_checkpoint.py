@@ -31,7 +31,7 @@ def _same_rows(a, b):
     return max((a[k] - b[k]).abs().max().item() for k in a)
 
 
-def test_reshard_two_to_one_to_four_ranks_and_export(tmp_path):
+def test_reshard_two_to_one_to_four_ranks_and_export(tmp_path, capsys):
     ck1, ck2 = tmp_path / "c1", tmp_path / "c2"
     # 2 ranks, u row-wise and v column-wise: full save after step 2, incremental after 4
     a = launch(run, ({"shardings": ["row", "column"], "first": 0, "steps": 4,
@@ -71,3 +71,15 @@ def test_reshard_two_to_one_to_four_ranks_and_export(tmp_path):
         want = _gather(b, t["name"])
         assert set(keys.tolist()) == set(want)
         assert max((weights[i] - want[k]).abs().max().item() for i, k in enumerate(keys.tolist())) == 0.0
+
+    # the same export from the command line, and one line (exit 2) where a checkpoint holds no tables
+    from podscale.cli import main
+    assert main(["export", str(ck2 / "step_5"), str(tmp_path / "serve2"), "--tables"]) == 0
+    assert json.loads((tmp_path / "serve2" / "index.json").read_text()) == index
+    for t in index["tables"]:
+        for f in t["files"]:
+            a, b = load_file(str(tmp_path / "serve2" / f)), load_file(str(out / f))
+            assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert main(["export", str(tmp_path), str(tmp_path / "serve3"), "--tables"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "no checkpoint with sharded tables" in err[0]

@@ -34,8 +34,10 @@ from typing import Iterator
 import numpy as np
 import torch
 
+from podscale.runtime.errors import InputError
 
-class StorageError(ValueError):
+
+class StorageError(InputError):
     """A row store that cannot be created or used as configured (one line, with the fix)."""
 
 
@@ -227,6 +229,8 @@ class MemoryRowStore(RowStore):
     def get(self, keys):
         keys = _as_keys(keys)
         slots, found = self._slots(keys)
+        if bool(found.all()):
+            return self._slab.index_select(0, slots.to(self.device)), found
         rows = torch.zeros(len(keys), self.width, device=self.device)
         if found.any():
             rows[found.to(self.device)] = self._slab[slots[found].to(self.device)]
@@ -327,13 +331,17 @@ class RocksRowStore(RowStore):
     def get(self, keys):
         keys = _as_keys(keys)
         n = len(keys)
-        rows = np.zeros((n, self.width), dtype=np.float32)
-        found = np.zeros(n, dtype=bool)
-        if n:
-            for i, v in enumerate(self._db.get(_key_bytes(keys))):
-                if v is not None:
-                    rows[i] = np.frombuffer(v, dtype="<f4")
-                    found[i] = True
+        if not n:
+            return torch.zeros(0, self.width), torch.zeros(0, dtype=torch.bool)
+        # one multi-get; the values are joined and decoded in one pass (no array per row)
+        vals = self._db.get(_key_bytes(keys))
+        found = np.fromiter((v is not None for v in vals), dtype=bool, count=n)
+        got = np.frombuffer(b"".join(v for v in vals if v is not None), dtype="<f4").reshape(-1, self.width)
+        if len(got) == n:
+            rows = got.astype(np.float32)  # (a copy: the joined bytes are read-only)
+        else:
+            rows = np.zeros((n, self.width), dtype=np.float32)
+            rows[found] = got
         return torch.from_numpy(rows), torch.from_numpy(found)
 
     def _write(self, wb) -> None:
@@ -348,10 +356,11 @@ class RocksRowStore(RowStore):
 
         keys = _as_keys(keys)
         kb = _key_bytes(keys)
-        data = rows.detach().to("cpu", torch.float32).contiguous().numpy().astype("<f4")
+        raw = rows.detach().to("cpu", torch.float32).contiguous().numpy().astype("<f4").tobytes()
+        step = 4 * self.width
         wb = WriteBatch(raw_mode=True)
         for i, k in enumerate(kb):
-            wb.put(k, data[i].tobytes())
+            wb.put(k, raw[i * step: (i + 1) * step])
         self._write(wb)
 
     def delete(self, keys):

@@ -24,8 +24,10 @@ occurrences and reads zeros until then, as Monolith and PaddlePaddle do) and TTL
 
 Bad input -- negative ids, ids outside a declared range, a batch whose rows do not fit a shard's DRAM
 budget, an SSD path that cannot be written -- raises :class:`TableError` with the same one-line message
-on every rank: each rank's verdict is exchanged (a 4-integer all-gather) before the collective that would
-otherwise hang, and nothing is written to a store before the verdict on the ids and the budget.  A store
+on every rank: each rank's verdict on its ids travels with the split sizes of the first ``all_to_all`` (so
+agreeing costs no collective of its own), the verdicts on the budget and the stores (only for tables with
+a cache tier) with a 4-integer all-gather, each before the collective that would otherwise hang, and
+nothing is written to a store before the verdict on the ids and the budget.  A store
 that fails while reading or creating rows is agreed before the row exchange; one that fails while writing
 the update (after the step's last collective) is recorded and raised by every rank at the next lookup.
 Each write to the SSD tier is one atomic RocksDB write batch and a cache drops a dirty row only after it
@@ -42,6 +44,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from podscale.runtime import comm
+from podscale.runtime.errors import InputError
 from podscale.storage.rows import CachedRowStore, MemoryRowStore, RocksRowStore, RowStore, StorageError, TierStats
 from podscale.table.base import ShardedTable
 from podscale.table.hashing import KeyOwner, init_rows, name_seed, owner_of
@@ -51,7 +54,7 @@ SHARDINGS = ("row", "table", "column")
 POOLINGS = ("sum", "mean")
 
 
-class TableError(ValueError):
+class TableError(InputError):
     """Bad ids or a table configuration that cannot work, raised on every rank with the same line."""
 
 
@@ -139,6 +142,7 @@ class _Segment:
     table: int
     shard: Shard
     pos: torch.Tensor
+    whole: bool = False  # pos is every deduplicated id of the table, in order (slices, not gathers)
 
 
 @dataclass
@@ -148,6 +152,7 @@ class _Received:
     keys: torch.Tensor          # deduplicated keys, sorted
     rows: torch.Tensor          # full stored rows [n, width + state + 1]
     admitted: torch.Tensor      # bool [n]: has a row (created now or before)
+    every: bool = False         # admitted.all(): no masking needed
     parts: list[tuple[int, int, int, torch.Tensor]] = field(default_factory=list)  # (src, start, count, inv)
 
 
@@ -176,6 +181,28 @@ class _Exchange(torch.autograd.Function):
     def backward(ctx, *grads):
         ctx.owner._push(ctx.step, grads)
         return (None, None, None) + (None,) * len(grads)
+
+
+class _BagPool(torch.autograd.Function):
+    """Pooled bags (``nn.EmbeddingBag``'s sum or mean) of ``rows[idx]`` over ``offsets``, whose backward
+    scatters each id's share of its bag's gradient into the rows with one ``index_add_`` (ATen's dense
+    embedding-bag backward sorts the indices and counts them first, which the deduplicated rows don't need)."""
+
+    @staticmethod
+    def forward(ctx, rows, idx, offsets, mode):
+        ctx.save_for_backward(idx, offsets)
+        ctx.mode, ctx.n = mode, rows.shape[0]
+        return F.embedding_bag(idx, rows, offsets, mode=mode)
+
+    @staticmethod
+    def backward(ctx, g):
+        idx, offsets = ctx.saved_tensors
+        lengths = torch.diff(offsets, append=offsets.new_tensor([len(idx)]))
+        bag = torch.repeat_interleave(torch.arange(len(offsets)), lengths)
+        if ctx.mode == "mean":
+            g = g / lengths.clamp(min=1).to(g.dtype)[:, None]
+        grad = torch.zeros(ctx.n, g.shape[1], dtype=g.dtype).index_add_(0, idx, g.index_select(0, bag))
+        return grad, None, None, None
 
 
 class ShardedEmbeddingBags(nn.Module, ShardedTable):
@@ -208,6 +235,9 @@ class ShardedEmbeddingBags(nn.Module, ShardedTable):
         self.n = mesh.size(*ax)
         self.me = mesh.local_rank(*ax)
         self.shards = plan_shards(self.specs, self.n)
+        # any table with a cache tier over a lower one (the same on every rank: it follows the specs)
+        self._tiered = any(s.dram_budget_bytes is not None or
+                           (s.device_budget_bytes is not None and mesh.device.type == "cuda") for s in self.specs)
         self._seeds = [name_seed(seed, s.name) for s in self.specs]
         self._updates = [0] * len(self.specs)   # per table: optimizer steps so far (Adam's bias correction)
         self.step_count = 0                      # training lookups so far (the clock of TTL)
@@ -337,11 +367,15 @@ class ShardedEmbeddingBags(nn.Module, ShardedTable):
                 pos = torch.arange(len(u))
                 for sh in shards:
                     if len(pos):
-                        segments[sh.rank].append(_Segment(t, sh, pos))
+                        segments[sh.rank].append(_Segment(t, sh, pos, whole=True))
         return uniq, inv, counts, segments
 
-    def _exchange_ids(self, uniq, counts, segments):
-        """Send (shard, key, count) triples to owners; returns what this rank received, per source."""
+    def _exchange_ids(self, uniq, counts, segments, err: tuple[int, int, int] = (0, 0, 0)):
+        """Send (shard, key, count) triples to owners; returns what this rank received, per source.
+
+        The split sizes travel with each rank's verdict on its input (``err``): every rank receives every
+        other rank's verdict in that first exchange and raises the first rank's error before the ids move,
+        so agreeing costs no collective of its own."""
         send = []
         for d in range(self.n):
             for seg in segments[d]:
@@ -349,11 +383,15 @@ class ShardedEmbeddingBags(nn.Module, ShardedTable):
                                    uniq[seg.table][seg.pos], counts[seg.table][seg.pos]], dim=1)
                 send.append(tri.reshape(-1))
         send_t = torch.cat(send) if send else torch.zeros(0, dtype=torch.int64)
-        send_n = torch.tensor([sum(3 * len(s.pos) for s in segments[d]) for d in range(self.n)],
-                              dtype=torch.int64)
-        recv_n = self._exchange(send_n, [1] * self.n, [1] * self.n)
-        recv_t = self._exchange(send_t, recv_n.tolist(), send_n.tolist())
-        return recv_t.reshape(-1, 3), (recv_n // 3).tolist()
+        send_n = [sum(3 * len(s.pos) for s in segments[d]) for d in range(self.n)]
+        head = torch.tensor([[c, *err] for c in send_n], dtype=torch.int64).reshape(-1)
+        got = self._exchange(head, [4] * self.n, [4] * self.n).reshape(self.n, 4).tolist()
+        for r, (_, code, t, v) in enumerate(got):
+            if code:
+                raise TableError(self._message(code, t, v, r))
+        recv_n = [g[0] for g in got]
+        recv_t = self._exchange(send_t, recv_n, send_n)
+        return recv_t.reshape(-1, 3), [c // 3 for c in recv_n]
 
     def _group_received(self, tri: torch.Tensor, per_src: list[int]):
         """Per local shard: deduplicated keys, total counts and each source's slice of the triples."""
@@ -386,9 +424,8 @@ class ShardedEmbeddingBags(nn.Module, ShardedTable):
             e = self._check_ids(t, v)
             if e[0] and not err[0]:
                 err = e
-        self._agree(*err)
         uniq, inv, counts, segments = self._route(ids)
-        tri, per_src = self._exchange_ids(uniq, counts, segments)
+        tri, per_src = self._exchange_ids(uniq, counts, segments, err)
         by_shard, src_layout = self._group_received(tri, per_src)
         # owners: deduplicate across sources and check the working set before touching any store
         merged = {}
@@ -402,7 +439,8 @@ class ShardedEmbeddingBags(nn.Module, ShardedTable):
             cap = self.stores[key].capacity()
             if cap is not None and len(u) > cap and not err[0]:
                 err = (3, key[0], key[1] * (1 << 40) + len(u))
-        self._agree(*err)
+        if self._tiered:  # only a cache tier has a capacity, only a store on disk fails while reading
+            self._agree(*err)
         self.step_count += int(train)
         received: dict[tuple[int, int], _Received] = {}
         fetched, err = {}, (0, 0, 0)
@@ -412,10 +450,11 @@ class ShardedEmbeddingBags(nn.Module, ShardedTable):
             except StorageError as e:  # agreed below, before the row exchange the other ranks wait in
                 err, self._deferred_text = (7, key[0], 0), str(e)
                 break
-        self._agree(*err)
+        if self._tiered:
+            self._agree(*err)
         for key, (u, i, total, parts) in merged.items():
             rows, admitted = fetched[key]
-            rec = _Received(u, rows, admitted)
+            rec = _Received(u, rows, admitted, bool(admitted.all()))
             start = 0
             for src, _, k, _c in parts:
                 rec.parts.append((src, start, len(k), i[start: start + len(k)]))
@@ -429,8 +468,9 @@ class ShardedEmbeddingBags(nn.Module, ShardedTable):
                 rec = received[key]
                 sh = self.shards[key[0]][key[1]]
                 part = next(p for p in rec.parts if p[0] == src)
-                w = rec.rows[part[3], : sh.width]
-                w = torch.where(rec.admitted[part[3], None], w, torch.zeros_like(w))
+                w = rec.rows[:, : sh.width].index_select(0, part[3])
+                if not rec.every:
+                    w = torch.where(rec.admitted[part[3], None], w, torch.zeros_like(w))
                 out_chunks.append(w.reshape(-1))
                 nf += count * sh.width
             recv_floats.append(nf)
@@ -444,7 +484,10 @@ class ShardedEmbeddingBags(nn.Module, ShardedTable):
             for seg in segments[d]:
                 w = seg.shard.width
                 n = len(seg.pos) * w
-                rows[seg.table][seg.pos, seg.shard.c0: seg.shard.c1] = got[off: off + n].reshape(-1, w)
+                if seg.whole:
+                    rows[seg.table][:, seg.shard.c0: seg.shard.c1] = got[off: off + n].reshape(-1, w)
+                else:
+                    rows[seg.table][seg.pos, seg.shard.c0: seg.shard.c1] = got[off: off + n].reshape(-1, w)
                 off += n
         step = _Step(list(ids), uniq, segments, send_floats, recv_floats, received, src_layout)
         return rows, inv, step
@@ -501,7 +544,8 @@ class ShardedEmbeddingBags(nn.Module, ShardedTable):
                 g = grads[step.tables.index(seg.table)]
                 if g is None:
                     g = torch.zeros(len(step.uniq[seg.table]), self.specs[seg.table].dim)
-                chunks.append(g[seg.pos, seg.shard.c0: seg.shard.c1].reshape(-1))
+                g = g[:, seg.shard.c0: seg.shard.c1]
+                chunks.append((g if seg.whole else g.index_select(0, seg.pos)).reshape(-1))
                 nf += len(seg.pos) * seg.shard.width
             send_f.append(nf)
         recv_f = [sum(count * self.shards[k[0]][k[1]].width for k, count in step.src_layout[src]
@@ -528,13 +572,16 @@ class ShardedEmbeddingBags(nn.Module, ShardedTable):
             if not self.specs[t].trainable or not rec.admitted.any():
                 continue
             w = self.shards[t][key[1]].width
-            a = rec.admitted
-            rows = rec.rows[a]
-            self.optimizer.update(rows[:, :w], rows[:, w:-1], sums[key][a], self._updates[t])
+            if rec.every:  # the received rows are this step's own copy: update them in place
+                rows, g, keys = rec.rows, sums[key], rec.keys
+            else:
+                a = rec.admitted
+                rows, g, keys = rec.rows[a], sums[key][a], rec.keys[a]
+            self.optimizer.update(rows[:, :w], rows[:, w:-1], g, self._updates[t])
             rows[:, -1] = float(self.step_count)
             try:
-                self.stores[key].put(rec.keys[a], rows)
-                self._mark(key, rec.keys[a])
+                self.stores[key].put(keys, rows)
+                self._mark(key, keys)
             except StorageError as e:
                 # The other ranks are past their last collective of this step: the verdict is agreed at
                 # the start of the next exchange, so every rank raises it there instead of one hanging.
@@ -578,7 +625,7 @@ class ShardedEmbeddingBags(nn.Module, ShardedTable):
             if bad and not err[0]:
                 err = (4, t, 0)
         rows, inv = self._rows(values, err)
-        return {self.specs[t].name: F.embedding_bag(inv[t], rows[t], offsets[t], mode=self.specs[t].pooling)
+        return {self.specs[t].name: _BagPool.apply(rows[t], inv[t], offsets[t], self.specs[t].pooling)
                 for t in rows}
 
     def prefetch(self, features: dict[str, torch.Tensor | tuple[torch.Tensor, torch.Tensor]]) -> None:
@@ -588,6 +635,8 @@ class ShardedEmbeddingBags(nn.Module, ShardedTable):
         Call it (on every rank) while the current batch trains; the next lookup of those ids then reads no
         row from the SSD (``tier_stats`` counts the misses).
         """
+        if not self._tiered:  # every row is in memory already (the same verdict on every rank)
+            return
         ids = self._ids({k: (v[0] if isinstance(v, tuple) else v) for k, v in features.items()})
         ids = {t: v[v >= 0] for t, v in ids.items()}
         uniq, _, counts, segments = self._route(ids)

@@ -62,7 +62,7 @@ class SparseSGD(SparseOptimizer):
         return 0
 
     def update(self, w, state, g, step):
-        w.sub_(self.lr * g)
+        w.add_(g, alpha=-self.lr)
 
 
 class RowWiseAdagrad(SparseOptimizer):
@@ -77,7 +77,7 @@ class RowWiseAdagrad(SparseOptimizer):
 
     def update(self, w, state, g, step):
         state.add_(g.pow(2).mean(dim=1, keepdim=True))
-        w.sub_(self.lr * g / (state.sqrt() + self.eps))
+        w.addcdiv_(g, state.sqrt().add_(self.eps), value=-self.lr)  # one fused pass over the rows
 
     def state_columns(self, state, width, a, b):
         """A column block starts from the row's accumulator (exact when blocks were joined from the same

@@ -30,6 +30,7 @@ from torch import nn
 from podscale.models.dlrm import DLRM, DLRMDense
 from podscale.runtime import comm
 from podscale.table import LazyAdam, RowWiseAdagrad, ShardedEmbeddingBags, SparseSGD, TableSpec
+from podscale.runtime.errors import InputError
 from podscale.table.checkpoint import TableCheckpointer
 from podscale.table.data import CriteoLike, make_batch, slice_batch
 from podscale.tasks.base import Task
@@ -318,7 +319,12 @@ class DLRMTask(Task):
         """(train, validation) of a file data set, read once."""
         if self._arrays is None:
             reader = read_criteo_tsv if self.m.data_format == "criteo-tsv" else read_movielens
-            self._arrays = reader(self.cfg.data.path).split(self.cfg.data.val_fraction, self.cfg.run.seed)
+            try:
+                data = reader(self.cfg.data.path)
+            except (ValueError, OSError) as err:  # damaged past the first line, or gone since the check
+                raise InputError(f"data.path '{self.cfg.data.path}': {err}: fix or remove that record, or point "
+                                 "data.path at an intact file") from None
+            self._arrays = data.split(self.cfg.data.val_fraction, self.cfg.run.seed)
         return self._arrays
 
     def feature_names(self) -> list[str]:
