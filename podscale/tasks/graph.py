@@ -33,6 +33,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from functools import cached_property
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -45,11 +46,13 @@ from podscale.graph.core import Graph, GraphError
 from podscale.graph.partition import Partition, check_matches, load_partition, read_meta, whole_graph
 from podscale.graph.sampler import ALL, Block, DistSampler, check_fanouts, full_block
 from podscale.graph.source import load_graph
-from podscale.graph.store import FeatureStore
+from podscale.graph.store import FeatureStore, NodeEmbeddings
 from podscale.models.graphsage import GNN, GNNConfig
 from podscale.runtime import comm
 from podscale.runtime.env import under_launcher
 from podscale.runtime.mesh import Mesh
+from podscale.table import LazyAdam, RowWiseAdagrad, SparseSGD
+from podscale.table.checkpoint import TableCheckpointer
 from podscale.tasks.base import Task
 
 
@@ -84,14 +87,25 @@ def check_config(cfg) -> None:
     m, dp = cfg.model, cfg.dp
     if m.fanouts:
         check_fanouts(m.fanouts, m.layers)
+    if m.node_embedding_dim:
+        if cfg.train.precision == "fp16":
+            raise GraphError("node_embedding_dim with train.precision='fp16': the loss scale would reach the "
+                             "embeddings' sparse optimizer: use 'fp32' or 'bf16'")
+        if cfg.grad_accum != 1:
+            raise GraphError(f"node_embedding_dim={m.node_embedding_dim}: the embeddings are updated in each "
+                             f"backward, so a step takes one micro-batch: set train.micro_batch = "
+                             f"{cfg.train.global_batch // dp}")
     if dp > 1 and m.fanouts and m.partitions and under_launcher():
         # inside the workers: the launching process checked the graph against the partitions before they
         # started; a worker reads only its partition, never the whole graph
         check_matches(read_meta(m.partitions), m.partitions, dp)
         return
     g = graph_of(m)
-    if g.features is None or g.labels is None or "train" not in g.splits:
-        raise GraphError(f"graph '{g.name}' needs node features, labels and a train split for node classification")
+    if g.labels is None or "train" not in g.splits:
+        raise GraphError(f"graph '{g.name}' needs labels and a train split for node classification")
+    if (g.features is None or g.features.shape[1] == 0) and not m.node_embedding_dim:
+        raise GraphError(f"graph '{g.name}' has no node features: set node_embedding_dim (e.g. 32) to learn an "
+                         "embedding per node")
     if dp > 1:
         if not m.fanouts:
             raise GraphError(f"full-graph training (model.fanouts = []) runs on one process but dp={dp}: give "
@@ -101,9 +115,9 @@ def check_config(cfg) -> None:
                              f"{dp}` and set model.partitions to the folder")
         meta = read_meta(m.partitions)
         check_matches(meta, m.partitions, dp, g)
-        if meta["feature_dim"] != g.features.shape[1]:
+        if meta["feature_dim"] != (0 if g.features is None else g.features.shape[1]):
             raise GraphError(f"'{m.partitions}' holds features of width {meta['feature_dim']} but the graph's are "
-                             f"{g.features.shape[1]} wide: partition this graph again")
+                             f"{0 if g.features is None else g.features.shape[1]} wide: partition this graph again")
     if m.fanouts and cfg.grad_accum != 1:
         raise GraphError(f"mini-batch GNN training takes one micro-batch per step: set train.micro_batch = "
                          f"global_batch / dp = {cfg.train.global_batch // dp}")
@@ -253,6 +267,8 @@ class GraphTask(Task):
         self.m = cfg.model
         self._ctx: _Context | None = None
         self._source = None
+        self.embeddings: NodeEmbeddings | None = None
+        self.checkpointer: TableCheckpointer | None = None
 
     @cached_property
     def graph(self) -> Graph:
@@ -271,13 +287,13 @@ class GraphTask(Task):
             return {k: meta[k] for k in ("graph", "num_nodes", "num_edges", "feature_dim", "num_classes")}
         g = self.graph
         return {"graph": g.name, "num_nodes": g.num_nodes, "num_edges": g.num_edges,
-                "feature_dim": g.features.shape[1], "num_classes": g.num_classes}
+                "feature_dim": 0 if g.features is None else g.features.shape[1], "num_classes": g.num_classes}
 
     @cached_property
     def gnn(self) -> GNNConfig:
         s = self.shape
         return GNNConfig(self.m.kind, s["feature_dim"], self.m.hidden, s["num_classes"], self.m.layers,
-                         self.m.dropout)
+                         self.m.dropout, self.m.node_embedding_dim)
 
     def context(self, dp_rank: int, dp: int) -> _Context:
         if self._ctx is None:
@@ -286,6 +302,32 @@ class GraphTask(Task):
 
     def build_model(self) -> nn.Module:
         return GNN(self.gnn)
+
+    # learnable node embeddings: rows of the sharded table outside the strategy's parameters ---------------
+    def bind(self, model: nn.Module, mesh) -> None:
+        """With ``node_embedding_dim``: the node embeddings over ``dp``, placed by the partition book, attached
+        to the model (their sparse optimizer runs inside backward; the strategy sees the dense weights)."""
+        if not self.m.node_embedding_dim:
+            return
+        dp = mesh.size("dp")
+        part = self.context(mesh.local_rank("dp"), dp).part
+        opt = {"adagrad": RowWiseAdagrad, "sgd": SparseSGD, "adam": LazyAdam}[self.m.node_embedding_optimizer]
+        self.embeddings = NodeEmbeddings(part, mesh, self.m.node_embedding_dim, opt(self.m.node_embedding_lr),
+                                         seed=self.cfg.run.seed, grad_divisor=dp)
+        model.attach_embeddings(self.embeddings)
+        self.checkpointer = TableCheckpointer(self.embeddings.table)
+
+    def save_state(self, step_dir: Path, root: Path, step: int) -> None:
+        if self.embeddings is not None:
+            self.checkpointer.save(step_dir, root, step)
+
+    def load_state(self, step_dir: Path) -> None:
+        if self.embeddings is not None:
+            self.checkpointer.load(step_dir)
+
+    def close(self) -> None:
+        if self.embeddings is not None:
+            self.embeddings.close()
 
     def model_config(self) -> dict:
         return asdict(self.gnn)
@@ -301,7 +343,8 @@ class GraphTask(Task):
         g = self.graph
         blk = full_block(g.indptr, g.indices)
         idx = torch.from_numpy(g.splits[split])
-        return GraphBatch([blk] * self.m.layers, torch.from_numpy(g.features), idx, torch.from_numpy(g.labels[idx]),
+        x = g.features if g.features is not None else np.zeros((g.num_nodes, 0), np.float32)
+        return GraphBatch([blk] * self.m.layers, torch.from_numpy(x), idx, torch.from_numpy(g.labels[idx]),
                           1.0 / max(1, len(idx)), g.num_edges * self.m.layers)
 
     def train_data(self, dp_rank: int, dp_size: int):
