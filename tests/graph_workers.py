@@ -43,3 +43,37 @@ def store_and_sampler(path: str, seeds: list[int], fanout: int, rounds: int, cac
                block_src=[book["orig_id"][b.src_ids.numpy()] for b in blocks],
                block_edges=[(b.indptr.numpy(), b.indices.numpy()) for b in blocks])
     return out
+
+
+# -- runs of `podscale train` for the GNN task's layout tests ------------------------------------------------
+def toml_of(d: dict) -> str:
+    """A config dict as TOML (None values left out)."""
+    import json
+    lines = []
+    for sec, vals in d.items():
+        lines.append(f"[{sec}]")
+        for k, v in vals.items():
+            if v is not None:
+                lines.append(f"{k} = {json.dumps(v) if not isinstance(v, bool) else str(v).lower()}")
+    return "\n".join(lines) + "\n"
+
+
+def train_launched(tmp_path, d: dict) -> None:
+    """``podscale train`` of config ``d`` in a fresh interpreter (its workers: ``parallel.nproc``)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parent.parent
+    toml = Path(tmp_path) / f"{d['run']['name']}.toml"
+    toml.write_text(toml_of(d))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]))
+    r = subprocess.run([sys.executable, "-m", "podscale", "train", str(toml)], env=env, capture_output=True,
+                       text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+
+
+def metric_rows(run) -> list[dict]:
+    import json
+    from pathlib import Path
+    return [json.loads(line) for line in (Path(run) / "metrics.jsonl").read_text().splitlines()]

@@ -143,7 +143,7 @@ def test_bad_gnn_configs_are_one_line(tmp_path):
         ({"partitions": str(parts)}, 4, "holds 2 partitions but there are 4 ranks"),
         ({"partitions": None}, 2, "dp=2 trains on partitions"),
         ({"graph": "sbm", "partitions": str(parts)}, 2, "partitions a graph of 2708 nodes"),
-        ({"fanouts": []}, 2, "full-graph training (model.fanouts = []) runs on one process"),
+        ({"fanouts": [], "partitions": None}, 2, "dp=2 trains on partitions"),
     ]
     for change, nproc, message in cases:
         d = _config(tmp_path, "bad", nproc, str(parts))

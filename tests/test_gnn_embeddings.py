@@ -13,9 +13,6 @@ fetched by node id in the sampled blocks and updated by their owners with the ta
 * Bad settings fail with one line before workers start.
 """
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -30,8 +27,8 @@ from podscale.graph.store import NodeEmbeddings
 from podscale.table.hashing import init_rows, name_seed
 from podscale.table.checkpoint import export_tables
 from podscale.train.loop import run_worker
+from graph_workers import metric_rows, train_launched
 
-ROOT = Path(__file__).resolve().parent.parent
 STEPS = 6
 
 
@@ -45,29 +42,6 @@ def _config(out: Path, name: str, nproc: int, partitions: str | None, **model) -
             "model": m, "parallel": {"nproc": nproc}, "checkpoint": {"at_end": True},
             "train": {"global_batch": 120, "micro_batch": 120 // nproc, "lr": 0.01, "min_lr": 0.001,
                       "warmup_steps": 0, "weight_decay": 0.0, "grad_clip": 0.0}}
-
-
-def _toml(d: dict) -> str:
-    lines = []
-    for sec, vals in d.items():
-        lines.append(f"[{sec}]")
-        for k, v in vals.items():
-            if v is not None:
-                lines.append(f"{k} = {json.dumps(v) if not isinstance(v, bool) else str(v).lower()}")
-    return "\n".join(lines) + "\n"
-
-
-def _train_launched(tmp_path: Path, d: dict) -> None:
-    toml = tmp_path / f"{d['run']['name']}.toml"
-    toml.write_text(_toml(d))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    r = subprocess.run([sys.executable, "-m", "podscale", "train", str(toml)], env=env, capture_output=True,
-                       text=True, timeout=900)
-    assert r.returncode == 0, r.stderr[-3000:]
-
-
-def _rows(run: Path) -> list[dict]:
-    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
 def _embeddings(run: Path, out: Path) -> tuple[np.ndarray, np.ndarray]:
@@ -87,8 +61,8 @@ def test_embeddings_on_two_partitions_follow_one_process(tmp_path):
     parts = tmp_path / "sbm-2"
     write_partitions(g, assign(g, 2, "metis"), parts)
     run_worker(parse_config(_config(tmp_path, "one", 1, None)))
-    _train_launched(tmp_path, _config(tmp_path, "two", 2, str(parts)))
-    a, b = _rows(tmp_path / "one"), _rows(tmp_path / "two")
+    train_launched(tmp_path, _config(tmp_path, "two", 2, str(parts)))
+    a, b = metric_rows(tmp_path / "one"), metric_rows(tmp_path / "two")
     assert len(a) == len(b) == STEPS
     for x, y in zip(a, b):
         assert abs(x["loss"] - y["loss"]) <= 1e-4 * max(1.0, abs(x["loss"])), (x["loss"], y["loss"])
@@ -112,7 +86,7 @@ def test_embeddings_learn_a_featureless_graph(tmp_path):
     d["checkpoint"]["at_end"] = False
     d["train"].update(global_batch=100, micro_batch=100)
     run_worker(parse_config(d))
-    last = _rows(tmp_path / "featureless")[-1]
+    last = metric_rows(tmp_path / "featureless")[-1]
     print(f"featureless SBM, embeddings only: test accuracy {last['val_test_accuracy']:.3f}")
     assert last["val_test_accuracy"] > 0.5, last
 

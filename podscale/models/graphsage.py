@@ -83,8 +83,9 @@ def gcn_adjacency(block: Block) -> torch.Tensor:
         cols[is_loop] = rows[is_loop]
         cols[~is_loop] = ix
         d = (deg + 1).to(torch.float32)
-        if block.full:
-            vals = (d[rows] * d[cols]).rsqrt()
+        if block.full:  # sources beyond the destinations (a partition's halo) bring their own degrees
+            d_src = d if block.src_deg is None else (block.src_deg + 1).to(torch.float32)
+            vals = (d[rows] * d_src[cols]).rsqrt()
         else:
             vals = 1.0 / d[rows]
         block.cache["gcn"] = _csr(new_ip, cols, vals, (n, block.num_src))
@@ -144,6 +145,8 @@ class GNN(nn.Module):
                 raise RuntimeError("GNN has embedding_dim > 0 but no node embeddings: attach_embeddings() first")
             h = torch.cat([x, self.embeddings(blocks[0].src_ids).to(x.device, x.dtype)], dim=1)
         for i, (conv, block) in enumerate(zip(self.convs, blocks)):
+            if i and block.halo is not None:  # full-graph training over partitions: the halo's last states
+                h = block.halo(h)
             h = F.dropout(h, self.dropout, self.training)
             h = conv(block, h)
             if i < len(self.convs) - 1:

@@ -4,8 +4,10 @@ Everything the trunk needs to train :class:`~podscale.models.graphsage.GNN` on a
 (:func:`~podscale.graph.source.load_graph`: a generated SBM by default, R-MAT, a Planetoid ``.npz`` or an
 OGB-style folder):
 
-* **full-graph training** (``fanouts = []``, one process): every step is one epoch, the whole graph as one
-  block per layer, the loss over the training nodes;
+* **full-graph training** (``fanouts = []``): every step is one epoch, the whole graph as one block per
+  layer, the loss over the training nodes; with ``dp > 1`` each rank computes its partition's nodes over
+  their full neighbourhood, the halo's states of every layer from their owners
+  (:class:`~podscale.graph.halo.HaloExchange`), and the dense gradients are all-reduced by the strategy;
 * **mini-batch training** (``fanouts = [f_1, ..., f_L]``): every step samples ``global_batch / dp`` seed nodes
   per rank and their neighbourhoods (:class:`~podscale.graph.sampler.DistSampler`), and fetches the input
   features (:class:`~podscale.graph.store.FeatureStore`).  With ``dp > 1`` each rank trains on its partition
@@ -34,7 +36,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from functools import cached_property
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
@@ -43,6 +44,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from podscale.graph.core import Graph, GraphError
+from podscale.graph.halo import HaloExchange, partition_block
 from podscale.graph.partition import Partition, check_matches, load_partition, read_meta, whole_graph
 from podscale.graph.sampler import ALL, Block, DistSampler, check_fanouts, full_block
 from podscale.graph.source import load_graph
@@ -95,7 +97,7 @@ def check_config(cfg) -> None:
             raise GraphError(f"node_embedding_dim={m.node_embedding_dim}: the embeddings are updated in each "
                              f"backward, so a step takes one micro-batch: set train.micro_batch = "
                              f"{cfg.train.global_batch // dp}")
-    if dp > 1 and m.fanouts and m.partitions and under_launcher():
+    if dp > 1 and m.partitions and under_launcher():
         # inside the workers: the launching process checked the graph against the partitions before they
         # started; a worker reads only its partition, never the whole graph
         check_matches(read_meta(m.partitions), m.partitions, dp)
@@ -107,9 +109,6 @@ def check_config(cfg) -> None:
         raise GraphError(f"graph '{g.name}' has no node features: set node_embedding_dim (e.g. 32) to learn an "
                          "embedding per node")
     if dp > 1:
-        if not m.fanouts:
-            raise GraphError(f"full-graph training (model.fanouts = []) runs on one process but dp={dp}: give "
-                             "model.fanouts (mini-batch training over partitions) or set parallel.nproc = 1")
         if not m.partitions:
             raise GraphError(f"dp={dp} trains on partitions: write them with `podscale graph partition ... --parts "
                              f"{dp}` and set model.partitions to the folder")
@@ -138,11 +137,26 @@ class _Context:
                                    seed=task.cfg.run.seed)
         self.store = FeatureStore(self.part, self.mesh, cache_rows=m.feature_cache_rows)
         self.dp = dp
+        self._full: tuple[Block, torch.Tensor] | None = None
 
     def global_count(self, n: int) -> int:
         t = torch.tensor([n], dtype=torch.int64, device=self.mesh.device)
         comm.all_reduce(t, self.mesh, "dp")
         return int(t.item())
+
+    def full_batch(self, split: str, layers: int) -> GraphBatch:
+        """Full-graph training over partitions: the partition's whole neighbourhood (its nodes, their
+        in-edges and the halo, whose states come from their owners before every layer) and the labels of
+        its nodes of ``split`` - collective."""
+        if self._full is None:
+            ex = HaloExchange(self.part, self.mesh)
+            blk = partition_block(self.part, ex)
+            self._full = (blk, self.store.fetch(blk.src_ids))
+        blk, x = self._full
+        idx = self.part.splits[split]
+        total = self.global_count(len(idx))
+        return GraphBatch([blk] * layers, x, torch.from_numpy(idx), torch.from_numpy(self.part.labels[idx]),
+                          self.dp / max(1, total), blk.num_edges * layers)
 
     def batch(self, seeds_local: np.ndarray, fanouts: list[int]) -> GraphBatch:
         """The batch of this rank's seeds (local ids) - collective."""
@@ -268,6 +282,7 @@ class GraphTask(Task):
         self._ctx: _Context | None = None
         self._source = None
         self.embeddings: NodeEmbeddings | None = None
+        self._train_nodes = 0   # full-graph training over partitions: the training nodes of all ranks
         self.checkpointer: TableCheckpointer | None = None
 
     @cached_property
@@ -348,7 +363,11 @@ class GraphTask(Task):
                           1.0 / max(1, len(idx)), g.num_edges * self.m.layers)
 
     def train_data(self, dp_rank: int, dp_size: int):
-        if not self.m.fanouts:
+        if not self.m.fanouts and self.distributed:
+            batch = self.context(dp_rank, dp_size).full_batch("train", self.m.layers)
+            self._train_nodes = round(dp_size / batch.scale)
+            self._source = FullGraph(batch)
+        elif not self.m.fanouts:
             self._source = FullGraph(self._full_batch("train"))
         else:
             ctx = self.context(dp_rank, dp_size)
@@ -358,6 +377,8 @@ class GraphTask(Task):
 
     def eval_data(self, dp_rank: int, dp_size: int) -> list[GraphBatch]:
         """[validation batch, test batch]: every neighbour of every node (exact), this rank's nodes."""
+        if not self.m.fanouts and self.distributed:
+            return [self.context(dp_rank, dp_size).full_batch(s, self.m.layers) for s in ("val", "test")]
         if not self.m.fanouts:
             return [self._full_batch(s) for s in ("val", "test")]
         ctx = self.context(dp_rank, dp_size)
@@ -380,7 +401,8 @@ class GraphTask(Task):
     def units_per_sample(self) -> float:
         # full graph: a step trains every training node, whatever global_batch says
         if not self.m.fanouts:
-            return len(self.graph.splits["train"]) / self.cfg.train.global_batch
+            n = self._train_nodes if self.distributed else len(self.graph.splits["train"])
+            return n / self.cfg.train.global_batch
         return 1
 
     def flops_per_sample(self) -> float:
