@@ -41,7 +41,7 @@ class HaloExchange:
         self.serve_splits = counts.tolist()
         asked = self._a2a(torch.from_numpy(self.halo), self.serve_splits, self.recv_splits)
         self.serve = asked - self.start                                # local positions of the rows served
-        self.remote_bytes = 0
+        self.remote_bytes = 0   # states sent to other ranks and gradients sent back to their owners
 
     def _a2a(self, send: torch.Tensor, out_splits: list[int], in_splits: list[int]) -> torch.Tensor:
         dev = self.mesh.device
@@ -67,6 +67,7 @@ class _Halo(torch.autograd.Function):
     def backward(ctx, g):
         ex = ctx.ex
         back = ex._a2a(g.contiguous(), ex.serve_splits, ex.recv_splits)
+        ex.remote_bytes += g.numel() * g.element_size()
         grad = torch.zeros(ex.num_inner, g.shape[1], dtype=g.dtype, device=g.device)
         grad.index_add_(0, ex.serve.to(g.device), back)
         return grad, None

@@ -237,20 +237,24 @@ class MiniBatches:
 
 
 class FullGraph:
-    """Full-graph training: the same batch (the whole graph, the training nodes' labels) every step."""
+    """Full-graph training: the same batch (the whole graph, the training nodes' labels) every step.
+    ``halo``: over partitions, the exchange whose bytes (the halo's states and gradients) are the epoch's
+    remote bytes."""
 
-    def __init__(self, batch: GraphBatch):
-        self.batch, self.consumed = batch, 0
+    def __init__(self, batch: GraphBatch, halo: HaloExchange | None = None):
+        self.batch, self.consumed, self.halo = batch, 0, halo
         self.last_epoch: dict[str, float] = {}
         self._t = None
+        self._bytes = 0
 
     def next_step(self) -> list[GraphBatch]:
         now = time.perf_counter()
+        sent = self.halo.remote_bytes if self.halo is not None else 0
         if self._t is not None:
             dt = now - self._t
             self.last_epoch = {"epoch_time_s": dt, "sampled_edges_per_s": self.batch.sampled_edges / dt,
-                               "remote_bytes_per_epoch": 0.0}
-        self._t = now
+                               "remote_bytes_per_epoch": float(sent - self._bytes)}
+        self._t, self._bytes = now, sent
         self.consumed += 1
         return [self.batch]
 
@@ -364,9 +368,10 @@ class GraphTask(Task):
 
     def train_data(self, dp_rank: int, dp_size: int):
         if not self.m.fanouts and self.distributed:
-            batch = self.context(dp_rank, dp_size).full_batch("train", self.m.layers)
+            ctx = self.context(dp_rank, dp_size)
+            batch = ctx.full_batch("train", self.m.layers)
             self._train_nodes = round(dp_size / batch.scale)
-            self._source = FullGraph(batch)
+            self._source = FullGraph(batch, batch.blocks[0].halo)
         elif not self.m.fanouts:
             self._source = FullGraph(self._full_batch("train"))
         else:
