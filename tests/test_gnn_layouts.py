@@ -9,7 +9,6 @@ largest in-degree and a global batch above its 140 training nodes), so the step 
 on one process and over partitions; the only differences are the order of floating-point sums."""
 from pathlib import Path
 
-
 from graph_workers import metric_rows, train_launched
 from podscale.config import parse_config
 from podscale.graph import load_planetoid
