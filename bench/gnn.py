@@ -128,7 +128,8 @@ def worker(cfg_path: str, epochs: int, max_steps: int = 0) -> dict:
     spe = source.steps_per_epoch
     # per epoch from the steps (whole epochs, or the first max_steps steps): sampling runs ahead in the
     # background, so a step's time is what training waits for
-    stats = {"epoch_time_s": statistics.median(times[1:] or times) * spe, "remote_bytes_per_epoch": remote / steps * spe,
+    stats = {"epoch_time_s": statistics.median(times[1:] or times) * spe,
+             "remote_bytes_per_epoch": remote / steps * spe,
              "sampled_edges_per_s": edges / max(sum(times), 1e-9)}
     return {"epochs": [stats], "steps": steps, "steps_per_epoch": spe,
             "feature_bytes": int(ctx.part.features.nbytes),
@@ -155,7 +156,8 @@ def partitions(g, scale: int, features: int, epochs: int, batch: int, parts: int
             path.write_text(_toml(cfg))
             res = launch(worker, (str(path), epochs, max_steps), nproc=parts)
             last = [res[r]["epochs"][-1] for r in range(parts)]
-            rows.append({"method": method, "parts": parts, "partition_s": t_part, "edge_cut": meta["report"]["edge_cut"],
+            rows.append({"method": method, "parts": parts, "partition_s": t_part,
+                         "edge_cut": meta["report"]["edge_cut"],
                          "halo_share": meta["report"]["halo_share"], "balance": meta["report"]["balance"],
                          "steps_per_epoch": res[0]["steps_per_epoch"], "steps": res[0]["steps"],
                          "epoch_s": max(x["epoch_time_s"] for x in last),

@@ -20,7 +20,8 @@ visible only by its final rename (:func:`podscale.train.checkpoint.save`).  A cr
 segment that no manifest names; the next save deletes segments no finished checkpoint names.
 
 Resharding: every piece records its table and columns ``[c0, c1)``; on load each rank reads every file,
-keeps the keys it owns (row-wise: the table's :meth:`~podscale.table.embedding.ShardedEmbeddingBags.key_owner`) and the columns of its shards, and converts the
+keeps the keys it owns (row-wise: by the table's
+:meth:`~podscale.table.embedding.ShardedEmbeddingBags.key_owner`) and the columns of its shards, and converts the
 optimizer state between column blocks with :meth:`~podscale.table.optim.SparseOptimizer.state_columns` /
 :meth:`~podscale.table.optim.SparseOptimizer.join_state`.
 
