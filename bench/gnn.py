@@ -4,25 +4,28 @@
    ``SAGEConv`` (mean aggregation, on ``edge_index``; PyG core without torch-sparse) with the same weights on
    the same generated R-MAT graph; forward + backward + Adam step, alternating rounds, medians and their
    ratio (podscale / PyG; below 1 is faster), and the largest difference of the logits.
-2. **METIS vs random partitions at 2 ranks**: mini-batch GraphSAGE (fan-outs 15, 10) through the GNN task on
+2. **METIS vs random partitions at 2 and 4 ranks**: mini-batch GraphSAGE (fan-outs 15, 10) through the GNN task on
    the same R-MAT graph partitioned both ways: epoch time, remote bytes per epoch (features and sampling
    requests between ranks), sampled edges per second, and per rank the resident memory after training and the feature
    bytes it holds against the whole graph's.
 
-Not run here: mini-batch sampling + training against PyG's ``NeighborLoader``, which needs torch-sparse or
-pyg-lib built from source.
+3. **Mini-batch GraphSAGE against PyG's ``NeighborLoader``, one process** (sampling + forward + backward +
+   Adam step per batch of seeds, fan-outs 15, 10): runs only where PyG has a sampler, i.e. ``pyg-lib`` or
+   ``torch-sparse`` is installed; PyG 2.8 has no pure-Python fallback (``NeighborSampler`` raises
+   ImportError without either), so on this machine, where neither is (torch-sparse builds from source in
+   about 13 min), the script says it skipped it.
 
-    python bench/gnn.py [--small] [--scale 19] [--rounds 5] [--epochs 2]
+    python bench/gnn.py [--small] [--scale 19] [--parts 2,4] [--rounds 5] [--epochs 2] [--max-steps N]
 
 ``--small`` checks the script in a minute (R-MAT scale 13); the full setting (scale 19, about 15 M directed
-edges) is the >= 10 M edge comparison.
+edges) is the >= 10 M edge comparison.  ``--max-steps N`` trains only N steps per partitioned run (a check
+that the setting runs; per-epoch figures are then extrapolated from the steps' medians).
 """
 from __future__ import annotations
 
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -95,7 +98,7 @@ def _toml(d: dict) -> str:
     return "\n".join(out) + "\n"
 
 
-def worker(cfg_path: str, epochs: int) -> dict:
+def worker(cfg_path: str, epochs: int, max_steps: int = 0) -> dict:
     """One rank: the GNN task's mini-batches and its model under the trunk's engine, ``epochs`` epochs."""
     from podscale import parallelize
     from podscale.config import load_config
@@ -111,47 +114,122 @@ def worker(cfg_path: str, epochs: int) -> dict:
     torch.manual_seed(cfg.run.seed)
     engine = parallelize(task.build_model(), mesh, cfg, task)
     source = task.train_data(mesh.local_rank("dp"), mesh.size("dp"))
-    stats = []
-    for _ in range(epochs * source.steps_per_epoch):
-        engine.step(source.next_step())
-        if source.consumed % source.steps_per_epoch == 0:
-            stats.append(dict(source.last_epoch))
+    steps = epochs * source.steps_per_epoch if not max_steps else min(max_steps, epochs * source.steps_per_epoch)
+    times, edges, remote = [], 0, 0
+    for _ in range(steps):
+        t = time.perf_counter()
+        batches = source.next_step()
+        engine.step(batches)
+        times.append(time.perf_counter() - t)
+        edges += sum(b.sampled_edges for b in batches)
+        remote += sum(b.remote for b in batches)
     ctx = task.context(mesh.local_rank("dp"), mesh.size("dp"))
     engine.close()
-    return {"epochs": stats, "steps_per_epoch": source.steps_per_epoch,
+    spe = source.steps_per_epoch
+    # per epoch from the steps (whole epochs, or the first max_steps steps): sampling runs ahead in the
+    # background, so a step's time is what training waits for
+    stats = {"epoch_time_s": statistics.median(times[1:] or times) * spe,
+             "remote_bytes_per_epoch": remote / steps * spe,
+             "sampled_edges_per_s": edges / max(sum(times), 1e-9)}
+    return {"epochs": [stats], "steps": steps, "steps_per_epoch": spe,
             "feature_bytes": int(ctx.part.features.nbytes),
             # resident memory now (ru_maxrss would carry the launching process's peak across fork + exec)
             "rss_mb": psutil.Process().memory_info().rss / 2**20}
 
 
-def partitions(scale: int, features: int, epochs: int, batch: int) -> list[dict]:
+def partitions(g, scale: int, features: int, epochs: int, batch: int, parts: int, max_steps: int) -> list[dict]:
     from podscale.runtime.launcher import launch
 
-    g = rmat(scale, features=features, seed=0)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for method in ("metis", "random"):
             t = time.perf_counter()
-            part = assign(g, 2, method)
+            part = assign(g, parts, method)
             meta = write_partitions(g, part, Path(tmp) / method, method)
             t_part = time.perf_counter() - t
             cfg = {"run": {"name": method, "out_dir": tmp, "seed": 0},
                    "model": {"kind": "graphsage", "graph": "rmat", "scale": scale, "features": features,
                              "hidden": 64, "fanouts": [15, 10], "dropout": 0.0, "partitions": str(Path(tmp) / method),
                              "feature_cache_rows": 0},
-                   "parallel": {"nproc": 2}, "train": {"global_batch": batch, "micro_batch": batch // 2}}
+                   "parallel": {"nproc": parts}, "train": {"global_batch": batch, "micro_batch": batch // parts}}
             path = Path(tmp) / f"{method}.toml"
             path.write_text(_toml(cfg))
-            res = launch(worker, (str(path), epochs), nproc=2)
-            last = [res[r]["epochs"][-1] for r in (0, 1)]
-            rows.append({"method": method, "partition_s": t_part, "edge_cut": meta["report"]["edge_cut"],
-                         "halo_share": meta["report"]["halo_share"], "steps_per_epoch": res[0]["steps_per_epoch"],
+            res = launch(worker, (str(path), epochs, max_steps), nproc=parts)
+            last = [res[r]["epochs"][-1] for r in range(parts)]
+            rows.append({"method": method, "parts": parts, "partition_s": t_part,
+                         "edge_cut": meta["report"]["edge_cut"],
+                         "halo_share": meta["report"]["halo_share"], "balance": meta["report"]["balance"],
+                         "steps_per_epoch": res[0]["steps_per_epoch"], "steps": res[0]["steps"],
                          "epoch_s": max(x["epoch_time_s"] for x in last),
                          "remote_mb_per_epoch": sum(x["remote_bytes_per_epoch"] for x in last) / 2**20,
                          "sampled_edges_per_s": sum(x["sampled_edges_per_s"] for x in last),
-                         "feature_share_per_rank": [res[r]["feature_bytes"] / g.features.nbytes for r in (0, 1)],
-                         "rss_mb": [round(res[r]["rss_mb"]) for r in (0, 1)]})
-    return rows, g
+                         "feature_share_per_rank": [res[r]["feature_bytes"] / g.features.nbytes for r in range(parts)],
+                         "rss_mb": [round(res[r]["rss_mb"]) for r in range(parts)]})
+    return rows
+
+
+def minibatch_vs_pyg(g, features: int, hidden: int, batch: int, rounds: int, fanouts=(15, 10)) -> dict:
+    """Mini-batch GraphSAGE on one process: podscale's sampler (:func:`~podscale.graph.sampler.sample_csc`
+    per layer, as :class:`~podscale.graph.sampler.DistSampler` on one rank) and model against PyG's
+    ``NeighborLoader`` and ``SAGEConv``; the median time of a batch (sample, forward, backward, Adam step)
+    over ``rounds`` batches each, alternating.  Skipped (a reason) where PyG has no sampler."""
+    import torch_geometric.typing as pyg_typing
+    if not (pyg_typing.WITH_PYG_LIB or pyg_typing.WITH_TORCH_SPARSE):
+        return {"skipped": "PyG's NeighborLoader needs pyg-lib or torch-sparse (PyG 2.8 has no pure-Python "
+                           "sampler) and neither is installed"}
+    from torch_geometric.data import Data
+    from torch_geometric.loader import NeighborLoader
+    from torch_geometric.nn import SAGEConv
+
+    from podscale.graph.sampler import make_block, sample_csc
+
+    x, y = torch.from_numpy(g.features), torch.from_numpy(g.labels)
+    train = g.splits["train"]
+    src, dst = g.edges()
+    data = Data(x=x, edge_index=torch.from_numpy(np.stack([src, dst])), y=y, num_nodes=g.num_nodes)
+    # PyG lists the fan-outs from the seeds outwards; podscale's are input layer first
+    loader = iter(NeighborLoader(data, num_neighbors=list(reversed(fanouts)), batch_size=batch,
+                                 input_nodes=torch.from_numpy(train), shuffle=True))
+    ours = GNN(GNNConfig("graphsage", features, hidden, g.num_classes, 2, 0.0))
+    pyg = torch.nn.ModuleList([SAGEConv(features, hidden, aggr="mean"), SAGEConv(hidden, g.num_classes, aggr="mean")])
+    opt_o = torch.optim.Adam(ours.parameters(), lr=1e-3)
+    opt_p = torch.optim.Adam(pyg.parameters(), lr=1e-3)
+    rng = np.random.default_rng(0)
+
+    def step_ours() -> tuple[float, int]:
+        t = time.perf_counter()
+        seeds = rng.choice(train, min(batch, len(train)), replace=False)
+        blocks, dst_ = [], seeds
+        for k in reversed(fanouts):
+            counts, nbrs = sample_csc(g.indptr, g.indices, dst_, k, rng)
+            blocks.append(make_block(dst_, counts, nbrs))
+            dst_ = blocks[-1].src_ids.numpy()
+        blocks = blocks[::-1]
+        opt_o.zero_grad()
+        F.cross_entropy(ours(blocks, x[blocks[0].src_ids]), y[torch.from_numpy(seeds)]).backward()
+        opt_o.step()
+        return time.perf_counter() - t, sum(b.num_edges for b in blocks)
+
+    def step_pyg() -> tuple[float, int]:
+        t = time.perf_counter()
+        b = next(loader)
+        opt_p.zero_grad()
+        h = F.relu(pyg[0](b.x, b.edge_index))
+        out = pyg[1](h, b.edge_index)[: b.batch_size]
+        F.cross_entropy(out, b.y[: b.batch_size]).backward()
+        opt_p.step()
+        return time.perf_counter() - t, int(b.edge_index.shape[1])
+
+    step_ours(), step_pyg()  # warm-up
+    t_o, t_p, e_o, e_p = [], [], 0, 0
+    for _ in range(rounds):
+        a, ea = step_ours()
+        b, eb = step_pyg()
+        t_o.append(a), t_p.append(b)
+        e_o, e_p = e_o + ea, e_p + eb
+    a, b = statistics.median(t_o), statistics.median(t_p)
+    return {"podscale_s": a, "pyg_s": b, "ratio": a / b, "podscale_edges_per_batch": e_o / rounds,
+            "pyg_edges_per_batch": e_p / rounds}
 
 
 def main() -> None:
@@ -163,6 +241,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--epochs", type=int, default=2)
     ap.add_argument("--batch", type=int, default=2048, help="seed nodes per step over both ranks")
+    ap.add_argument("--parts", default="2,4", help="partition counts to compare METIS and random at")
+    ap.add_argument("--max-steps", type=int, default=0, help="train at most this many steps per partitioned run")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args()
     if args.small:
@@ -172,21 +252,33 @@ def main() -> None:
           f"{args.features} features, hidden {args.hidden}, one process: podscale {1e3 * fg['podscale_s']:.1f} ms, "
           f"PyG {1e3 * fg['pyg_s']:.1f} ms per epoch, ratio {fg['ratio']:.2f} (podscale / PyG); "
           f"largest logit difference {fg['max_logit_diff']:.1e}", flush=True)
-    rows, g = partitions(args.scale, args.features, args.epochs, args.batch)
-    for r in rows:
-        print(f"{r['method']:6s} 2 partitions: edge cut {r['edge_cut']:.1%}, halo {r['halo_share']:.1%}, "
-              f"{r['steps_per_epoch']} steps/epoch, epoch {r['epoch_s']:.2f} s, remote "
-              f"{r['remote_mb_per_epoch']:.1f} MiB/epoch, {r['sampled_edges_per_s']:,.0f} sampled edges/s, "
-              f"features per rank {', '.join(f'{x:.2f}' for x in r['feature_share_per_rank'])} of the graph's, "
-              f"RSS {r['rss_mb']} MiB (partitioned in {r['partition_s']:.1f} s)")
-    m, rnd = rows
-    print(f"METIS / random: epoch time {m['epoch_s'] / rnd['epoch_s']:.2f}, remote bytes "
-          f"{m['remote_mb_per_epoch'] / max(rnd['remote_mb_per_epoch'], 1e-9):.2f}, sampled edges/s "
-          f"{m['sampled_edges_per_s'] / rnd['sampled_edges_per_s']:.2f}")
-    print("not run: mini-batch sampling + training against PyG's NeighborLoader (needs torch-sparse or pyg-lib "
-          "built from source)")
+    mb = minibatch_vs_pyg(rmat(args.scale, features=args.features, seed=0), args.features, args.hidden,
+                          args.batch // 2, args.rounds)
+    if "skipped" in mb:
+        print(f"mini-batch GraphSAGE vs PyG NeighborLoader: skipped: {mb['skipped']}", flush=True)
+    else:
+        print(f"mini-batch GraphSAGE (fan-outs 15, 10, {args.batch // 2} seeds), one process: podscale "
+              f"{1e3 * mb['podscale_s']:.1f} ms, PyG NeighborLoader {1e3 * mb['pyg_s']:.1f} ms per batch, ratio "
+              f"{mb['ratio']:.2f} (podscale / PyG); sampled edges per batch {mb['podscale_edges_per_batch']:,.0f} vs "
+              f"{mb['pyg_edges_per_batch']:,.0f}", flush=True)
+    g = rmat(args.scale, features=args.features, seed=0)
+    rows = []
+    for parts in (int(p) for p in args.parts.split(",")):
+        rs = partitions(g, args.scale, args.features, args.epochs, args.batch, parts, args.max_steps)
+        rows += rs
+        for r in rs:
+            print(f"{r['method']:6s} {parts} partitions: edge cut {r['edge_cut']:.1%}, halo {r['halo_share']:.1%}, "
+                  f"balance {r['balance']}, {r['steps']} of {r['steps_per_epoch']} steps/epoch run, epoch "
+                  f"{r['epoch_s']:.2f} s, remote {r['remote_mb_per_epoch']:.1f} MiB/epoch, "
+                  f"{r['sampled_edges_per_s']:,.0f} sampled edges/s, features per rank "
+                  f"{', '.join(f'{x:.2f}' for x in r['feature_share_per_rank'])} of the graph's, RSS {r['rss_mb']} MiB "
+                  f"(partitioned in {r['partition_s']:.1f} s)", flush=True)
+        m, rnd = rs
+        print(f"METIS / random at {parts} partitions: epoch time {m['epoch_s'] / rnd['epoch_s']:.2f}, remote bytes "
+              f"{m['remote_mb_per_epoch'] / max(rnd['remote_mb_per_epoch'], 1e-9):.2f}, sampled edges/s "
+              f"{m['sampled_edges_per_s'] / rnd['sampled_edges_per_s']:.2f}", flush=True)
     if args.json:
-        Path(args.json).write_text(json.dumps({"full_graph": fg, "partitions": rows}, indent=1))
+        Path(args.json).write_text(json.dumps({"full_graph": fg, "minibatch": mb, "partitions": rows}, indent=1))
 
 
 if __name__ == "__main__":

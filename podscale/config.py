@@ -379,7 +379,8 @@ class GraphModelSection(_Section):
     graph_seed: int = Field(0, ge=0, description="seed of a generated graph")
     nodes: int = Field(2000, ge=2, description="nodes of the generated sbm")
     scale: int = Field(14, ge=1, le=32, description="log2 of the nodes of the generated rmat graph")
-    features: int = Field(32, ge=1, description="feature width of a generated graph")
+    features: int = Field(32, ge=0, description="feature width of a generated graph (0: none; then train "
+                          "node embeddings)")
     classes: int = Field(8, ge=2, description="classes (communities) of a generated graph")
     hidden: int = Field(64, ge=1)
     layers: int = Field(2, ge=1)
@@ -387,6 +388,11 @@ class GraphModelSection(_Section):
     fanouts: list[int] = Field([10, 5], description="sampled neighbours per layer, input layer first; [] = full graph")
     partitions: str | None = Field(None, description="folder of `podscale graph partition` (dp > 1)")
     feature_cache_rows: int = Field(0, ge=0, description="remote feature rows each rank caches")
+    node_embedding_dim: int = Field(0, ge=0, description="learnable node embedding width, rows of the sharded "
+                                    "table appended to the features (0: none)")
+    node_embedding_optimizer: Literal["adagrad", "sgd", "adam"] = Field(
+        "adagrad", description="sparse optimizer of the node embeddings, applied by each row's owner")
+    node_embedding_lr: float = Field(0.05, gt=0.0, description="learning rate of the node embeddings")
 
     def task_class(self) -> type:
         from podscale.tasks.graph import GraphTask

@@ -42,4 +42,73 @@ def store_and_sampler(path: str, seeds: list[int], fanout: int, rounds: int, cac
                block_shapes=[(b.num_src, b.num_dst, b.num_edges) for b in blocks],
                block_src=[book["orig_id"][b.src_ids.numpy()] for b in blocks],
                block_edges=[(b.indptr.numpy(), b.indices.numpy()) for b in blocks])
+    out.update(embeddings_resume(path, part, mesh, new))
     return out
+
+
+def embeddings_resume(path: str, part, mesh, ids) -> dict:
+    """Node embeddings placed by the partition book: one training lookup of ``ids`` (owned here and
+    elsewhere), saved with the table checkpointer, loaded into fresh embeddings of another seed; each
+    rank's rows (weights) before the save and after the load."""
+    from pathlib import Path
+
+    from podscale.graph.store import NodeEmbeddings
+    from podscale.table import RowWiseAdagrad
+    from podscale.table.checkpoint import TableCheckpointer
+
+    root = Path(path).parent / "emb-ckpt"
+    step_dir = root / "step_00000001"
+    step_dir.mkdir(parents=True, exist_ok=True)
+    emb = NodeEmbeddings(part, mesh, 4, RowWiseAdagrad(0.5), seed=1, grad_divisor=2)
+    emb(torch.from_numpy(ids)).pow(2).sum().backward()
+    before = emb.table.local_rows(NodeEmbeddings.NAME)
+    TableCheckpointer(emb.table).save(step_dir, root, 1)
+    emb.close()
+    fresh = NodeEmbeddings(part, mesh, 4, RowWiseAdagrad(0.5), seed=2)
+    TableCheckpointer(fresh.table).load(step_dir)
+    after = fresh.table.local_rows(NodeEmbeddings.NAME)
+    fresh.close()
+
+    def rows(pieces):
+        keys = torch.cat([k for k, *_ in pieces])
+        w = torch.cat([x for *_, x in pieces])
+        order = torch.argsort(keys)
+        return keys[order].numpy(), w[order].numpy()
+
+    (kb, wb), (ka, wa) = rows(before), rows(after)
+    return {"emb_keys_before": kb, "emb_rows_before": wb, "emb_keys_after": ka, "emb_rows_after": wa,
+            "emb_start": part.start, "emb_inner": part.num_inner}
+
+
+# -- runs of `podscale train` for the GNN task's layout tests ------------------------------------------------
+def toml_of(d: dict) -> str:
+    """A config dict as TOML (None values left out)."""
+    import json
+    lines = []
+    for sec, vals in d.items():
+        lines.append(f"[{sec}]")
+        for k, v in vals.items():
+            if v is not None:
+                lines.append(f"{k} = {json.dumps(v) if not isinstance(v, bool) else str(v).lower()}")
+    return "\n".join(lines) + "\n"
+
+
+def train_launched(tmp_path, d: dict) -> None:
+    """``podscale train`` of config ``d`` in a fresh interpreter (its workers: ``parallel.nproc``)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parent.parent
+    toml = Path(tmp_path) / f"{d['run']['name']}.toml"
+    toml.write_text(toml_of(d))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]))
+    r = subprocess.run([sys.executable, "-m", "podscale", "train", str(toml)], env=env, capture_output=True,
+                       text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+
+
+def metric_rows(run) -> list[dict]:
+    import json
+    from pathlib import Path
+    return [json.loads(line) for line in (Path(run) / "metrics.jsonl").read_text().splitlines()]

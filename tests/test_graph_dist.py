@@ -2,7 +2,8 @@
 graph (one launch): every row fetched by node id equals the graph's features, remote rows are counted and a
 cache of remote rows serves the second fetch; the distributed sampler's neighbour choices follow the uniform
 law of single-process sampling (chi-square tests at significance 0.001), blocks are consistent message-flow
-graphs, and a rank without seeds samples beside one with seeds without hanging."""
+graphs, and a rank without seeds samples beside one with seeds without hanging; node embeddings placed by the
+partition book come back on their partitions' ranks from a table checkpoint."""
 import numpy as np
 import pytest
 from scipy import stats
@@ -107,3 +108,14 @@ def test_blocks_are_message_flow_graphs(run):
             true = set(g.indices[g.indptr[ids[j]]:g.indptr[ids[j] + 1]].tolist())
             assert set(nb.tolist()) <= true and len(set(nb.tolist())) == len(nb)
             assert len(nb) == min(len(true), (3, 2)[i])
+
+
+def test_node_embeddings_resume_on_their_partitions(run):
+    """A checkpoint's rows go back to the rank owning their node's partition (the table's key owner), not
+    to the hash placement: every rank holds exactly its own nodes' rows, equal to the saved ones."""
+    g, part, seeds, res, book = run
+    for r in (0, 1):
+        o = res[r]
+        own = np.arange(o["emb_start"], o["emb_start"] + o["emb_inner"])
+        assert np.array_equal(o["emb_keys_before"], own) and np.array_equal(o["emb_keys_after"], own)
+        assert np.array_equal(o["emb_rows_after"], o["emb_rows_before"])

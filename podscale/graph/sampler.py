@@ -18,6 +18,7 @@ the single-process sampler.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -70,6 +71,13 @@ def _ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     return np.repeat(starts - (np.cumsum(lengths) - lengths), lengths) + np.arange(total, dtype=np.int64)
 
 
+class SourceStates(Protocol):
+    """The states of a block's sources from its destinations' (``[num_dst, F] -> [num_src, F]``): the halo
+    exchange of full-graph training over partitions (:class:`~podscale.graph.halo.HaloExchange`)."""
+
+    def __call__(self, h: torch.Tensor) -> torch.Tensor: ...
+
+
 @dataclass
 class Block:
     """One layer's message-flow graph: ``num_dst`` destinations (the first ``num_dst`` of ``src_ids``),
@@ -79,7 +87,9 @@ class Block:
     num_dst: int
     indptr: torch.Tensor
     indices: torch.Tensor
-    full: bool = False        # the whole graph (src = dst = every node): full-graph training
+    full: bool = False        # the whole graph (or a partition's whole neighbourhood): full-graph training
+    src_deg: torch.Tensor | None = None   # the sources' in-degrees when not all are destinations (partitions)
+    halo: SourceStates | None = None      # a later layer's sources from the previous one's destinations
     cache: dict = field(default_factory=dict, repr=False)  # the models' adjacency matrices, built once
 
     @property
@@ -93,8 +103,8 @@ class Block:
     def to(self, device: torch.device) -> "Block":
         if self.indptr.device == device:
             return self
-        b = Block(self.src_ids, self.num_dst, self.indptr.to(device), self.indices.to(device), self.full)
-        return b
+        return Block(self.src_ids, self.num_dst, self.indptr.to(device), self.indices.to(device), self.full,
+                     None if self.src_deg is None else self.src_deg.to(device), self.halo)
 
 
 def make_block(dst: np.ndarray, counts: np.ndarray, nbrs: np.ndarray) -> Block:

@@ -14,6 +14,12 @@ in-edges.  :meth:`FeatureStore.fetch` reads
 
 ``fetch`` is collective over the store's ranks: every rank calls it once per batch, with its own ids
 (possibly none).
+
+:class:`NodeEmbeddings` are the learnable counterpart (the issue's "optional learnable node embeddings"; the
+free node embeddings of DGL's sparse ``NodeEmbedding`` and of DistDGL's KVStore, section 3.3): one trainable
+row per node in a table ``node_emb`` placed by the same partition book, read by node id in the forward pass
+and updated in backward by the row's owner with the table's sparse optimizer (row-wise Adagrad, lazy Adam or
+SGD: :mod:`podscale.table.optim`), so a node's embedding, like its features, lives with its partition.
 """
 from __future__ import annotations
 
@@ -23,6 +29,8 @@ import torch
 from podscale.graph.partition import Partition
 from podscale.storage.rows import MemoryRowStore
 from podscale.table.embedding import ShardedEmbeddingBags, TableSpec
+from podscale.table.hashing import init_rows, name_seed
+from podscale.table.optim import SparseOptimizer
 
 
 class PartitionOwner:
@@ -84,6 +92,55 @@ class FeatureStore:
 
     def reset_stats(self) -> None:
         self.remote_bytes = self.remote_rows = self.cache_hits = 0
+
+    def close(self) -> None:
+        self.table.close()
+
+
+class _ScaleGrad(torch.autograd.Function):
+    """Identity whose backward multiplies the gradient by ``scale`` (the same device as DLRM's pooled
+    embeddings use: :class:`podscale.models.dlrm.DLRM`'s ``grad_divisor``)."""
+
+    @staticmethod
+    def forward(ctx, x, scale):
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * ctx.scale, None
+
+
+class NodeEmbeddings(torch.nn.Module):
+    """Learnable node embeddings ``[num_nodes, dim]`` over ``mesh``'s ``axes``, each row on the rank that owns
+    the node's partition; ``forward(ids)`` returns the rows of new ids ``ids`` (collective: every rank calls
+    it once per forward pass, with its own ids).
+
+    A row starts uniform in ``[-1/sqrt(dim), 1/sqrt(dim))`` from a hash of (seed, *original* node id), so any
+    partitioning of the graph (and one process) starts from the same embedding of every node.  In backward
+    the rows' gradients, divided by ``grad_divisor`` (the data-parallel size: each rank's loss is ``dp`` times
+    its share of the step's mean, as the dense gradients' all-reduce mean expects), go to the owners, which
+    apply ``optimizer`` to the touched rows only.
+    """
+
+    NAME = "node_emb"
+
+    def __init__(self, part: Partition, mesh, dim: int, optimizer: SparseOptimizer, seed: int = 0,
+                 axes: str = "dp", grad_divisor: int = 1):
+        super().__init__()
+        self.dim, self.grad_divisor = dim, grad_divisor
+        self.table = ShardedEmbeddingBags(
+            [TableSpec(self.NAME, dim, trainable=True, num_keys=int(part.offsets[-1]))], mesh, optimizer,
+            seed=seed, axes=axes, owner=PartitionOwner(part.offsets))
+        own = torch.arange(part.start, part.start + part.num_inner, dtype=torch.int64)
+        orig = torch.from_numpy(np.asarray(part.orig_id, dtype=np.int64))
+        self.table.load_rows(self.NAME, own, init_rows(name_seed(seed, self.NAME), orig, 0, dim, dim ** -0.5))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        rows = self.table.lookup({self.NAME: ids})[self.NAME]
+        if self.grad_divisor != 1 and rows.requires_grad:
+            rows = _ScaleGrad.apply(rows, 1.0 / self.grad_divisor)
+        return rows
 
     def close(self) -> None:
         self.table.close()

@@ -10,6 +10,11 @@
 A layer takes a :class:`~podscale.graph.sampler.Block` and the sources' states ``h [num_src, F]`` and returns the
 destinations' ``[num_dst, F']``; the aggregation is one sparse CSR x dense product (the block's edges are CSR
 over destinations already), built once per block.  ReLU and dropout between layers.
+
+With ``embedding_dim > 0`` the input of every source node is its features followed by its learnable node
+embedding (:class:`~podscale.graph.store.NodeEmbeddings`, rows of the sharded table looked up by the first
+block's source ids; attached by the task once the mesh exists), so a graph without features trains on the
+embeddings alone.
 """
 from __future__ import annotations
 
@@ -33,11 +38,12 @@ class GNNConfig:
     num_classes: int = 8
     layers: int = 2
     dropout: float = 0.5
+    embedding_dim: int = 0   # learnable node embedding width appended to the features (0: none)
 
     def flops_per_node(self, avg_fanin: float) -> float:
         """Forward + backward FLOPs per output node, counting each layer's dense maps once per output
         (a rough figure: sampled blocks widen towards the input)."""
-        dims = [self.in_dim] + [self.hidden] * (self.layers - 1) + [self.num_classes]
+        dims = [self.in_dim + self.embedding_dim] + [self.hidden] * (self.layers - 1) + [self.num_classes]
         maps = 2 if self.kind == "graphsage" else 1
         dense = sum(2 * maps * a * b for a, b in zip(dims, dims[1:]))
         agg = sum(2 * avg_fanin * a for a in dims[:-1])
@@ -77,8 +83,9 @@ def gcn_adjacency(block: Block) -> torch.Tensor:
         cols[is_loop] = rows[is_loop]
         cols[~is_loop] = ix
         d = (deg + 1).to(torch.float32)
-        if block.full:
-            vals = (d[rows] * d[cols]).rsqrt()
+        if block.full:  # sources beyond the destinations (a partition's halo) bring their own degrees
+            d_src = d if block.src_deg is None else (block.src_deg + 1).to(torch.float32)
+            vals = (d[rows] * d_src[cols]).rsqrt()
         else:
             vals = 1.0 / d[rows]
         block.cache["gcn"] = _csr(new_ip, cols, vals, (n, block.num_src))
@@ -115,19 +122,31 @@ class GCNConv(nn.Module):
 class GNN(nn.Module):
     """``layers`` GraphSAGE or GCN layers; ``forward(blocks, x)`` returns the last block's destinations'
     logits (``blocks`` input layer first; full-graph training passes the whole-graph block ``layers``
-    times)."""
+    times).  With ``cfg.embedding_dim`` the node embeddings must be attached (:meth:`attach_embeddings`)
+    before the first forward."""
 
     def __init__(self, cfg: GNNConfig):
         super().__init__()
         self.cfg = cfg
         conv = SAGEConv if cfg.kind == "graphsage" else GCNConv
-        dims = [cfg.in_dim] + [cfg.hidden] * (cfg.layers - 1) + [cfg.num_classes]
+        dims = [cfg.in_dim + cfg.embedding_dim] + [cfg.hidden] * (cfg.layers - 1) + [cfg.num_classes]
         self.convs = nn.ModuleList(conv(a, b) for a, b in zip(dims, dims[1:]))
         self.dropout = cfg.dropout
+        self.embeddings: nn.Module | None = None
+
+    def attach_embeddings(self, embeddings: nn.Module) -> None:
+        """``embeddings(ids) -> [len(ids), cfg.embedding_dim]``: the learnable rows of the given node ids."""
+        self.embeddings = embeddings
 
     def forward(self, blocks: list[Block], x: torch.Tensor) -> torch.Tensor:
         h = x
+        if self.cfg.embedding_dim:
+            if self.embeddings is None:
+                raise RuntimeError("GNN has embedding_dim > 0 but no node embeddings: attach_embeddings() first")
+            h = torch.cat([x, self.embeddings(blocks[0].src_ids).to(x.device, x.dtype)], dim=1)
         for i, (conv, block) in enumerate(zip(self.convs, blocks)):
+            if i and block.halo is not None:  # full-graph training over partitions: the halo's last states
+                h = block.halo(h)
             h = F.dropout(h, self.dropout, self.training)
             h = conv(block, h)
             if i < len(self.convs) - 1:

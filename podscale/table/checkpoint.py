@@ -20,7 +20,8 @@ visible only by its final rename (:func:`podscale.train.checkpoint.save`).  A cr
 segment that no manifest names; the next save deletes segments no finished checkpoint names.
 
 Resharding: every piece records its table and columns ``[c0, c1)``; on load each rank reads every file,
-keeps the keys it owns (row-wise: ``owner_of(key, n)``) and the columns of its shards, and converts the
+keeps the keys it owns (row-wise: by the table's
+:meth:`~podscale.table.embedding.ShardedEmbeddingBags.key_owner`) and the columns of its shards, and converts the
 optimizer state between column blocks with :meth:`~podscale.table.optim.SparseOptimizer.state_columns` /
 :meth:`~podscale.table.optim.SparseOptimizer.join_state`.
 
@@ -41,7 +42,6 @@ import torch
 
 from podscale.runtime import comm
 from podscale.table.embedding import Shard, ShardedEmbeddingBags, TableError
-from podscale.table.hashing import owner_of
 
 FORMAT = "podscale-tables/1"
 MANIFEST = "tables.json"
@@ -242,14 +242,14 @@ class TableCheckpointer:
                 if sh.table != t or c1 <= sh.c0 or c0 >= sh.c1:
                     continue
                 key = (t, sh.index)
-                mine = owner_of(keys, tb.n) == sh.rank if sh.hashed else torch.ones(len(keys), dtype=torch.bool)
+                mine = tb.key_owner(keys) == sh.rank if sh.hashed else torch.ones(len(keys), dtype=torch.bool)
                 if "deleted" in tensors:
                     d = tensors["deleted"]
-                    d = d[owner_of(d, tb.n) == sh.rank] if sh.hashed else d
+                    d = d[tb.key_owner(d) == sh.rank] if sh.hashed else d
                     tb.delete_rows(key, d)
                 if "count_keys" in tensors:
                     ck, cn = tensors["count_keys"], tensors["counts"]
-                    sel = owner_of(ck, tb.n) == sh.rank if sh.hashed else torch.ones(len(ck), dtype=torch.bool)
+                    sel = tb.key_owner(ck) == sh.rank if sh.hashed else torch.ones(len(ck), dtype=torch.bool)
                     tb.add_admission_counts(sh, ck[sel], cn[sel])
                 k, r = keys[mine], rows[mine]
                 if not len(k):

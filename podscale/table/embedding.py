@@ -700,6 +700,11 @@ class ShardedEmbeddingBags(nn.Module, ShardedTable):
         if len(marks) > 64:  # keep the record compact: one sorted tensor of distinct keys
             self._changed[key] = [torch.unique(torch.cat(marks))]
 
+    def key_owner(self, keys: torch.Tensor) -> torch.Tensor:
+        """Local: the rank (in the table group) that row-wise sharding places each key on -- the table's
+        :class:`~podscale.table.hashing.KeyOwner` (hash by default; the partition book for the GNN's rows)."""
+        return self._owner(keys, self.n)
+
     def local_shards(self) -> list[Shard]:
         """Local: the shards this rank holds, in table order."""
         return [self.shards[t][i] for (t, i) in self.stores]

@@ -4,8 +4,10 @@ Everything the trunk needs to train :class:`~podscale.models.graphsage.GNN` on a
 (:func:`~podscale.graph.source.load_graph`: a generated SBM by default, R-MAT, a Planetoid ``.npz`` or an
 OGB-style folder):
 
-* **full-graph training** (``fanouts = []``, one process): every step is one epoch, the whole graph as one
-  block per layer, the loss over the training nodes;
+* **full-graph training** (``fanouts = []``): every step is one epoch, the whole graph as one block per
+  layer, the loss over the training nodes; with ``dp > 1`` each rank computes its partition's nodes over
+  their full neighbourhood, the halo's states of every layer from their owners
+  (:class:`~podscale.graph.halo.HaloExchange`), and the dense gradients are all-reduced by the strategy;
 * **mini-batch training** (``fanouts = [f_1, ..., f_L]``): every step samples ``global_batch / dp`` seed nodes
   per rank and their neighbourhoods (:class:`~podscale.graph.sampler.DistSampler`), and fetches the input
   features (:class:`~podscale.graph.store.FeatureStore`).  With ``dp > 1`` each rank trains on its partition
@@ -33,7 +35,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from functools import cached_property
-from typing import Any
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -42,14 +44,17 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from podscale.graph.core import Graph, GraphError
+from podscale.graph.halo import HaloExchange, partition_block
 from podscale.graph.partition import Partition, check_matches, load_partition, read_meta, whole_graph
 from podscale.graph.sampler import ALL, Block, DistSampler, check_fanouts, full_block
 from podscale.graph.source import load_graph
-from podscale.graph.store import FeatureStore
+from podscale.graph.store import FeatureStore, NodeEmbeddings
 from podscale.models.graphsage import GNN, GNNConfig
 from podscale.runtime import comm
 from podscale.runtime.env import under_launcher
 from podscale.runtime.mesh import Mesh
+from podscale.table import LazyAdam, RowWiseAdagrad, SparseSGD
+from podscale.table.checkpoint import TableCheckpointer
 from podscale.tasks.base import Task
 
 
@@ -84,26 +89,34 @@ def check_config(cfg) -> None:
     m, dp = cfg.model, cfg.dp
     if m.fanouts:
         check_fanouts(m.fanouts, m.layers)
-    if dp > 1 and m.fanouts and m.partitions and under_launcher():
+    if m.node_embedding_dim:
+        if cfg.train.precision == "fp16":
+            raise GraphError("node_embedding_dim with train.precision='fp16': the loss scale would reach the "
+                             "embeddings' sparse optimizer: use 'fp32' or 'bf16'")
+        if cfg.grad_accum != 1:
+            raise GraphError(f"node_embedding_dim={m.node_embedding_dim}: the embeddings are updated in each "
+                             f"backward, so a step takes one micro-batch: set train.micro_batch = "
+                             f"{cfg.train.global_batch // dp}")
+    if dp > 1 and m.partitions and under_launcher():
         # inside the workers: the launching process checked the graph against the partitions before they
         # started; a worker reads only its partition, never the whole graph
         check_matches(read_meta(m.partitions), m.partitions, dp)
         return
     g = graph_of(m)
-    if g.features is None or g.labels is None or "train" not in g.splits:
-        raise GraphError(f"graph '{g.name}' needs node features, labels and a train split for node classification")
+    if g.labels is None or "train" not in g.splits:
+        raise GraphError(f"graph '{g.name}' needs labels and a train split for node classification")
+    if (g.features is None or g.features.shape[1] == 0) and not m.node_embedding_dim:
+        raise GraphError(f"graph '{g.name}' has no node features: set node_embedding_dim (e.g. 32) to learn an "
+                         "embedding per node")
     if dp > 1:
-        if not m.fanouts:
-            raise GraphError(f"full-graph training (model.fanouts = []) runs on one process but dp={dp}: give "
-                             "model.fanouts (mini-batch training over partitions) or set parallel.nproc = 1")
         if not m.partitions:
             raise GraphError(f"dp={dp} trains on partitions: write them with `podscale graph partition ... --parts "
                              f"{dp}` and set model.partitions to the folder")
         meta = read_meta(m.partitions)
         check_matches(meta, m.partitions, dp, g)
-        if meta["feature_dim"] != g.features.shape[1]:
+        if meta["feature_dim"] != (0 if g.features is None else g.features.shape[1]):
             raise GraphError(f"'{m.partitions}' holds features of width {meta['feature_dim']} but the graph's are "
-                             f"{g.features.shape[1]} wide: partition this graph again")
+                             f"{0 if g.features is None else g.features.shape[1]} wide: partition this graph again")
     if m.fanouts and cfg.grad_accum != 1:
         raise GraphError(f"mini-batch GNN training takes one micro-batch per step: set train.micro_batch = "
                          f"global_batch / dp = {cfg.train.global_batch // dp}")
@@ -124,11 +137,26 @@ class _Context:
                                    seed=task.cfg.run.seed)
         self.store = FeatureStore(self.part, self.mesh, cache_rows=m.feature_cache_rows)
         self.dp = dp
+        self._full: tuple[Block, torch.Tensor] | None = None
 
     def global_count(self, n: int) -> int:
         t = torch.tensor([n], dtype=torch.int64, device=self.mesh.device)
         comm.all_reduce(t, self.mesh, "dp")
         return int(t.item())
+
+    def full_batch(self, split: str, layers: int) -> GraphBatch:
+        """Full-graph training over partitions: the partition's whole neighbourhood (its nodes, their
+        in-edges and the halo, whose states come from their owners before every layer) and the labels of
+        its nodes of ``split`` - collective."""
+        if self._full is None:
+            ex = HaloExchange(self.part, self.mesh)
+            blk = partition_block(self.part, ex)
+            self._full = (blk, self.store.fetch(blk.src_ids))
+        blk, x = self._full
+        idx = self.part.splits[split]
+        total = self.global_count(len(idx))
+        return GraphBatch([blk] * layers, x, torch.from_numpy(idx), torch.from_numpy(self.part.labels[idx]),
+                          self.dp / max(1, total), blk.num_edges * layers)
 
     def batch(self, seeds_local: np.ndarray, fanouts: list[int]) -> GraphBatch:
         """The batch of this rank's seeds (local ids) - collective."""
@@ -209,20 +237,24 @@ class MiniBatches:
 
 
 class FullGraph:
-    """Full-graph training: the same batch (the whole graph, the training nodes' labels) every step."""
+    """Full-graph training: the same batch (the whole graph, the training nodes' labels) every step.
+    ``halo``: over partitions, the exchange whose bytes (the halo's states and gradients) are the epoch's
+    remote bytes."""
 
-    def __init__(self, batch: GraphBatch):
-        self.batch, self.consumed = batch, 0
+    def __init__(self, batch: GraphBatch, halo: HaloExchange | None = None):
+        self.batch, self.consumed, self.halo = batch, 0, halo
         self.last_epoch: dict[str, float] = {}
         self._t = None
+        self._bytes = 0
 
     def next_step(self) -> list[GraphBatch]:
         now = time.perf_counter()
+        sent = self.halo.remote_bytes if self.halo is not None else 0
         if self._t is not None:
             dt = now - self._t
             self.last_epoch = {"epoch_time_s": dt, "sampled_edges_per_s": self.batch.sampled_edges / dt,
-                               "remote_bytes_per_epoch": 0.0}
-        self._t = now
+                               "remote_bytes_per_epoch": float(sent - self._bytes)}
+        self._t, self._bytes = now, sent
         self.consumed += 1
         return [self.batch]
 
@@ -253,6 +285,9 @@ class GraphTask(Task):
         self.m = cfg.model
         self._ctx: _Context | None = None
         self._source = None
+        self.embeddings: NodeEmbeddings | None = None
+        self._train_nodes = 0   # full-graph training over partitions: the training nodes of all ranks
+        self.checkpointer: TableCheckpointer | None = None
 
     @cached_property
     def graph(self) -> Graph:
@@ -271,13 +306,13 @@ class GraphTask(Task):
             return {k: meta[k] for k in ("graph", "num_nodes", "num_edges", "feature_dim", "num_classes")}
         g = self.graph
         return {"graph": g.name, "num_nodes": g.num_nodes, "num_edges": g.num_edges,
-                "feature_dim": g.features.shape[1], "num_classes": g.num_classes}
+                "feature_dim": 0 if g.features is None else g.features.shape[1], "num_classes": g.num_classes}
 
     @cached_property
     def gnn(self) -> GNNConfig:
         s = self.shape
         return GNNConfig(self.m.kind, s["feature_dim"], self.m.hidden, s["num_classes"], self.m.layers,
-                         self.m.dropout)
+                         self.m.dropout, self.m.node_embedding_dim)
 
     def context(self, dp_rank: int, dp: int) -> _Context:
         if self._ctx is None:
@@ -286,6 +321,32 @@ class GraphTask(Task):
 
     def build_model(self) -> nn.Module:
         return GNN(self.gnn)
+
+    # learnable node embeddings: rows of the sharded table outside the strategy's parameters ---------------
+    def bind(self, model: nn.Module, mesh) -> None:
+        """With ``node_embedding_dim``: the node embeddings over ``dp``, placed by the partition book, attached
+        to the model (their sparse optimizer runs inside backward; the strategy sees the dense weights)."""
+        if not self.m.node_embedding_dim:
+            return
+        dp = mesh.size("dp")
+        part = self.context(mesh.local_rank("dp"), dp).part
+        opt = {"adagrad": RowWiseAdagrad, "sgd": SparseSGD, "adam": LazyAdam}[self.m.node_embedding_optimizer]
+        self.embeddings = NodeEmbeddings(part, mesh, self.m.node_embedding_dim, opt(self.m.node_embedding_lr),
+                                         seed=self.cfg.run.seed, grad_divisor=dp)
+        model.attach_embeddings(self.embeddings)
+        self.checkpointer = TableCheckpointer(self.embeddings.table)
+
+    def save_state(self, step_dir: Path, root: Path, step: int) -> None:
+        if self.embeddings is not None:
+            self.checkpointer.save(step_dir, root, step)
+
+    def load_state(self, step_dir: Path) -> None:
+        if self.embeddings is not None:
+            self.checkpointer.load(step_dir)
+
+    def close(self) -> None:
+        if self.embeddings is not None:
+            self.embeddings.close()
 
     def model_config(self) -> dict:
         return asdict(self.gnn)
@@ -301,11 +362,17 @@ class GraphTask(Task):
         g = self.graph
         blk = full_block(g.indptr, g.indices)
         idx = torch.from_numpy(g.splits[split])
-        return GraphBatch([blk] * self.m.layers, torch.from_numpy(g.features), idx, torch.from_numpy(g.labels[idx]),
+        x = g.features if g.features is not None else np.zeros((g.num_nodes, 0), np.float32)
+        return GraphBatch([blk] * self.m.layers, torch.from_numpy(x), idx, torch.from_numpy(g.labels[idx]),
                           1.0 / max(1, len(idx)), g.num_edges * self.m.layers)
 
     def train_data(self, dp_rank: int, dp_size: int):
-        if not self.m.fanouts:
+        if not self.m.fanouts and self.distributed:
+            ctx = self.context(dp_rank, dp_size)
+            batch = ctx.full_batch("train", self.m.layers)
+            self._train_nodes = round(dp_size / batch.scale)
+            self._source = FullGraph(batch, batch.blocks[0].halo)
+        elif not self.m.fanouts:
             self._source = FullGraph(self._full_batch("train"))
         else:
             ctx = self.context(dp_rank, dp_size)
@@ -315,6 +382,8 @@ class GraphTask(Task):
 
     def eval_data(self, dp_rank: int, dp_size: int) -> list[GraphBatch]:
         """[validation batch, test batch]: every neighbour of every node (exact), this rank's nodes."""
+        if not self.m.fanouts and self.distributed:
+            return [self.context(dp_rank, dp_size).full_batch(s, self.m.layers) for s in ("val", "test")]
         if not self.m.fanouts:
             return [self._full_batch(s) for s in ("val", "test")]
         ctx = self.context(dp_rank, dp_size)
@@ -337,7 +406,8 @@ class GraphTask(Task):
     def units_per_sample(self) -> float:
         # full graph: a step trains every training node, whatever global_batch says
         if not self.m.fanouts:
-            return len(self.graph.splits["train"]) / self.cfg.train.global_batch
+            n = self._train_nodes if self.distributed else len(self.graph.splits["train"])
+            return n / self.cfg.train.global_batch
         return 1
 
     def flops_per_sample(self) -> float:
