@@ -28,7 +28,7 @@ import torch
 
 from podscale.graph.partition import Partition
 from podscale.storage.rows import MemoryRowStore
-from podscale.table.embedding import ShardedEmbeddingBags, TableSpec
+from podscale.table.embedding import ShardedEmbeddingBags, TableSpec, scale_grad
 from podscale.table.hashing import init_rows, name_seed
 from podscale.table.optim import SparseOptimizer
 
@@ -97,20 +97,6 @@ class FeatureStore:
         self.table.close()
 
 
-class _ScaleGrad(torch.autograd.Function):
-    """Identity whose backward multiplies the gradient by ``scale`` (the same device as DLRM's pooled
-    embeddings use: :class:`podscale.models.dlrm.DLRM`'s ``grad_divisor``)."""
-
-    @staticmethod
-    def forward(ctx, x, scale):
-        ctx.scale = scale
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, g):
-        return g * ctx.scale, None
-
-
 class NodeEmbeddings(torch.nn.Module):
     """Learnable node embeddings ``[num_nodes, dim]`` over ``mesh``'s ``axes``, each row on the rank that owns
     the node's partition; ``forward(ids)`` returns the rows of new ids ``ids`` (collective: every rank calls
@@ -139,7 +125,7 @@ class NodeEmbeddings(torch.nn.Module):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         rows = self.table.lookup({self.NAME: ids})[self.NAME]
         if self.grad_divisor != 1 and rows.requires_grad:
-            rows = _ScaleGrad.apply(rows, 1.0 / self.grad_divisor)
+            rows = scale_grad(rows, 1.0 / self.grad_divisor)
         return rows
 
     def close(self) -> None:

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from podscale.table import ShardedEmbeddingBags
+from podscale.table.embedding import scale_grad
 
 
 def mlp(sizes: list[int], last_activation: bool) -> nn.Sequential:
@@ -50,19 +51,6 @@ class DLRMDense(nn.Module):
         return self.top(z).squeeze(1)
 
 
-class _ScaleGrad(torch.autograd.Function):
-    """Identity whose backward multiplies the gradient by ``scale``."""
-
-    @staticmethod
-    def forward(ctx, x, scale):
-        ctx.scale = scale
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, g):
-        return g * ctx.scale, None
-
-
 class DLRM(nn.Module):
     """Sharded tables + :class:`DLRMDense`; ``forward(dense, sparse)`` returns click logits ``[B]``.
 
@@ -89,6 +77,6 @@ class DLRM(nn.Module):
         for n in self.names:
             p = pooled[n].to(dense.device)
             if self.grad_divisor != 1 and p.requires_grad:
-                p = _ScaleGrad.apply(p, 1.0 / self.grad_divisor)
+                p = scale_grad(p, 1.0 / self.grad_divisor)
             out.append(p)
         return self.dense(dense, out)

@@ -205,6 +205,26 @@ class _BagPool(torch.autograd.Function):
         return grad, None, None, None
 
 
+class _ScaleGrad(torch.autograd.Function):
+    """Identity whose backward multiplies the gradient by ``scale``."""
+
+    @staticmethod
+    def forward(ctx, x, scale):
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * ctx.scale, None
+
+
+def scale_grad(rows: torch.Tensor, scale: float) -> torch.Tensor:
+    """``rows`` unchanged; their gradient multiplied by ``scale`` on the way back.  A model whose dense
+    parameters are averaged over dp ranks scales its looked-up rows' gradients by ``1 / dp`` this way, so
+    the owners' sparse optimizer sees the same mean gradient (DLRM's pooled bags, GNN node embeddings)."""
+    return _ScaleGrad.apply(rows, scale)
+
+
 class ShardedEmbeddingBags(nn.Module, ShardedTable):
     """Several sharded tables over the ranks of ``axes`` of ``mesh``; every rank calls every method.
 
