@@ -41,7 +41,7 @@ class SleepChunk(nn.Module):
         if last:
             self.lm_head = nn.Linear(1, 1, bias=False)
 
-    def forward(self, x, targets=None):
+    def forward(self, x, targets=None, tokens=None):  # a pipeline chunk: (input, targets, tokens=ids)
         h = self.w.expand(self.shape) + 0.0 if self.first else x + self.w
         h = _Sleep.apply(h, self.t_f, self.t_b)
         return (h, h.mean()) if self.last else (h, None)
