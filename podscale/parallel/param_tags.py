@@ -6,10 +6,10 @@ gradient reductions, the global norm and the checkpoints read later (Shoeybi et 
 :class:`ParamTags` per parameter, written by :func:`tag` and read by :func:`tags`.  No other module sets or
 probes attributes of a parameter for this.
 
-The tags live in the parameter's ``__dict__`` (under one private key of this module), so they travel with
-it wherever torch copies a parameter's attributes: ``copy.deepcopy``, and
-:meth:`~podscale.models.gpt.GPT.materialize`, which gives a meta-device parameter memory and keeps its
-attributes.
+The tags live in the parameter's ``__dict__`` (under one private key of this module), as Megatron's
+attributes do, so :meth:`~podscale.models.gpt.GPT.materialize`, which gives a meta-device parameter memory
+and copies its attributes, keeps them.  (``copy.deepcopy`` of a parameter keeps no attribute, so no tag:
+tag after copying.)
 """
 from __future__ import annotations
 
