@@ -23,8 +23,8 @@ import torch.nn as nn
 from podscale.optim import build_adamw
 from podscale.parallel.data import DataParallel
 from podscale.parallel.model_protocols import MetaInitModel
-from podscale.parallel.rng import rng_tracker
-from podscale.parallel.tensor import TensorParallelStrategy, apply_recompute, apply_tensor_parallel
+from podscale.parallel.tensor import (TensorParallelStrategy, apply_recompute, apply_tensor_parallel,
+                                      tensor_parallel_rng)
 
 
 def _data_parallel(module: nn.Module, mesh, cfg, ep_sharded: list[nn.Parameter] = ()):
@@ -72,9 +72,8 @@ def build_engine(model: nn.Module, mesh, cfg, task=None, measure_memory: bool = 
         strategy = PipelineParallel.build(model, mesh, cfg, make_data_parallel, measure_memory)
         engine = Engine(strategy.module, mesh, cfg.train, strategy, loss_fn)
     else:
-        model_parallel = mesh.size("tp") > 1 or p.sequence_parallel
-        apply_recompute(model, p.recompute, rng_tracker(mesh) if model_parallel else None)
-        if not model_parallel:
+        apply_recompute(model, p.recompute, tensor_parallel_rng(mesh, p.sequence_parallel))
+        if mesh.size("tp") == 1 and not p.sequence_parallel:
             if cfg.zero.stage == 0 and isinstance(model, MetaInitModel):
                 model.materialize(mesh.device)  # (ZeRO materialises a meta-device model one unit at a time)
             # (after materialising: the parameters are the ones the strategy trains)

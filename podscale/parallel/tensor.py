@@ -518,6 +518,13 @@ def apply_tensor_parallel(model: nn.Module, mesh, sequence_parallel: bool = Fals
     return model
 
 
+def tensor_parallel_rng(mesh, sequence_parallel: bool) -> RNGTracker | None:
+    """The RNG tracker whose streams the dropout of a model sharded by :func:`apply_tensor_parallel` draws
+    from (for :func:`apply_recompute`); None where that leaves the model unchanged (tp = 1 without sequence
+    parallelism)."""
+    return rng_tracker(mesh) if mesh.size("tp") > 1 or sequence_parallel else None
+
+
 def apply_recompute(model: nn.Module, mode: str, tracker: RNGTracker | None = None) -> nn.Module:
     """Activation recomputation (Korthikanti et al. 2022, section 5): ``full`` keeps only each block's
     input and recomputes the block in backward; ``selective`` recomputes only the attention core
