@@ -21,19 +21,24 @@ import torch.nn as nn
 import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field
 
+from podscale.parallel.model_protocols import GatherUnits
 from podscale.tasks import Task
 from podscale.train.data import SampleOrder, rank_micro_batches
 
 
-class MLP(nn.Module):
-    """``n_layer`` hidden layers of width ``hidden`` (Linear + GELU), then a linear head.  The hidden layers
-    are ``self.layers``, so ZeRO-3 gathers and frees them one at a time."""
+class MLP(nn.Module, GatherUnits):
+    """``n_layer`` hidden layers of width ``hidden`` (Linear + GELU), then a linear head.  It declares its
+    hidden layers as ZeRO-3's gather units (:class:`~podscale.parallel.model_protocols.GatherUnits`), so
+    ZeRO-3 gathers and frees them one at a time (without it: the direct children holding parameters)."""
 
     def __init__(self, in_dim: int, hidden: int, n_layer: int, n_classes: int):
         super().__init__()
         dims = [in_dim] + [hidden] * n_layer
         self.layers = nn.ModuleList(nn.Sequential(nn.Linear(a, b), nn.GELU()) for a, b in zip(dims, dims[1:]))
         self.head = nn.Linear(hidden, n_classes)
+
+    def gather_units(self) -> list[nn.Module]:
+        return list(self.layers)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for layer in self.layers:

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 import podscale
 from podscale.config import parse_config
 from podscale.models.gpt_moe import GPTMoE
+from podscale.parallel.param_tags import tags
 from podscale.parallel.tensor import unshard
 from podscale.runtime.mesh import Mesh
 from podscale.runtime.process import init_process
@@ -126,10 +127,10 @@ def _full(named, mesh, value) -> dict[str, torch.Tensor]:
     (collective over tp); a pipeline's last-stage copy of the tied embedding is left out."""
     out = {}
     for n, p in named:
-        if getattr(p, "pipeline_duplicate", False):
+        if tags(p).pipeline_duplicate:
             continue
         v = value(p)
-        layout = getattr(p, "tp_layout", None)
+        layout = tags(p).tp_layout
         out[n] = (unshard(v, layout, mesh) if layout is not None and mesh.size("tp") > 1 else v).clone()
     return out
 

@@ -15,6 +15,7 @@ import torch
 import moe_workers as W
 from podscale.models.gpt_moe import GPTMoE, GPTMoEConfig
 from podscale.parallel.moe import MoELayer, expert_capacity, route, routing_uniform, sequence_token_keys
+from podscale.parallel.param_tags import tags
 from podscale.runtime.launcher import launch
 from podscale.runtime.mesh import Mesh
 
@@ -185,7 +186,7 @@ def test_gpt_moe_expert_shards_materialise_their_single_process_values():
         for model in (part, meta):
             for name, p in model.named_parameters():
                 assert torch.equal(p, fp[name]), name
-                assert ("experts" in name) == p.__dict__.get("expert_parallel", False)
+                assert ("experts" in name) == tags(p).expert_parallel
     assert list(full.moe_layers()) == ["blocks.1.moe"]
     assert full.active_params_per_token() < sum(p.numel() for p in full.parameters())
 

@@ -125,12 +125,25 @@ class _FullDisk(MemoryRowStore):
         raise StorageError("SSD tier at /full: write failed (No space left on device)")
 
 
-def test_a_failed_write_back_is_raised_at_the_next_lookup_and_loses_no_row():
+class _FillingDisk(MemoryRowStore):
+    """A lower tier whose writes fail once ``full`` is set."""
+
+    full = False
+
+    def put(self, keys, rows):
+        if self.full:
+            raise StorageError("SSD tier at /full: write failed (No space left on device)")
+        super().put(keys, rows)
+
+
+def test_a_failed_write_back_is_raised_at_the_next_lookup_and_loses_no_row(tmp_path):
     mesh = Mesh.build()
-    emb = ShardedEmbeddingBags([TableSpec("t", 2)], mesh, SparseSGD(1.0), seed=1)
+    # a DRAM budget over an SSD tier: the lookups agree on store errors
+    spec = TableSpec("t", 2, dram_budget_bytes=2 * 4 * 3, ssd_path=str(tmp_path))
+    emb = ShardedEmbeddingBags([spec], mesh, SparseSGD(1.0), seed=1)
+    emb.stores[(0, 0)].close()
     cache = CachedRowStore(_FullDisk(emb.row_floats(0, emb.shards[0][0])), budget_bytes=2 * 4 * 4)  # 2 rows
-    emb.stores[(0, 0)] = cache
-    emb._tiered = True  # as for a spec with a DRAM budget: the lookup agrees on store errors
+    emb.stores[(0, 0)] = cache  # the same cache over a lower tier that cannot be written
     bag = lambda ids: {"t": (torch.tensor(ids), torch.tensor([0]))}
     emb(bag([1, 2]))["t"].sum().backward()  # fills the cache with two dirty rows
     before = cache.get(torch.tensor([1, 2]))[0].clone()
@@ -138,6 +151,11 @@ def test_a_failed_write_back_is_raised_at_the_next_lookup_and_loses_no_row():
         emb(bag([3]))  # a new row must evict a dirty one: the write-back fails
     after, found = cache.get(torch.tensor([1, 2]))
     assert found.all() and torch.equal(before, after)  # the dirty rows are still there
-    emb._deferred = (6, 0, 0)  # as _push records a failed update
+    # an update whose write fails (the disk fills up between the lookup and the update) is raised at the
+    # next lookup
+    store = emb.stores[(0, 0)] = _FillingDisk(emb.row_floats(0, emb.shards[0][0]))
+    loss = emb(bag([1]))["t"].sum()
+    store.full = True
+    loss.backward()
     with pytest.raises(TableError, match="could not be written to the SSD tier on rank 0"):
         emb(bag([1]))

@@ -9,6 +9,7 @@ from torch._dynamo.utils import counters
 from podscale.config import parse_config
 from podscale.models.gpt import GPT
 from podscale.parallel.compose import build_engine
+from podscale.parallel.param_tags import tags
 from podscale.parallel.tensor import unshard
 from podscale.parallel.zero import ZeroStrategy
 from podscale.runtime import comm
@@ -89,7 +90,7 @@ def full_named(engine, mesh, what: str = "param") -> dict[str, torch.Tensor]:
         for name, p in named:
             t = p.detach() if what == "param" else \
                 zero_grads[id(p)].view_as(p) if id(p) in zero_grads else p.grad.detach()
-            layout = getattr(p, "tp_layout", None)
+            layout = tags(p).tp_layout
             local[name] = unshard(t, layout, mesh) if layout is not None and mesh.size("tp") > 1 else t.clone()
     # stages send theirs to pp rank 0 (one tensor each, names agreed through an object gather)
     if mesh.size("pp") > 1:

@@ -16,6 +16,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from podscale.parallel.model_protocols import GatherUnits, MetaInitModel
+
 
 @dataclass
 class GPTConfig:
@@ -104,7 +106,10 @@ class CrossEntropy(nn.Module):
         return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.view(-1))
 
 
-class GPT(nn.Module):
+class GPT(nn.Module, MetaInitModel, GatherUnits):
+    """The model; it can be built on the meta device and materialise itself (:class:`MetaInitModel`), and its
+    blocks are ZeRO-3's gather units (:class:`GatherUnits`)."""
+
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.cfg = cfg
@@ -155,11 +160,15 @@ class GPT(nn.Module):
                     with torch.no_grad():
                         self.init_parameter(f"{mod_name}.{p_name}" if mod_name else p_name, t)
                     new = nn.Parameter(t, requires_grad=p.requires_grad)
-                    new.__dict__.update(p.__dict__)  # keep markers set by parallel wrappers
+                    new.__dict__.update(p.__dict__)  # keep the tags set by parallel wrappers (param_tags)
                     setattr(mod, p_name, new)
         if self.lm_head is not None and self.wte is not None:
             self.lm_head.weight = self.wte.weight  # re-tie after materialising
         return self
+
+    def gather_units(self) -> list[nn.Module]:
+        """ZeRO-3's gather units: the transformer blocks, in forward order."""
+        return list(self.blocks.values())
 
     def empty_chunk(self) -> "GPT":
         """A module of this model's class holding nothing yet but the configuration and the init seed: the

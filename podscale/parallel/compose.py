@@ -22,7 +22,9 @@ import torch.nn as nn
 
 from podscale.optim import build_adamw
 from podscale.parallel.data import DataParallel
-from podscale.parallel.tensor import TensorParallelStrategy, apply_recompute, apply_tensor_parallel
+from podscale.parallel.model_protocols import MetaInitModel
+from podscale.parallel.tensor import (TensorParallelStrategy, apply_recompute, apply_tensor_parallel,
+                                      tensor_parallel_rng)
 
 
 def _data_parallel(module: nn.Module, mesh, cfg, ep_sharded: list[nn.Parameter] = ()):
@@ -46,7 +48,8 @@ def build_engine(model: nn.Module, mesh, cfg, task=None, measure_memory: bool = 
 
     ``model`` may be built on the meta device (``with torch.device("meta"): GPT(cfg)``): then each rank
     gives memory only to its own pipeline chunks and tensor-parallel shards, each parameter initialised to
-    exactly its single-process value (:meth:`GPT.init_parameter`).  Tensor, sequence and pipeline
+    exactly its single-process value (a :class:`~podscale.parallel.model_protocols.MetaInitModel`, as
+    :meth:`GPT.init_parameter`).  Tensor, sequence and pipeline
     parallelism need a task that supports them (the GPT's).
 
     ``measure_memory``: the pipeline schedule counts the bytes each micro-batch saves for backward.
@@ -69,9 +72,9 @@ def build_engine(model: nn.Module, mesh, cfg, task=None, measure_memory: bool = 
         strategy = PipelineParallel.build(model, mesh, cfg, make_data_parallel, measure_memory)
         engine = Engine(strategy.module, mesh, cfg.train, strategy, loss_fn)
     else:
-        apply_recompute(model, p.recompute)
+        apply_recompute(model, p.recompute, tensor_parallel_rng(mesh, p.sequence_parallel))
         if mesh.size("tp") == 1 and not p.sequence_parallel:
-            if cfg.zero.stage == 0 and hasattr(model, "materialize"):
+            if cfg.zero.stage == 0 and isinstance(model, MetaInitModel):
                 model.materialize(mesh.device)  # (ZeRO materialises a meta-device model one unit at a time)
             # (after materialising: the parameters are the ones the strategy trains)
             strategy = _data_parallel(model, mesh, cfg, task.ep_sharded_parameters(model))

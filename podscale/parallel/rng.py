@@ -90,8 +90,9 @@ class RNGTracker:
 
 def rng_tracker(mesh) -> RNGTracker:
     """The tracker of this process for ``mesh`` (one per mesh, created on first use; until
-    :func:`seed_model_parallel` seeds it, its stream starts from torch's initial seed and the global rank)."""
-    tracker = getattr(mesh, "rng_tracker", None)
+    :func:`seed_model_parallel` seeds it, its stream starts from torch's initial seed and the global rank).
+    It lives in the mesh's declared ``rng_tracker`` field, which only this function fills."""
+    tracker = mesh.rng_tracker
     if tracker is None:
         tracker = mesh.rng_tracker = RNGTracker(mesh.device)
         tracker.add(MODEL_PARALLEL, torch.initial_seed() + _TRACKER_SEED_OFFSET + mesh.rank)

@@ -25,6 +25,7 @@ from torch.distributed._shard.metadata import ShardMetadata
 from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
 from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
 
+from podscale.parallel.param_tags import tags
 from podscale.storage import lazy
 
 
@@ -267,7 +268,7 @@ class CheckpointPublisher:
                 continue
             if id(p) not in done:
                 h = self.source.holding(p, kind)
-                done[id(p)] = (publish(h, getattr(p, "tp_layout", None), self.mesh), h.own)
+                done[id(p)] = (publish(h, tags(p).tp_layout, self.mesh), h.own)
             out[name], own = done[id(p)]
             if suffix is not None:
                 if own:
@@ -342,9 +343,9 @@ class ShardedCheckpointState:
     """
 
     def _optim_names(self, duplicates: bool) -> list[tuple[str, torch.Tensor]]:
-        return [("wte.weight" if getattr(p, "pipeline_duplicate", False) else n, p)
+        return [("wte.weight" if tags(p).pipeline_duplicate else n, p)
                 for n, p in self.named_parameters(True)
-                if duplicates or not getattr(p, "pipeline_duplicate", False)]
+                if duplicates or not tags(p).pipeline_duplicate]
 
     @functools.cached_property
     def checkpoint_publisher(self) -> CheckpointPublisher:

@@ -44,9 +44,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from podscale.models.gpt import Block
+from podscale.parallel.param_tags import tag, tags
 from podscale.parallel.sharded_state import ShardedCheckpointState
 from podscale.parallel.strategy import DataParallelStrategy, LocalMicroBatches, Strategy
-from podscale.parallel.rng import ForkedDropout, rng_tracker
+from podscale.parallel.rng import ForkedDropout, RNGTracker, rng_tracker
 from podscale.runtime import comm
 
 # ------------------------------------------------------------------------------------------------------
@@ -228,12 +229,6 @@ class _ColumnParallelLinearFn(torch.autograd.Function):
 # layers
 
 
-def _mark(p: nn.Parameter, **flags) -> nn.Parameter:
-    for k, v in flags.items():
-        setattr(p, k, v)
-    return p
-
-
 class ColumnParallelLinear(nn.Module):
     """Linear layer holding ``out_features / tp`` output features; the output stays sharded.
 
@@ -247,8 +242,8 @@ class ColumnParallelLinear(nn.Module):
         super().__init__()
         self.mesh, self.sequence_parallel, self.overlap = mesh, sequence_parallel, overlap
         self.weight = weight if isinstance(weight, nn.Parameter) else nn.Parameter(weight)
-        _mark(self.weight, tensor_parallel=True)
-        self.bias = None if bias is None else _mark(nn.Parameter(bias), tensor_parallel=True)
+        tag(self.weight, tensor_parallel=True)
+        self.bias = None if bias is None else tag(nn.Parameter(bias), tensor_parallel=True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.overlap:
@@ -263,8 +258,8 @@ class RowParallelLinear(nn.Module):
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, mesh, sequence_parallel: bool):
         super().__init__()
         self.mesh, self.sequence_parallel = mesh, sequence_parallel
-        self.weight = _mark(nn.Parameter(weight), tensor_parallel=True)
-        self.bias = None if bias is None else _mark(nn.Parameter(bias), sequence_parallel=sequence_parallel)
+        self.weight = tag(nn.Parameter(weight), tensor_parallel=True)
+        self.bias = None if bias is None else tag(nn.Parameter(bias), sequence_parallel=sequence_parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.linear(x, self.weight)
@@ -279,7 +274,7 @@ class VocabParallelEmbedding(nn.Module):
     def __init__(self, weight: torch.Tensor, start: int, mesh, sequence_parallel: bool):
         super().__init__()
         self.mesh, self.sequence_parallel, self.start = mesh, sequence_parallel, start
-        self.weight = _mark(nn.Parameter(weight), tensor_parallel=True)
+        self.weight = tag(nn.Parameter(weight), tensor_parallel=True)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         local = idx - self.start
@@ -295,7 +290,7 @@ class SequenceParallelPositionEmbedding(nn.Embedding):
     def __init__(self, weight: torch.Tensor, mesh):
         super().__init__(weight.shape[0], weight.shape[1], _weight=weight)
         self.mesh = mesh
-        _mark(self.weight, sequence_parallel=True)
+        tag(self.weight, sequence_parallel=True)
 
     def forward(self, pos: torch.Tensor) -> torch.Tensor:
         return super().forward(pos.chunk(self.mesh.size("tp"))[self.mesh.local_rank("tp")])
@@ -430,9 +425,9 @@ def unshard(local: torch.Tensor, layout, mesh) -> torch.Tensor:
 
 
 def _layout(layer: nn.Module, kind: str) -> None:
-    layer.weight.tp_layout = kind
+    tag(layer.weight, tp_layout=kind)
     if layer.bias is not None and kind != "cols":
-        layer.bias.tp_layout = kind
+        tag(layer.bias, tp_layout=kind)
 
 
 def apply_tensor_parallel(model: nn.Module, mesh, sequence_parallel: bool = False) -> nn.Module:
@@ -486,7 +481,7 @@ def apply_tensor_parallel(model: nn.Module, mesh, sequence_parallel: bool = Fals
             if sp:
                 for ln in (block.ln_1, block.ln_2):
                     for p in ln.parameters():
-                        _mark(p, sequence_parallel=True)
+                        tag(p, sequence_parallel=True)
         vocab = cfg.vocab_size
         vp = padded_vocab(vocab, n)
         start = r * (vp // n)
@@ -495,20 +490,20 @@ def apply_tensor_parallel(model: nn.Module, mesh, sequence_parallel: bool = Fals
             model.wte = VocabParallelEmbedding(shard(full("wte.weight", model.wte.weight), "vocab", mesh, vocab),
                                                start, mesh, sp)
             emb = model.wte.weight
-            emb.tp_layout = ("vocab", vocab)
+            tag(emb, tp_layout=("vocab", vocab))
             if sp:
                 model.wpe = SequenceParallelPositionEmbedding(full("wpe.weight", model.wpe.weight).detach().clone(),
                                                               mesh)
         if model.lm_head is not None:
             if emb is None:  # a last pipeline stage without the input embedding holds its own copy
-                dup = getattr(model.lm_head.weight, "pipeline_duplicate", False)
+                dup = tags(model.lm_head.weight).pipeline_duplicate
                 emb = nn.Parameter(shard(full("lm_head.weight", model.lm_head.weight), "vocab", mesh, vocab))
-                emb.tp_layout, emb.pipeline_duplicate = ("vocab", vocab), dup
+                tag(emb, tp_layout=("vocab", vocab), pipeline_duplicate=dup)
             model.lm_head = ColumnParallelLinear(emb, None, mesh, sp)
             model.loss_fn = VocabParallelCrossEntropy(mesh, start, vocab)
             if sp:
                 for p in model.ln_f.parameters():
-                    _mark(p, sequence_parallel=True)
+                    tag(p, sequence_parallel=True)
         # dropout: this rank's heads draw from its own stream; with sequence parallelism so do the regions
         # between the blocks, which then hold this rank's part of the sequence (podscale.parallel.rng)
         tracker = rng_tracker(mesh)
@@ -519,15 +514,25 @@ def apply_tensor_parallel(model: nn.Module, mesh, sequence_parallel: bool = Fals
                 block.mlp.drop = ForkedDropout(block.mlp.drop.p, tracker)
         if sp and model.drop is not None:
             model.drop = ForkedDropout(model.drop.p, tracker)
-        model.rng_tracker = tracker
     model.tensor_parallel = {"tp": n, "sequence_parallel": sp, "padded_vocab": vp}
     return model
 
 
-def apply_recompute(model: nn.Module, mode: str) -> nn.Module:
+def tensor_parallel_rng(mesh, sequence_parallel: bool) -> RNGTracker | None:
+    """The RNG tracker whose streams the dropout of a model sharded by :func:`apply_tensor_parallel` draws
+    from (for :func:`apply_recompute`); None where that leaves the model unchanged (tp = 1 without sequence
+    parallelism)."""
+    return rng_tracker(mesh) if mesh.size("tp") > 1 or sequence_parallel else None
+
+
+def apply_recompute(model: nn.Module, mode: str, tracker: RNGTracker | None = None) -> nn.Module:
     """Activation recomputation (Korthikanti et al. 2022, section 5): ``full`` keeps only each block's
     input and recomputes the block in backward; ``selective`` recomputes only the attention core
-    (softmax(QK^T)V, large and cheap to recompute).  Parameters and their names are unchanged."""
+    (softmax(QK^T)V, large and cheap to recompute).  Parameters and their names are unchanged.
+
+    ``tracker``: the model-parallel RNG tracker the model's dropout draws from under tensor or sequence
+    parallelism (:func:`~podscale.parallel.rng.rng_tracker` of the mesh; None without them): its streams
+    are replayed at the recomputation as they were at the forward (torch restores the default one)."""
     from torch.utils.checkpoint import checkpoint
 
     if mode == "none":
@@ -536,16 +541,16 @@ def apply_recompute(model: nn.Module, mode: str) -> nn.Module:
         raise ValueError(f"unknown recompute mode '{mode}': use none, selective or full")
 
     def rng_context():
-        # tensor parallelism's dropout streams are replayed as at the forward (torch restores the default one)
-        tracker = getattr(model, "rng_tracker", None)
         return tracker.recompute_context() if tracker is not None else (nullcontext(), nullcontext())
 
+    def recomputed(fn):
+        return lambda *args: checkpoint(fn, *args, use_reentrant=False, context_fn=rng_context)
+
     for block in model.blocks.values():
-        target = block if mode == "full" else block.attn
-        name = "forward" if mode == "full" else "core"
-        fn = getattr(target, name)
-        setattr(target, name, lambda *args, _fn=fn: checkpoint(_fn, *args, use_reentrant=False,
-                                                                context_fn=rng_context))
+        if mode == "full":
+            block.forward = recomputed(block.forward)
+        else:
+            block.attn.core = recomputed(block.attn.core)
     return model
 
 
@@ -560,7 +565,7 @@ def sync_sequence_parallel_grads(params, mesh) -> None:
     carry the same ``sequence_parallel`` marker)."""
     if mesh.size("tp") == 1:
         return
-    grads = [p.grad for p in params if getattr(p, "sequence_parallel", False) and p.grad is not None]
+    grads = [p.grad for p in params if tags(p).sequence_parallel and p.grad is not None]
     if not grads:
         return
     flat = torch.cat([g.reshape(-1) for g in grads])
@@ -588,10 +593,11 @@ def global_grad_norm(pieces, mesh, dp_sharded: bool = False) -> torch.Tensor:
     out_dtype = torch.float32
     seen = set()
     for p, g in pieces:
-        if g is None or getattr(p, "pipeline_duplicate", False) or (not dp_sharded and id(p) in seen):
+        t = tags(p)
+        if g is None or t.pipeline_duplicate or (not dp_sharded and id(p) in seen):
             continue
         seen.add(id(p))
-        kind = 2 if getattr(p, "expert_parallel", False) else 0 if getattr(p, "tensor_parallel", False) else 1
+        kind = 2 if t.expert_parallel else 0 if t.tensor_parallel else 1
         sq[kind] += g.double().pow(2).sum().to(dev)
         if g.dtype == torch.float64:
             out_dtype = torch.float64

@@ -13,12 +13,16 @@ from __future__ import annotations
 import copy
 import dataclasses
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from .cost import predict
 from .hardware import System, load_system
 from .layout import Layout, LayoutError
 from .models import GPT
 from .search import candidate_layouts
+
+if TYPE_CHECKING:
+    from podscale.config import Config
 
 
 @dataclass
@@ -37,9 +41,9 @@ class AutoChoice:
                 f"{len(self.ranked)} runnable)")
 
 
-def gpt_of(cfg) -> GPT:
+def gpt_of(cfg: Config) -> GPT:
     """The planner's description of a training config's model."""
-    kind = getattr(cfg.model, "kind", "gpt")
+    kind = cfg.model.kind
     if kind not in ("gpt", "gpt-moe"):
         raise ValueError(f"--layout auto plans GPT and GPT-MoE models only (model.kind = {kind!r}): set the "
                          "layout by hand")
@@ -53,7 +57,7 @@ def gpt_of(cfg) -> GPT:
         moe = dict(experts=m.experts, top_k=m.top_k, moe_every=m.moe_every,
                    capacity_factor=1.0 if m.dropless else m.capacity_factor)
     return GPT(layers=m.n_layer, hidden=m.n_embd, heads=m.n_head, seq=m.block_size, vocab=m.vocab_size,
-               name=getattr(cfg.run, "name", "config"), **moe)
+               name=cfg.run.name, **moe)
 
 
 def layout_overrides(lay: Layout) -> list:

@@ -11,12 +11,16 @@ import itertools
 import math
 from datetime import timedelta
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from podscale.runtime import comm
 from podscale.runtime.comm import CommStats, Ledger
+
+if TYPE_CHECKING:
+    from podscale.parallel.rng import RNGTracker
 
 AXES = ("pp", "dp", "ep", "tp")
 # Axis combinations that later parts need a group for, besides each single axis: dense parameters are
@@ -51,7 +55,9 @@ class Mesh:
     Build it with :meth:`Mesh.build` after ``torch.distributed`` is initialised (or without it for one
     process).  ``stats`` records the bytes and time of every collective issued through
     :mod:`podscale.runtime.comm`, keyed by axis and operation; ``ledger`` what those collectives have
-    reached (read by the hang watchdog, :mod:`podscale.runtime.watchdog`).
+    reached (read by the hang watchdog, :mod:`podscale.runtime.watchdog`).  ``rng_tracker`` is this
+    process's model-parallel dropout streams for the mesh, created on first use by
+    :func:`podscale.parallel.rng.rng_tracker` (the one place that makes it).
     """
 
     sizes: dict[str, int]
@@ -60,6 +66,7 @@ class Mesh:
     stats: CommStats = field(default_factory=CommStats)
     ledger: Ledger = field(default_factory=Ledger, repr=False)
     _groups: dict[tuple[str, ...], object] = field(default_factory=dict, repr=False)
+    rng_tracker: RNGTracker | None = field(default=None, repr=False, compare=False)
 
     @classmethod
     def build(cls, device: torch.device | None = None, timeout_s: float | None = None, **sizes: int) -> "Mesh":

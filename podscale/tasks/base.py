@@ -88,8 +88,10 @@ class Task(ABC):
     @abstractmethod
     def build_model(self) -> nn.Module:
         """The single-process model, with torch's global generator seeded by ``run.seed``.  It may be on
-        the meta device when it can initialise its parameters itself (``materialize`` / ``init_parameter``,
-        as the GPT does); otherwise on the CPU, and the strategy moves it."""
+        the meta device when it can initialise its parameters itself (it then implements
+        :class:`~podscale.parallel.model_protocols.MetaInitModel`, as the GPT does); otherwise on the CPU,
+        and the strategy moves it.  It may name ZeRO-3's gather units
+        (:class:`~podscale.parallel.model_protocols.GatherUnits`)."""
 
     def build_model_on(self, mesh) -> nn.Module:
         """This rank's model before the strategies apply, for a task whose model needs the mesh at build time

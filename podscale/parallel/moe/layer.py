@@ -30,7 +30,7 @@ contributions of every token sent to them from the whole ep group (the all-to-al
 home), so they are summed over dp and divided by dp·ep.  Data-parallel strategies tell the two apart with
 :func:`expert_parameters` / :func:`dense_parameters` (an ``isinstance`` test on :class:`Experts`; every
 expert parameter is named by its global expert id, ``...experts.<id>.w_fc``, and carries an
-``expert_parallel = True`` marker that survives ``GPT.materialize``).
+the ``expert_parallel`` tag (:mod:`podscale.parallel.param_tags`), which survives ``GPT.materialize``).
 
 What a data-parallel strategy must do with an MoE model (the contract :func:`reduce_gradients` and
 :func:`grad_norm` implement synchronously):
@@ -58,6 +58,7 @@ import torch.nn.functional as F
 
 from podscale.parallel.moe.gate import MoEStats, Router, Routing, expert_capacity, load_balancing_loss, \
     route, routing_uniform, router_z_loss
+from podscale.parallel.param_tags import tag
 from podscale.parallel.tensor import GatherBatchFromTP, ReduceFromTP, SplitBatchToTP
 from podscale.runtime import comm
 
@@ -86,7 +87,7 @@ def check_moe_args(experts: int, top_k: int, capacity_factor: float, eval_capaci
 
 class Expert(nn.Module):
     """One GELU feed-forward expert ``x -> gelu(x w_fc + b_fc) w_proj + b_proj`` (``w_fc`` (d, h),
-    ``w_proj`` (h, d)); every parameter is marked ``expert_parallel = True``."""
+    ``w_proj`` (h, d)); every parameter is tagged ``expert_parallel``."""
 
     def __init__(self, d_model: int, d_hidden: int, bias: bool = True):
         super().__init__()
@@ -97,7 +98,7 @@ class Expert(nn.Module):
         nn.init.normal_(self.w_fc, std=0.02)
         nn.init.normal_(self.w_proj, std=0.02)
         for p in self.parameters():
-            p.expert_parallel = True
+            tag(p, expert_parallel=True)
 
 
 class Experts(nn.ModuleDict):
@@ -330,7 +331,7 @@ class MoELayer(nn.Module):
             # each tp rank routes its own share of the samples (see forward): the router's and the experts'
             # gradients are partial over tp and summed there, as a sequence-parallel layer norm's are
             for p in self.parameters():
-                p.sequence_parallel = True
+                tag(p, sequence_parallel=True)
 
     # routing -----------------------------------------------------------------------------------------
     def capacity(self, group_size: int) -> int | None:

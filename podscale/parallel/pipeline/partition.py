@@ -19,6 +19,7 @@ import torch
 import torch.nn as nn
 
 from podscale.models.gpt import GPT
+from podscale.parallel.param_tags import tag
 
 
 class PipelineError(ValueError):
@@ -144,7 +145,7 @@ def split_chunk(model: GPT, layers: list[int], first: bool, last: bool) -> GPT:
         head = nn.Linear(model.cfg.n_embd, model.cfg.vocab_size, bias=False, device=src.device, dtype=src.dtype)
         with torch.no_grad():
             head.weight.copy_(src)  # on the meta device a no-op: materialising gives the tied init
-        head.weight.pipeline_duplicate = True
+        tag(head.weight, pipeline_duplicate=True)
         chunk.lm_head = head
     else:
         chunk.lm_head = model.lm_head if last else None

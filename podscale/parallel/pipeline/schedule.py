@@ -28,10 +28,11 @@ import torch
 import torch.nn as nn
 
 from podscale.models.gpt import GPT
+from podscale.parallel.model_protocols import GatherUnits
 from podscale.parallel.pipeline.partition import PipelineError, layer_costs, split_chunk, stage_layers
 from podscale.parallel.sharded_state import ShardedCheckpointState
 from podscale.parallel.tensor import (WrapsDataParallel, apply_recompute, apply_tensor_parallel, gather_vocab_logits,
-                                      pad_to_shards, sync_sequence_parallel_grads)
+                                      pad_to_shards, sync_sequence_parallel_grads, tensor_parallel_rng)
 from podscale.runtime import comm
 from podscale.runtime.mesh import AXES
 from podscale.train.precision import autocast
@@ -152,7 +153,7 @@ def _completed(h: comm.Handle) -> bool:
 # the strategy
 
 
-class _Chunks(nn.ModuleList):
+class _Chunks(nn.ModuleList, GatherUnits):
     """The model chunks of this pipeline rank (the schedule calls the chunks themselves, and starts the
     data-parallel strategy's per-step work through :meth:`DataParallelStrategy.begin_forward`)."""
 
@@ -233,7 +234,7 @@ class PipelineParallel(ShardedCheckpointState, WrapsDataParallel):
             chunk = split_chunk(model, groups[k], first=k == 0, last=k == pp * v - 1)
             apply_tensor_parallel(chunk, mesh, p.sequence_parallel)
             chunk.materialize(mesh.device)  # a meta-device model: only this chunk's layers get memory
-            apply_recompute(chunk, p.recompute)
+            apply_recompute(chunk, p.recompute, tensor_parallel_rng(mesh, p.sequence_parallel))
             chunk.pipeline = {"stage": k, "layers": groups[k]}
             chunks.append(chunk)
         tp = mesh.size("tp")

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
+from podscale.parallel.model_protocols import GatherUnits
+
 
 def flat_range_boxes(lo: int, hi: int, shape: tuple[int, ...]) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
     """The elements ``[lo, hi)`` of a row-major tensor of ``shape`` as (offsets, sizes) boxes.
@@ -157,17 +159,11 @@ def bucket_units(named: list[tuple[str, nn.Parameter]], cap_bytes: int, dp: int,
 
 
 def wrap_modules(model: nn.Module) -> list[nn.Module]:
-    """Stage 3's gather units: the model's own ``gather_units()`` when it defines one (a pipeline rank's
-    model chunks list their blocks), else the entries of ``model.blocks`` (a ModuleList/ModuleDict; or
-    ``model.layers``) when it has one, else the direct children that hold parameters."""
-    if callable(getattr(model, "gather_units", None)):
+    """Stage 3's gather units: the model's own when it declares them (a
+    :class:`~podscale.parallel.model_protocols.GatherUnits`: the GPT's blocks, a pipeline rank's blocks of
+    every chunk), else the direct children that hold parameters."""
+    if isinstance(model, GatherUnits):
         return list(model.gather_units())
-    for attr in ("blocks", "layers", "h"):
-        seq = getattr(model, attr, None)
-        if isinstance(seq, (nn.ModuleList, nn.Sequential)) and len(seq):
-            return list(seq)
-        if isinstance(seq, nn.ModuleDict) and len(seq):
-            return list(seq.values())
     return [m for m in model.children() if any(True for _ in m.parameters())]
 
 

@@ -81,6 +81,7 @@ import functools
 import torch
 import torch.nn as nn
 
+from podscale.parallel.param_tags import tags
 from podscale.parallel.sharded_state import CheckpointPublisher
 from podscale.parallel.strategy import DataParallelStrategy, LocalMicroBatches
 from podscale.parallel.zero.flat_state import DTYPES, FlatState, make_flat_state
@@ -195,7 +196,7 @@ class ZeroStrategy(LocalMicroBatches, DataParallelStrategy):
         # sequence-parallel parameters: (offset, numel) ranges per unit, summed over tp before the reduce
         sp = mesh.size("tp") > 1
         self._tp_ranges = {id(u): _merge([(o, n) for p, o, n in zip(u.params, u.offsets, u.numels)
-                                          if sp and getattr(p, "sequence_parallel", False)]) for u in self.units}
+                                          if sp and tags(p).sequence_parallel]) for u in self.units}
         self._layer_ids = {id(u) for u in self.layers}
         if self.sharded_params and self.device.type == "cpu" and self.layers:
             mb = zero.host_mmap_threshold_mb
