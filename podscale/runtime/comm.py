@@ -112,7 +112,7 @@ class Ledger:
         axes = axes if isinstance(axes, (str, tuple)) else tuple(axes)
         key = self._keys.get(axes)
         if key is None:
-            ranks = mesh.group_ranks(*((axes,) if isinstance(axes, str) else axes))
+            ranks = mesh.group_ranks(*_axes_tuple(axes))
             key = self._keys[axes] = f"{_axis_name(axes)}:{','.join(map(str, ranks))}"
         return key
 
@@ -256,16 +256,21 @@ def check_devices(op: str, axes, mesh, *tensors: torch.Tensor) -> None:
                 f"pass device=mesh.device (strict device check, {STRICT_ENV}=1)")
 
 
+def _axes_tuple(axes) -> tuple:
+    """``axes`` (one name or a sequence of names) as a tuple of names."""
+    return (axes,) if isinstance(axes, str) else tuple(axes)
+
+
 def _axis_name(axes) -> str:
     return axes if isinstance(axes, str) else "+".join(axes)
 
 
 def _group(mesh, axes):
-    return mesh.group(*((axes,) if isinstance(axes, str) else axes))
+    return mesh.group(*_axes_tuple(axes))
 
 
 def _size(mesh, axes) -> int:
-    return mesh.size(*((axes,) if isinstance(axes, str) else axes))
+    return mesh.size(*_axes_tuple(axes))
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -374,7 +379,7 @@ def all_gather(out: torch.Tensor, shard: torch.Tensor, mesh, axes, async_op: boo
         return Handle(None, mesh.stats, _axis_name(axes), "all_gather", 0.0) if async_op else None
     g = _group(mesh, axes)
     if out.is_contiguous() and _gloo_inplace(g, _nbytes(out)):
-        key = (axes,) if isinstance(axes, str) else tuple(axes)
+        key = _axes_tuple(axes)
         ranks, me = mesh.group_ranks(*key), mesh.local_rank(*key)
         fn = lambda: _gather_by_broadcasts(out, shard, ranks, me, g)  # noqa: E731
     else:
@@ -395,7 +400,7 @@ def reduce_scatter(out: torch.Tensor, full: torch.Tensor, mesh, axes, op=dist.Re
         return Handle(None, mesh.stats, _axis_name(axes), "reduce_scatter", 0.0) if async_op else None
     g = _group(mesh, axes)
     if scratch_input and full.is_contiguous() and out.is_contiguous() and _gloo_inplace(g, _nbytes(full)):
-        key = (axes,) if isinstance(axes, str) else tuple(axes)
+        key = _axes_tuple(axes)
         ranks, me = mesh.group_ranks(*key), mesh.local_rank(*key)
         fn = lambda: _scatter_by_reduces(out, full, ranks, me, g, op)  # noqa: E731
     else:
@@ -423,8 +428,7 @@ def broadcast(t: torch.Tensor, src_local: int, mesh, axes, async_op: bool = Fals
     n = _size(mesh, axes)
     if n == 1:
         return Handle(None, mesh.stats, _axis_name(axes), "broadcast", 0.0) if async_op else None
-    key = (axes,) if isinstance(axes, str) else tuple(axes)
-    src = mesh.group_ranks(*key)[src_local]
+    src = mesh.group_ranks(*_axes_tuple(axes))[src_local]
     g = _group(mesh, axes)
     return _issue(mesh, axes, "broadcast", _nbytes(t),
                   lambda: dist.broadcast(t, src=src, group=g, async_op=True), async_op)
