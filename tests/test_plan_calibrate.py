@@ -32,6 +32,8 @@ def test_quick_calibration_writes_a_local_system(tmp_path, monkeypatch, capsys):
     assert data["intra_node"]["bandwidth_gbps"] > 0 and data["intra_node"]["latency_us"] >= 0
     assert len(data["calibration"]["allreduce_bytes_seconds"]) >= 3
     assert data["calibration"]["sync_wait_us"] >= 0 and data["device"]["overlap_penalty_us"] >= 0
+    assert data["device"]["optimizer_gbps"] > 0.01 and data["device"]["grad_pass_gbps"] > 0.01
+    assert data["device"]["overlap_exposed"] >= 0
     assert data["host"]["nvme_gbps"] > 0.01  # the swap folder's disk, measured (was a fixed 1 GB/s)
     local = load_system("local")
     assert local.device.dtype_bytes == 4 and local.device.matmul_table

@@ -16,7 +16,13 @@ runs them, so they share cores, caches and memory bandwidth), each with cores/ra
     (``sync_wait_us`` below), so every collective of a step pays it; and the same all-reduce issued
     asynchronously under a matmul, as the tensor-parallel backward overlaps the input gradient's
     all-reduce with the weight gradient: what it costs beyond the longer of the two is the device's
-    ``overlap_penalty_us`` (the collective's thread competes with the compute threads for the cores).
+    ``overlap_penalty_us`` (the collective's thread competes with the compute threads for the cores);
+    and a bucket-sized (8 MiB) all-reduce under matmuls that outlast it: the fraction of its own time the
+    overlapped pair still adds (``overlap_exposed``), which the data-parallel gradient reduction, ZeRO-3's
+    prefetched gathers and the tensor-parallel backward pay instead of assuming the overlap hides it;
+  - the optimizer step as podscale runs it (torch's fused AdamW) and the gradient passes of every step
+    (global norm, clipping, zeroing): memory-bound streams with their own rates (``optimizer_gbps``,
+    ``grad_pass_gbps``), which the element-wise (compute-bound on a CPU) rate misprices.
 The rendezvous store listens on 127.0.0.1 only and gloo is pinned to the loopback interface.
 """
 from __future__ import annotations
@@ -39,6 +45,7 @@ GRID_NK = (32, 128, 512, 2048)
 QUICK_M, QUICK_NK = (256, 2048), (128, 1024)
 ALLREDUCE_BYTES = (1 << 12, 1 << 14, 1 << 16, 1 << 18, 1 << 20, 1 << 22, 1 << 24)
 SYNC_BYTES = 1 << 19          # a tensor-parallel activation on a CPU: 8 x 128 tokens x 128 wide, float32
+BUCKET_BYTES = 1 << 23        # a gradient bucket / ZeRO-3 gather unit of a small model: 8 MiB
 SYNC_GEMM = 384               # the multiply between two collectives (~0.1 GFLOP: one layer's linear)
 
 
@@ -100,6 +107,7 @@ def _worker(rank: int, ranks: int, port: int, quick: bool, out_path: str) -> Non
         dist.barrier()
         rates.append(2 * 4 * x.numel() / _timeit(lambda: fn(x), budget * 2))
     elementwise_bw = len(rates) / sum(1 / r for r in rates)
+    optimizer_bw, grad_pass_bw = _optimizer_and_grad_passes(dist, torch, n_el // 4, budget * 4)
     # Host cost of one small autograd-recorded kernel: what every launch costs when nothing is queued.
     tiny = torch.randn(8, requires_grad=True)
     dist.barrier()
@@ -124,9 +132,36 @@ def _worker(rank: int, ranks: int, port: int, quick: bool, out_path: str) -> Non
         with open(out_path, "w") as f:
             json.dump({"matmul": table, "memory_bw": mem_bw, "elementwise_bw": elementwise_bw,
                        "kernel_overhead": kernel_overhead, "allreduce": ar, "threads": threads,
+                       "optimizer_bw": optimizer_bw, "grad_pass_bw": grad_pass_bw,
                        "sync": sync}, f)
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _optimizer_and_grad_passes(dist, torch, n: int, budget: float) -> tuple[float, float]:
+    """Bytes/s of the per-step work on parameters and gradients as the trainer runs it, over ``n`` fp32
+    parameters in 16 tensors: torch's fused AdamW step (what podscale's replicated and ZeRO optimizers call,
+    ``torch._fused_adamw_``), counted as the planner's ADAM_BYTES_PER_PARAM per parameter; and the
+    gradient passes of every replicated step (the global norm of ``torch.nn.utils.get_total_norm``,
+    clipping by ``_foreach_mul_``, zeroing), counted as GRAD_PASS_BYTES_REPLICATED per parameter. Both
+    are memory-bound streams whose rate differs from that of the compute-bound element-wise kernels."""
+    from .gpt_cost import ADAM_BYTES_PER_PARAM, GRAD_PASS_BYTES_REPLICATED
+    params = [torch.nn.Parameter(torch.randn(n // 16)) for _ in range(16)]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt = torch.optim.AdamW(params, lr=1e-4, fused=True)
+    dist.barrier()
+    opt_s = _timeit(opt.step, budget)
+    grads = [p.grad for p in params]
+
+    def passes():
+        torch.nn.utils.get_total_norm(grads, foreach=True)
+        torch._foreach_mul_(grads, 1.0)
+        torch._foreach_zero_(grads)
+    dist.barrier()
+    pass_s = _timeit(passes, budget)
+    total = 16 * (n // 16)
+    return ADAM_BYTES_PER_PARAM * total / opt_s, GRAD_PASS_BYTES_REPLICATED * total / pass_s
 
 
 def _sync_wait(dist, torch, reps: int) -> dict:
@@ -158,7 +193,25 @@ def _sync_wait(dist, torch, reps: int) -> dict:
     alone = run(lambda: dist.all_reduce(buf))
     pair = run(both)
     over = run(overlapped)
-    return {"bytes": SYNC_BYTES, "pair_s": pair, "mm_s": mm, "allreduce_s": alone, "overlapped_s": over}
+    # A bucket-sized all-reduce (a data-parallel gradient bucket, a ZeRO-3 gather) under matmuls that take
+    # longer than it: what the overlapped pair costs beyond the matmuls, as a fraction of the all-reduce.
+    big = torch.ones(BUCKET_BYTES // 4)
+    big_alone = run(lambda: dist.all_reduce(big))
+    n_mm = max(1, int(2 * big_alone / max(mm, 1e-6)) + 1)
+
+    def mms():
+        for _ in range(n_mm):
+            torch.mm(a, b, out=c)
+
+    def big_overlapped():
+        handle = dist.all_reduce(big, async_op=True)
+        mms()
+        handle.wait()
+    mms_s = run(mms)
+    big_over = run(big_overlapped)
+    return {"bytes": SYNC_BYTES, "pair_s": pair, "mm_s": mm, "allreduce_s": alone, "overlapped_s": over,
+            "bucket_bytes": BUCKET_BYTES, "bucket_allreduce_s": big_alone, "bucket_mm_s": mms_s,
+            "bucket_overlapped_s": big_over}
 
 
 def overlap_penalty(data: dict) -> float:
@@ -167,6 +220,15 @@ def overlap_penalty(data: dict) -> float:
     if not s or "overlapped_s" not in s:
         return 0.0
     return max(0.0, s["overlapped_s"] - max(s["mm_s"], s["allreduce_s"]))
+
+
+def overlap_exposed(data: dict) -> float:
+    """Fraction of a bucket-sized all-reduce's own time that overlapping it with longer compute still adds
+    (>= 0; 0 = fully hidden, 1 = no better than running the two one after the other)."""
+    s = data.get("sync")
+    if not s or "bucket_overlapped_s" not in s:
+        return 0.0
+    return max(0.0, (s["bucket_overlapped_s"] - s["bucket_mm_s"]) / s["bucket_allreduce_s"])
 
 
 def sync_wait(data: dict) -> float:
@@ -234,6 +296,10 @@ def _total_memory() -> float:
         return 8 * GiB
 
 
+def _rate_line(key: str, value, what: str) -> str:
+    return f"{key} = {value / GB:.6g}      # {what}" if value else f"# {key}: not measured"
+
+
 def system_toml(data: dict, ranks: int, quick: bool) -> str:
     """Render the measured numbers in the catalog's TOML schema; one 'device' is one rank."""
     alpha0, bw = fit_ring(data["allreduce"], ranks)
@@ -262,6 +328,9 @@ memory_bw_gbps = {data["memory_bw"] / GB:.6g}        # tensor copy, bytes read +
 elementwise_gbps = {data["elementwise_bw"] / GB:.6g}      # GeLU / layer norm / softmax, bytes per s
 kernel_overhead_us = {data["kernel_overhead"] * 1e6:.4g}      # one small autograd-recorded op
 overlap_penalty_us = {overlap_penalty(data) * 1e6:.4g}      # all-reduce under a matmul, beyond the longer of them
+overlap_exposed = {overlap_exposed(data):.4g}      # of an 8 MiB all-reduce under longer matmuls: what overlap still costs
+{_rate_line("optimizer_gbps", data.get("optimizer_bw"), "torch fused AdamW, planner's bytes per parameter / s")}
+{_rate_line("grad_pass_gbps", data.get("grad_pass_bw"), "gradient norm + clip + zero, bytes per parameter / s")}
 matmul_efficiency = 1.0
 memory_efficiency = 1.0
 reserved_gib = 0.5
@@ -328,7 +397,9 @@ def calibrate(out: str | None = None, quick: bool = False, ranks: int = 2, log=p
         f"({len(data['matmul'])} shapes); memory copy {data['memory_bw'] / GB:.2f} GB/s, element-wise "
         f"{data['elementwise_bw'] / GB:.2f} GB/s per rank; kernel {data['kernel_overhead'] * 1e6:.1f} us; "
         f"gloo all-reduce ({ranks} ranks): latency {alpha * 1e6:.0f} us, bandwidth {bw / GB:.2f} GB/s, "
-        f"wait between kernels {wait * 1e6:.0f} us, overlap penalty {overlap_penalty(data) * 1e6:.0f} us; "
+        f"wait between kernels {wait * 1e6:.0f} us, overlap penalty {overlap_penalty(data) * 1e6:.0f} us, "
+        f"8 MiB all-reduce under matmuls exposed {overlap_exposed(data):.2f}; fused AdamW "
+        f"{data['optimizer_bw'] / GB:.2f} GB/s, gradient passes {data['grad_pass_bw'] / GB:.2f} GB/s; "
         f"swap disk {data['nvme_bw'] / GB:.2f} GB/s; "
         f"{time.perf_counter() - start:.1f} s")
     return path

@@ -108,3 +108,23 @@ def linear_time(device: Device, tokens: float, n_out: float, k_in: float, batch:
     fwd = gemm_time(device, tokens, n_out, k_in, batch, e)
     bwd = gemm_time(device, tokens, k_in, n_out, batch, e) + gemm_time(device, k_in, n_out, tokens, batch, e)
     return fwd, bwd
+
+
+def optimizer_time(device: Device, nbytes: float) -> float:
+    """Seconds of the optimizer step's ``nbytes`` of traffic at its measured rate (a fused AdamW streams
+    its state at close to the copy bandwidth, well above the rate of the compute-bound element-wise
+    kernels of a CPU), else at the device's memory bandwidth."""
+    return nbytes / (device.optimizer_bw or device.memory_bw * device.memory_efficiency)
+
+
+def grad_pass_time(device: Device, nbytes: float) -> float:
+    """Seconds of the per-step passes over the gradients (global norm, clipping, zeroing) at their
+    measured rate, else at the device's memory bandwidth."""
+    return nbytes / (device.grad_pass_bw or device.memory_bw * device.memory_efficiency)
+
+
+def overlapped_exposed(device: Device, comm: float, window: float) -> float:
+    """What a collective of ``comm`` seconds overlapped with ``window`` seconds of compute adds to the
+    step: at least what the window does not cover, and at least the measured ``overlap_exposed``
+    fraction of its own time (its work competes with the compute for a CPU's cores)."""
+    return max(comm - window, device.overlap_exposed * comm, 0.0)

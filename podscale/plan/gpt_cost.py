@@ -30,7 +30,8 @@ from __future__ import annotations
 
 
 from . import network as net
-from .compute import gemm_rate as _gemm_rate, gemm_time, linear_time, stream_time
+from .compute import (gemm_rate as _gemm_rate, gemm_time, grad_pass_time, linear_time, optimizer_time,
+                      overlapped_exposed, stream_time)
 from .hardware import System
 from .layout import Layout, LayoutError
 from .memory import (activation_bytes_per_layer, pipeline_inflight_layers, precision_of, zero3_gathered_bytes,
@@ -43,6 +44,11 @@ ADAM_BYTES_PER_PARAM = 30      # fp32 master r/w, m r/w, v r/w, grad read, fp16 
 CROSS_ENTROPY_BYTES = 36       # per logit, fwd + bwd: fp16 -> fp32 cast, max, exp, sum, grad
 BWD_OVER_FWD = 2.0             # backward of attention and element-wise work: ~2x the forward
 FUSED_ATTN_BWD_OVER_FWD = 2.5  # FlashAttention-2 backward: 5 GEMMs for the forward's 2 (Dao 2023, Sec. 3.1.2)
+# Per-step passes over the gradients this rank holds: replicated (DataParallel) the global norm reads them
+# (4 bytes per parameter), clipping scales them in place (read + write, 8) and zero_grad writes them (4);
+# ZeRO folds the clipping coefficient into its fused step, leaving the norm and the zeroing.
+GRAD_PASS_BYTES_REPLICATED = 16
+GRAD_PASS_BYTES_ZERO = 8
 KERNELS_PER_LAYER = 20         # forward kernels of one layer (2 norms, 4 linears + biases, attention
                                # core, GeLU, dropouts, residual adds); host overhead counts on CPUs only
 
@@ -142,7 +148,7 @@ def _layer_times_uncached(system: System, model: GPT, lay: Layout, moe: bool) ->
     return {"gemm": dense, "gemm_bwd": dense_bwd, "attn": attn + ew_attn, "attn_bwd": attn_bwd, "ew": ew,
             "tp_ar": tp_ar, "a2a": a2a,
             "kernels": KERNELS_PER_LAYER * dev.kernel_overhead,
-            "tp_bwd": _tp_backward(lay, tp_ar, wgrad, dev.overlap_penalty)}
+            "tp_bwd": _tp_backward(lay, tp_ar, wgrad, dev)}
 
 
 def _tp_collectives_per_pass(lay: Layout) -> int:
@@ -154,14 +160,15 @@ def _tp_collectives_per_pass(lay: Layout) -> int:
     return 1 if lay.parallel_block else 2
 
 
-def _tp_backward(lay: Layout, ar: float, wgrad: list, penalty: float = 0.0) -> float:
+def _tp_backward(lay: Layout, ar: float, wgrad: list, dev) -> float:
     """Exposed tensor-parallel communication of one layer's backward (Shoeybi et al. 2019, Fig. 3: one
     all-reduce of the input gradient per column-parallel linear, two per layer; with sequence parallelism
     a reduce-scatter each, plus the all-gather of the layer input that Korthikanti et al. 2022, Sec. 4.2.2,
     redo in the backward rather than keep). With ``tp_overlap`` (Megatron-LM's asynchronous tensor-parallel
     all-reduce, 2022) the input-gradient collective runs under the weight-gradient GEMM of the same linear,
-    so only what exceeds it is exposed, plus the device's measured ``penalty`` per overlapped collective
-    (a CPU, whose collective thread competes with the compute threads for the cores)."""
+    so only what exceeds it is exposed (at least the device's measured ``overlap_exposed`` fraction of it),
+    plus the device's measured ``overlap_penalty`` per overlapped collective (a CPU, whose collective thread
+    competes with the compute threads for the cores)."""
     if ar == 0.0:
         return 0.0
     sp = lay.sequence_parallel
@@ -172,8 +179,8 @@ def _tp_backward(lay: Layout, ar: float, wgrad: list, penalty: float = 0.0) -> f
     if not lay.tp_overlap or not wgrad:
         return k * (collective + redo_gather) if sp else k * ar
     if k == 1:      # one collective for the fused input gradient, under both weight-gradient GEMMs
-        return redo_gather + max(0.0, collective - sum(wgrad)) + penalty
-    return sum(redo_gather + max(0.0, collective - w) + penalty for w in wgrad)
+        return redo_gather + overlapped_exposed(dev, collective, sum(wgrad)) + dev.overlap_penalty
+    return sum(redo_gather + overlapped_exposed(dev, collective, w) + dev.overlap_penalty for w in wgrad)
 
 
 def predict_gpt(system: System, devices: int, model: GPT, lay: Layout, batch: int) -> Prediction:
@@ -210,9 +217,10 @@ def predict_gpt(system: System, devices: int, model: GPT, lay: Layout, batch: in
     ep_comm = 2 * passes * moe_frac * moe_t["a2a"]           # dispatch and combine in every pass
     # Last stage: vocabulary projection and cross-entropy (Megatron places them there).
     logits_elems = b * s * V / t
-    head = (3 * gemm_time(dev, b * s, V / t, h, bytes_per_element=dev.dtype_bytes)
-            + stream_time(dev, CROSS_ENTROPY_BYTES * logits_elems))
-    head += 2 * net.all_reduce_time(system, 4 * b * s, t, 1) if t > 1 else 0.0   # vocab-parallel CE
+    head_gemm = 3 * gemm_time(dev, b * s, V / t, h, bytes_per_element=dev.dtype_bytes)
+    head_loss = stream_time(dev, CROSS_ENTROPY_BYTES * logits_elems)
+    head_tp = 2 * net.all_reduce_time(system, 4 * b * s, t, 1) if t > 1 else 0.0   # vocab-parallel CE
+    head = head_gemm + head_loss + head_tp
     # One micro-batch boundary between stages: Megatron's scatter-gather sends 1/t of it per tp rank
     # (Narayanan et al. SC'21, Sec. 4.1); DeepSpeed's pipeline engine sends the whole tensor from every rank.
     act_msg = dev.dtype_bytes * b * s * h / (t if lay.pp_scatter_gather else 1)
@@ -270,7 +278,7 @@ def predict_gpt(system: System, devices: int, model: GPT, lay: Layout, batch: in
         gathers = 2 + (1 if lay.recompute == "full" else 0)
         rs = net.reduce_scatter_time(system, grad_bytes, dpe, dp_stride)
         per_mb = gathers * net.all_gather_time(system, grad_bytes, dpe, dp_stride) + (rs if p == 1 else 0.0)
-        zero3_gather = m * max(0.0, per_mb - (comp_fwd + comp_bwd + comp_rec))
+        zero3_gather = m * overlapped_exposed(dev, per_mb, comp_fwd + comp_bwd + comp_rec)
         dp_red -= net.all_reduce_time(system, grad_bytes, dpe, dp_stride)   # replaced by the above
         if p > 1:
             dp_red += rs
@@ -278,11 +286,17 @@ def predict_gpt(system: System, devices: int, model: GPT, lay: Layout, batch: in
         dp_red += net.all_reduce_time(system, 2 * model.vocab * h / t, 2, (p - 1) * stride_pp)
     window = comp_bwd if lay.overlap_grad_reduce else 0.0
     last_bucket = dp_red / max(n_slow, 1)
-    dp_exposed = max(dp_red - window, last_bucket if lay.overlap_grad_reduce else dp_red) + zero3_gather
+    dp_exposed = (max(overlapped_exposed(dev, dp_red, window), last_bucket) if lay.overlap_grad_reduce
+                  else dp_red) + zero3_gather
 
     shard = 1 if lay.zero_stage == 0 else dpe
     local_params = (stage_dense + stage_expert) / shard
-    optimizer = 0.0 if lay.offload_optimizer != "none" else stream_time(dev, ADAM_BYTES_PER_PARAM * local_params)
+    # The device runs the optimizer unless it is offloaded to a host that is not the device itself.
+    on_device = lay.offload_optimizer == "none" or (system.device_is_host and lay.offload_optimizer == "cpu")
+    optimizer = optimizer_time(dev, ADAM_BYTES_PER_PARAM * local_params) if on_device else 0.0
+    # the global norm, clipping and zeroing of the gradients this rank holds (all of them when replicated)
+    grad_passes = grad_pass_time(dev, GRAD_PASS_BYTES_REPLICATED * (stage_dense + stage_expert)
+                                 if lay.zero_stage == 0 else GRAD_PASS_BYTES_ZERO * local_params)
     offload = _offload_time(system, lay, local_params, stage_dense + stage_expert, m, comp_fwd + comp_bwd,
                             m * comp_fwd)
 
@@ -290,9 +304,22 @@ def predict_gpt(system: System, devices: int, model: GPT, lay: Layout, batch: in
         "forward": m * comp_fwd, "backward": m * comp_bwd, "recompute": m * comp_rec,
         "tp_communication": m * n_slow * tp_comm, "ep_communication": m * n_slow * ep_comm,
         "output_layer": m * head if slow_last else 0.0, "pp_p2p": m * p2p, "pipeline_bubble": bubble,
-        "dp_communication": dp_exposed, "optimizer": optimizer, "offload": offload,
+        "dp_communication": dp_exposed, "optimizer": optimizer, "grad_passes": grad_passes, "offload": offload,
     }
     step = sum(breakdown.values())
+    # The same step split by kind of work, to set beside a profile (bench/plan_profile_step.py).
+    nl = m * n_slow
+    fwd_c = {"gemm": gemm, "attention": attn, "elementwise": ew, "host": launch}
+    bwd_c = {"gemm": per_layer("gemm_bwd"), "attention": per_layer("attn_bwd"),
+             "elementwise": BWD_OVER_FWD * ew, "host": BWD_OVER_FWD * launch}
+    rec_c = {"none": {}, "selective": {"attention": attn}, "full": fwd_c}[lay.recompute]
+    components = {k: nl * (fwd_c[k] + bwd_c[k] + rec_c.get(k, 0.0)) for k in fwd_c}
+    head_m = m if slow_last else 0
+    components["gemm"] += head_m * head_gemm
+    components["loss"] = head_m * head_loss
+    components["collective"] = (breakdown["tp_communication"] + breakdown["ep_communication"] + head_m * head_tp
+                                + breakdown["pp_p2p"] + dp_exposed)
+    components.update(optimizer=optimizer, grad_passes=grad_passes, pipeline_bubble=bubble, offload=offload)
 
     # Memory of every pipeline rank; the fullest one is reported.
     mlp_scale = model.top_k * model.capacity_factor if model.moe_layers else 1.0
@@ -318,6 +345,8 @@ def predict_gpt(system: System, devices: int, model: GPT, lay: Layout, batch: in
             es = zero_model_state_bytes(expert_r, lay.dp, lay.zero_stage, lay.offload_optimizer,
                                         lay.offload_param, prec)
             st = type(st)(st.device + es.device, st.host + es.host, st.nvme + es.nvme)
+        if system.device_is_host:   # host memory is the device's: what is "offloaded to the CPU" stays in it
+            st = type(st)(st.device + st.host, 0.0, st.nvme)
         # ZeRO-2/3 on a pipeline: the stage's full 16-bit gradient is accumulated over the micro-batches
         # before its one reduce-scatter (the partitioned gradient in ``st`` is what outlives the step)
         pipeline_grads = dev.dtype_bytes * dense_r * (1 - 1 / dpe) if lay.zero_stage >= 2 and p > 1 else 0.0
@@ -342,7 +371,13 @@ def predict_gpt(system: System, devices: int, model: GPT, lay: Layout, batch: in
         memory_breakdown_bytes=memory, memory_capacity_bytes=dev.memory_bytes,
         host_memory_per_device_bytes=states.host, hardware_flops_per_step=model_flops + extra,
         model_flops_per_step=model_flops, tokens_per_step=tokens, peak_flops_per_device=dev.peak_flops,
-        notes=notes)
+        notes=notes, components_s=components)
+
+
+def step_components(system: System, devices: int, model: GPT, lay: Layout, batch: int) -> dict:
+    """Seconds of one step by kind of work (GEMMs, fused attention, element-wise, loss, per-kernel host
+    overhead, exposed collectives, optimizer, pipeline bubble, offload); they sum to the step time."""
+    return predict_gpt(system, devices, model, lay, batch).components_s
 
 
 def _flops(model: GPT, lay: Layout, tokens: float) -> tuple[float, float]:
@@ -368,7 +403,13 @@ def _offload_time(system: System, lay: Layout, local_params: float, stage_params
     waits only for its own update: ``zero.nvme_overlap_step``), so only the excess over it is exposed."""
     host, per_node = system.host, system.devices_per_node
     t = 0.0
-    if lay.offload_optimizer != "none":
+    if system.device_is_host and lay.offload_optimizer == "cpu":
+        # The device is the host CPU: nothing moves, the device's own optimizer step runs (priced as
+        # ``optimizer``), and what remains is podscale's copy of the updated fp32 partition into the
+        # separate buffer the forward reads (the master is never aliased to compute buffers under
+        # offload: parallel/zero/flat_state.py), 4 bytes read and written per local parameter.
+        t += 2 * 4 * local_params / (system.device.memory_bw * system.device.memory_efficiency)
+    elif lay.offload_optimizer != "none":
         opt = 4 * local_params / max(host.pcie_bw, 1.0)
         opt += ADAM_BYTES_PER_PARAM * local_params / max(host.memory_bw / per_node, 1.0)
         if lay.offload_optimizer == "nvme":

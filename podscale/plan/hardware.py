@@ -52,6 +52,16 @@ class Device:
     # per collective. On a CPU whose cores all compute, the collective's worker thread competes with them
     # for every message round trip; GPUs run collectives on their own engines, so it is 0 there.
     overlap_penalty: float = 0.0
+    # Measured (local only): the fraction of an overlapped collective's own time that the overlap still
+    # costs, (overlapped - matmul alone) / all-reduce alone, for a bucket-sized all-reduce under a longer
+    # matmul. 0: fully hidden (GPUs: collectives run on their own engines); on a CPU whose cores all
+    # compute, gloo's reductions and copies take core time from the matmul, so close to 1 (or above).
+    overlap_exposed: float = 0.0
+    # Measured (local only): bytes/s of the optimizer step as podscale runs it (torch's fused AdamW,
+    # counted as ADAM_BYTES_PER_PARAM per parameter) and of the per-step gradient passes (global norm,
+    # clipping, zeroing; GRAD_PASS_BYTES_* per parameter); 0 -> memory_bw * memory_efficiency.
+    optimizer_bw: float = 0.0
+    grad_pass_bw: float = 0.0
     # Measured matmul throughput by shape (local calibration only): tuples (m, n, k, flop/s).
     matmul_table: tuple = ()
     # GEMM shape model (compute.gemm_time): streaming multiprocessors, the output tiles a GEMM library
@@ -105,6 +115,12 @@ class System:
     validated: tuple = ()
 
     @property
+    def device_is_host(self) -> bool:
+        """The devices are the host's own CPU cores (a calibrated ``local`` CPU system): host memory is the
+        devices' memory, so offloading to the CPU moves nothing and frees nothing."""
+        return self.topology == "host"
+
+    @property
     def data_parallel_only(self) -> bool:
         return self.topology == "weight-streaming"
 
@@ -148,6 +164,9 @@ def system_from_dict(data: dict, source: str = "") -> System:
             elementwise_bw=float(dev.get("elementwise_gbps", 0.0)) * GB,
             kernel_overhead=float(dev.get("kernel_overhead_us", 0.0)) * 1e-6,
             overlap_penalty=float(dev.get("overlap_penalty_us", 0.0)) * 1e-6,
+            overlap_exposed=float(dev.get("overlap_exposed", 0.0)),
+            optimizer_bw=float(dev.get("optimizer_gbps", 0.0)) * GB,
+            grad_pass_bw=float(dev.get("grad_pass_gbps", 0.0)) * GB,
             matmul_table=table,
             sm_count=int(dev.get("sm_count", 0)),
             gemm_tiles=tuple(tuple(int(x) for x in t) for t in dev.get("gemm_tiles", ())),

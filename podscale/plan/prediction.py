@@ -25,6 +25,7 @@ class Prediction:
     peak_flops_per_device: float
     notes: list = field(default_factory=list)
     validated: bool = False         # the system was checked against a published result
+    components_s: dict = field(default_factory=dict)   # the step by kind of work (GPT only); sums to step_time_s
 
     @property
     def fits(self) -> bool:

@@ -44,6 +44,9 @@ def candidate_layouts(system: System, devices: int, model, batch: int, microbatc
     if ws:   # a wafer runs whole micro-batches layer by layer: larger ones amortise the streamed weights
         microbatches = tuple(sorted(set(microbatches) | {64, 128, 256, 512}))
     eps = _divisors(model.experts) if model.experts > 1 else [1]
+    # On a CPU system the optimizer state is already in host memory: "offload to CPU" gains nothing and
+    # only adds the copies podscale makes between the master and the compute buffers (gpt_cost).
+    offloads = ("none",) if system.device_is_host else ("none", "cpu")
     for tp in ([1] if ws else [d for d in _divisors(model.heads) if d <= tp_max and model.ffn % d == 0]):
         # pipelines need not divide the layers (the trainer splits them unevenly); a stage needs one layer
         for pp in ([1] if ws else [d for d in _divisors(devices) if d <= model.layers]):
@@ -65,7 +68,7 @@ def candidate_layouts(system: System, devices: int, model, batch: int, microbatc
                             for sp in ((False, True) if tp > 1 else (False,)):
                                 # Weight streaming keeps weights and optimizer in MemoryX: no ZeRO.
                                 for zero in ((0,) if ws else (0, 1, 2, 3)):
-                                    for off in (("none", "cpu") if zero else ("none",)):
+                                    for off in offloads if zero else ("none",):
                                         yield Layout(tp=tp, pp=pp, dp=dp, ep=ep, microbatch=mb, interleave=v,
                                                      schedule=sched, recompute=rc, sequence_parallel=sp,
                                                      zero_stage=zero, offload_optimizer=off)

@@ -1,0 +1,71 @@
+"""The local (CPU) system's step terms that a profile of `podscale train` showed the planner missing or
+mispricing (bench/plan_profile_step.py): offload to the CPU when the device is the CPU, collectives that an
+overlap does not hide on busy cores, the optimizer's own rate, the gradient norm/clip/zero passes."""
+import dataclasses
+import tomllib
+
+import pytest
+
+from podscale.plan import predict
+from podscale.plan.calibrate import overlap_exposed, system_toml
+from podscale.plan.gpt_cost import ADAM_BYTES_PER_PARAM, GRAD_PASS_BYTES_REPLICATED, GRAD_PASS_BYTES_ZERO
+from podscale.plan.hardware import load_system, system_from_dict
+from podscale.plan.layout import Layout
+from podscale.plan.models import GPT
+from podscale.plan.search import candidate_layouts
+
+MODEL = GPT(layers=4, hidden=256, heads=8, seq=128, vocab=256)
+
+
+def _local(**sync) -> object:
+    """A calibrated-CPU system from synthetic measurements (ring all-reduce 50 us + 2 GB/s)."""
+    alpha, bw, n = 50e-6, 2e9, 2
+    samples = [(s, 2 * (n - 1) * alpha + 2 * (n - 1) / n * s / bw) for s in (1 << 12, 1 << 16, 1 << 20, 1 << 24)]
+    data = {"matmul": [[64, 64, 64, 1e10], [1024, 1024, 1024, 1e11]], "memory_bw": 1e10, "elementwise_bw": 4e9,
+            "kernel_overhead": 5e-6, "allreduce": samples, "threads": 1, "nvme_bw": 1e9,
+            "optimizer_bw": 8e9, "grad_pass_bw": 6e9,
+            "sync": {"bytes": 1 << 19, "pair_s": 1.4e-3, "mm_s": 1.0e-3, "allreduce_s": 0.4e-3,
+                     "overlapped_s": 1.0e-3, **sync}}
+    return system_from_dict(tomllib.loads(system_toml(data, n, quick=True)))
+
+
+def test_offload_to_the_cpu_is_not_searched_and_not_cheaper_when_the_device_is_the_cpu():
+    """On a CPU system the optimizer state already lives in host memory: "offload to CPU" frees nothing,
+    runs the same optimizer step and adds podscale's copy into the compute buffers. The auto-layout
+    search ranked such layouts first when it priced them as a GPU's PCIe copy (BENCHMARKS, 1.75x)."""
+    local = _local()
+    assert local.device_is_host
+    assert all(lay.offload_optimizer == "none" for lay in candidate_layouts(local, 2, MODEL, 16))
+    gpu = load_system("dgx-a100-80g")
+    assert any(lay.offload_optimizer == "cpu" for lay in candidate_layouts(gpu, 8, MODEL, 16))
+    plain = predict(local, 2, MODEL, Layout(dp=2, microbatch=4, zero_stage=3), 16)
+    off = predict(local, 2, MODEL, Layout(dp=2, microbatch=4, zero_stage=3, offload_optimizer="cpu"), 16)
+    assert off.time_breakdown_s["optimizer"] == plain.time_breakdown_s["optimizer"] > 0
+    assert off.step_time_s > plain.step_time_s
+    assert off.memory_per_device_bytes >= plain.memory_per_device_bytes and off.host_memory_per_device_bytes == 0
+
+
+def test_an_overlapped_collective_pays_the_measured_exposed_fraction():
+    """dp's gradient all-reduce under the backward: hidden when overlap_exposed = 0 (as on a GPU), paid in full
+    when the calibration measured that overlapping a bucket costs as much as running it after the matmuls."""
+    s = {"bucket_bytes": 1 << 23, "bucket_allreduce_s": 4e-3, "bucket_mm_s": 10e-3}
+    hidden, exposed = _local(**s, bucket_overlapped_s=9e-3), _local(**s, bucket_overlapped_s=14e-3)
+    assert overlap_exposed({"sync": {**s, "bucket_overlapped_s": 14e-3}}) == pytest.approx(1.0)
+    assert hidden.device.overlap_exposed == 0 and exposed.device.overlap_exposed == pytest.approx(1.0)
+    lay = Layout(dp=2, microbatch=8)
+    a = predict(hidden, 2, MODEL, lay, 16).time_breakdown_s["dp_communication"]
+    b = predict(exposed, 2, MODEL, lay, 16).time_breakdown_s["dp_communication"]
+    no_overlap = predict(exposed, 2, MODEL, dataclasses.replace(lay, overlap_grad_reduce=False), 16)
+    assert a < b == pytest.approx(no_overlap.time_breakdown_s["dp_communication"])
+
+
+def test_optimizer_and_gradient_passes_use_their_measured_rates():
+    local = _local()
+    params = MODEL.params
+    rep = predict(local, 2, MODEL, Layout(dp=2, microbatch=8), 16).time_breakdown_s
+    assert rep["optimizer"] == pytest.approx(ADAM_BYTES_PER_PARAM * params / 8e9, rel=1e-9)
+    assert rep["grad_passes"] == pytest.approx(GRAD_PASS_BYTES_REPLICATED * params / 6e9, rel=1e-9)
+    z2 = predict(local, 2, MODEL, Layout(dp=2, microbatch=8, zero_stage=2), 16).time_breakdown_s
+    assert z2["grad_passes"] == pytest.approx(GRAD_PASS_BYTES_ZERO * params / 2 / 6e9, rel=1e-9)
+    p = predict(local, 2, MODEL, Layout(dp=2, microbatch=8), 16)
+    assert sum(p.components_s.values()) == pytest.approx(p.step_time_s, rel=1e-9)
