@@ -6,7 +6,13 @@ The step of one pipeline rank is built from per-micro-batch pieces (Narayanan et
              all-to-alls, pipeline sends, and the output layer on the last rank
     step   = m * max_r T_r + (sum_r T_r - max_r T_r) / v     (the slowest rank sets the pace; with equal
              T_r the bubble (p-1)/(v m) of 1F1B / interleaved / GPipe)
-           + exposed data-parallel gradient reduction + optimizer step + offload traffic
+           + exposed data-parallel gradient reduction + optimizer step + gradient passes (global norm,
+             clipping, zeroing) + offload traffic
+
+A collective overlapped with compute is exposed by what the compute does not cover, and at least by the
+device's measured ``overlap_exposed`` fraction of its own time (0 on GPUs; on a CPU the collective's work
+takes the cores the compute uses). On a CPU system (``device_is_host``) "offload to the CPU" moves nothing:
+the step runs as without offload plus podscale's copy of the updated partition into the compute buffers.
 
 Ranks hold the layers the trainer gives them (``stages.py``: its parameter-balanced split, or the layout's
 ``pipeline_layers``), so pipelines need not divide the layers.
