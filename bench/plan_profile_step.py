@@ -15,6 +15,7 @@ machine, not absolute times (the profiler adds a few microseconds per op too).
 from __future__ import annotations
 
 import argparse
+import ast
 import collections
 import json
 import os
@@ -162,6 +163,16 @@ def profiled_worker(cfg_json: str, profile_step: int, out_path: str):
     return run_worker(Config.model_validate_json(cfg_json))
 
 
+def _mnk(key: str):
+    """(m, n, k) of a profiled 'aten::mm [[m, k], [k, n]]' or 'aten::addmm [[bias], [m, k], [k, n], ...]'
+    (None for batched products)."""
+    shapes = [x for x in ast.literal_eval(key.split(" ", 1)[1]) if len(x) == 2]
+    if len(shapes) < 2:
+        return None
+    (m, k), (_, n) = shapes[0], shapes[1]
+    return m, n, k
+
+
 def planner_side(cfg, tp, pp, dp, mb, zero, offload) -> dict:
     from podscale.plan import load_system
     from podscale.plan.auto import gpt_of
@@ -179,6 +190,8 @@ def main(argv=None) -> int:
     ap.add_argument("--table", action="store_true", help="also print torch.profiler's op table")
     args = ap.parse_args(argv)
     from podscale.config import load_config
+    from podscale.plan import load_system
+    from podscale.plan.compute import gemm_time
     from podscale.runtime.launcher import launch
     names = list(CASES) if args.case == "all" else args.case.split(",")
     for name in names:
@@ -208,9 +221,13 @@ def main(argv=None) -> int:
                   f"{ps / pred:>7.1%}")
         print("by phase (measured s):", ", ".join(f"{k} {v:.4f}" for k, v in
                                                  sorted(r["phases"].items(), key=lambda kv: -kv[1])[:14]))
-        print("GEMMs by shape (count, s):")
+        print("GEMMs by shape: count, measured s (fraction of the measured step), the calibrated table's time for "
+              "the same GEMMs (fraction of the predicted step)")
+        dev = load_system("local").device
         for k, n, t in r["gemms"]:
-            print(f"   {n:>4} x  {t:8.4f} s  {k}")
+            mnk = _mnk(k)
+            pt = n * gemm_time(dev, *mnk, bytes_per_element=dev.dtype_bytes) if mnk else 0.0
+            print(f"   {n:>4} x {t:8.4f} s ({t / wall:6.1%})  table {pt:8.4f} s ({pt / pred:6.1%})  {k}")
         print("largest op names by self time (class: name, s):")
         for k, t in r["names"][:22]:
             print(f"   {t:8.4f}  {k}")
