@@ -281,9 +281,13 @@ def predict_gpt(system: System, devices: int, model: GPT, lay: Layout, batch: in
         # reduce-scattered after every backward; a pipeline accumulates them locally and reduce-scatters
         # once per step (podscale's pipeline ZeRO-2/3). Prefetching overlaps the collectives with compute;
         # what exceeds it is exposed.
+        # The collectives run per unit, one per layer plus the root (embeddings, final norm), as podscale's
+        # ZeRO-3 and FSDP wrap them (parallel/zero/layout.layer_units): each pays its own latency.
         gathers = 2 + (1 if lay.recompute == "full" else 0)
-        rs = net.reduce_scatter_time(system, grad_bytes, dpe, dp_stride)
-        per_mb = gathers * net.all_gather_time(system, grad_bytes, dpe, dp_stride) + (rs if p == 1 else 0.0)
+        units = n_slow + 1
+        rs = units * net.reduce_scatter_time(system, grad_bytes / units, dpe, dp_stride)
+        per_mb = (gathers * units * net.all_gather_time(system, grad_bytes / units, dpe, dp_stride)
+                  + (rs if p == 1 else 0.0))
         zero3_gather = m * overlapped_exposed(dev, per_mb, comp_fwd + comp_bwd + comp_rec)
         dp_red -= net.all_reduce_time(system, grad_bytes, dpe, dp_stride)   # replaced by the above
         if p > 1:
