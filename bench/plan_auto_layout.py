@@ -9,7 +9,7 @@ at least six measured. Default settings take about 6-10 minutes on an idle 2-cor
 the script in about two.
 
     python -m podscale.plan calibrate                  # on an idle machine
-    python bench/plan_auto_layout.py [--steps 12] [--repeat 2] [--max-layouts 8]
+    python bench/plan_auto_layout.py [--calibrate] [--steps 12] [--repeat 2] [--max-layouts 8]
 """
 from __future__ import annotations
 
@@ -58,12 +58,17 @@ def main(argv=None) -> int:
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--max-layouts", type=int, default=8)
     ap.add_argument("--system", default="local")
+    ap.add_argument("--calibrate", action="store_true", help="recalibrate the local system first (files written "
+                    "before the optimizer, gradient-pass and overlap measurements price those as on a GPU)")
     ap.add_argument("--small", action="store_true", help="a 2-layer model, 4 steps, one run each: checks the script")
     args = ap.parse_args(argv)
     if args.small:
         args.steps, args.repeat = 4, 1
     base = SMALL if args.small else MODEL
     start = time.perf_counter()
+    if args.calibrate:
+        from podscale.plan.calibrate import calibrate
+        calibrate()
     cfg = load_config(None, base)
     system = load_system(args.system)
     choice = choose_layout(cfg, 2, system, keep=3)
