@@ -86,7 +86,7 @@ def build_engine(model: nn.Module, mesh, cfg, task=None, measure_memory: bool = 
             apply_tensor_parallel(model, mesh, p.sequence_parallel)
             model.materialize(mesh.device)  # what tp did not shard, on a model built on the meta device
             strategy = TensorParallelStrategy(_data_parallel(model, mesh, cfg, task.ep_sharded_parameters(model)),
-                                              model, mesh, cfg.train.precision)
+                                              model, mesh, cfg.train.precision, p.sequence_parallel)
         engine = Engine(model, mesh, cfg.train, strategy, loss_fn)
     if cfg.train.compile:
         # last, once every layout has shaped the units (tp's layers, ZeRO's parameters and hooks, pipeline

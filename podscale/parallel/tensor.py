@@ -514,7 +514,6 @@ def apply_tensor_parallel(model: nn.Module, mesh, sequence_parallel: bool = Fals
                 block.mlp.drop = ForkedDropout(block.mlp.drop.p, tracker)
         if sp and model.drop is not None:
             model.drop = ForkedDropout(model.drop.p, tracker)
-    model.tensor_parallel = {"tp": n, "sequence_parallel": sp, "padded_vocab": vp}
     return model
 
 
@@ -657,10 +656,12 @@ class WrapsDataParallel(Strategy):
 class TensorParallelStrategy(LocalMicroBatches, ShardedCheckpointState, WrapsDataParallel):
     """Wraps a data-parallel strategy (replicated :class:`DataParallel` or ZeRO over dp) for a model with
     tensor- and/or sequence-parallel layers: sequence-parallel gradients are summed over tp and the
-    gradient norm is the model's true global norm."""
+    gradient norm is the model's true global norm.  ``sequence_parallel``: ``module`` was sharded with it
+    (:func:`apply_tensor_parallel`), so its inputs are padded to a multiple of tp."""
 
-    def __init__(self, inner, module: nn.Module, mesh, precision: str = "fp32"):
+    def __init__(self, inner, module: nn.Module, mesh, precision: str = "fp32", sequence_parallel: bool = False):
         self.inner, self.module, self.mesh, self.precision = inner, module, mesh, precision
+        self.sequence_parallel = sequence_parallel
         self.params = [p for p in module.parameters() if p.requires_grad]
         # Sums over tp commute with the replicated strategy's dp all-reduce (a mean), so its all-reduce
         # overlaps backward and the tp sums follow.  A sharding strategy (ZeRO) needs the full sums before
@@ -682,6 +683,5 @@ class TensorParallelStrategy(LocalMicroBatches, ShardedCheckpointState, WrapsDat
     def next_logits(self, idx: torch.Tensor) -> torch.Tensor:
         """The (B, vocab) logits of the last position of ``idx`` on every rank (vocab shards gathered)."""
         T = idx.shape[1]
-        sp = self.module.tensor_parallel["sequence_parallel"]
-        logits, _ = self.module(pad_to_shards(idx.to(self.mesh.device), self.mesh, sp))
+        logits, _ = self.module(pad_to_shards(idx.to(self.mesh.device), self.mesh, self.sequence_parallel))
         return gather_vocab_logits(logits[:, T - 1, :], self.mesh, self.module.cfg.vocab_size)
