@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
+from podscale.parallel.buckets import reverse_order_buckets
 from podscale.parallel.strategy import DataParallelStrategy, LocalMicroBatches
 from podscale.runtime import comm
 from podscale.train.precision import nonfinite_flag
@@ -205,17 +206,8 @@ class DataParallel(ReplicatedStrategy):
                 comm.broadcast(t.data, 0, self.mesh, axes)
 
     def _make_buckets(self, params: list[nn.Parameter], cap_bytes: int, axes: tuple[str, ...]) -> list[_Bucket]:
-        buckets, current, size = [], [], 0
-        for p in reversed(params):
-            current.append(p)
-            size += p.numel() * p.element_size()
-            if size >= cap_bytes:
-                buckets.append(current)
-                current, size = [], 0
-        if current:
-            buckets.append(current)
         out = []
-        for params in buckets:
+        for params in reverse_order_buckets(params, cap_bytes, lambda p: p.numel() * p.element_size()):
             dtype, dev = params[0].dtype, params[0].device
             buf = torch.zeros(sum(p.numel() for p in params), dtype=dtype, device=dev)
             offset = 0
