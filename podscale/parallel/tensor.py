@@ -43,6 +43,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from podscale.config import tensor_parallel_split_problem
 from podscale.models.gpt import Block
 from podscale.parallel.param_tags import tag, tags
 from podscale.parallel.sharded_state import ShardedCheckpointState
@@ -371,17 +372,12 @@ class TensorParallelError(ValueError):
     """A model that cannot be split over this tp size; the message names the fix."""
 
 
-def check_tensor_parallel(n_embd: int, n_head: int, tp: int, block_size: int | None = None,
-                          sequence_parallel: bool = False, seq_len: int | None = None) -> None:
-    if n_head % tp:
-        raise TensorParallelError(f"model.n_head={n_head} is not divisible by parallel.tp={tp}: "
-                                  f"use a head count that is a multiple of {tp} or a smaller tp")
-    if n_embd % tp:
-        raise TensorParallelError(f"model.n_embd={n_embd} is not divisible by parallel.tp={tp}: "
-                                  f"use a hidden size that is a multiple of {tp} or a smaller tp")
-    if sequence_parallel and seq_len is not None and seq_len % tp:
-        raise TensorParallelError(f"sequence length {seq_len} is not divisible by parallel.tp={tp} with "
-                                  f"sequence parallelism: use a multiple of {tp} or sequence_parallel=false")
+def check_tensor_parallel(n_embd: int, n_head: int, tp: int) -> None:
+    """Raise :class:`TensorParallelError` when the GPT cannot be split over ``tp`` ranks (the rule the config
+    check applies too: :func:`podscale.config.tensor_parallel_split_problem`)."""
+    problem = tensor_parallel_split_problem(n_head, n_embd, tp)
+    if problem:
+        raise TensorParallelError(problem)
 
 
 def padded_vocab(vocab_size: int, tp: int) -> int:
