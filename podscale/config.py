@@ -56,6 +56,20 @@ class RunSection(_Section):
         return name
 
 
+def tensor_parallel_split_problem(n_head: int, n_embd: int, tp: int) -> str | None:
+    """Why a GPT with ``n_head`` heads and hidden size ``n_embd`` cannot be split over ``tp`` ranks (Megatron's
+    column- and row-parallel layers split the heads and the hidden features, Shoeybi et al. 2019, section 3),
+    as one line that names the fix; None when it can.  The config check and
+    :func:`podscale.parallel.tensor.check_tensor_parallel` both ask this."""
+    if n_head % tp:
+        return (f"model.n_head={n_head} is not divisible by parallel.tp={tp}: use a head count that is a "
+                f"multiple of {tp} or a smaller tp")
+    if n_embd % tp:
+        return (f"model.n_embd={n_embd} is not divisible by parallel.tp={tp}: use a hidden size that is a "
+                f"multiple of {tp} or a smaller tp")
+    return None
+
+
 class GPTModelSection(_Section):
     """``[model] kind = "gpt"`` (the default): the byte-level GPT of :mod:`podscale.tasks.gpt`."""
 
@@ -99,12 +113,9 @@ class GPTModelSection(_Section):
     def check_layout(self, cfg: "Config") -> None:
         """Tensor, sequence and pipeline parallelism: what the GPT and the batch must satisfy."""
         p, m, t = cfg.parallel, self, cfg.train
-        if m.n_head % p.tp:
-            raise ConfigError(f"model.n_head={m.n_head} is not divisible by parallel.tp={p.tp}: use a head "
-                              f"count that is a multiple of {p.tp} or a smaller tp")
-        if m.n_embd % p.tp:
-            raise ConfigError(f"model.n_embd={m.n_embd} is not divisible by parallel.tp={p.tp}: use a hidden "
-                              f"size that is a multiple of {p.tp} or a smaller tp")
+        problem = tensor_parallel_split_problem(m.n_head, m.n_embd, p.tp)
+        if problem:
+            raise ConfigError(problem)
         if p.sequence_parallel and m.block_size % p.tp:
             raise ConfigError(f"model.block_size={m.block_size} (the sequence length) is not divisible by "
                               f"parallel.tp={p.tp} with sequence parallelism: use a multiple of {p.tp} or set "

@@ -38,6 +38,7 @@ def collectives_on_a_2x2_mesh() -> dict:
     out["a2a"] = recv.tolist()
     out["stats"] = mesh.stats.snapshot()
     out["large"] = large_gloo_collectives_match_torch(mesh)
+    out["backends"] = {"+".join(k): mesh.axis_group(*k).backend for k in (("tp",), ("dp",), ("dp", "tp"))}
     return out
 
 

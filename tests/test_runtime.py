@@ -52,6 +52,8 @@ def test_collectives_on_a_2x2_mesh():
         assert st["tp/reduce_scatter"]["bytes"] == 16 and st["tp/all_gather"]["bytes"] == 16
         assert all(s["busy_s"] > 0 for s in st.values())
         assert out["large"] == {"tp": {"ag": True, "rs": True}, "dp+tp": {"ag": True, "rs": True}}
+        # the backend is recorded with each group when the mesh creates it (picks the in-place path)
+        assert out["backends"] == {"tp": "gloo", "dp": "gloo", "dp+tp": "gloo"}
 
 
 def test_gradient_buckets_go_on_the_wire_during_backward():

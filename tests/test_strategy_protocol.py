@@ -12,7 +12,7 @@ import torch
 
 from podscale.config import parse_config
 from podscale.models.gpt import GPT, GPTConfig
-from podscale.parallel.data import DataParallel
+from podscale.parallel.data import DataParallel, SingleReplica
 from podscale.parallel.pipeline.schedule import PipelineParallel
 from podscale.parallel.strategy import DataParallelStrategy, Strategy
 from podscale.parallel.tensor import TensorParallelStrategy
@@ -24,14 +24,15 @@ from podscale.train.engine import Engine
 PACKAGE = Path(__file__).resolve().parent.parent / "podscale"
 
 
-@pytest.mark.parametrize("cls", [DataParallel, ZeroStrategy, TensorParallelStrategy, PipelineParallel])
+@pytest.mark.parametrize("cls", [DataParallel, SingleReplica, ZeroStrategy, TensorParallelStrategy,
+                                 PipelineParallel])
 def test_every_strategy_implements_the_protocol(cls):
     assert issubclass(cls, Strategy)
     missing = sorted(n for n in dir(cls) if getattr(getattr(cls, n), "__isabstractmethod__", False))
     assert not inspect.isabstract(cls) and not missing, f"{cls.__name__} leaves {missing} abstract"
 
 
-@pytest.mark.parametrize("cls", [DataParallel, ZeroStrategy])
+@pytest.mark.parametrize("cls", [DataParallel, SingleReplica, ZeroStrategy])
 def test_data_parallel_strategies_declare_how_they_compose(cls):
     assert issubclass(cls, DataParallelStrategy)
     assert isinstance(cls.reduce_commutes, bool) and isinstance(cls.sums_sequence_parallel, bool)
@@ -70,7 +71,7 @@ def _build(kind: str, stage: int):
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=256, block_size=16, n_layer=2, n_head=2, n_embd=32, dropout=0.0))
     mesh = Mesh.build()
-    inner = build_strategy(model, mesh, cfg.train, cfg.zero) if stage else DataParallel(
+    inner = build_strategy(model, mesh, cfg.train, cfg.zero) if stage else SingleReplica(
         model, mesh, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2))
     strategy = TensorParallelStrategy(inner, inner.module, mesh) if kind == "tp-wrapper" else inner
     return cfg, Engine(strategy.module, mesh, cfg.train, strategy, gpt_loss_fn(cfg.train.precision, mesh.device))

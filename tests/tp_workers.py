@@ -200,7 +200,7 @@ def _pipeline_stats(engine) -> dict | None:
         return None
     return {"peak_in_flight": st.peak_in_flight, "peak_activation_bytes": st.peak_activation_bytes,
             "wait_s": st.wait_s, "compute_s": st.compute_s, "total_s": st.total_s,
-            "chunks": [c.pipeline for c in engine.strategy.chunks]}
+            "chunks": [{"stage": c.stage, "layers": c.layers} for c in engine.strategy.placement]}
 
 
 def _layouts(cfg_dicts: list[dict]):

@@ -2,7 +2,8 @@
 
 Order of application (each one a function of model and mesh; axis size 1 = off):
 pipeline split on ``pp`` (stages, then virtual chunks) -> tensor/sequence parallelism on ``tp`` inside each
-chunk -> the data-parallel strategy on ``dp`` (replicated, or ZeRO when ``zero.stage`` > 0; with expert
+chunk -> the data-parallel strategy on ``dp`` (replicated — :class:`~podscale.parallel.data.SingleReplica`
+over one data rank —, or ZeRO when ``zero.stage`` > 0; with expert
 parallelism on ``dp`` x ``ep``, the experts on ``dp`` only) -> the
 model-parallel wrapper that adds what tp and pp need on top (sequence-parallel gradient sums, the tied
 embedding across first and last stage, the true global gradient norm, the pipeline schedule) -> with
@@ -21,7 +22,7 @@ from __future__ import annotations
 import torch.nn as nn
 
 from podscale.optim import build_adamw
-from podscale.parallel.data import DataParallel
+from podscale.parallel.data import DataParallel, SingleReplica
 from podscale.parallel.model_protocols import MetaInitModel
 from podscale.parallel.tensor import (TensorParallelStrategy, apply_recompute, apply_tensor_parallel,
                                       tensor_parallel_rng)
@@ -29,12 +30,15 @@ from podscale.parallel.tensor import (TensorParallelStrategy, apply_recompute, a
 
 def _data_parallel(module: nn.Module, mesh, cfg, ep_sharded: list[nn.Parameter] = ()):
     """The data-parallel strategy over the data ranks (dp, and ep when > 1); ``ep_sharded``: the parameters
-    each ep rank holds its own of (experts), replicated over dp only."""
+    each ep rank holds its own of (experts), replicated over dp only.  Replicated over one data rank there
+    is nothing to reduce: :class:`SingleReplica`, with autograd's own gradients (no buckets, no hooks)."""
     t = cfg.train
     if cfg.zero.stage > 0:
         from podscale.parallel.zero import build_strategy  # ZeRO over dp (dp x ep for dense parameters)
         return build_strategy(module, mesh, t, cfg.zero, bucket_mb=cfg.parallel.bucket_mb, ep_sharded=ep_sharded)
     optimizer = build_adamw(module, t.lr, (t.beta1, t.beta2), t.eps, t.weight_decay)
+    if mesh.size(*mesh.data_axes) == 1:
+        return SingleReplica(module, mesh, optimizer)
     return DataParallel(module, mesh, mesh.data_axes, bucket_mb=cfg.parallel.bucket_mb,
                         reduce_dtype=t.reduce_dtype, optimizer=optimizer, ep_sharded=ep_sharded)
 
@@ -82,7 +86,7 @@ def build_engine(model: nn.Module, mesh, cfg, task=None, measure_memory: bool = 
             apply_tensor_parallel(model, mesh, p.sequence_parallel)
             model.materialize(mesh.device)  # what tp did not shard, on a model built on the meta device
             strategy = TensorParallelStrategy(_data_parallel(model, mesh, cfg, task.ep_sharded_parameters(model)),
-                                              model, mesh, cfg.train.precision)
+                                              model, mesh, cfg.train.precision, p.sequence_parallel)
         engine = Engine(model, mesh, cfg.train, strategy, loss_fn)
     if cfg.train.compile:
         # last, once every layout has shaped the units (tp's layers, ZeRO's parameters and hooks, pipeline

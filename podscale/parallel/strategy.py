@@ -9,7 +9,7 @@ abstract method explicitly; nothing is found by attribute probing or forwarded b
 Two levels:
 
 * :class:`Strategy` — what the engine and the checkpoint code call.  Implemented by the replicated
-  :class:`~podscale.parallel.data.DataParallel`, :class:`~podscale.parallel.zero.ZeroStrategy`, the
+  :class:`~podscale.parallel.data.DataParallel` (one replica: :class:`~podscale.parallel.data.SingleReplica`), :class:`~podscale.parallel.zero.ZeroStrategy`, the
   tensor-parallel wrapper and the pipeline.
 * :class:`DataParallelStrategy` — a strategy over the ``dp`` axis that a model-parallel wrapper (tensor or
   pipeline parallelism) can wrap: it also says how its gradients relate to the tp/pp sums, gives the pieces

@@ -43,6 +43,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from podscale.config import tensor_parallel_split_problem
 from podscale.models.gpt import Block
 from podscale.parallel.param_tags import tag, tags
 from podscale.parallel.sharded_state import ShardedCheckpointState
@@ -371,17 +372,12 @@ class TensorParallelError(ValueError):
     """A model that cannot be split over this tp size; the message names the fix."""
 
 
-def check_tensor_parallel(n_embd: int, n_head: int, tp: int, block_size: int | None = None,
-                          sequence_parallel: bool = False, seq_len: int | None = None) -> None:
-    if n_head % tp:
-        raise TensorParallelError(f"model.n_head={n_head} is not divisible by parallel.tp={tp}: "
-                                  f"use a head count that is a multiple of {tp} or a smaller tp")
-    if n_embd % tp:
-        raise TensorParallelError(f"model.n_embd={n_embd} is not divisible by parallel.tp={tp}: "
-                                  f"use a hidden size that is a multiple of {tp} or a smaller tp")
-    if sequence_parallel and seq_len is not None and seq_len % tp:
-        raise TensorParallelError(f"sequence length {seq_len} is not divisible by parallel.tp={tp} with "
-                                  f"sequence parallelism: use a multiple of {tp} or sequence_parallel=false")
+def check_tensor_parallel(n_embd: int, n_head: int, tp: int) -> None:
+    """Raise :class:`TensorParallelError` when the GPT cannot be split over ``tp`` ranks (the rule the config
+    check applies too: :func:`podscale.config.tensor_parallel_split_problem`)."""
+    problem = tensor_parallel_split_problem(n_head, n_embd, tp)
+    if problem:
+        raise TensorParallelError(problem)
 
 
 def padded_vocab(vocab_size: int, tp: int) -> int:
@@ -514,7 +510,6 @@ def apply_tensor_parallel(model: nn.Module, mesh, sequence_parallel: bool = Fals
                 block.mlp.drop = ForkedDropout(block.mlp.drop.p, tracker)
         if sp and model.drop is not None:
             model.drop = ForkedDropout(model.drop.p, tracker)
-    model.tensor_parallel = {"tp": n, "sequence_parallel": sp, "padded_vocab": vp}
     return model
 
 
@@ -657,10 +652,12 @@ class WrapsDataParallel(Strategy):
 class TensorParallelStrategy(LocalMicroBatches, ShardedCheckpointState, WrapsDataParallel):
     """Wraps a data-parallel strategy (replicated :class:`DataParallel` or ZeRO over dp) for a model with
     tensor- and/or sequence-parallel layers: sequence-parallel gradients are summed over tp and the
-    gradient norm is the model's true global norm."""
+    gradient norm is the model's true global norm.  ``sequence_parallel``: ``module`` was sharded with it
+    (:func:`apply_tensor_parallel`), so its inputs are padded to a multiple of tp."""
 
-    def __init__(self, inner, module: nn.Module, mesh, precision: str = "fp32"):
+    def __init__(self, inner, module: nn.Module, mesh, precision: str = "fp32", sequence_parallel: bool = False):
         self.inner, self.module, self.mesh, self.precision = inner, module, mesh, precision
+        self.sequence_parallel = sequence_parallel
         self.params = [p for p in module.parameters() if p.requires_grad]
         # Sums over tp commute with the replicated strategy's dp all-reduce (a mean), so its all-reduce
         # overlaps backward and the tp sums follow.  A sharding strategy (ZeRO) needs the full sums before
@@ -682,6 +679,5 @@ class TensorParallelStrategy(LocalMicroBatches, ShardedCheckpointState, WrapsDat
     def next_logits(self, idx: torch.Tensor) -> torch.Tensor:
         """The (B, vocab) logits of the last position of ``idx`` on every rank (vocab shards gathered)."""
         T = idx.shape[1]
-        sp = self.module.tensor_parallel["sequence_parallel"]
-        logits, _ = self.module(pad_to_shards(idx.to(self.mesh.device), self.mesh, sp))
+        logits, _ = self.module(pad_to_shards(idx.to(self.mesh.device), self.mesh, self.sequence_parallel))
         return gather_vocab_logits(logits[:, T - 1, :], self.mesh, self.module.cfg.vocab_size)

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from .cost import predict
-from .hardware import System, load_system
+from .hardware import System, as_system
 from .layout import Layout, LayoutError
 from .models import GPT
 from .search import candidate_layouts
@@ -85,7 +85,7 @@ def _runnable(cfg, world_size: int, overrides: list) -> bool:
 def choose_layout(cfg, world_size: int, system: System | str = "local", keep: int = 0) -> AutoChoice:
     """The fastest predicted layout of ``cfg`` on ``world_size`` devices of ``system`` that fits in device
     memory and that the trainer accepts; ``keep`` > 0 also returns that many runners-up in ``ranked``."""
-    system = load_system(system) if isinstance(system, str) else system
+    system = as_system(system)
     system.check_devices(world_size)
     model = gpt_of(cfg)
     batch = cfg.train.global_batch

@@ -3,21 +3,16 @@ from __future__ import annotations
 
 from .dlrm_cost import predict_dlrm
 from .gpt_cost import predict_gpt
-from .hardware import System, load_system
+from .hardware import System, as_system
 from .layout import Layout, layout_from_dict
-from .models import DLRM, GPT, get_model, model_from_dict
+from .models import DLRM, GPT, as_model
 from .prediction import Prediction
 
 
 def predict(system: System | str, devices: int, model, layout: Layout | dict, batch: int) -> Prediction:
     """Predict one layout. ``system`` is a System or a catalog name, ``model`` a GPT/DLRM, a preset
     name or a dict, ``layout`` a Layout or a dict in the trainer's vocabulary."""
-    if isinstance(system, str):
-        system = load_system(system)
-    if isinstance(model, str):
-        model = get_model(model)
-    elif isinstance(model, dict):
-        model = model_from_dict(model)
+    system, model = as_system(system), as_model(model)
     if isinstance(layout, dict):
         layout = layout_from_dict(layout)
     system.check_devices(devices)

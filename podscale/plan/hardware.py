@@ -232,6 +232,12 @@ def local_system_path() -> Path:
     return cache_dir() / "local.toml"
 
 
+def as_system(system: "System | str") -> System:
+    """``system`` itself, or the system a name or path resolves to (:func:`load_system`): what every
+    planner entry point that takes either does first."""
+    return load_system(system) if isinstance(system, str) else system
+
+
 def load_system(name: str) -> System:
     """Resolve a system by name (built-in, user, ``local``) or by a path to a TOML file."""
     if name.endswith(".toml") or os.sep in name:

@@ -174,6 +174,16 @@ def model_from_dict(data: dict, name: str = "custom"):
         raise ModelError(str(e)) from None
 
 
+def as_model(model):
+    """``model`` itself (a GPT or DLRM), or the model a preset name / JSON / file (:func:`get_model`) or a
+    mapping (:func:`model_from_dict`) describes."""
+    if isinstance(model, str):
+        return get_model(model)
+    if isinstance(model, dict):
+        return model_from_dict(model)
+    return model
+
+
 def get_model(spec: str):
     """A preset name, a JSON object literal, or a path to a .json/.toml model file."""
     spec = spec.strip()

@@ -13,9 +13,9 @@ import time
 from dataclasses import dataclass, field
 
 from .cost import predict
-from .hardware import System, load_system
+from .hardware import System, as_system
 from .layout import Layout, LayoutError
-from .models import DLRM, get_model
+from .models import DLRM, as_model
 
 
 def _divisors(n: int) -> list[int]:
@@ -77,10 +77,7 @@ def candidate_layouts(system: System, devices: int, model, batch: int, microbatc
 def search(system: System | str, devices: int, model, batch: int, top: int = 10,
            include_unfit: bool = False) -> SearchResult:
     """Predict every candidate layout and rank those that fit by throughput."""
-    if isinstance(system, str):
-        system = load_system(system)
-    if isinstance(model, str):
-        model = get_model(model)
+    system, model = as_system(system), as_model(model)
     system.check_devices(devices)
     start = time.perf_counter()
     ranked, evaluated, rejected = [], 0, 0

@@ -15,7 +15,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from .cost import predict
-from .hardware import System, load_system
+from .hardware import System, as_system, load_system
 from .layout import Layout
 from .models import GPT, MEGATRON_TABLE1
 
@@ -65,7 +65,7 @@ def narayanan_flops(model: GPT, batch: int) -> float:
 
 
 def table1(system="dgx-a100-80g") -> list[Row]:
-    system = load_system(system) if isinstance(system, str) else system
+    system = as_system(system)
     rows = []
     for name, (tp, pp, gpus, batch, mb, per_virtual, published) in TABLE1_LAYOUTS.items():
         heads, hidden, layers = MEGATRON_TABLE1[name]
@@ -261,7 +261,7 @@ def _with_efficiency(system: System, e: float) -> System:
 
 def fitting_curve(system="dgx-a100-80g", grid=EFFICIENCY_GRID) -> dict:
     """Table 1 errors for each candidate matmul efficiency: {e: [error of each row]}."""
-    system = load_system(system) if isinstance(system, str) else system
+    system = as_system(system)
     return {e: [r.error for r in table1(_with_efficiency(system, e))] for e in grid}
 
 

@@ -32,6 +32,16 @@ class MeshError(ValueError):
     """A mesh shape that cannot be built on this world."""
 
 
+@dataclass(frozen=True)
+class AxisGroup:
+    """This rank's process group over a combination of axes, with what the collectives need to know of it,
+    decided once when the group is created: its backend (``"gloo"``, ``"nccl"``, ...), which picks the
+    gloo-only in-place path of :func:`podscale.runtime.comm.all_gather` / ``reduce_scatter``."""
+
+    group: object
+    backend: str
+
+
 def check_shape(sizes: dict[str, int], world_size: int) -> None:
     """Raise MeshError with a one-line fix when the axis sizes do not multiply to ``world_size``."""
     for axis, n in sizes.items():
@@ -65,7 +75,7 @@ class Mesh:
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     stats: CommStats = field(default_factory=CommStats)
     ledger: Ledger = field(default_factory=Ledger, repr=False)
-    _groups: dict[tuple[str, ...], object] = field(default_factory=dict, repr=False)
+    _groups: dict[tuple[str, ...], AxisGroup] = field(default_factory=dict, repr=False)
     rng_tracker: RNGTracker | None = field(default=None, repr=False, compare=False)
 
     @classmethod
@@ -131,6 +141,12 @@ class Mesh:
 
     def group(self, *axes: str):
         """The process group of this rank over ``axes``, or None when those axes span one rank."""
+        record = self.axis_group(*axes)
+        return None if record is None else record.group
+
+    def axis_group(self, *axes: str) -> AxisGroup | None:
+        """The record of this rank's group over ``axes`` (group and backend), or None when those axes span
+        one rank."""
         key = tuple(a for a in AXES if a in axes)
         if self.size(*key) == 1:
             return None
@@ -163,7 +179,7 @@ class Mesh:
             g = dist.new_group(ranks, timeout=timeout)
             if self.rank in ranks:
                 mine = g
-        self._groups[key] = mine
+        self._groups[key] = AxisGroup(mine, dist.get_backend(mine))
 
     def describe(self) -> str:
         return " ".join(f"{a}={self.sizes[a]}" for a in AXES)

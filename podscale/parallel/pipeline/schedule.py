@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -163,6 +164,15 @@ class _Chunks(nn.ModuleList, GatherUnits):
         return [b for c in self for b in c.blocks.values()]
 
 
+@dataclass(frozen=True)
+class ChunkPlacement:
+    """Where one of this rank's model chunks sits in the pipeline: its stage (0 .. pp x virtual stages - 1,
+    in forward order) and the layers of the single-process model (block indices) it holds."""
+
+    stage: int
+    layers: list[int]
+
+
 @dataclass
 class StepStats:
     """Measured on this rank during the last ``forward_backward``."""
@@ -178,12 +188,14 @@ class StepStats:
 
 class PipelineParallel(ShardedCheckpointState, WrapsDataParallel):
     """Pipeline-parallel training strategy: model chunks on this pp rank, a schedule, and a data-parallel
-    strategy over dp for the chunks' parameters (replicated or ZeRO).  Provides ``forward_backward``."""
+    strategy over dp for the chunks' parameters (replicated or ZeRO).  Provides ``forward_backward``.
+    ``placement``: where each chunk sits (:meth:`build` fills it in; reported, not used by the schedule)."""
 
     def __init__(self, chunks: list[GPT], mesh, inner, schedule: str = "1f1b", precision: str = "fp32",
                  activation_shape: tuple[int, ...] | None = None, measure_memory: bool = False,
-                 seq_shards: int = 1, recv_ahead: int = 4):
+                 seq_shards: int = 1, recv_ahead: int = 4, placement: Sequence[ChunkPlacement] = ()):
         self.chunks, self.mesh, self.inner, self.schedule = chunks, mesh, inner, schedule
+        self.placement = list(placement)
         self.module = chunks if isinstance(chunks, _Chunks) else _Chunks(chunks)
         self.p, self.v = mesh.size("pp"), len(chunks)
         self.stage_rank = mesh.local_rank("pp")
@@ -228,21 +240,21 @@ class PipelineParallel(ShardedCheckpointState, WrapsDataParallel):
             costs = (t / mesh.world_size).tolist()
         groups = stage_layers(model, pp * v, p.pipeline_balance, p.pipeline_layers, costs)
         rank = mesh.local_rank("pp")
-        chunks = []
+        chunks, placement = [], []
         for c in range(v):
             k = c * pp + rank
             chunk = split_chunk(model, groups[k], first=k == 0, last=k == pp * v - 1)
             apply_tensor_parallel(chunk, mesh, p.sequence_parallel)
             chunk.materialize(mesh.device)  # a meta-device model: only this chunk's layers get memory
             apply_recompute(chunk, p.recompute, tensor_parallel_rng(mesh, p.sequence_parallel))
-            chunk.pipeline = {"stage": k, "layers": groups[k]}
             chunks.append(chunk)
+            placement.append(ChunkPlacement(k, groups[k]))
         tp = mesh.size("tp")
         T = cfg.model.block_size // tp if p.sequence_parallel else cfg.model.block_size
         module = _Chunks(chunks)
         return cls(module, mesh, make_data_parallel(module, mesh, cfg), p.schedule, cfg.train.precision,
                    (cfg.train.micro_batch, T, cfg.model.n_embd), measure_memory,
-                   tp if p.sequence_parallel else 1)
+                   tp if p.sequence_parallel else 1, placement=placement)
 
     # the strategy interface ---------------------------------------------------------------------------
     def named_parameters(self, remove_duplicate: bool = True):

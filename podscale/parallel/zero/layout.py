@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
+from podscale.parallel.buckets import reverse_order_buckets
 from podscale.parallel.model_protocols import GatherUnits
 
 
@@ -146,15 +147,7 @@ def bucket_units(named: list[tuple[str, nn.Parameter]], cap_bytes: int, dp: int,
         for i, u in enumerate(units):
             u.index = i
         return units
-    groups, cur, size = [], [], 0
-    for name, p in reversed(named):
-        cur.append((name, p))
-        size += p.numel() * 4
-        if size >= cap_bytes:
-            groups.append(cur)
-            cur, size = [], 0
-    if cur:
-        groups.append(cur)
+    groups = reverse_order_buckets(named, cap_bytes, lambda item: item[1].numel() * 4)  # (fp32 master bytes)
     return [Unit(i, [p for _, p in g], [n for n, _ in g], dp, dp_rank, axes=axes) for i, g in enumerate(groups)]
 
 
