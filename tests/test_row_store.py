@@ -169,6 +169,7 @@ def test_memory_store_write_after_read_reuses_the_read_slots():
     keys = torch.tensor([9, 3, 5, 7])
     rows, found = s.get(keys)
     assert found.tolist() == [True, False, True, False]
+    assert rows[:, 0].tolist() == [9.0, 0.0, 5.0, 0.0]  # absent keys read zeros
     s.put(torch.tensor([3]), torch.tensor([[3.0, 3.0]]))            # created after the read
     s.put(keys, keys[:, None].float().repeat(1, 2) + 0.5)            # the update of all four
     rows, found = s.get(torch.tensor([3, 5, 7, 9]))
