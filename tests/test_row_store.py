@@ -159,3 +159,25 @@ def test_a_failed_write_back_is_raised_at_the_next_lookup_and_loses_no_row(tmp_p
     loss.backward()
     with pytest.raises(TableError, match="could not be written to the SSD tier on rank 0"):
         emb(bag([1]))
+
+
+def test_memory_store_write_after_read_reuses_the_read_slots():
+    """A read, new keys created, the same keys written back (a table step), a delete and a reinsert: every
+    row lands on its own key whether or not the slots of the read are reused."""
+    s = MemoryRowStore(2, initial_rows=2)
+    s.put(torch.tensor([5, 9]), torch.tensor([[5.0, 5.0], [9.0, 9.0]]))
+    keys = torch.tensor([9, 3, 5, 7])
+    rows, found = s.get(keys)
+    assert found.tolist() == [True, False, True, False]
+    assert rows[:, 0].tolist() == [9.0, 0.0, 5.0, 0.0]  # absent keys read zeros
+    s.put(torch.tensor([3]), torch.tensor([[3.0, 3.0]]))            # created after the read
+    s.put(keys, keys[:, None].float().repeat(1, 2) + 0.5)            # the update of all four
+    rows, found = s.get(torch.tensor([3, 5, 7, 9]))
+    assert found.all() and rows[:, 0].tolist() == [3.5, 5.5, 7.5, 9.5]
+    keys = torch.tensor([9, 5])
+    s.get(keys)
+    s.delete(torch.tensor([5]))
+    s.put(torch.tensor([11]), torch.tensor([[11.0, 11.0]]))         # takes 5's freed slot
+    s.put(keys, torch.tensor([[1.0, 1.0], [2.0, 2.0]]))              # 5 again: a new slot, not 11's
+    rows, found = s.get(torch.tensor([9, 5, 11]))
+    assert found.all() and rows[:, 0].tolist() == [1.0, 2.0, 11.0]

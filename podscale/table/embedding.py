@@ -497,8 +497,8 @@ class ShardedEmbeddingBags(nn.Module, ShardedTable):
         send_rows = torch.cat(out_chunks) if out_chunks else torch.zeros(0)
         send_floats = [sum(len(s.pos) * s.shard.width for s in segments[d]) for d in range(self.n)]
         got = self._exchange(send_rows, send_floats, recv_floats)
-        # assemble each table's deduplicated rows
-        rows = {t: torch.zeros(len(uniq[t]), self.specs[t].dim) for t in ids}
+        # assemble each table's deduplicated rows (the segments cover every id and column: no zero fill)
+        rows = {t: torch.empty(len(uniq[t]), self.specs[t].dim) for t in ids}
         off = 0
         for d in range(self.n):
             for seg in segments[d]:

@@ -43,6 +43,14 @@ VAL_STEP = 1 << 40  # generated validation batches are drawn from steps no train
 
 
 # -- data ------------------------------------------------------------------------------------------------
+def split_indices(n: int, val_fraction: float, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The samples (of ``n``, in file order) that :meth:`ClickArrays.split` keeps for training and holds
+    out: a seeded permutation, its last ``val_fraction`` (at least one) held out."""
+    perm = torch.from_numpy(np.random.default_rng(seed).permutation(n))
+    n_val = max(1, int(round(n * val_fraction)))
+    return perm[:-n_val], perm[-n_val:]
+
+
 class ClickArrays:
     """A click log in memory: dense ``[N, d]``, per table jagged ids (values + offsets over N samples) and
     labels; :meth:`take` gathers any samples as one batch."""
@@ -70,9 +78,8 @@ class ClickArrays:
 
     def split(self, val_fraction: float, seed: int) -> tuple["ClickArrays", "ClickArrays"]:
         """(train, validation): a seeded shuffle, the last ``val_fraction`` held out."""
-        perm = torch.from_numpy(np.random.default_rng(seed).permutation(len(self)))
-        n_val = max(1, int(round(len(self) * val_fraction)))
-        return self._subset(perm[:-n_val]), self._subset(perm[-n_val:])
+        train, val = split_indices(len(self), val_fraction, seed)
+        return self._subset(train), self._subset(val)
 
     def _subset(self, idx: torch.Tensor) -> "ClickArrays":
         d, s, y = self.take(idx)
