@@ -113,6 +113,11 @@ def run_job(job: dict, mesh: Mesh) -> dict:
             # the same 8 validation sequences on every layout, each data rank its share as one batch
             val = split_tokens(load_tokens(DATA), cfg.data.val_fraction)[1]
             out["eval"] = engine.evaluate(eval_batches(val, cfg.model.block_size, 8, 1, data_rank, data_ranks))
+        if job.get("sample"):
+            # next-token logits of one sequence (sampling): fewer samples than tp ranks, so a tensor-
+            # parallel MoE layer routes the whole sequence on every tp rank
+            val = split_tokens(load_tokens(DATA), cfg.data.val_fraction)[1]
+            out["next"] = engine.strategy.next_logits(val[None, :cfg.model.block_size].long()).double()
         if job.get("stage", 0) <= 1:  # (ZeRO-1's compute parameters are whole on every rank)
             out["params"] = _full(_named(engine, mesh), mesh, lambda p: p.detach())
     finally:

@@ -20,9 +20,11 @@ counts) are identical, reduced gradients at step 0 and parameters after the step
 reported in fp32, 1e-6.  ZeRO computes in fp32: the same routing, losses 1e-6, gradient norms 2e-5
 (its parameters are not compared with the fp64 run: AdamW turns fp32 rounding of near-zero gradients into
 1e-4 relative differences of small biases).
-The pipeline's evaluation loss (every stage's aux losses included) matches one process to 1e-6.
+The pipeline's evaluation loss (every stage's aux losses included) matches one process to 1e-6, and so do
+the sequence-parallel layout's next-token logits of one sequence (sampling: one sample for two tp ranks).
 """
 import pytest
+import torch
 
 import gpt_moe_workers as W
 from podscale.config import ConfigError, parse_config
@@ -37,7 +39,7 @@ JOBS = [
     dict(mode="top2", tp=2, dp=1, ep=2, steps=STEPS, micro_batch=4, eval=True),
     dict(mode="top1", tp=2, dp=1, ep=2, steps=STEPS, micro_batch=4, stage=3),
     dict(mode="top2", pp=2, tp=2, dp=1, ep=1, steps=STEPS, micro_batch=4, eval=True),
-    dict(mode="top1", tp=2, dp=1, ep=2, sp=True, steps=STEPS, micro_batch=4, eval=True),
+    dict(mode="top1", tp=2, dp=1, ep=2, sp=True, steps=STEPS, micro_batch=4, eval=True, sample=True),
     dict(mode="top2", pp=2, dp=1, ep=2, steps=STEPS, micro_batch=2, schedule="interleaved", virtual_stages=2,
          n_layer=4, eval=True),
 ]
@@ -81,7 +83,7 @@ def runs():
 @pytest.fixture(scope="module")
 def single():
     mesh = Mesh.build()
-    return {(m, n): W.run_job(dict(mode=m, dp=1, ep=1, steps=STEPS, eval=True, n_layer=n), mesh)
+    return {(m, n): W.run_job(dict(mode=m, dp=1, ep=1, steps=STEPS, eval=True, sample=True, n_layer=n), mesh)
             for m, n in (("top2", 2), ("dropless", 2), ("top1", 2), ("top2", 4))}
 
 
@@ -104,6 +106,8 @@ def test_moe_layout_matches_one_process(runs, single, i, label):
             assert any(".moe.router." in n for n in ours["grads"]), label
         if job.get("eval"):
             assert ours["eval"] == pytest.approx(ref["eval"], rel=1e-6), label
+        if job.get("sample"):  # one sequence's next-token logits (the sequence-parallel MoE's inference path)
+            torch.testing.assert_close(ours["next"], ref["next"], rtol=1e-6, atol=1e-6, msg=label)
     # routing metrics of every MoE layer on every rank (a pipeline rank holds some of them)
     layers = {f"blocks.{b}/dropped_share" for b in range(job.get("n_layer", 2))}
     assert layers <= set(runs[0][i]["metrics"][-1]), label
