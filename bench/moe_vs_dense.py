@@ -15,7 +15,7 @@ step, learning rate and steps.  Prints both models' parameter counts, FLOPs per 
 formula), the median step time, the final training loss (mean of the last 10 % of steps) and the
 validation loss (``--eval-batches`` batches of held-out text), and the difference.
 
-    python bench/moe_vs_dense.py                       # the full setting (about 12 minutes on 2 idle cores)
+    python bench/moe_vs_dense.py          # the full setting (estimated 12-15 minutes on 2 idle cores)
     python bench/moe_vs_dense.py --steps 40 --n-embd 64 --block-size 64   # a smoke run
 """
 from __future__ import annotations
@@ -102,8 +102,9 @@ def main() -> None:
               f"{r['val_loss']:.4f}  ({r['seconds']:.0f} s){drop}")
     print(f"GPT-MoE ({args.experts} experts, top-{args.top_k}, capacity {args.capacity_factor}, every "
           f"{args.moe_every} blocks) vs dense at {sparse['flops_per_token'] / dense['flops_per_token']:.3f}x the "
-          f"FLOPs per token, {args.steps} steps: validation loss {sparse['val_loss']:.4f} vs {dense['val_loss']:.4f} "
-          f"(difference {sparse['val_loss'] - dense['val_loss']:+.4f}); step time {sparse['step_ms'] / dense['step_ms']:.2f}x")
+          f"FLOPs per token, {args.steps} steps: validation loss {sparse['val_loss']:.4f} vs "
+          f"{dense['val_loss']:.4f} (difference {sparse['val_loss'] - dense['val_loss']:+.4f}); step time "
+          f"{sparse['step_ms'] / dense['step_ms']:.2f}x")
     print(json.dumps({"dense": dense, "moe": sparse, "args": vars(args)}))
 
 
