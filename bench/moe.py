@@ -12,6 +12,7 @@ design: DeepSpeed's top-1 without random token selection keeps an arbitrary C of
 top-2 renormalises the gate values after dropping where GShard normalises before).
 
     python bench/moe.py [--quick] [--d-model 128] [--d-hidden 512] [--capacity-factor 1.25] [--rounds 5]
+                        [--row-tile N]   # podscale's expert row tile (an ablation; default: the library's)
 """
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from podscale.parallel.moe import MoELayer
+from podscale.parallel.moe import layer as moe_layer
 from podscale.runtime.launcher import launch
 from podscale.runtime.mesh import Mesh
 from podscale.runtime.process import init_process
@@ -92,6 +94,8 @@ def _worker(args) -> list[dict]:
     deepspeed.init_distributed(dist_backend=dist.get_backend())
     mesh = Mesh.build(info.device, ep=info.world_size)
     dev = info.device
+    if args.row_tile:
+        moe_layer.ROW_TILE = args.row_tile
     rows = []
     for E, S, k in itertools.product(args.experts, args.tokens, args.top_k):
         torch.manual_seed(1)
@@ -161,6 +165,9 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--experts", type=int, nargs="+", default=[4, 8, 16, 32, 64])
     ap.add_argument("--tokens", type=int, nargs="+", default=[1024, 2048, 4096, 8192])
     ap.add_argument("--top-k", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--row-tile", type=int, default=None,
+                    help="rows per tile of podscale's expert feed-forward (default: the library's ROW_TILE; "
+                         "a huge value gives one matmul per expert segment, the layout before tiling)")
     ap.add_argument("--json", help="write the rows here")
     args = ap.parse_args(argv)
     if args.quick:

@@ -2,20 +2,27 @@
 same data: the validation losses of both (GShard, Lepikhin et al. 2020, and Switch, Fedus et al. 2021,
 section 3: at equal compute per token, the sparse model reaches a lower loss).
 
-The dense GPT has an MLP of hidden size ``4 h`` in every block; the GPT-MoE replaces every
-``moe_every``-th MLP by ``--experts`` experts of hidden size ``4 h / top_k`` with top-k routing, so a token
-passes through the same number of expert-MLP weights (plus the router's ``h x E``) and the FLOPs per token
-match up to the router.  Both run through podscale's trunk (task, engine, AdamW, cosine schedule) in one
-process, on the byte-level corpus (``--data``: a text file; default the Python standard library's source,
-the embedded corpus), with the same seed, batch and learning rate.  Prints both models' parameter counts,
-FLOPs per token (the tasks' own formula), final training and validation losses and the difference.
+The default is Switch's setup scaled down (Fedus et al. 2021, sections 2-3): every other feed-forward
+layer (``--moe-every 2``) becomes a Switch layer of ``--experts 8`` experts, each as wide as the dense MLP
+(``4 h``), top-1 routing, capacity factor 1.25 in training (2.0 in evaluation), load-balancing loss
+coefficient 0.01; a token then passes through exactly one MLP's weights, so the FLOPs per token match the
+dense model's up to the router's ``h x E``.  With ``--top-k 2`` the experts are ``4 h / 2`` wide (GShard's
+top-2 at equal FLOPs).  Both models run through podscale's trunk (task, engine, AdamW, cosine schedule) in
+one process, on the byte-level corpus (``--data``: a text file; default the Python standard library's
+source, the embedded corpus), with the same seed — hence the same initial attention/embedding weights and
+the same sequence of training batches (the loader's order is a function of the seed) — the same tokens per
+step, learning rate and steps.  Prints both models' parameter counts, FLOPs per token (the tasks' own
+formula), the median step time, the final training loss (mean of the last 10 % of steps) and the
+validation loss (``--eval-batches`` batches of held-out text), and the difference.
 
-    python bench/moe_vs_dense.py [--steps 300] [--experts 8] [--top-k 2] [--n-layer 4] [--n-embd 128]
+    python bench/moe_vs_dense.py          # the full setting (estimated 12-15 minutes on 2 idle cores)
+    python bench/moe_vs_dense.py --steps 40 --n-embd 64 --block-size 64   # a smoke run
 """
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
 
 import torch
@@ -42,24 +49,30 @@ def train(model_section: dict, args) -> dict:
     engine = podscale.parallelize(model, mesh, cfg, task)
     loader, val = task.train_data(0, 1), task.eval_data(0, 1)
     t0 = time.perf_counter()
-    losses = []
+    losses, step_s = [], []
     with engine:
         for _ in range(args.steps):
+            t = time.perf_counter()
             losses.append(engine.step(loader.next_step()).loss)
-            task.step_metrics(engine.model, mesh)
+            metrics = task.step_metrics(engine.model, mesh)
+            step_s.append(time.perf_counter() - t)
         seconds = time.perf_counter() - t0
         val_loss = task.evaluate(engine, val)["loss"]
     tail = losses[-max(1, args.steps // 10):]
+    dropped = [v for k, v in metrics.items() if k.endswith("/dropped_share")]
     return {"kind": model_section["kind"], "params": sum(p.numel() for p in engine.model.parameters()),
             "flops_per_token": task.flops_per_sample() / task.units_per_sample(),
-            "train_loss": sum(tail) / len(tail), "val_loss": val_loss, "seconds": seconds}
+            "train_loss": sum(tail) / len(tail), "val_loss": val_loss, "seconds": seconds,
+            "step_ms": 1e3 * statistics.median(step_s),
+            "last_dropped_share": sum(dropped) / len(dropped) if dropped else None}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--steps", type=int, default=1000)
     ap.add_argument("--experts", type=int, default=8)
-    ap.add_argument("--top-k", type=int, default=2)
+    ap.add_argument("--top-k", type=int, default=1)
+    ap.add_argument("--capacity-factor", type=float, default=1.25)
     ap.add_argument("--moe-every", type=int, default=2)
     ap.add_argument("--n-layer", type=int, default=4)
     ap.add_argument("--n-head", type=int, default=4)
@@ -67,7 +80,7 @@ def main() -> None:
     ap.add_argument("--block-size", type=int, default=128)
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--lr", type=float, default=2e-3)
-    ap.add_argument("--eval-batches", type=int, default=8)
+    ap.add_argument("--eval-batches", type=int, default=32)
     ap.add_argument("--seed", type=int, default=1337)
     ap.add_argument("--data", default=None, help="a text file (default: the Python standard library's source)")
     args = ap.parse_args()
@@ -76,16 +89,22 @@ def main() -> None:
     if (4 * args.n_embd) % args.top_k:
         raise SystemExit(f"--top-k {args.top_k} must divide 4 * n_embd = {4 * args.n_embd}")
     moe = dict(gpt, kind="gpt-moe", experts=args.experts, top_k=args.top_k, moe_every=args.moe_every,
-               expert_hidden=4 * args.n_embd // args.top_k, random_routing=args.top_k == 2)
+               expert_hidden=4 * args.n_embd // args.top_k, random_routing=args.top_k == 2,
+               capacity_factor=args.capacity_factor, aux_loss_coef=0.01)
     dense = train(dict(gpt, kind="gpt"), args)
     sparse = train(moe, args)
+    print(f"{args.steps} steps of {args.batch} x {args.block_size} = {args.batch * args.block_size} tokens, "
+          f"the same batches for both")
     for r in (dense, sparse):
+        drop = "" if r["last_dropped_share"] is None else f"  dropped {r['last_dropped_share']:.1%} (last step)"
         print(f"{r['kind']:8s} params {r['params'] / 1e6:6.2f}M  FLOPs/token {r['flops_per_token'] / 1e6:7.2f}M  "
-              f"train loss {r['train_loss']:.4f}  val loss {r['val_loss']:.4f}  ({r['seconds']:.0f} s)")
-    print(f"GPT-MoE ({args.experts} experts, top-{args.top_k}, every {args.moe_every} blocks) vs dense at "
-          f"{sparse['flops_per_token'] / dense['flops_per_token']:.3f}x the FLOPs per token, {args.steps} steps: "
-          f"validation loss {sparse['val_loss']:.4f} vs {dense['val_loss']:.4f} "
-          f"(difference {sparse['val_loss'] - dense['val_loss']:+.4f})")
+              f"step {r['step_ms']:6.1f} ms (median)  train loss {r['train_loss']:.4f}  val loss "
+              f"{r['val_loss']:.4f}  ({r['seconds']:.0f} s){drop}")
+    print(f"GPT-MoE ({args.experts} experts, top-{args.top_k}, capacity {args.capacity_factor}, every "
+          f"{args.moe_every} blocks) vs dense at {sparse['flops_per_token'] / dense['flops_per_token']:.3f}x the "
+          f"FLOPs per token, {args.steps} steps: validation loss {sparse['val_loss']:.4f} vs "
+          f"{dense['val_loss']:.4f} (difference {sparse['val_loss'] - dense['val_loss']:+.4f}); step time "
+          f"{sparse['step_ms'] / dense['step_ms']:.2f}x")
     print(json.dumps({"dense": dense, "moe": sparse, "args": vars(args)}))
 
 

@@ -174,23 +174,15 @@ class GPTMoEModelSection(GPTModelSection):
         return GPTMoETask
 
     def check_layout(self, cfg: "Config") -> None:
-        """Experts divide over ep; the layouts the GPT-MoE runs under (pipelines: GPipe and 1F1B; tensor
-        parallelism without sequence parallelism, its MoE layers splitting the samples over tp; not both)."""
+        """Experts divide over ep; the layouts the GPT-MoE runs under (every pipeline schedule; tensor and
+        sequence parallelism, alone or inside pipeline stages, its MoE layers splitting the samples over tp,
+        so a micro-batch's samples must divide over tp; pipeline stages balanced by parameters or by list)."""
         from podscale.tasks.base import check_task_layout
         p = cfg.parallel
-        if p.tp > 1 and p.pp > 1:
-            raise ConfigError(f"parallel.tp={p.tp} with parallel.pp={p.pp}: tensor and pipeline parallelism "
-                              "together are not built for model.kind='gpt-moe': set parallel.tp = 1 or parallel.pp = 1")
-        if p.sequence_parallel:
-            raise ConfigError("parallel.sequence_parallel=true is not built for model.kind='gpt-moe' (its "
-                              "routing groups are whole sequences): set parallel.sequence_parallel = false")
         if p.tp > 1 and cfg.train.micro_batch % p.tp:
             raise ConfigError(f"train.micro_batch={cfg.train.micro_batch} is not divisible by parallel.tp={p.tp}: "
                               "the MoE layers split each micro-batch's sequences over tp; make train.micro_batch "
                               f"a multiple of {p.tp}")
-        if p.pp > 1 and p.schedule == "interleaved":
-            raise ConfigError("parallel.schedule='interleaved' is not built for model.kind='gpt-moe': use "
-                              "parallel.schedule = '1f1b' or 'gpipe'")
         if p.pp > 1 and p.pipeline_layers is None and p.pipeline_balance == "time":
             raise ConfigError("parallel.pipeline_balance='time' is not built for model.kind='gpt-moe' (timing an "
                               "MoE block alone would skip its ep exchange): use pipeline_balance = 'params' "

@@ -44,21 +44,23 @@ class GPTMoETask64(GPTMoETask):
     """The GPT-MoE task with the model built on the CPU in fp64 (each rank its own experts)."""
 
     def build_model_on(self, mesh) -> nn.Module:
-        model = GPTMoE(self.gpt, mesh).double()
+        model = GPTMoE(self.gpt, mesh, self.cfg.parallel.sequence_parallel).double()
         model.loss_fn = CrossEntropy64()
         return model
 
 
 def config(mode: str, dp: int, ep: int, stage: int = 0, steps: int = 20, pp: int = 1, tp: int = 1,
-           micro_batch: int | None = None, schedule: str = "1f1b", optimizer: str = "adamw"):
+           micro_batch: int | None = None, schedule: str = "1f1b", optimizer: str = "adamw",
+           sequence_parallel: bool = False, virtual_stages: int = 1, n_layer: int = 2):
     """The test model on a (pp, dp, ep, tp) layout; ``micro_batch`` default: one micro-batch per step."""
     return parse_config({
         "run": {"name": "moe", "steps": steps, "seed": 7},
-        "model": {"kind": "gpt-moe", "n_layer": 2, "n_head": 2, "n_embd": 32, "block_size": 32, "experts": 8,
+        "model": {"kind": "gpt-moe", "n_layer": n_layer, "n_head": 2, "n_embd": 32, "block_size": 32, "experts": 8,
                   "moe_every": 1, "expert_hidden": 48, "aux_loss_coef": 0.01, "z_loss_coef": 0.001,
                   **MODES[mode]},
         "data": {"path": DATA},
-        "parallel": {"nproc": pp * dp * ep * tp, "dp": dp, "ep": ep, "pp": pp, "tp": tp, "schedule": schedule},
+        "parallel": {"nproc": pp * dp * ep * tp, "dp": dp, "ep": ep, "pp": pp, "tp": tp, "schedule": schedule,
+                     "sequence_parallel": sequence_parallel, "virtual_stages": virtual_stages},
         # (decay_steps fixed: a run resumed with fewer steps keeps the same learning-rate schedule)
         "train": {"global_batch": 8, "micro_batch": micro_batch or 8 // (dp * ep), "lr": 3e-3, "warmup_steps": 2,
                   "decay_steps": 20, "grad_clip": 1.0},
@@ -70,7 +72,8 @@ def run_job(job: dict, mesh: Mesh) -> dict:
     """One layout: ``job`` = mode, dp, ep, stage, steps; optionally ``load`` (a checkpoint folder to start
     from) and ``save_at`` (a step after which to save under ``save_root``)."""
     cfg = config(job["mode"], job["dp"], job["ep"], job.get("stage", 0), job["steps"], job.get("pp", 1),
-                 job.get("tp", 1), job.get("micro_batch"), job.get("schedule", "1f1b"), job.get("optimizer", "adamw"))
+                 job.get("tp", 1), job.get("micro_batch"), job.get("schedule", "1f1b"), job.get("optimizer", "adamw"),
+                 job.get("sp", False), job.get("virtual_stages", 1), job.get("n_layer", 2))
     task = GPTMoETask64(cfg)
     torch.manual_seed(cfg.run.seed)
     model = task.build_model_on(mesh)
@@ -110,6 +113,11 @@ def run_job(job: dict, mesh: Mesh) -> dict:
             # the same 8 validation sequences on every layout, each data rank its share as one batch
             val = split_tokens(load_tokens(DATA), cfg.data.val_fraction)[1]
             out["eval"] = engine.evaluate(eval_batches(val, cfg.model.block_size, 8, 1, data_rank, data_ranks))
+        if job.get("sample"):
+            # next-token logits of one sequence (sampling): fewer samples than tp ranks, so a tensor-
+            # parallel MoE layer routes the whole sequence on every tp rank
+            val = split_tokens(load_tokens(DATA), cfg.data.val_fraction)[1]
+            out["next"] = engine.strategy.next_logits(val[None, :cfg.model.block_size].long()).double()
         if job.get("stage", 0) <= 1:  # (ZeRO-1's compute parameters are whole on every rank)
             out["params"] = _full(_named(engine, mesh), mesh, lambda p: p.detach())
     finally:

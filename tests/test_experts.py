@@ -14,6 +14,7 @@ import torch
 
 import moe_workers as W
 from podscale.models.gpt_moe import GPTMoE, GPTMoEConfig
+from podscale.parallel.moe import layer as moe_layer
 from podscale.parallel.moe import MoELayer, expert_capacity, route, routing_uniform, sequence_token_keys
 from podscale.parallel.param_tags import tags
 from podscale.runtime.launcher import launch
@@ -28,10 +29,15 @@ def _grads(layer, x, keys=None, reference=False):
     return y.detach(), x.grad, {n: p.grad.clone() for n, p in layer.named_parameters()}, out
 
 
+@pytest.mark.parametrize("row_tile", [None, 5])
 @pytest.mark.parametrize("top_k,dropless,random_routing,training", [
     (1, False, False, True), (2, False, True, True), (2, False, False, False), (2, True, False, True),
     (1, True, False, True), (3, False, False, True)])
-def test_fast_path_equals_einsum_reference(top_k, dropless, random_routing, training):
+def test_fast_path_equals_einsum_reference(top_k, dropless, random_routing, training, row_tile, monkeypatch):
+    """``row_tile``: the grouped feed-forward's row tile (None: the default, larger than every segment here;
+    5: every segment split into several tiles, the last partial)."""
+    if row_tile is not None:
+        monkeypatch.setattr(moe_layer, "ROW_TILE", row_tile)
     torch.manual_seed(0)
     layer = MoELayer(16, 24, 6, top_k=top_k, capacity_factor=0.8, eval_capacity_factor=1.1, dropless=dropless,
                      random_routing=random_routing, z_loss_coef=0.01).double().train(training)

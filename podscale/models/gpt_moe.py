@@ -52,7 +52,7 @@ class GPTMoEConfig(GPTConfig):
 class MoEBlock(nn.Module):
     """``x + attn(ln(x))`` then ``x + moe(ln(x))``; the MoE's extra loss and statistics are returned."""
 
-    def __init__(self, cfg: GPTMoEConfig, layer: int, mesh=None):
+    def __init__(self, cfg: GPTMoEConfig, layer: int, mesh=None, sequence_parallel: bool = False):
         super().__init__()
         self.ln_1 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
         self.attn = CausalSelfAttention(cfg)
@@ -60,7 +60,8 @@ class MoEBlock(nn.Module):
         self.moe = MoELayer(cfg.n_embd, cfg.hidden, cfg.experts, cfg.top_k, cfg.capacity_factor,
                             cfg.eval_capacity_factor, cfg.dropless, cfg.random_routing, cfg.aux_loss_coef,
                             cfg.z_loss_coef, cfg.bias_balancing, cfg.bias_update_rate, mesh=mesh,
-                            seed=zlib.crc32(f"moe{layer}".encode()), bias=cfg.bias)
+                            seed=zlib.crc32(f"moe{layer}".encode()), bias=cfg.bias,
+                            sequence_parallel=sequence_parallel)
 
     def forward(self, x: torch.Tensor, keys: torch.Tensor | None):
         x = x + self.attn(self.ln_1(x))
@@ -97,9 +98,12 @@ class MoEMetrics:
 
 
 class GPTMoE(GPT):
-    """The GPT with MoE blocks; ``mesh`` (optional) gives the ep axis its experts are sharded over."""
+    """The GPT with MoE blocks; ``mesh`` (optional) gives the ep axis its experts are sharded over and the
+    tp axis its MoE layers split their samples over; ``sequence_parallel``: the model will be sharded with
+    sequence parallelism (:func:`~podscale.parallel.tensor.apply_tensor_parallel`), so its MoE layers
+    receive sequence shards (see :meth:`podscale.parallel.moe.MoELayer.forward`)."""
 
-    def __init__(self, cfg: GPTMoEConfig, mesh=None):
+    def __init__(self, cfg: GPTMoEConfig, mesh=None, sequence_parallel: bool = False):
         ep = mesh.sizes["ep"] if mesh is not None else 1
         check_moe_args(cfg.experts, cfg.top_k, cfg.capacity_factor, cfg.eval_capacity_factor, ep)
         if cfg.moe_every < 1:
@@ -107,7 +111,7 @@ class GPTMoE(GPT):
         super().__init__(cfg)
         for i in range(cfg.n_layer):
             if cfg.is_moe(i):
-                self.blocks[str(i)] = MoEBlock(cfg, i, mesh)
+                self.blocks[str(i)] = MoEBlock(cfg, i, mesh, sequence_parallel)
         self.moe_metrics = MoEMetrics()
         moe_blocks = tuple(f"blocks.{i}." for i in range(cfg.n_layer) if cfg.is_moe(i))
         with torch.no_grad():

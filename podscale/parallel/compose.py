@@ -11,8 +11,8 @@ embedding across first and last stage, the true global gradient norm, the pipeli
 (:mod:`podscale.train.compile`).
 
 Every ZeRO stage composes with every (pp, tp, sp) layout.  With expert parallelism the pipeline and the
-tensor-parallel wrapper get the same expert/dense split of the data-parallel strategy (a GPT-MoE: pp or tp,
-each with ep, not both).  ZeRO sums the sequence-parallel gradients over
+tensor-parallel wrapper get the same expert/dense split of the data-parallel strategy (a GPT-MoE: pp, tp
+and sp in any combination, each with ep).  ZeRO sums the sequence-parallel gradients over
 tp itself, unit by unit before each reduce-scatter; under a pipeline it accumulates the micro-batches'
 gradients locally and reduce-scatters once per step from each chunk's last backward, the tied embedding's
 unit after the first and last stage have added their copies (see :mod:`podscale.parallel.zero.strategy`).

@@ -461,9 +461,14 @@ def apply_tensor_parallel(model: nn.Module, mesh, sequence_parallel: bool = Fals
             a.proj = RowParallelLinear(shard(full(pre + "attn.proj.weight", a.proj.weight), "cols", mesh),
                                        None if proj_bias is None else proj_bias.clone(), mesh, sp)
             _layout(a.proj, "cols")
+            if sp:
+                for ln in (block.ln_1, block.ln_2):
+                    for p in ln.parameters():
+                        tag(p, sequence_parallel=True)
             if not isinstance(block, Block):
-                # a mixture-of-experts block: its layer, built with the mesh, splits its tokens over tp
-                # itself (podscale.parallel.moe.layer); its router and experts stay whole on every tp rank
+                # a mixture-of-experts block: its layer, built with the mesh (and told of sequence
+                # parallelism), splits its tokens over tp itself (podscale.parallel.moe.layer); its router
+                # and experts stay whole on every tp rank
                 continue
             m = block.mlp
             fc_bias = full(pre + "mlp.fc.bias", m.fc.bias)
@@ -474,10 +479,6 @@ def apply_tensor_parallel(model: nn.Module, mesh, sequence_parallel: bool = Fals
             m.proj = RowParallelLinear(shard(full(pre + "mlp.proj.weight", m.proj.weight), "cols", mesh),
                                        None if proj_bias is None else proj_bias.clone(), mesh, sp)
             _layout(m.proj, "cols")
-            if sp:
-                for ln in (block.ln_1, block.ln_2):
-                    for p in ln.parameters():
-                        tag(p, sequence_parallel=True)
         vocab = cfg.vocab_size
         vp = padded_vocab(vocab, n)
         start = r * (vp // n)
@@ -505,8 +506,9 @@ def apply_tensor_parallel(model: nn.Module, mesh, sequence_parallel: bool = Fals
         tracker = rng_tracker(mesh)
         for block in model.blocks.values():
             block.attn.heads_rng = tracker.fork
-            if sp and isinstance(block, Block):
+            if sp:
                 block.attn.resid_drop = ForkedDropout(block.attn.resid_drop.p, tracker)
+            if sp and isinstance(block, Block):
                 block.mlp.drop = ForkedDropout(block.mlp.drop.p, tracker)
         if sp and model.drop is not None:
             model.drop = ForkedDropout(model.drop.p, tracker)

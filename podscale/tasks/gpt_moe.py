@@ -14,14 +14,16 @@ It is the GPT task (same corpus, loader, evaluation, sampling, throughput unit) 
 * :meth:`GPTMoETask.step_metrics` reports per step and MoE layer the dropped share of the choices, the
   per-expert load (min, max, entropy over log E) and the mean aux and z losses, summed over the data ranks.
 
-Pipelines (``pp``, GPipe and 1F1B): the GPT-MoE is cut into stages as the GPT is (each stage a
-:class:`GPTMoE` holding some blocks); a stage's MoE losses join the backward there (see
-:meth:`podscale.parallel.pipeline.schedule.PipelineParallel.forward_backward`) and the ep all-to-alls run
-inside each stage: the ep peers of a stage share its pp coordinate, hence its schedule, so they run the same
-micro-batches' forwards and backwards in the same order.  Tensor parallelism (``tp``, without sequence
-parallelism) shards the attention and the dense MLPs; an MoE layer splits its samples over tp (see
-:meth:`podscale.parallel.moe.MoELayer.forward`).  tp and pp together, sequence parallelism and interleaved
-pipelines are refused by the config. ``train.compile`` is refused too.
+Pipelines (``pp``: GPipe, 1F1B and interleaved 1F1B): the GPT-MoE is cut into stages as the GPT is (each
+stage, or virtual stage, a :class:`GPTMoE` holding some blocks); a stage's MoE losses join the backward
+there (see :meth:`podscale.parallel.pipeline.schedule.PipelineParallel.forward_backward`) and the ep and tp
+collectives run inside each chunk: the ep and tp peers of a stage share its pp coordinate, hence its
+schedule, so they run the same micro-batches' forwards and backwards on the same chunks in the same order.
+Tensor parallelism (``tp``, alone or inside each pipeline stage) shards the attention and the dense MLPs;
+an MoE layer splits its samples over tp, and under sequence parallelism first turns the sequence shards it
+receives into whole sequences of its share of the samples (see
+:meth:`podscale.parallel.moe.MoELayer.forward`), so routing is the one-process routing in every layout.
+``train.compile`` is refused.
 """
 from __future__ import annotations
 
@@ -73,9 +75,10 @@ class GPTMoETask(GPTTask):
             return GPTMoE(self.gpt)
 
     def build_model_on(self, mesh) -> nn.Module:
-        """This rank's model: the dense part and the experts of its ep coordinate (meta device)."""
+        """This rank's model: the dense part and the experts of its ep coordinate (meta device); its MoE
+        layers told whether tensor parallelism will hand them sequence shards."""
         with torch.device("meta"):
-            return GPTMoE(self.gpt, mesh)
+            return GPTMoE(self.gpt, mesh, self.cfg.parallel.sequence_parallel)
 
     def model_config(self) -> dict:
         return asdict(self.gpt)

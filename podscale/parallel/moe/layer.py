@@ -139,12 +139,28 @@ class Experts(nn.ModuleDict):
         return y
 
 
+#: rows of an expert's segment processed together: the tile's pre-activation and activation (rows x hidden
+#: floats each, 512 KiB at 256 x 512) stay in the L2 cache between the first matmul, the GELU and the second
+#: matmul (and in the backward between the two matmuls and the GELU's derivative), so the element-wise
+#: passes, which otherwise cost as much as a matmul on a CPU, do not go out to memory
+ROW_TILE = 256
+
+
+def _tiles(bounds):
+    """(local expert, first row, end row) of every tile of every non-empty segment, in row order."""
+    for j, a, b in bounds:
+        for t in range(a, b, ROW_TILE):
+            yield j, t, min(b, t + ROW_TILE)
+
+
 class _GroupedFFN(torch.autograd.Function):
     """Every expert's ``gelu(x w_fc + b_fc) w_proj + b_proj`` on its rows of one buffer, with the
-    backward written out: per segment one pass that runs both matmuls and the GELU while its rows are in
-    cache, each expert's weight gradients accumulated straight into its own tensors (no per-expert autograd
-    nodes, no concatenation).  Saves the input, the pre-activation and the activation (what autograd keeps
-    for two linears and a GELU)."""
+    backward written out: each segment in tiles of :data:`ROW_TILE` rows, one pass per tile that runs both
+    matmuls and the GELU while the tile's rows are in cache, each expert's weight gradients accumulated
+    straight into its own tensors (no per-expert autograd nodes, no concatenation).  Saves the input, the
+    pre-activation and the activation (what autograd keeps for two linears and a GELU).  Tiling the rows
+    (rather than one matmul per expert over all its rows, as DeepSpeed's and Megatron's looped experts do)
+    keeps the same FLOPs but takes the GELU's and its derivative's memory traffic off the critical path."""
 
     @staticmethod
     def forward(ctx, x, segments, El, bias, *weights):
@@ -157,9 +173,7 @@ class _GroupedFFN(torch.autograd.Function):
         for j, n in segments:
             bounds.append((j, start, start + n))
             start += n
-        for j, a, b in bounds:
-            if b == a:
-                continue
+        for j, a, b in _tiles(bounds):
             if bias:
                 torch.addmm(b_fc[j].to(dt), x[a:b], w_fc[j].to(dt), out=h[a:b])
             else:
@@ -180,29 +194,27 @@ class _GroupedFFN(torch.autograd.Function):
         w_fc, w_proj = ws[:El], ws[El:]
         dt = x.dtype
         grad = grad.contiguous()
-        g_w_fc, g_w_proj = [None] * El, [None] * El
-        g_b_fc, g_b_proj = [None] * El, [None] * El
+        H = h.shape[1]
+        g_w_fc = [torch.zeros_like(w, dtype=dt) for w in w_fc]
+        g_w_proj = [torch.zeros_like(w, dtype=dt) for w in w_proj]
+        g_b_fc = [x.new_zeros(H) for _ in range(El)]
+        g_b_proj = [x.new_zeros(grad.shape[1]) for _ in range(El)]
         g_x = torch.empty_like(x)
-        for j, a, b in ctx.bounds:
-            if b == a:
-                continue
+        # one tile's gradient of the activation and of the pre-activation, reused (they stay in cache)
+        g_act_buf = x.new_empty(min(ROW_TILE, x.shape[0]), H)
+        gh_buf = torch.empty_like(g_act_buf)
+        for j, a, b in _tiles(ctx.bounds):
+            n = b - a
             g = grad[a:b]
-            g_act = g @ w_proj[j].to(dt).t()
-            gh = torch.ops.aten.gelu_backward(g_act, h[a:b], approximate="tanh")
+            g_act, gh = g_act_buf[:n], gh_buf[:n]
+            torch.mm(g, w_proj[j].to(dt).t(), out=g_act)
+            torch.ops.aten.gelu_backward.grad_input(g_act, h[a:b], approximate="tanh", grad_input=gh)
             torch.mm(gh, w_fc[j].to(dt).t(), out=g_x[a:b])
-            if g_w_proj[j] is None:
-                g_w_proj[j], g_w_fc[j] = act[a:b].t() @ g, x[a:b].t() @ gh
-                g_b_proj[j], g_b_fc[j] = g.sum(0), gh.sum(0)
-            else:
-                g_w_proj[j].addmm_(act[a:b].t(), g)
-                g_w_fc[j].addmm_(x[a:b].t(), gh)
-                g_b_proj[j].add_(g.sum(0))
-                g_b_fc[j].add_(gh.sum(0))
-        for j in range(El):  # an expert without rows: zero gradients, so every parameter gets one
-            if g_w_fc[j] is None:
-                g_w_fc[j], g_w_proj[j] = torch.zeros_like(w_fc[j]), torch.zeros_like(w_proj[j])
-                g_b_fc[j] = w_fc[j].new_zeros(w_fc[j].shape[1])
-                g_b_proj[j] = w_proj[j].new_zeros(w_proj[j].shape[1])
+            g_w_proj[j].addmm_(act[a:b].t(), g)
+            g_w_fc[j].addmm_(x[a:b].t(), gh)
+            g_b_proj[j].add_(g.sum(0))
+            g_b_fc[j].add_(gh.sum(0))
+        # an expert without rows keeps its zero gradients, so every parameter gets one
         grads = [g.to(w.dtype) for g, w in zip(g_w_fc + g_w_proj, w_fc + w_proj)]
         if ctx.bias:
             grads += [g.to(w.dtype) for g, w in zip(g_b_fc, w_fc)] + [g.to(w.dtype) for g, w in zip(g_b_proj, w_proj)]
@@ -274,6 +286,53 @@ class _AllToAll(torch.autograd.Function):
         return gx, None, None, None
 
 
+def _tp_all_to_all(x: torch.Tensor, mesh, split_dim: int, cat_dim: int) -> torch.Tensor:
+    """``x`` cut into tp equal pieces along ``split_dim``, piece ``j`` sent to tp rank ``j``; the pieces
+    received, in rank order, concatenated along ``cat_dim`` (one equal-split all-to-all over tp)."""
+    n = mesh.size("tp")
+    send = torch.stack(x.chunk(n, dim=split_dim)).contiguous()
+    got = torch.empty_like(send)
+    comm.all_to_all(got.view(-1), send.view(-1), mesh, "tp")
+    return torch.cat(list(got.unbind(0)), dim=cat_dim)
+
+
+class _SequenceToSamples(torch.autograd.Function):
+    """(B, T/tp, ...) sequence shards -> (B/tp, T, ...) whole sequences of this rank's samples (an
+    all-to-all over tp); backward: the inverse all-to-all.  Both directions move each element once, so
+    nothing is summed: the gradient of every position reaches the one rank that holds it."""
+
+    @staticmethod
+    def forward(ctx, x, mesh):
+        ctx.mesh = mesh
+        return _tp_all_to_all(x, mesh, split_dim=0, cat_dim=1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _tp_all_to_all(grad, ctx.mesh, split_dim=1, cat_dim=0), None
+
+
+class _SamplesToSequence(torch.autograd.Function):
+    """The inverse of :class:`_SequenceToSamples`: (B/tp, T, ...) -> (B, T/tp, ...)."""
+
+    @staticmethod
+    def forward(ctx, x, mesh):
+        ctx.mesh = mesh
+        return _tp_all_to_all(x, mesh, split_dim=1, cat_dim=0)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _tp_all_to_all(grad, ctx.mesh, split_dim=0, cat_dim=1), None
+
+
+@torch.no_grad()
+def _gather_positions(x: torch.Tensor, mesh) -> torch.Tensor:
+    """(B, T/tp, ...) -> (B, T, ...) on every tp rank (inference only: an all-gather, no backward)."""
+    n = mesh.size("tp")
+    parts = torch.empty((n,) + tuple(x.shape), dtype=x.dtype, device=x.device)
+    comm.all_gather(parts.view(-1), x.contiguous().view(-1), mesh, "tp")
+    return torch.cat(list(parts.unbind(0)), dim=1)
+
+
 def _segments(starts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     """Concatenated ``arange(start, start + length)`` for each pair (no Python loop)."""
     total = int(lengths.sum())
@@ -308,18 +367,22 @@ class MoELayer(nn.Module):
     second choice (k = 2, training only; needs the tokens' ``keys``); ``aux_loss_coef`` and
     ``z_loss_coef`` weight the load-balancing loss and the z-loss in :attr:`MoEOutput.loss`;
     ``bias_balancing``: DeepSeek-V3's auxiliary-loss-free selection bias (update it with
-    :meth:`update_balance_bias`); ``seed`` salts the random-routing draws (give each layer its own).
+    :meth:`update_balance_bias`); ``seed`` salts the random-routing draws (give each layer its own);
+    ``sequence_parallel``: under tp > 1 the layer's input and output hold this rank's ``1/tp`` of the
+    positions (Korthikanti et al. 2022), see :meth:`forward`.
     """
 
     def __init__(self, d_model: int, d_hidden: int, experts: int, top_k: int = 2, capacity_factor: float = 1.25,
                  eval_capacity_factor: float = 2.0, dropless: bool = False, random_routing: bool = False,
                  aux_loss_coef: float = 1e-2, z_loss_coef: float = 1e-3, bias_balancing: bool = False,
-                 bias_update_rate: float = 1e-3, mesh=None, seed: int = 0, bias: bool = True):
+                 bias_update_rate: float = 1e-3, mesh=None, seed: int = 0, bias: bool = True,
+                 sequence_parallel: bool = False):
         super().__init__()
         ep = mesh.sizes["ep"] if mesh is not None else 1
         check_moe_args(experts, top_k, capacity_factor, eval_capacity_factor, ep)
         self.mesh, self.ep = mesh, ep
         self.tp = mesh.sizes["tp"] if mesh is not None else 1
+        self.sequence_parallel = sequence_parallel and self.tp > 1
         self.num_experts, self.top_k = experts, top_k
         self.capacity_factor, self.eval_capacity_factor, self.dropless = capacity_factor, eval_capacity_factor, dropless
         self.random_routing, self.seed = random_routing, seed
@@ -364,14 +427,21 @@ class MoELayer(nn.Module):
         """``x`` (..., S, d): groups of S tokens.  Returns the output (same shape; zero for a token none of
         whose choices was dispatched) and the :class:`MoEOutput`.
 
-        Under tensor parallelism (the mesh's tp > 1, without sequence parallelism) every tp rank holds the
-        same tokens.  Rather than route them all and run every expert tp times, each tp rank takes ``1/tp``
-        of the samples (dim 0: whole groups, so every routing decision is the single-process one), routes
-        them and exchanges them over its own ep group, and the outputs are all-gathered over tp
+        Under tensor parallelism (the mesh's tp > 1) every tp rank holds the same tokens.  Rather than
+        route them all and run every expert tp times, each tp rank takes ``1/tp`` of the samples (dim 0:
+        whole groups, so every routing decision is the single-process one), routes them and exchanges them
+        over its own ep group, and the outputs are all-gathered over tp
         (:class:`~podscale.parallel.tensor.SplitBatchToTP` / :class:`~podscale.parallel.tensor.GatherBatchFromTP`).
         Megatron-core's MoE likewise gives its token dispatcher ``S/tp * B`` tokens per rank, but gets them
         from sequence parallelism, which it requires with tp; here whole sequences are split, since a
         sequence is a routing group (its capacity), so routing stays the one-process routing.
+
+        With sequence parallelism every tp rank holds ``1/tp`` of the positions of every sample, (B, T/tp,
+        d): one all-to-all over tp turns that into ``1/tp`` of the samples at every position, (B/tp, T, d)
+        (:class:`_SequenceToSamples`), the layer runs on those whole sequences as above, and the inverse
+        all-to-all returns the outputs to the sequence shards (same bytes as the all-gather of the
+        non-sequence-parallel path, each rank sending ``(tp - 1)/tp`` of its shard).
+
         The aux and z losses are means over groups and tokens, so the layer's loss is the tp-mean of the
         ranks' (``ReduceFromTP``: all-reduce forward, identity backward), and the router's and experts'
         gradients, partial per tp rank, are summed over tp by the strategy (they carry the
@@ -382,17 +452,23 @@ class MoELayer(nn.Module):
             if not torch.is_grad_enabled():
                 # inference on fewer samples than tp ranks (sampling one sequence): every tp rank routes
                 # all of them, the same way (its result is the split one's)
-                return self._forward_local(x, keys)
+                if not self.sequence_parallel:
+                    return self._forward_local(x, keys)
+                y, out = self._forward_local(_gather_positions(x, self.mesh), keys)
+                return y.chunk(self.tp, dim=1)[self.mesh.local_rank("tp")].contiguous(), out
             raise ValueError(f"an MoE layer under tensor parallelism splits the samples over tp={self.tp}: "
                              f"{x.shape[0] if x.dim() >= 3 else 1} samples do not divide; make train.micro_batch "
                              f"a multiple of parallel.tp")
-        mine = SplitBatchToTP.apply(x, self.mesh)
+        if self.sequence_parallel:
+            mine = _SequenceToSamples.apply(x, self.mesh)
+        else:
+            mine = SplitBatchToTP.apply(x, self.mesh)
         if keys is not None:
             keys = keys.chunk(self.tp, dim=0)[self.mesh.local_rank("tp")]
         y, out = self._forward_local(mine, keys)
         loss = ReduceFromTP.apply(out.loss / self.tp, self.mesh)
-        return GatherBatchFromTP.apply(y, self.mesh), MoEOutput(loss, out.aux_loss, out.z_loss, out.routing,
-                                                                out.stats)
+        y = _SamplesToSequence.apply(y, self.mesh) if self.sequence_parallel else GatherBatchFromTP.apply(y, self.mesh)
+        return y, MoEOutput(loss, out.aux_loss, out.z_loss, out.routing, out.stats)
 
     def _forward_local(self, x: torch.Tensor, keys: torch.Tensor | None) -> tuple[torch.Tensor, MoEOutput]:
         """The layer on this rank's tokens (the sort/index fast path; ep exchange inside)."""
