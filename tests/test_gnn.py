@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from podscale.config import ConfigError, parse_config
 from podscale.graph import load_planetoid
 from podscale.graph.partition import assign, write_partitions
-from podscale.graph.sampler import ALL, full_block, make_block, sample_csc
+from podscale.graph.sampler import ALL, full_block, sample_blocks, sample_csc
 from podscale.models.graphsage import GNN, GNNConfig
 from podscale.train.loop import run_worker
 
@@ -28,12 +28,7 @@ SEEDS = 3
 def _exact_blocks(g, seeds):
     """Blocks of every neighbour of ``seeds`` (2 layers): the full-graph outputs of those nodes, computed on
     their 2-hop neighbourhood only."""
-    blocks, dst = [], np.asarray(seeds)
-    for _ in range(2):
-        counts, nbrs = sample_csc(g.indptr, g.indices, dst, ALL, None)
-        blocks.append(make_block(dst, counts, nbrs))
-        dst = blocks[-1].src_ids.numpy()
-    return blocks[::-1]
+    return sample_blocks(lambda dst, k: sample_csc(g.indptr, g.indices, dst, k, None), seeds, [ALL, ALL])
 
 
 def _train(kind: str, name: str, seed: int, epochs: int = 100, eval_every: int = 4) -> float:
