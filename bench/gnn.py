@@ -1,25 +1,30 @@
 """GNN training: podscale's GraphSAGE against PyG's, and METIS against random partitions (DistDGL's Fig. 10).
 
-1. **Full-graph GraphSAGE epoch time, one process**: podscale's :class:`~podscale.models.graphsage.GNN` and PyG's
-   ``SAGEConv`` (mean aggregation, on ``edge_index``; PyG core without torch-sparse) with the same weights on
-   the same generated R-MAT graph; forward + backward + Adam step, alternating rounds, medians and their
-   ratio (podscale / PyG; below 1 is faster), and the largest difference of the logits.
-2. **METIS vs random partitions at 2 and 4 ranks**: mini-batch GraphSAGE (fan-outs 15, 10) through the GNN task on
-   the same R-MAT graph partitioned both ways: epoch time, remote bytes per epoch (features and sampling
-   requests between ranks), sampled edges per second, and per rank the resident memory after training and the feature
-   bytes it holds against the whole graph's.
+Three parts (``--only`` picks some), all on one generated R-MAT graph (generated once per run):
 
-3. **Mini-batch GraphSAGE against PyG's ``NeighborLoader``, one process** (sampling + forward + backward +
-   Adam step per batch of seeds, fan-outs 15, 10): runs only where PyG has a sampler, i.e. ``pyg-lib`` or
-   ``torch-sparse`` is installed; PyG 2.8 has no pure-Python fallback (``NeighborSampler`` raises
-   ImportError without either), so on this machine, where neither is (torch-sparse builds from source in
-   about 13 min), the script says it skipped it.
+1. ``full``: **full-graph GraphSAGE epoch time, one process**: podscale's :class:`~podscale.models.graphsage.GNN`
+   (one CSR sparse product per layer) and PyG's ``SAGEConv`` (mean aggregation by scatter over ``edge_index``)
+   with the same weights; forward + backward + Adam step, alternating, the medians of ``--rounds`` epochs after a
+   warm-up and their ratio (podscale / PyG; below 1 is faster), and the largest difference of the logits.
+2. ``minibatch``: **mini-batch GraphSAGE against PyG's ``NeighborLoader``, one process** (fan-outs 15, 10,
+   ``--batch / 2`` seeds a batch; the same seeds in the same order and the same weights on both sides; sample,
+   gather the features, forward, backward, Adam step): the medians of ``--batches`` batches, alternating, of the
+   whole step and of its sampling + gathering.  It needs PyG's sampler (torch-sparse or pyg-lib; PyG 2.8 has no
+   pure-Python one): without either the script says it skipped it.
+3. ``partitions``: **METIS vs random partitions at 2 and 4 ranks**: mini-batch GraphSAGE (fan-outs 15, 10)
+   through the GNN task on the graph partitioned both ways: epoch time (the median step's time times the
+   steps of an epoch), remote bytes per epoch (features and sampling requests between ranks), sampled edges per
+   second, and per rank the resident memory after training and the feature bytes it holds against the whole
+   graph's.  ``--partition-dir`` keeps the partitions and reuses them on the next run (METIS at scale 19 takes
+   minutes); ``--max-steps N`` trains only N steps per run (per-epoch figures from those steps).
 
-    python bench/gnn.py [--small] [--scale 19] [--parts 2,4] [--rounds 5] [--epochs 2] [--max-steps N]
+Every part prints what it measured as it finishes; the last line gives the wall time of each part.
 
-``--small`` checks the script in a minute (R-MAT scale 13); the full setting (scale 19, about 15 M directed
-edges) is the >= 10 M edge comparison.  ``--max-steps N`` trains only N steps per partitioned run (a check
-that the setting runs; per-epoch figures are then extrapolated from the steps' medians).
+    python bench/gnn.py [--small] [--scale 19] [--only full,minibatch,partitions] [--parts 2,4] [--rounds 3]
+                        [--batches 30] [--epochs 1] [--max-steps N] [--partition-dir DIR] [--json FILE]
+
+``--small`` checks the script in a few minutes (R-MAT scale 13); scale 19 (524,288 nodes, 15.5 M directed
+edges) is the >= 10 M edge comparison.
 """
 from __future__ import annotations
 
@@ -254,13 +259,15 @@ def minibatch_vs_pyg(g, features: int, hidden: int, batch: int, batches: int, fa
         t = time.perf_counter()
         b = next(loader)
         t_s = time.perf_counter()
-        assert torch.equal(b.n_id[: b.batch_size], torch.from_numpy(order[i * batch:(i + 1) * batch]))
         opt_p.zero_grad()
         h = F.relu(pyg[0](b.x, b.edge_index))
         out = pyg[1](h, b.edge_index)[: b.batch_size]
         F.cross_entropy(out, b.y[: b.batch_size]).backward()
         opt_p.step()
-        return time.perf_counter() - t, t_s - t, int(b.edge_index.shape[1])
+        t_e = time.perf_counter()
+        # the loader took the same seeds, in the same order, as podscale's batch i (its first batch_size nodes)
+        assert torch.equal(b.n_id[: b.batch_size], torch.from_numpy(order[i * batch:(i + 1) * batch]))
+        return t_e - t, t_s - t, int(b.edge_index.shape[1])
 
     step_ours(0), step_pyg(0)  # warm-up: the first batch of each
     res = {"podscale": [], "pyg": []}
@@ -287,9 +294,10 @@ def main() -> None:
     ap.add_argument("--scale", type=int, default=19, help="log2 of the R-MAT graph's nodes")
     ap.add_argument("--features", type=int, default=64)
     ap.add_argument("--hidden", type=int, default=128)
-    ap.add_argument("--rounds", type=int, default=5, help="measured full-graph epochs per side (after a warm-up)")
+    ap.add_argument("--rounds", type=int, default=3, help="measured full-graph epochs per side (after a warm-up)")
     ap.add_argument("--batches", type=int, default=30, help="measured mini-batches per side against PyG")
-    ap.add_argument("--epochs", type=int, default=2)
+    ap.add_argument("--epochs", type=int, default=1, help="epochs per partitioned run (the epoch time is the "
+                    "median step's times the steps of an epoch)")
     ap.add_argument("--batch", type=int, default=2048, help="seed nodes per step over both ranks (half of it "
                     "per batch against PyG)")
     ap.add_argument("--parts", default="2,4", help="partition counts to compare METIS and random at")
