@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import resource
 import statistics
 import sys
 import tempfile
@@ -358,7 +359,9 @@ def main() -> None:
                   f"{r['epoch_s']:.2f} s, remote {r['remote_mb_per_epoch']:.1f} MiB/epoch, "
                   f"{r['sampled_edges_per_s']:,.0f} sampled edges/s, features per rank "
                   f"{', '.join(f'{x:.2f}' for x in r['feature_share_per_rank'])} of the graph's, RSS {r['rss_mb']} MiB; "
-                  f"partitioned in {r['partition_s']:.1f} s, written in {r['write_s']:.1f} s, training run "
+                  + (f"partitioned in {r['partition_s']:.1f} s, written in {r['write_s']:.1f} s"
+                     if r["partition_s"] or r["write_s"] else "partitions read back from --partition-dir")
+                  + f", training run "
                   f"{r['launch_s']:.1f} s (setup per rank {r['setup_s']} s)", flush=True)
         m, rnd = rs
         print(f"METIS / random at {parts} partitions: epoch time {m['epoch_s'] / rnd['epoch_s']:.2f}, remote bytes "
@@ -366,7 +369,8 @@ def main() -> None:
               f"{m['sampled_edges_per_s'] / rnd['sampled_edges_per_s']:.2f}", flush=True)
     results["wall_s"] = wall
     print("wall time by part: " + ", ".join(f"{k} {v:.0f} s" for k, v in wall.items())
-          + f"; peak RSS of this process {psutil.Process().memory_info().rss / 2**30:.2f} GiB now", flush=True)
+          + f"; peak RSS of this process {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB",
+          flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
 
