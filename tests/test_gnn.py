@@ -85,9 +85,7 @@ def test_graphsage_planetoid_accuracy(name, goal):
     """The issue's bars, unchanged.  CiteSeer's margin is small but not a matter of luck: over seeds 0-4 this
     protocol measured 0.702, 0.701, 0.703, 0.701, 0.703 (std 0.001, so the 3-seed mean's 0.2-point margin is
     about 3.5 standard errors); 200 epochs with the model chosen at every epoch did not do better (0.700 on
-    seed 0): mean-aggregator GraphSAGE sits at about 70 % on CiteSeer's standard split.  (Those figures were
-    measured with ``F.dropout``'s masks; the model's dropout now draws them from uniform numbers, the same law, so
-    the spread over seeds, which is a spread over masks and initial weights, is the margin's yardstick.)"""
+    seed 0): mean-aggregator GraphSAGE sits at about 70 % on CiteSeer's standard split."""
     data = _Planetoid(name)
     accs = [_train("graphsage", data, s) for s in range(SEEDS)]
     print(f"GraphSAGE {name}: test accuracy {np.mean(accs):.4f} (seeds {accs})")
