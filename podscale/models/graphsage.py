@@ -92,6 +92,16 @@ def gcn_adjacency(block: Block) -> torch.Tensor:
     return block.cache["gcn"]
 
 
+def aggregate_first(block: Block, nnz: int, in_dim: int, out_dim: int) -> bool:
+    """Whether ``A (h W)`` costs more multiply-adds than ``(A h) W`` (the same product, associativity): the
+    dense map on the ``num_dst`` aggregated rows plus ``nnz * in_dim`` in the sparse product, against the map on
+    all ``num_src`` sources plus ``nnz * out_dim``.  On the whole graph (``num_src = num_dst``) it is the
+    narrower width first; on a sampled block, whose sources outnumber its destinations several times, it is
+    usually the aggregation first even when the map narrows (GraphSAGE on CiteSeer's 3,703 features: a quarter
+    of the work)."""
+    return block.num_dst * in_dim * out_dim + nnz * in_dim <= block.num_src * in_dim * out_dim + nnz * out_dim
+
+
 class SAGEConv(nn.Module):
     def __init__(self, in_dim: int, out_dim: int):
         super().__init__()
@@ -100,10 +110,10 @@ class SAGEConv(nn.Module):
 
     def forward(self, block: Block, h: torch.Tensor) -> torch.Tensor:
         adj = mean_adjacency(block)
-        if self.lin_neigh.out_features < self.lin_neigh.in_features:  # mean(h) W = mean(h W): the narrower first
-            agg = torch.sparse.mm(adj, h @ self.lin_neigh.weight.t()) + self.lin_neigh.bias
-        else:
+        if aggregate_first(block, block.num_edges, self.lin_neigh.in_features, self.lin_neigh.out_features):
             agg = self.lin_neigh(torch.sparse.mm(adj, h))
+        else:
+            agg = torch.sparse.mm(adj, h @ self.lin_neigh.weight.t()) + self.lin_neigh.bias
         return agg + self.lin_self(h[: block.num_dst])
 
 
@@ -113,10 +123,10 @@ class GCNConv(nn.Module):
         self.lin = nn.Linear(in_dim, out_dim)
 
     def forward(self, block: Block, h: torch.Tensor) -> torch.Tensor:
-        # transform first when it shrinks the width (fewer values through the sparse product)
-        if self.lin.out_features < self.lin.in_features:
-            return torch.sparse.mm(gcn_adjacency(block), h @ self.lin.weight.t()) + self.lin.bias
-        return self.lin(torch.sparse.mm(gcn_adjacency(block), h))
+        adj = gcn_adjacency(block)
+        if aggregate_first(block, block.num_edges + block.num_dst, self.lin.in_features, self.lin.out_features):
+            return self.lin(torch.sparse.mm(adj, h))
+        return torch.sparse.mm(adj, h @ self.lin.weight.t()) + self.lin.bias
 
 
 class GNN(nn.Module):
