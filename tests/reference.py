@@ -29,9 +29,11 @@ def reference_run(d: dict, compile_backend: str | None = None, micro_batches: in
     global batch run as that many equal forwards whose gradients add up (the loss is their mean).
 
     The run is deterministic, so it is kept for the rest of the session (per config): test modules that
-    compare against the same single-process run (the pipeline modules share one model) train it once.
-    The result is shared: callers read it and never change it."""
-    key = json.dumps([d, compile_backend, micro_batches], sort_keys=True, default=str)
+    compare against the same single-process run train it once (the two pipeline modules share one; the
+    data-parallel, ZeRO and NVMe modules another: it never reads a ``[zero]`` section, which is left out of
+    the key).  The result is shared: callers read it and never change it."""
+    key = json.dumps([{k: v for k, v in d.items() if k != "zero"}, compile_backend, micro_batches],
+                     sort_keys=True, default=str)
     if key not in _RUNS:
         _RUNS[key] = _reference_run(d, compile_backend, micro_batches)
     return _RUNS[key]
