@@ -105,7 +105,7 @@ def test_uninterrupted_run_writes_metrics_checkpoints_and_plots(runs, capsys):
     ckpts = sorted(p.name for p in (run / "checkpoints").iterdir())
     assert ckpts == ["step_00000015", "step_00000020"]  # keep = 2
 
-    from podscale.cli import main
+    from podscale.cli import main  # (test_custom_task.py runs `python -m podscale report` as a subprocess)
     assert main(["report", str(run)]) == 0, capsys.readouterr().err
     for png in ("loss.png", "throughput.png"):
         assert (run / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
