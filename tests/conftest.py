@@ -1,10 +1,18 @@
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 # Tests need nothing outside the repository: Tiny Shakespeare (public domain) is committed under tests/data.
 SHAKESPEARE = Path(__file__).resolve().parent / "data" / "tinyshakespeare.txt"
+
+# The single-process references and in-process checks run in this process on one intra-op thread, as every
+# worker does (tp_workers.train_layouts and the others call torch.set_num_threads(1)): the test models are a
+# few thousand parameters wide, too small for a second thread to help, and on a shared 2-core machine two
+# OpenMP threads that spin-wait for each other made a 20-step reference run ~25x slower (measured: 5 steps of
+# the 8-block pipeline model, 27 s with 2 threads against 1.1 s with 1, under load).
+torch.set_num_threads(1)
 
 
 @pytest.fixture(autouse=True)

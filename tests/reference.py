@@ -6,6 +6,7 @@ podscale.  ``compare`` asserts that a layout's run matches it step by step.
 """
 from __future__ import annotations
 
+import json
 import math
 
 import torch
@@ -19,10 +20,26 @@ from podscale.train.data import ShardedLoader, load_tokens, split_tokens
 from podscale.tasks.gpt import gpt_config
 
 
+_RUNS: dict[str, dict] = {}
+
+
 def reference_run(d: dict, compile_backend: str | None = None, micro_batches: int = 1) -> dict:
     """Losses and gradient norms per step, gradients after step 1 and parameters after the last step.
     ``compile_backend``: the GPT's blocks compiled with it as ``train.compile`` does; ``micro_batches``: each
-    global batch run as that many equal forwards whose gradients add up (the loss is their mean)."""
+    global batch run as that many equal forwards whose gradients add up (the loss is their mean).
+
+    The run is deterministic, so it is kept for the rest of the session (per config): test modules that
+    compare against the same single-process run train it once (the two pipeline modules share one; the
+    data-parallel, ZeRO and NVMe modules another: it never reads a ``[zero]`` section, which is left out of
+    the key).  The result is shared: callers read it and never change it."""
+    key = json.dumps([{k: v for k, v in d.items() if k != "zero"}, compile_backend, micro_batches],
+                     sort_keys=True, default=str)
+    if key not in _RUNS:
+        _RUNS[key] = _reference_run(d, compile_backend, micro_batches)
+    return _RUNS[key]
+
+
+def _reference_run(d: dict, compile_backend: str | None, micro_batches: int) -> dict:
     cfg = parse_config(d)
     torch.manual_seed(cfg.run.seed)
     model = GPT(gpt_config(cfg))

@@ -1,8 +1,4 @@
 """`--fresh` deletes only a run directory podscale created (issue 11, item 1)."""
-import os
-import subprocess
-import sys
-
 import pytest
 
 from podscale.cli import main
@@ -33,14 +29,16 @@ def test_name_that_is_a_path_is_refused(tmp_path, monkeypatch, capsys, name):
     assert (tmp_path / "precious.txt").read_text() == "keep me"
 
 
-def test_issue_scenario_from_the_command_line(tmp_path):
+def test_issue_scenario_from_the_command_line(tmp_path, monkeypatch, capsys):
+    """The issue's command line, run through the command's entry point in this process (exit code 2, one
+    line on standard error, nothing touched); test_config_errors.py runs a refused ``podscale train`` as a
+    subprocess of its own, end to end."""
     (tmp_path / "precious.txt").write_text("keep me")
-    out = subprocess.run([sys.executable, "-m", "podscale", "train", "--set", "run.name=..", "--set",
-                          "run.steps=1", "--set", "parallel.nproc=1", "--fresh"], cwd=tmp_path,
-                         capture_output=True, text=True, timeout=120,
-                         env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
-    assert out.returncode == 2, out.stderr
-    assert out.stderr.count("\n") == 1 and "run.name" in out.stderr
+    monkeypatch.chdir(tmp_path)
+    code = main(["train", "--set", "run.name=..", "--set", "run.steps=1", "--set", "parallel.nproc=1", "--fresh"])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert err.count("\n") == 1 and "run.name" in err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["precious.txt"]
 
 

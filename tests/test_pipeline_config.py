@@ -1,10 +1,8 @@
 """Bad tensor/sequence/pipeline layouts fail before any worker starts, with one line naming the fix; stage
 partitioning balances the blocks."""
-import subprocess
-import sys
-
 import pytest
 
+from podscale.cli import main
 from podscale.config import ConfigError, parse_config
 from podscale.models.gpt import GPT, GPTConfig
 from podscale.parallel.pipeline.partition import PipelineError, contiguous_partition, stage_layers
@@ -58,11 +56,13 @@ def test_good_layouts_pass():
     _check(parallel={"tp": 2}, model={"dropout": 0.1})  # the model-parallel RNG tracker
 
 
-def test_cli_rejects_before_workers(tmp_path):
-    r = subprocess.run([sys.executable, "-m", "podscale", "train", "--nproc", "3", "--set", "parallel.tp=3",
-                        "--set", f"run.out_dir={tmp_path}"], capture_output=True, text=True, timeout=60)
-    assert r.returncode == 2
-    assert "parallel.tp=3" in r.stderr + r.stdout
+def test_cli_rejects_before_workers(tmp_path, capsys):
+    """``podscale train`` through its entry point in this process: exit code 2 and the fix named before any
+    worker starts or any file is written (test_config_errors.py runs a refused command as a subprocess)."""
+    code = main(["train", "--nproc", "3", "--set", "parallel.tp=3", "--set", f"run.out_dir={tmp_path}"])
+    out = capsys.readouterr()
+    assert code == 2
+    assert "parallel.tp=3" in out.err + out.out
     assert not any(tmp_path.iterdir())
 
 

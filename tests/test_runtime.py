@@ -90,13 +90,16 @@ def test_podscale_launch_runs_a_script_with_a_loopback_rendezvous(tmp_path):
         assert got["listening"] and set(got["listening"]) == {"127.0.0.1"}, got["listening"]
 
 
-def test_train_with_no_config_uses_the_standard_library_corpus(tmp_path):
-    out = subprocess.run(
-        [sys.executable, "-m", "podscale", "train", "--steps", "4", "--out-dir", str(tmp_path),
-         "--set", "run.eval_every=0", "--set", "run.sample_tokens=16", "--set", "model.n_layer=1"],
-        capture_output=True, text=True, timeout=180)
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert "podscale: done: 4 steps" in out.stdout
+def test_train_with_no_config_uses_the_standard_library_corpus(tmp_path, capfd):
+    """``podscale train`` without a config, through its entry point in this process (test_train_cli.py runs
+    the command line as a subprocess)."""
+    from podscale.cli import main
+    capfd.readouterr()
+    code = main(["train", "--steps", "4", "--out-dir", str(tmp_path), "--set", "run.eval_every=0",
+                 "--set", "run.sample_tokens=16", "--set", "model.n_layer=1"])
+    out = capfd.readouterr()
+    assert code == 0, out.err[-2000:]
+    assert "podscale: done: 4 steps" in out.out
     rows = [json.loads(x) for x in (tmp_path / "gpt-small" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     assert (tmp_path / "gpt-small" / "sample.txt").stat().st_size > 0

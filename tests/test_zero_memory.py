@@ -1,9 +1,6 @@
 """The memory estimator agrees with what ZeRO runs allocate: the strategy's own buffer accounting, the
 resident memory a worker keeps between steps (model states: within 10% of ZeRO's formulas for every
 stage, fp32 and bf16) and its peak during a step (model states plus the estimator's buffers)."""
-import subprocess
-import sys
-
 import pytest
 
 from conftest import shakespeare
@@ -83,11 +80,14 @@ def test_stage3_returns_host_memory_by_itself(monkeypatch):
             assert r["built"] + r["peak"] <= 1.50 * (states + extra), (label, r["built"] + r["peak"], states, extra)
 
 
-def test_memory_cli():
-    out = subprocess.run([sys.executable, "-m", "podscale", "memory", "--params", "1e9",
-                          "--dp", "8", "--stage", "3", "--precision", "bf16"], capture_output=True, text=True)
-    assert out.returncode == 0, out.stderr
-    assert "device params" in out.stdout and "device optim" in out.stdout and "reduce" in out.stdout
+def test_memory_cli(capsys):
+    """``podscale memory`` through its entry point in this process (exit codes, output, the one error line;
+    test_config_errors.py runs a refused command as a subprocess of its own)."""
+    from podscale.cli import main
+    code = main(["memory", "--params", "1e9", "--dp", "8", "--stage", "3", "--precision", "bf16"])
+    out = capsys.readouterr()
+    assert code == 0, out.err
+    assert "device params" in out.out and "device optim" in out.out and "reduce" in out.out
     # bf16 stage 3 over 8 ranks: ZeRO's (2 + 2 + 12) bytes / 8 = 2 bytes per parameter
     est = estimate_model_states(10**9, 8, 3, "bf16")
     assert est.total_states == pytest.approx(2.0e9, rel=1e-6)
@@ -95,6 +95,6 @@ def test_memory_cli():
     assert estimate_model_states(10**9, 8, 1, "bf16").total_states == pytest.approx(5.5e9, rel=1e-6)
     assert estimate_model_states(10**9, 8, 1, "bf16", grad_accum_dtype="fp32").total_states == \
         pytest.approx(6.0e9, rel=1e-6)
-    bad = subprocess.run([sys.executable, "-m", "podscale", "memory", "--params", "1e9",
-                          "--stage", "1", "--offload-param", "nvme"], capture_output=True, text=True)
-    assert bad.returncode == 2 and "stage 3" in bad.stderr and bad.stderr.startswith("podscale: error: ")
+    code = main(["memory", "--params", "1e9", "--stage", "1", "--offload-param", "nvme"])
+    bad = capsys.readouterr().err
+    assert code == 2 and "stage 3" in bad and bad.startswith("podscale: error: ") and bad.count("\n") == 1, bad
