@@ -1,6 +1,7 @@
 """GNN training: podscale's GraphSAGE against PyG's, and METIS against random partitions (DistDGL's Fig. 10).
 
-Three parts (``--only`` picks some), all on one generated R-MAT graph (generated once per run):
+Three parts (``--only`` picks some), all on one generated graph (R-MAT by default, ``--graph sbm``
+for planted communities; generated once per run):
 
 1. ``full``: **full-graph GraphSAGE epoch time, one process**: podscale's :class:`~podscale.models.graphsage.GNN`
    (one CSR sparse product per layer) and PyG's ``SAGEConv`` (mean aggregation by scatter over ``edge_index``)
@@ -45,7 +46,7 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from podscale.graph import rmat  # noqa: E402
+from podscale.graph.source import load_graph  # noqa: E402
 from podscale.graph.partition import assign, read_meta, write_partitions  # noqa: E402
 from podscale.graph.sampler import full_block  # noqa: E402
 from podscale.models.graphsage import GNN, GNNConfig  # noqa: E402
@@ -170,7 +171,7 @@ def _partitioned(g, parts: int, method: str, where: Path) -> tuple[dict, float, 
     return meta, t_part, time.perf_counter() - t
 
 
-def partitions(g, scale: int, features: int, epochs: int, batch: int, parts: int, max_steps: int,
+def partitions(g, graph: dict, features: int, epochs: int, batch: int, parts: int, max_steps: int,
                keep: str | None = None) -> list[dict]:
     from podscale.runtime.launcher import launch
 
@@ -179,10 +180,10 @@ def partitions(g, scale: int, features: int, epochs: int, batch: int, parts: int
         root = Path(keep) if keep else Path(tmp)
         root.mkdir(parents=True, exist_ok=True)
         for method in ("metis", "random"):
-            where = root / f"rmat{scale}-f{features}-{method}-{parts}"
+            where = root / f"{g.name}-n{g.num_nodes}-f{features}-{method}-{parts}"
             meta, t_part, t_write = _partitioned(g, parts, method, where)
             cfg = {"run": {"name": method, "out_dir": tmp, "seed": 0},
-                   "model": {"kind": "graphsage", "graph": "rmat", "scale": scale, "features": features,
+                   "model": {"kind": "graphsage", **graph, "features": features,
                              "hidden": 64, "fanouts": [15, 10], "dropout": 0.0, "partitions": str(where),
                              "feature_cache_rows": 0},
                    "parallel": {"nproc": parts}, "train": {"global_batch": batch, "micro_batch": batch // parts}}
@@ -292,7 +293,12 @@ PHASES = ("full", "minibatch", "partitions")
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--small", action="store_true", help="R-MAT scale 13, 2 rounds, 1 epoch: checks the script")
+    ap.add_argument("--graph", choices=("rmat", "sbm"), default="rmat", help="the generated graph: R-MAT "
+                    "(Graph500 parameters: power-law, little community structure) or a stochastic block model "
+                    "(planted communities, the GNN task's embedded default; average degree 10, 8 blocks)")
     ap.add_argument("--scale", type=int, default=19, help="log2 of the R-MAT graph's nodes")
+    ap.add_argument("--nodes", type=int, default=1 << 20, help="nodes of the sbm graph (2^20: ~10.5M directed "
+                    "edges)")
     ap.add_argument("--features", type=int, default=64)
     ap.add_argument("--hidden", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=3, help="measured full-graph epochs per side (after a warm-up)")
@@ -316,10 +322,13 @@ def main() -> None:
         ap.error(f"--only={args.only}: choose from {', '.join(PHASES)}")
     wall = {}
     t = time.perf_counter()
-    g = rmat(args.scale, features=args.features, seed=0)
+    # the graph as the GNN task builds it from the same settings (the partitioned runs' workers rebuild it)
+    graph = {"graph": "rmat", "scale": args.scale} if args.graph == "rmat" else {"graph": "sbm", "nodes": args.nodes}
+    g = load_graph(graph["graph"], seed=0, nodes=args.nodes, scale=args.scale, features=args.features)
     wall["generate"] = time.perf_counter() - t
-    print(f"R-MAT scale {args.scale}: {g.num_nodes:,} nodes, {g.num_edges:,} edges, generated in "
-          f"{wall['generate']:.1f} s", flush=True)
+    what = f"R-MAT scale {args.scale}" if args.graph == "rmat" else "SBM (8 planted communities)"
+    print(f"{what}: {g.num_nodes:,} nodes, {g.num_edges:,} edges, generated in {wall['generate']:.1f} s",
+          flush=True)
     results = {}
     if "full" in only:
         t = time.perf_counter()
@@ -349,7 +358,7 @@ def main() -> None:
     rows = results["partitions"] = []
     for parts in (int(p) for p in args.parts.split(",")) if "partitions" in only else ():
         t = time.perf_counter()
-        rs = partitions(g, args.scale, args.features, args.epochs, args.batch, parts, args.max_steps,
+        rs = partitions(g, graph, args.features, args.epochs, args.batch, parts, args.max_steps,
                         args.partition_dir)
         wall[f"partitions-{parts}"] = time.perf_counter() - t
         rows += rs

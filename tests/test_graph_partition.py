@@ -97,6 +97,17 @@ def test_random_cuts_more_and_folder_is_checked(tmp_path, capsys):
         read_meta(tmp_path)
 
 
+def test_random_parts_are_not_the_generators_communities():
+    """The random partition draws from a stream of its own: with the same seed it once drew the very shuffle
+    the sbm generator places its planted blocks with, so "random" parts were the communities and cut as few
+    edges as METIS (found on a 1M-node sbm).  Random parts cut about 1 - 1/k of the edges, on any graph."""
+    g = sbm(4000, features=4, seed=0)
+    src, dst = g.edges()
+    for k in (2, 4):
+        part = assign(g, k, "random", seed=0)
+        assert abs((part[src] != part[dst]).mean() - (1 - 1 / k)) < 0.03
+
+
 @pytest.mark.parametrize("name", ["citeseer", "rmat13"])
 def test_metis_balances_edges_on_skewed_graphs(name):
     """CiteSeer (438 components, many isolated nodes) and R-MAT scale 13 (Graph500's skew: the largest

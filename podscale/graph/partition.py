@@ -208,7 +208,11 @@ def assign(g: Graph, k: int, method: str = "metis", imbalance: float = 0.05, see
         return np.zeros(g.num_nodes, dtype=np.int64)
     w = constraint_weights(g)
     if method == "random":
-        return np.random.default_rng(seed).permutation(np.arange(g.num_nodes) % k).astype(np.int64)
+        # A stream of its own: default_rng(seed).permutation(arange(N) % k) is the very shuffle the sbm
+        # generator draws its planted blocks with (same seed, same length), so "random" parts would be
+        # the communities (found on a 1M-node sbm: random and METIS cut the same 10 % of edges).
+        rng = np.random.default_rng(np.random.SeedSequence([seed, k], spawn_key=(0x7061,)))
+        return rng.permutation(np.arange(g.num_nodes) % k).astype(np.int64)
     try:
         import pymetis
     except ImportError:
