@@ -296,32 +296,30 @@ def _tp_all_to_all(x: torch.Tensor, mesh, split_dim: int, cat_dim: int) -> torch
     return torch.cat(list(got.unbind(0)), dim=cat_dim)
 
 
-class _SequenceToSamples(torch.autograd.Function):
-    """(B, T/tp, ...) sequence shards -> (B/tp, T, ...) whole sequences of this rank's samples (an
-    all-to-all over tp); backward: the inverse all-to-all.  Both directions move each element once, so
-    nothing is summed: the gradient of every position reaches the one rank that holds it."""
+class _TPAllToAll(torch.autograd.Function):
+    """:func:`_tp_all_to_all` with its inverse as backward: (B, T/tp, ...) sequence shards -> (B/tp, T, ...)
+    whole sequences of this rank's samples with ``split_dim=0, cat_dim=1``, and back with the dims swapped.
+    Both directions move each element once, so nothing is summed: the gradient of every position reaches
+    the one rank that holds it."""
 
     @staticmethod
-    def forward(ctx, x, mesh):
-        ctx.mesh = mesh
-        return _tp_all_to_all(x, mesh, split_dim=0, cat_dim=1)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _tp_all_to_all(grad, ctx.mesh, split_dim=1, cat_dim=0), None
-
-
-class _SamplesToSequence(torch.autograd.Function):
-    """The inverse of :class:`_SequenceToSamples`: (B/tp, T, ...) -> (B, T/tp, ...)."""
-
-    @staticmethod
-    def forward(ctx, x, mesh):
-        ctx.mesh = mesh
-        return _tp_all_to_all(x, mesh, split_dim=1, cat_dim=0)
+    def forward(ctx, x, mesh, split_dim: int, cat_dim: int):
+        ctx.mesh, ctx.split_dim, ctx.cat_dim = mesh, split_dim, cat_dim
+        return _tp_all_to_all(x, mesh, split_dim=split_dim, cat_dim=cat_dim)
 
     @staticmethod
     def backward(ctx, grad):
-        return _tp_all_to_all(grad, ctx.mesh, split_dim=0, cat_dim=1), None
+        return _tp_all_to_all(grad, ctx.mesh, split_dim=ctx.cat_dim, cat_dim=ctx.split_dim), None, None, None
+
+
+def _sequence_to_samples(x: torch.Tensor, mesh) -> torch.Tensor:
+    """(B, T/tp, ...) sequence shards -> (B/tp, T, ...) whole sequences (an all-to-all over tp)."""
+    return _TPAllToAll.apply(x, mesh, 0, 1)
+
+
+def _samples_to_sequence(x: torch.Tensor, mesh) -> torch.Tensor:
+    """The inverse of :func:`_sequence_to_samples`: (B/tp, T, ...) -> (B, T/tp, ...)."""
+    return _TPAllToAll.apply(x, mesh, 1, 0)
 
 
 @torch.no_grad()
@@ -438,7 +436,7 @@ class MoELayer(nn.Module):
 
         With sequence parallelism every tp rank holds ``1/tp`` of the positions of every sample, (B, T/tp,
         d): one all-to-all over tp turns that into ``1/tp`` of the samples at every position, (B/tp, T, d)
-        (:class:`_SequenceToSamples`), the layer runs on those whole sequences as above, and the inverse
+        (:func:`_sequence_to_samples`), the layer runs on those whole sequences as above, and the inverse
         all-to-all returns the outputs to the sequence shards (same bytes as the all-gather of the
         non-sequence-parallel path, each rank sending ``(tp - 1)/tp`` of its shard).
 
@@ -460,14 +458,14 @@ class MoELayer(nn.Module):
                              f"{x.shape[0] if x.dim() >= 3 else 1} samples do not divide; make train.micro_batch "
                              f"a multiple of parallel.tp")
         if self.sequence_parallel:
-            mine = _SequenceToSamples.apply(x, self.mesh)
+            mine = _sequence_to_samples(x, self.mesh)
         else:
             mine = SplitBatchToTP.apply(x, self.mesh)
         if keys is not None:
             keys = keys.chunk(self.tp, dim=0)[self.mesh.local_rank("tp")]
         y, out = self._forward_local(mine, keys)
         loss = ReduceFromTP.apply(out.loss / self.tp, self.mesh)
-        y = _SamplesToSequence.apply(y, self.mesh) if self.sequence_parallel else GatherBatchFromTP.apply(y, self.mesh)
+        y = _samples_to_sequence(y, self.mesh) if self.sequence_parallel else GatherBatchFromTP.apply(y, self.mesh)
         return y, MoEOutput(loss, out.aux_loss, out.z_loss, out.routing, out.stats)
 
     def _forward_local(self, x: torch.Tensor, keys: torch.Tensor | None) -> tuple[torch.Tensor, MoEOutput]:
