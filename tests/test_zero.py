@@ -6,7 +6,7 @@ import pytest
 
 from conftest import shakespeare
 from reference import compare, reference_run
-from zero_workers import train_zero, zero_config
+from zero_workers import train_zero, train_zero_gloo_inplace, zero_config
 from podscale.runtime.launcher import launch
 
 STEPS = 20
@@ -73,6 +73,19 @@ def test_zero_matches_single_process(nproc, references, tmp_path):
             # each block gathered in forward and again in backward, every micro-batch
             assert comm["dp/all_gather"]["calls"] >= STEPS * accum * 2 * 2, label
 
+
+def test_zero_on_gloo_in_place_path_matches_single_process(references):
+    """The in-place gloo path (taken by units of 1 MiB and more) reduces in the caller's buffer: stage 1 in
+    its full gradient buffer, of which it then reads only its own slice, stages 2/3 in their staging
+    buckets; each must still match one process, with gradient accumulation too."""
+    path = shakespeare()
+    cases = [(1, 1), (1, 2), (2, 2), (3, 1)]
+    cfgs = [zero_config(path, STEPS, GLOBAL_BATCH, GLOBAL_BATCH // (2 * accum), "fp32", 2, stage)
+            for stage, accum in cases]
+    results = launch(train_zero_gloo_inplace, (cfgs,), nproc=2)
+    for i, (stage, accum) in enumerate(cases):
+        compare(f"in-place gloo stage={stage} accum={accum}", results[0][i], references["fp32"], results, i, 2,
+                TOL["fp32"], PARAM_TOL["fp32"])
 
 
 def test_fp16_overflow_skips_step_on_every_rank():

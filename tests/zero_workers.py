@@ -82,6 +82,14 @@ def train_zero(cfg_dicts: list[dict]) -> list[dict]:
     return out
 
 
+def train_zero_gloo_inplace(cfg_dicts: list[dict]) -> list[dict]:
+    """:func:`train_zero` with every gloo collective on podscale's in-place path (per-rank reduces and
+    broadcasts in the caller's buffer), which the tiny test models' units are otherwise too small to take."""
+    from podscale.runtime import comm
+    comm.GLOO_INPLACE_MIN_BYTES = 0
+    return train_zero(cfg_dicts)
+
+
 def checkpoint_chain(d: dict, root: str, first: int, then: int) -> dict:
     """Train ``first`` steps, save, then train ``then`` more: losses of all steps (the continuous run)."""
     info = init_process()

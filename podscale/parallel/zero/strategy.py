@@ -467,8 +467,10 @@ class ZeroStrategy(LocalMicroBatches, DataParallelStrategy):
             out = shard  # reduce straight into the shard: no receive buffer, no copy
         else:
             out = torch.empty(u.shard, dtype=self.rdtype, device=self.device)
-        # stages 2/3: the staging bucket is scratch once reduced (gloo then reduces in it, no staging copies)
-        h = comm.reduce_scatter(out, wire, self.mesh, u.axes, async_op=True, scratch_input=self.stage >= 2)
+        # the wire is scratch once reduced (gloo then reduces in it, no staging copies): stages 2/3's staging
+        # bucket; stage 1's full gradient buffer, of which only this rank's slice is read afterwards (it is
+        # overwritten from ``out`` when the reduction is retired) and which zero_grad clears for the next step
+        h = comm.reduce_scatter(out, wire, self.mesh, u.axes, async_op=True, scratch_input=True)
         self._inflight.append((u, out, wire, h, first))
         if self.stage == 3 and not u.persistent:
             self._free(u)
