@@ -36,7 +36,7 @@ from __future__ import annotations
 
 
 from . import network as net
-from .compute import (gemm_rate as _gemm_rate, gemm_time, grad_pass_time, linear_time, optimizer_time,
+from .compute import (attention_time, gemm_rate as _gemm_rate, gemm_time, grad_pass_time, linear_time, optimizer_time,
                       overlapped_exposed, stream_time)
 from .hardware import System
 from .layout import Layout, LayoutError
@@ -119,7 +119,11 @@ def _layer_times_uncached(system: System, model: GPT, lay: Layout, moe: bool) ->
         gemms.append(linear_time(dev, tokens, h, f / t, bytes_per_element=e))
     dense, dense_bwd = sum(g[0] for g in gemms), sum(g[1] for g in gemms)
     heads_local = b * a / t
-    if lay.fused_attention:
+    measured_attn = attention_time(dev, s, h / a, heads_local) if lay.fused_attention else None
+    if measured_attn:
+        # a calibrated CPU: the fused kernel's forward and backward as measured on this machine
+        attn, attn_bwd_measured = measured_attn
+    elif lay.fused_attention:
         # FlashAttention (Dao et al. 2022; torch's scaled_dot_product_attention): the score and value GEMMs
         # in one kernel that never writes the s x s matrix, so its time is their arithmetic only (the
         # GEMM model's rate with q, k, v, o as the only traffic), no softmax or dropout pass over memory.
@@ -135,11 +139,8 @@ def _layer_times_uncached(system: System, model: GPT, lay: Layout, moe: bool) ->
         attn = (gemm_time(dev, s, s, h / a, batch=heads_local, bytes_per_element=e)
                 + gemm_time(dev, s, h / a, s, batch=heads_local, bytes_per_element=e))
     sbh = tokens * h
-    # Byte counts of the module docstring are for 16-bit elements; e / 2 rescales them (fp32 on CPU).
-    replicated = 22 * sbh / (t if lay.sequence_parallel else 1)
-    sharded = (4 * f / h * scale + 8) * sbh / t
     softmax = 9 * a * s * s * b / t
-    ew = stream_time(dev, (replicated + sharded) * e / 2)
+    ew = stream_time(dev, layer_elementwise_bytes(tokens, h, f * scale, t, lay.sequence_parallel, e))
     ew_attn = 0.0 if lay.fused_attention else stream_time(dev, softmax * e / 2)
     act_bytes = e * sbh                                       # one [s, b, h] activation tensor
     tp_ar = net.all_reduce_time(system, act_bytes, t, 1) if t > 1 else 0.0
@@ -150,11 +151,24 @@ def _layer_times_uncached(system: System, model: GPT, lay: Layout, moe: bool) ->
                             gemm_time(dev, h, f / t, tokens, bytes_per_element=e)]
     # backward of the attention core: twice its forward; fused, 2.5x (five GEMMs for the forward's two,
     # the scores recomputed: Dao 2023, FlashAttention-2, Sec. 3.1.2)
-    attn_bwd = (FUSED_ATTN_BWD_OVER_FWD if lay.fused_attention else BWD_OVER_FWD) * (attn + ew_attn)
+    attn_bwd = (attn_bwd_measured if measured_attn else
+                (FUSED_ATTN_BWD_OVER_FWD if lay.fused_attention else BWD_OVER_FWD) * (attn + ew_attn))
     return {"gemm": dense, "gemm_bwd": dense_bwd, "attn": attn + ew_attn, "attn_bwd": attn_bwd, "ew": ew,
             "tp_ar": tp_ar, "a2a": a2a,
             "kernels": KERNELS_PER_LAYER * dev.kernel_overhead,
             "tp_bwd": _tp_backward(lay, tp_ar, wgrad, dev)}
+
+
+def layer_elementwise_bytes(tokens: float, hidden: float, ffn: float, tp: int = 1,
+                            sequence_parallel: bool = False, dtype_bytes: int = 2) -> float:
+    """Bytes the element-wise kernels of one layer's forward move outside the attention core (module
+    docstring: 22 sbh replicated over tp without sequence parallelism, 4 sb ffn + 8 sbh split over tp,
+    counted for 16-bit elements and rescaled to ``dtype_bytes``). ``plan calibrate`` prices these same bytes
+    at the rate it measures for the same kernels, so the two stay one formula."""
+    sbh = tokens * hidden
+    replicated = 22 * sbh / (tp if sequence_parallel else 1)
+    sharded = (4 * ffn / hidden + 8) * sbh / tp
+    return (replicated + sharded) * dtype_bytes / 2
 
 
 def _tp_collectives_per_pass(lay: Layout) -> int:
