@@ -55,6 +55,12 @@ FUSED_ATTN_BWD_OVER_FWD = 2.5  # FlashAttention-2 backward: 5 GEMMs for the forw
 # ZeRO folds the clipping coefficient into its fused step, leaving the norm and the zeroing.
 GRAD_PASS_BYTES_REPLICATED = 16
 GRAD_PASS_BYTES_ZERO = 8
+# Without accumulation fusion (podscale's trainer: autograd's AccumulateGrad), each micro-batch's gradient
+# is added into the buffer the strategy keeps (read both, write: 12 bytes per parameter), and the mean over
+# the data-parallel ranks is taken in place before the reduction (read + write: 8); ZeRO-2/3 instead copy
+# each gradient, scaled, into the reduce-scatter's staging buffer (8).
+GRAD_ACCUMULATE_BYTES = 12
+GRAD_SCALE_BYTES = 8
 KERNELS_PER_LAYER = 20         # forward kernels of one layer (2 norms, 4 linears + biases, attention
                                # core, GeLU, dropouts, residual adds); host overhead counts on CPUs only
 
@@ -157,6 +163,26 @@ def _layer_times_uncached(system: System, model: GPT, lay: Layout, moe: bool) ->
             "tp_ar": tp_ar, "a2a": a2a,
             "kernels": KERNELS_PER_LAYER * dev.kernel_overhead,
             "tp_bwd": _tp_backward(lay, tp_ar, wgrad, dev)}
+
+
+def gradient_bookkeeping_bytes(lay: Layout, m: int) -> float:
+    """Bytes per parameter of the rank's stage that podscale's strategies move per step to accumulate the
+    ``m`` micro-batches' gradients and scale them for the reduction, beyond the norm/clip/zero passes
+    (parallel/data.py, parallel/zero/strategy.py): data parallelism over buckets (``.grad`` views of a
+    zeroed bucket, so every micro-batch is added in) and ZeRO-1 (the same, into its full gradient buffer,
+    which it also zeroes) add 12 bytes per micro-batch and divide by the rank count in place; one replica
+    keeps autograd's own gradients (the first micro-batch's is taken as is); ZeRO-2/3 copy each gradient,
+    scaled, into a staging bucket for every micro-batch's reduce-scatter, or, in a pipeline, accumulate
+    locally and copy once."""
+    if lay.zero_stage == 0:
+        if lay.data_parallel == 1:
+            return GRAD_ACCUMULATE_BYTES * (m - 1)
+        return GRAD_ACCUMULATE_BYTES * m + GRAD_SCALE_BYTES
+    if lay.zero_stage == 1:
+        return GRAD_ACCUMULATE_BYTES * m + GRAD_SCALE_BYTES + 4        # + zeroing the full buffer
+    if lay.pp > 1:
+        return GRAD_ACCUMULATE_BYTES * (m - 1) + GRAD_SCALE_BYTES
+    return GRAD_SCALE_BYTES * m
 
 
 def layer_elementwise_bytes(tokens: float, hidden: float, ffn: float, tp: int = 1,
@@ -321,6 +347,8 @@ def predict_gpt(system: System, devices: int, model: GPT, lay: Layout, batch: in
     # the global norm, clipping and zeroing of the gradients this rank holds (all of them when replicated)
     grad_passes = grad_pass_time(dev, GRAD_PASS_BYTES_REPLICATED * (stage_dense + stage_expert)
                                  if lay.zero_stage == 0 else GRAD_PASS_BYTES_ZERO * local_params)
+    if not lay.grad_accumulation_fusion:
+        grad_passes += grad_pass_time(dev, gradient_bookkeeping_bytes(lay, m) * (stage_dense + stage_expert))
     offload = _offload_time(system, lay, local_params, stage_dense + stage_expert, m, comp_fwd + comp_bwd,
                             m * comp_fwd)
 
