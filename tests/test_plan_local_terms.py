@@ -117,3 +117,20 @@ def test_podscale_trainer_pays_its_gradient_accumulation_and_scaling_passes():
     f2, t2 = passes(zero_stage=2)
     assert f1 == f2 and t1 > t2
     assert t2 - f2 == pytest.approx(GRAD_SCALE_BYTES * m * params / 6e9, rel=1e-9)
+
+
+def test_zero_1_and_2_wait_for_the_parameter_all_gather_after_the_step():
+    """ZeRO-1/2 reduce-scatter the gradients under the backward, but all-gather the updated parameters after
+    the optimizer step, which the next forward waits for: that half of the traffic is exposed even where the
+    backward hides the reduction (a GPU), so it orders ZeRO-0 ahead of ZeRO-1/2 when the rest is equal."""
+    from podscale.plan import network as net
+    gpu = load_system("dgx-a100-80g")
+    model = GPT(layers=8, hidden=1024, heads=16, seq=1024, vocab=32000)
+    comm = {z: predict(gpu, 8, model, Layout(dp=8, microbatch=4, zero_stage=z), 64).time_breakdown_s["dp_communication"]
+            for z in (0, 1, 2)}
+    grad_bytes = 2 * (model.params)           # 16-bit gradients of the whole model, one stage
+    gather = net.all_gather_time(gpu, grad_bytes, 8, 1)
+    assert comm[1] == comm[2] > comm[0]
+    # ZeRO-0 waits for its last bucket's all-reduce (1/layers of it), ZeRO-1/2 for the last bucket's
+    # reduce-scatter plus the whole all-gather: the difference is the all-gather less its last-bucket share
+    assert comm[1] - comm[0] == pytest.approx(gather * (1 - 1 / model.layers), rel=1e-6)

@@ -312,6 +312,14 @@ def predict_gpt(system: System, devices: int, model: GPT, lay: Layout, batch: in
     # reduce-scatter + per-micro-batch parameter all-gathers (3). Overlapped with the backward of
     # the last micro-batch when buckets are reduced as they fill.
     dp_red = net.all_reduce_time(system, grad_bytes, dpe, dp_stride)
+    # ZeRO-1/2: the gradients are reduce-scattered under the backward, but the updated parameter shards are
+    # all-gathered after the optimizer step, and the next forward waits for them: nothing to overlap with
+    # (podscale's ZeroStrategy._publish_persistent / wait_params; DeepSpeed's stage 1/2 step, Rajbhandari et
+    # al. 2020, Sec. 5). Stage 3 gathers per unit under compute (below).
+    param_gather = 0.0
+    if lay.zero_stage in (1, 2) and dpe > 1:
+        param_gather = net.all_gather_time(system, grad_bytes, dpe, dp_stride)
+        dp_red -= param_gather
     if stage_expert and lay.dp > 1:
         dp_red += net.all_reduce_time(system, expert_grad_bytes, lay.dp, lay.ep * t)
     zero3_gather = 0.0
@@ -337,7 +345,7 @@ def predict_gpt(system: System, devices: int, model: GPT, lay: Layout, batch: in
     window = comp_bwd if lay.overlap_grad_reduce else 0.0
     last_bucket = dp_red / max(n_slow, 1)
     dp_exposed = (max(overlapped_exposed(dev, dp_red, window), last_bucket) if lay.overlap_grad_reduce
-                  else dp_red) + zero3_gather
+                  else dp_red) + zero3_gather + param_gather
 
     shard = 1 if lay.zero_stage == 0 else dpe
     local_params = (stage_dense + stage_expert) / shard
