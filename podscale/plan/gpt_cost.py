@@ -31,6 +31,14 @@ Megatron-LM runs them (read inputs + write outputs):
 backward moves about twice the forward bytes. These counts are fixed, not fitted. Each linear layer's
 backward is costed as its two GEMMs with their own shapes (input and weight gradients), and on
 devices that run kernels synchronously (CPUs) every kernel also pays a measured host overhead.
+
+On a calibrated CPU (``plan calibrate``) three of these are measured on the kernels themselves rather than
+derived: the fused attention kernel's forward and backward by shape (``compute.attention_time``; a CPU's
+flash-attention loop runs far below its GEMM rate), the element-wise rate (a GPT layer's element-wise
+kernels forward and backward, priced in ``layer_elementwise_bytes``), and the host cost per kernel (the
+same layer at a size where its kernels do no work). A layout with ``grad_accumulation_fusion`` off
+(podscale's trainer: ``auto.as_trained``) also pays its strategy's passes to accumulate and scale the
+gradients (``gradient_bookkeeping_bytes``).
 """
 from __future__ import annotations
 
