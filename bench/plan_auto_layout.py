@@ -14,7 +14,6 @@ the script in about two.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import sys
 import time
@@ -23,7 +22,7 @@ from pathlib import Path
 
 from podscale.config import load_config
 from podscale.plan import load_system, predict
-from podscale.plan.auto import choose_layout, gpt_of, layout_overrides
+from podscale.plan.auto import as_trained, choose_layout, gpt_of, layout_overrides
 from podscale.plan.calibrate import low_percentile
 from podscale.plan.layout import Layout
 
@@ -76,7 +75,7 @@ def main(argv=None) -> int:
     layouts = [choice.layout] + [Layout(**{k: v for k, v in p.layout.items() if k != "pipeline_layers"})
                                  for p, _ in choice.ranked[1:]]
     for lay in EXTRA:
-        lay = dataclasses.replace(lay, fused_attention=True, tp_overlap=lay.tp > 1)
+        lay = as_trained(lay)
         if cfg.train.global_batch % (lay.dp * lay.microbatch):
             continue
         if all(lay.short() != seen.short() for seen in layouts):

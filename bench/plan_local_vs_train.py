@@ -27,6 +27,8 @@ import tempfile
 from pathlib import Path
 
 from podscale.plan import load_system, predict
+from podscale.plan.auto import as_trained
+from podscale.plan.layout import Layout
 from podscale.plan.calibrate import low_percentile
 
 SMALL = dict(n_layer=4, n_head=4, n_embd=128, block_size=128)
@@ -88,10 +90,7 @@ def main(argv=None) -> int:
                            for _ in range(args.repeat))
             model = {"layers": ov["n_layer"], "hidden": ov["n_embd"], "heads": ov["n_head"],
                      "seq": ov["block_size"], "vocab": 256}
-            # podscale's GPT runs torch's scaled_dot_product_attention (a fused attention kernel), and its
-            # column-parallel layers overlap the input gradient's all-reduce with the weight gradient
-            pred = predict(system, 2, model, {**lay, "microbatch": mb, "zero_stage": zero, "fused_attention": True,
-                                              "tp_overlap": lay["tp"] > 1}, gb)
+            pred = predict(system, 2, model, as_trained(Layout(**lay, microbatch=mb, zero_stage=zero)), gb)
             ratio = pred.step_time_s / measured
             ratios.append(ratio)
             print(f"{label:<40}{measured:>12.4f}{pred.step_time_s:>13.4f}{ratio:>11.2f}", flush=True)

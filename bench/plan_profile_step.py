@@ -175,11 +175,10 @@ def _mnk(key: str):
 
 def planner_side(cfg, tp, pp, dp, mb, zero, offload) -> dict:
     from podscale.plan import load_system
-    from podscale.plan.auto import gpt_of
+    from podscale.plan.auto import as_trained, gpt_of
     from podscale.plan.gpt_cost import step_components
     from podscale.plan.layout import Layout
-    lay = Layout(tp=tp, pp=pp, dp=dp, microbatch=mb, zero_stage=zero, offload_optimizer=offload,
-                 fused_attention=True, tp_overlap=tp > 1)
+    lay = as_trained(Layout(tp=tp, pp=pp, dp=dp, microbatch=mb, zero_stage=zero, offload_optimizer=offload))
     return step_components(load_system("local"), 2, gpt_of(cfg), lay, cfg.train.global_batch)
 
 

@@ -34,6 +34,9 @@ def test_quick_calibration_writes_a_local_system(tmp_path, monkeypatch, capsys):
     assert data["calibration"]["sync_wait_us"] >= 0 and data["device"]["overlap_penalty_us"] >= 0
     assert data["device"]["optimizer_gbps"] > 0.01 and data["device"]["grad_pass_gbps"] > 0.01
     assert data["device"]["overlap_exposed"] >= 0
+    assert data["device"]["elementwise_gbps"] > 0.01 and data["device"]["kernel_overhead_us"] > 0
+    assert len(data["device"]["attention_table"]) >= 4
+    assert all(f > 1e7 and b > 1e7 for *_, f, b in data["device"]["attention_table"])   # measured FLOP/s
     assert data["host"]["nvme_gbps"] > 0.01  # the swap folder's disk, measured (was a fixed 1 GB/s)
     local = load_system("local")
     assert local.device.dtype_bytes == 4 and local.device.matmul_table

@@ -82,6 +82,13 @@ def _runnable(cfg, world_size: int, overrides: list) -> bool:
     return True
 
 
+def as_trained(lay: Layout) -> Layout:
+    """``lay`` as podscale's trainer runs it: its GPT calls torch's SDPA (a fused attention kernel), its
+    column-parallel layers overlap the input gradient's all-reduce with the weight gradient
+    (parallel/tensor.py, ColumnParallelLinear), and autograd accumulates gradients (no fused accumulation)."""
+    return dataclasses.replace(lay, fused_attention=True, tp_overlap=lay.tp > 1, grad_accumulation_fusion=False)
+
+
 def choose_layout(cfg, world_size: int, system: System | str = "local", keep: int = 0) -> AutoChoice:
     """The fastest predicted layout of ``cfg`` on ``world_size`` devices of ``system`` that fits in device
     memory and that the trainer accepts; ``keep`` > 0 also returns that many runners-up in ``ranked``."""
@@ -92,9 +99,7 @@ def choose_layout(cfg, world_size: int, system: System | str = "local", keep: in
     mbs = tuple(d for d in range(1, batch + 1) if batch % d == 0 and d <= 64)
     preds, evaluated = [], 0
     for lay in candidate_layouts(system, world_size, model, batch, microbatches=mbs):
-        # podscale's GPT runs torch's SDPA, and its column-parallel layers overlap the input gradient's
-        # all-reduce with the weight gradient (parallel/tensor.py, ColumnParallelLinear)
-        lay = dataclasses.replace(lay, fused_attention=True, tp_overlap=lay.tp > 1)
+        lay = as_trained(lay)
         try:
             pred = predict(system, world_size, model, lay, batch)
         except LayoutError:

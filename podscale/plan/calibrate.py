@@ -2,10 +2,15 @@
 
 What is measured, with ``ranks`` worker processes running *at the same time* (as ``podscale train``
 runs them, so they share cores, caches and memory bandwidth), each with cores/ranks torch threads:
-  - matmul FLOP/s by shape (float32, torch on CPU): squares and transformer-like rectangles;
+  - matmul FLOP/s by shape (float32, torch on CPU): squares and transformer-like rectangles, each in the
+    three forms a linear layer runs (forward addmm with the transposed weight, input and weight gradients),
+    outputs allocated as autograd allocates them;
+  - fused causal attention (scaled_dot_product_attention) forward and backward by sequence and head size:
+    on a CPU it runs far below the matmul rate, so it is measured, not derived from GEMMs;
   - memory bandwidth: a large tensor copy (bytes read + written per second) per rank, and the rate of
-    the element-wise kernels of a transformer layer (on a CPU they are compute-bound, below the copy
-    rate), and the host cost of one small autograd-recorded kernel;
+    a GPT layer's element-wise kernels forward and backward through autograd (on a CPU they are
+    compute-bound, below the copy rate), and the host cost per kernel of the same layer run at a size
+    where its kernels do no work;
   - gloo all-reduce time by message size over ``ranks`` processes; a least-squares fit of the ring
     model t(S) = 2(n-1) alpha + 2(n-1)/n * S / B (Thakur et al. 2005) gives latency alpha and bandwidth B;
   - the wait of a collective issued *between compute kernels*, as the trainer issues its tensor-parallel
@@ -87,31 +92,17 @@ def _worker(rank: int, ranks: int, port: int, quick: bool, out_path: str) -> Non
     for m in ms:
         for n in nks:
             for k in nks:
-                a, b = torch.randn(m, k), torch.randn(k, n)
-                c = torch.empty(m, n)
                 dist.barrier()
-                sec = _timeit(lambda: torch.mm(a, b, out=c), budget)
-                table.append([m, n, k, 2.0 * m * n * k / sec])
+                table.append([m, n, k, 2.0 * m * n * k / _linear_gemm_seconds(torch, m, n, k, budget)])
+    attention = _attention_table(dist, torch, budget, quick)
     n_el = (4 if quick else 16) * 1024 * 1024          # 16 / 64 MiB float32 per buffer
     src, dst = torch.randn(n_el), torch.empty(n_el)
     dist.barrier()
     sec = _timeit(lambda: dst.copy_(src), budget * 4)
     mem_bw = 2 * 4 * n_el / sec
-    # Element-wise kernels of a transformer layer, forward, on [tokens, 256] fp32: bytes read + written
-    # per second; their harmonic mean is the rate the planner streams element-wise work at.
-    x = torch.randn(n_el // 256 // 4, 256)
-    rates = []
-    # Dropout is left out: CPU runs train without it, and its RNG (~1 GB/s) would dominate the mean.
-    for fn in (torch.nn.functional.gelu, lambda v: torch.nn.functional.layer_norm(v, (256,)),
-               lambda v: torch.softmax(v, -1)):
-        dist.barrier()
-        rates.append(2 * 4 * x.numel() / _timeit(lambda: fn(x), budget * 2))
-    elementwise_bw = len(rates) / sum(1 / r for r in rates)
     optimizer_bw, grad_pass_bw = _optimizer_and_grad_passes(dist, torch, n_el // 4, budget * 4)
-    # Host cost of one small autograd-recorded kernel: what every launch costs when nothing is queued.
-    tiny = torch.randn(8, requires_grad=True)
     dist.barrier()
-    kernel_overhead = _timeit(lambda: tiny * 2.0, budget)
+    elementwise_bw, kernel_overhead = _layer_elementwise_and_host(torch, budget * 4)
     sizes = ALLREDUCE_BYTES[::2] if quick else ALLREDUCE_BYTES
     ar = []
     for nbytes in sizes:
@@ -130,12 +121,121 @@ def _worker(rank: int, ranks: int, port: int, quick: bool, out_path: str) -> Non
     sync = _sync_wait(dist, torch, 10 if quick else 30)
     if rank == 0:
         with open(out_path, "w") as f:
-            json.dump({"matmul": table, "memory_bw": mem_bw, "elementwise_bw": elementwise_bw,
+            json.dump({"matmul": table, "attention": attention, "memory_bw": mem_bw, "elementwise_bw": elementwise_bw,
                        "kernel_overhead": kernel_overhead, "allreduce": ar, "threads": threads,
                        "optimizer_bw": optimizer_bw, "grad_pass_bw": grad_pass_bw,
                        "sync": sync}, f)
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _linear_gemm_seconds(torch, m: int, n: int, k: int, budget: float) -> float:
+    """Mean seconds of an (m x k) @ (k x n) product in the three forms a linear layer runs it (torch's
+    nn.Linear and its autograd): the forward's addmm with a bias and the transposed weight, the input
+    gradient's plain product, the weight gradient's product with a transposed first operand; each
+    allocates its output, as autograd does. A product of two contiguous operands into a preallocated
+    output, the simplest thing to time, runs 5-20 % faster on a CPU than these."""
+    x, w, bias = torch.randn(m, k), torch.randn(n, k), torch.randn(n)
+    b, xt = torch.randn(k, n), torch.randn(k, m)
+    forms = (lambda: torch.addmm(bias, x, w.t()), lambda: torch.mm(x, b), lambda: torch.mm(xt.t(), b))
+    return sum(_timeit(f, budget / len(forms), min_reps=3) for f in forms) / len(forms)
+
+
+ATTENTION_SEQ = (64, 128, 256, 512)
+ATTENTION_HEAD_DIM = (32, 64, 128)
+ATTENTION_HEADS = 16           # batch x heads of one measurement; time scales linearly in it
+
+
+def _attention_table(dist, torch, budget: float, quick: bool) -> list:
+    """[seq, head_dim, forward FLOP/s, backward FLOP/s] of torch's fused causal attention
+    (``scaled_dot_product_attention(is_causal=True)``, what podscale's GPT calls) on inputs that record
+    autograd, the backward timed on its own; both rates count the forward's 2 s^2 d FLOPs per head
+    (:func:`podscale.plan.compute.attention_time`)."""
+    import torch.nn.functional as F
+    rows = []
+    for s in (ATTENTION_SEQ[1:3] if quick else ATTENTION_SEQ):
+        for d in (ATTENTION_HEAD_DIM[:2] if quick else ATTENTION_HEAD_DIM):
+            q, k, v = (torch.randn(1, ATTENTION_HEADS, s, d, requires_grad=True) for _ in range(3))
+            grad = torch.randn(1, ATTENTION_HEADS, s, d)
+
+            def forward():
+                return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            dist.barrier()
+            fwd = _timeit(forward, budget)
+            bwd = []
+            for _ in range(5 if quick else 10):
+                y = forward()
+                t0 = time.perf_counter()
+                torch.autograd.grad(y, (q, k, v), grad)
+                bwd.append(time.perf_counter() - t0)
+            bwd = low_percentile(bwd)
+            flops = 2.0 * s * s * d * ATTENTION_HEADS
+            rows.append([s, d, flops / fwd, flops / bwd])
+    return rows
+
+
+def _gpt_layer(torch, tokens: int, hidden: int, seq: int, full: bool):
+    """One pre-norm GPT layer's kernels as podscale's model runs them, forward then backward through
+    autograd. ``full``: the whole layer (layer norms, QKV, causal scaled_dot_product_attention, output
+    projection, residual adds, tanh-GELU MLP); otherwise only its element-wise and layout kernels outside
+    the GEMMs and the attention core (layer norm, the attention context's heads back into rows (a copy),
+    residual add, layer norm, GELU, residual add), each GEMM's or attention's output a leaf. Returns a
+    function that runs the forward and backward once."""
+    import torch.nn.functional as F
+    h, heads = hidden, max(1, hidden // 64)
+    seqs = tokens // seq
+
+    def leaf(*shape):
+        return torch.randn(*shape, requires_grad=True)
+    x, w1, b1, w2, b2 = leaf(tokens, h), leaf(h), leaf(h), leaf(h), leaf(h)
+    if full:
+        weights = (leaf(3 * h, h), leaf(3 * h), leaf(h, h), leaf(h), leaf(4 * h, h), leaf(4 * h), leaf(h, 4 * h),
+                   leaf(h))
+        leaves = (x, w1, b1, w2, b2) + weights
+    else:
+        attn_proj, fc, mlp_proj = leaf(tokens, h), leaf(tokens, 4 * h), leaf(tokens, h)
+        context = leaf(seqs, heads, seq, h // heads)             # attention's output, heads first
+        leaves = (x, w1, b1, w2, b2, attn_proj, fc, mlp_proj, context)
+
+    def run():
+        n1 = F.layer_norm(x, (h,), w1, b1)
+        outs = []
+        if full:
+            wq, bq, wo, bo, wf, bf, wp, bp = weights
+            q, k, v = (t.view(seqs, seq, heads, h // heads).transpose(1, 2)
+                       for t in F.linear(n1, wq, bq).chunk(3, dim=1))
+            ctx = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            r1 = x + F.linear(ctx.transpose(1, 2).reshape(tokens, h), wo, bo)
+            n2 = F.layer_norm(r1, (h,), w2, b2)
+            out = r1 + F.linear(F.gelu(F.linear(n2, wf, bf), approximate="tanh"), wp, bp)
+        else:
+            outs.append(context.transpose(1, 2).reshape(tokens, h))
+            r1 = x + attn_proj
+            n2 = F.layer_norm(r1, (h,), w2, b2)
+            outs += [n1, n2, F.gelu(fc, approximate="tanh")]
+            out = r1 + mlp_proj
+        outs.append(out)
+        torch.autograd.grad(outs, leaves, grad_outputs=[torch.ones_like(o) for o in outs])
+    return run
+
+
+def _layer_elementwise_and_host(torch, budget: float) -> tuple[float, float]:
+    """(element-wise bytes/s, host seconds per kernel) from one GPT layer (:func:`_gpt_layer`), forward and
+    backward. The element-wise and layout kernels alone are timed at a trainer's activation size (1,024
+    tokens x 256) and at a size where they do no work (8 x 8); the difference is their work, priced in the
+    planner's own byte count of it (``gpt_cost.layer_elementwise_bytes``, forward + BWD_OVER_FWD x forward).
+    The whole layer at the small size is the host cost of a layer's kernels (Python, dispatcher, autograd's
+    engine), spread over the planner's KERNELS_PER_LAYER forward kernels and their backward. The rates of
+    single forward kernels on a large tensor (GELU, layer norm, softmax) and of one small forward op, which
+    these replace, missed the backward's kernels, the tanh GELU, the layout copy and autograd's engine
+    between them (a profiled step: element-wise work 1.5-2x the planner's term, host cost 2-4x)."""
+    from .gpt_cost import BWD_OVER_FWD, KERNELS_PER_LAYER, layer_elementwise_bytes
+    tokens, hidden = 1024, 256
+    big = _timeit(_gpt_layer(torch, tokens, hidden, 128, full=False), budget)
+    small = _timeit(_gpt_layer(torch, 8, 8, 8, full=False), budget)
+    host = _timeit(_gpt_layer(torch, 8, 8, 8, full=True), budget)
+    nbytes = (1 + BWD_OVER_FWD) * layer_elementwise_bytes(tokens, hidden, 4 * hidden, dtype_bytes=4)
+    return nbytes / max(big - small, 1e-9), host / (KERNELS_PER_LAYER * (1 + BWD_OVER_FWD))
 
 
 def _optimizer_and_grad_passes(dist, torch, n: int, budget: float) -> tuple[float, float]:
@@ -309,6 +409,7 @@ def system_toml(data: dict, ranks: int, quick: bool) -> str:
     cores = os.cpu_count() or 1
     when = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     rows = ",\n".join(f"  [{m}, {n}, {k}, {f:.6g}]" for m, n, k, f in data["matmul"])
+    attention = ",\n".join(f"  [{s}, {d}, {f:.6g}, {b:.6g}]" for s, d, f, b in data.get("attention", ()))
     ar = ", ".join(f"[{s}, {t:.6g}]" for s, t in data["allreduce"])
     mem = _total_memory()
     return f'''# Written by `podscale plan calibrate` on {when}{" (quick mode)" if quick else ""}.
@@ -325,8 +426,8 @@ name = "{_cpu_name()} / rank"
 peak_tflops = {peak / 1e12:.6g}           # best measured matmul rate of one rank
 memory_gib = {mem / ranks / GiB:.4g}            # RAM / ranks
 memory_bw_gbps = {data["memory_bw"] / GB:.6g}        # tensor copy, bytes read + written per s, per rank
-elementwise_gbps = {data["elementwise_bw"] / GB:.6g}      # GeLU / layer norm / softmax, bytes per s
-kernel_overhead_us = {data["kernel_overhead"] * 1e6:.4g}      # one small autograd-recorded op
+elementwise_gbps = {data["elementwise_bw"] / GB:.6g}      # a GPT layer's element-wise kernels, fwd + bwd, planner's bytes / s
+kernel_overhead_us = {data["kernel_overhead"] * 1e6:.4g}      # host cost per kernel: a tiny GPT layer, fwd + bwd, per planner kernel
 overlap_penalty_us = {overlap_penalty(data) * 1e6:.4g}      # all-reduce under a matmul, beyond the longer of them
 overlap_exposed = {overlap_exposed(data):.4g}      # of an 8 MiB all-reduce under longer matmuls: what overlap still costs
 {_rate_line("optimizer_gbps", data.get("optimizer_bw"), "torch fused AdamW, planner's bytes per parameter / s")}
@@ -339,6 +440,11 @@ dtype_bytes = 4                     # CPU training runs in float32
 # between the nearest measured shapes (log space).
 matmul_table = [
 {rows}
+]
+# Measured [seq, head_dim, forward FLOP/s, backward FLOP/s] of torch's fused causal attention, both rates in
+# the forward's 2 s^2 d FLOPs per head; the planner interpolates between the nearest (log space).
+attention_table = [
+{attention}
 ]
 
 [intra_node]
@@ -396,6 +502,7 @@ def calibrate(out: str | None = None, quick: bool = False, ranks: int = 2, log=p
     log(f"matmul: best {max(f for *_, f in data['matmul']) / 1e9:.1f} GFLOP/s per rank "
         f"({len(data['matmul'])} shapes); memory copy {data['memory_bw'] / GB:.2f} GB/s, element-wise "
         f"{data['elementwise_bw'] / GB:.2f} GB/s per rank; kernel {data['kernel_overhead'] * 1e6:.1f} us; "
+        f"attention {len(data.get('attention', ()))} shapes; "
         f"gloo all-reduce ({ranks} ranks): latency {alpha * 1e6:.0f} us, bandwidth {bw / GB:.2f} GB/s, "
         f"wait between kernels {wait * 1e6:.0f} us, overlap penalty {overlap_penalty(data) * 1e6:.0f} us, "
         f"8 MiB all-reduce under matmuls exposed {overlap_exposed(data):.2f}; fused AdamW "

@@ -30,17 +30,23 @@ from functools import lru_cache
 from .hardware import Device
 
 
-def _table_flops(device: Device, m: float, n: float, k: float) -> float:
-    """FLOP/s at shape (m, n, k) from the measured table: inverse-distance weighting, in log space, of
-    the seconds-per-FLOP of the 4 nearest measured shapes (an exact match returns its own rate)."""
-    lm, ln, lk = math.log(m), math.log(n), math.log(k)
-    near = sorted(((math.log(tm) - lm) ** 2 + (math.log(tn) - ln) ** 2 + (math.log(tk) - lk) ** 2, f)
-                  for tm, tn, tk, f in device.matmul_table)[:4]
+def _log_interpolated(rows, point) -> tuple:
+    """Rates at ``point`` from measured rows (coordinates..., rate, rate, ...) with ``len(point)``
+    coordinates: inverse-distance weighting, in log space, of the seconds-per-FLOP of the 4 nearest rows
+    (an exact match returns its own rates)."""
+    logs = [math.log(x) for x in point]
+    nd = len(point)
+    near = sorted((sum((math.log(r[i]) - logs[i]) ** 2 for i in range(nd)), r[nd:]) for r in rows)[:4]
     if near[0][0] < 1e-12:
-        return near[0][1]
+        return tuple(near[0][1])
     weights = [1.0 / d for d, _ in near]
-    sec_per_flop = sum(w / f for w, (_, f) in zip(weights, near)) / sum(weights)
-    return 1.0 / sec_per_flop
+    return tuple(sum(weights) / sum(w / rates[j] for w, (_, rates) in zip(weights, near))
+                 for j in range(len(near[0][1])))
+
+
+def _table_flops(device: Device, m: float, n: float, k: float) -> float:
+    """FLOP/s at shape (m, n, k) from the measured table (:func:`_log_interpolated`)."""
+    return _log_interpolated(device.matmul_table, (m, n, k))[0]
 
 
 def tile_efficiency(device: Device, tm: int, tn: int) -> float:
@@ -91,6 +97,19 @@ def gemm_time(device: Device, m: float, n: float, k: float, batch: float = 1.0,
     arith = 2.0 * m * n * k * batch / gemm_rate(device, m, n, k, batch)
     traffic = bytes_per_element * (m * k + k * n + m * n) * batch
     return max(arith, traffic / (device.memory_bw * device.memory_efficiency))
+
+
+def attention_time(device: Device, seq: float, head_dim: float, heads: float) -> tuple[float, float] | None:
+    """(forward, backward) seconds of a fused causal attention kernel over ``heads`` (batch x heads) of
+    ``seq`` x ``head_dim`` from the measured attention table, or None where none was measured (the caller
+    then prices its GEMMs and softmax). A CPU's fused attention (torch's flash-attention loop) runs far
+    below its matmul rate: its blocks are small GEMMs with a softmax between them, and its backward
+    recomputes the scores, so the table is measured on the kernel itself (``plan calibrate``)."""
+    if not device.attention_table:
+        return None
+    fwd_rate, bwd_rate = _log_interpolated(device.attention_table, (seq, head_dim))
+    flops = 2.0 * seq * seq * head_dim * heads       # QK^T and PV on the unmasked half of the s x s scores
+    return flops / fwd_rate, flops / bwd_rate
 
 
 def stream_time(device: Device, nbytes: float) -> float:

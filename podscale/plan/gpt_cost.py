@@ -31,12 +31,20 @@ Megatron-LM runs them (read inputs + write outputs):
 backward moves about twice the forward bytes. These counts are fixed, not fitted. Each linear layer's
 backward is costed as its two GEMMs with their own shapes (input and weight gradients), and on
 devices that run kernels synchronously (CPUs) every kernel also pays a measured host overhead.
+
+On a calibrated CPU (``plan calibrate``) three of these are measured on the kernels themselves rather than
+derived: the fused attention kernel's forward and backward by shape (``compute.attention_time``; a CPU's
+flash-attention loop runs far below its GEMM rate), the element-wise rate (a GPT layer's element-wise
+kernels forward and backward, priced in ``layer_elementwise_bytes``), and the host cost per kernel (the
+same layer at a size where its kernels do no work). A layout with ``grad_accumulation_fusion`` off
+(podscale's trainer: ``auto.as_trained``) also pays its strategy's passes to accumulate and scale the
+gradients (``gradient_bookkeeping_bytes``).
 """
 from __future__ import annotations
 
 
 from . import network as net
-from .compute import (gemm_rate as _gemm_rate, gemm_time, grad_pass_time, linear_time, optimizer_time,
+from .compute import (attention_time, gemm_rate as _gemm_rate, gemm_time, grad_pass_time, linear_time, optimizer_time,
                       overlapped_exposed, stream_time)
 from .hardware import System
 from .layout import Layout, LayoutError
@@ -55,6 +63,12 @@ FUSED_ATTN_BWD_OVER_FWD = 2.5  # FlashAttention-2 backward: 5 GEMMs for the forw
 # ZeRO folds the clipping coefficient into its fused step, leaving the norm and the zeroing.
 GRAD_PASS_BYTES_REPLICATED = 16
 GRAD_PASS_BYTES_ZERO = 8
+# Without accumulation fusion (podscale's trainer: autograd's AccumulateGrad), each micro-batch's gradient
+# is added into the buffer the strategy keeps (read both, write: 12 bytes per parameter), and the mean over
+# the data-parallel ranks is taken in place before the reduction (read + write: 8); ZeRO-2/3 instead copy
+# each gradient, scaled, into the reduce-scatter's staging buffer (8).
+GRAD_ACCUMULATE_BYTES = 12
+GRAD_SCALE_BYTES = 8
 KERNELS_PER_LAYER = 20         # forward kernels of one layer (2 norms, 4 linears + biases, attention
                                # core, GeLU, dropouts, residual adds); host overhead counts on CPUs only
 
@@ -119,7 +133,11 @@ def _layer_times_uncached(system: System, model: GPT, lay: Layout, moe: bool) ->
         gemms.append(linear_time(dev, tokens, h, f / t, bytes_per_element=e))
     dense, dense_bwd = sum(g[0] for g in gemms), sum(g[1] for g in gemms)
     heads_local = b * a / t
-    if lay.fused_attention:
+    measured_attn = attention_time(dev, s, h / a, heads_local) if lay.fused_attention else None
+    if measured_attn:
+        # a calibrated CPU: the fused kernel's forward and backward as measured on this machine
+        attn, attn_bwd_measured = measured_attn
+    elif lay.fused_attention:
         # FlashAttention (Dao et al. 2022; torch's scaled_dot_product_attention): the score and value GEMMs
         # in one kernel that never writes the s x s matrix, so its time is their arithmetic only (the
         # GEMM model's rate with q, k, v, o as the only traffic), no softmax or dropout pass over memory.
@@ -135,11 +153,8 @@ def _layer_times_uncached(system: System, model: GPT, lay: Layout, moe: bool) ->
         attn = (gemm_time(dev, s, s, h / a, batch=heads_local, bytes_per_element=e)
                 + gemm_time(dev, s, h / a, s, batch=heads_local, bytes_per_element=e))
     sbh = tokens * h
-    # Byte counts of the module docstring are for 16-bit elements; e / 2 rescales them (fp32 on CPU).
-    replicated = 22 * sbh / (t if lay.sequence_parallel else 1)
-    sharded = (4 * f / h * scale + 8) * sbh / t
     softmax = 9 * a * s * s * b / t
-    ew = stream_time(dev, (replicated + sharded) * e / 2)
+    ew = stream_time(dev, layer_elementwise_bytes(tokens, h, f * scale, t, lay.sequence_parallel, e))
     ew_attn = 0.0 if lay.fused_attention else stream_time(dev, softmax * e / 2)
     act_bytes = e * sbh                                       # one [s, b, h] activation tensor
     tp_ar = net.all_reduce_time(system, act_bytes, t, 1) if t > 1 else 0.0
@@ -150,11 +165,44 @@ def _layer_times_uncached(system: System, model: GPT, lay: Layout, moe: bool) ->
                             gemm_time(dev, h, f / t, tokens, bytes_per_element=e)]
     # backward of the attention core: twice its forward; fused, 2.5x (five GEMMs for the forward's two,
     # the scores recomputed: Dao 2023, FlashAttention-2, Sec. 3.1.2)
-    attn_bwd = (FUSED_ATTN_BWD_OVER_FWD if lay.fused_attention else BWD_OVER_FWD) * (attn + ew_attn)
+    attn_bwd = (attn_bwd_measured if measured_attn else
+                (FUSED_ATTN_BWD_OVER_FWD if lay.fused_attention else BWD_OVER_FWD) * (attn + ew_attn))
     return {"gemm": dense, "gemm_bwd": dense_bwd, "attn": attn + ew_attn, "attn_bwd": attn_bwd, "ew": ew,
             "tp_ar": tp_ar, "a2a": a2a,
             "kernels": KERNELS_PER_LAYER * dev.kernel_overhead,
             "tp_bwd": _tp_backward(lay, tp_ar, wgrad, dev)}
+
+
+def gradient_bookkeeping_bytes(lay: Layout, m: int) -> float:
+    """Bytes per parameter of the rank's stage that podscale's strategies move per step to accumulate the
+    ``m`` micro-batches' gradients and scale them for the reduction, beyond the norm/clip/zero passes
+    (parallel/data.py, parallel/zero/strategy.py): data parallelism over buckets (``.grad`` views of a
+    zeroed bucket, so every micro-batch is added in) and ZeRO-1 (the same, into its full gradient buffer,
+    which it also zeroes) add 12 bytes per micro-batch and divide by the rank count in place; one replica
+    keeps autograd's own gradients (the first micro-batch's is taken as is); ZeRO-2/3 copy each gradient,
+    scaled, into a staging bucket for every micro-batch's reduce-scatter, or, in a pipeline, accumulate
+    locally and copy once."""
+    if lay.zero_stage == 0:
+        if lay.data_parallel == 1:
+            return GRAD_ACCUMULATE_BYTES * (m - 1)
+        return GRAD_ACCUMULATE_BYTES * m + GRAD_SCALE_BYTES
+    if lay.zero_stage == 1:
+        return GRAD_ACCUMULATE_BYTES * m + GRAD_SCALE_BYTES + 4        # + zeroing the full buffer
+    if lay.pp > 1:
+        return GRAD_ACCUMULATE_BYTES * (m - 1) + GRAD_SCALE_BYTES
+    return GRAD_SCALE_BYTES * m
+
+
+def layer_elementwise_bytes(tokens: float, hidden: float, ffn: float, tp: int = 1,
+                            sequence_parallel: bool = False, dtype_bytes: int = 2) -> float:
+    """Bytes the element-wise kernels of one layer's forward move outside the attention core (module
+    docstring: 22 sbh replicated over tp without sequence parallelism, 4 sb ffn + 8 sbh split over tp,
+    counted for 16-bit elements and rescaled to ``dtype_bytes``). ``plan calibrate`` prices these same bytes
+    at the rate it measures for the same kernels, so the two stay one formula."""
+    sbh = tokens * hidden
+    replicated = 22 * sbh / (tp if sequence_parallel else 1)
+    sharded = (4 * ffn / hidden + 8) * sbh / tp
+    return (replicated + sharded) * dtype_bytes / 2
 
 
 def _tp_collectives_per_pass(lay: Layout) -> int:
@@ -272,6 +320,14 @@ def predict_gpt(system: System, devices: int, model: GPT, lay: Layout, batch: in
     # reduce-scatter + per-micro-batch parameter all-gathers (3). Overlapped with the backward of
     # the last micro-batch when buckets are reduced as they fill.
     dp_red = net.all_reduce_time(system, grad_bytes, dpe, dp_stride)
+    # ZeRO-1/2: the gradients are reduce-scattered under the backward, but the updated parameter shards are
+    # all-gathered after the optimizer step, and the next forward waits for them: nothing to overlap with
+    # (podscale's ZeroStrategy._publish_persistent / wait_params; DeepSpeed's stage 1/2 step, Rajbhandari et
+    # al. 2020, Sec. 5). Stage 3 gathers per unit under compute (below).
+    param_gather = 0.0
+    if lay.zero_stage in (1, 2) and dpe > 1:
+        param_gather = net.all_gather_time(system, grad_bytes, dpe, dp_stride)
+        dp_red -= param_gather
     if stage_expert and lay.dp > 1:
         dp_red += net.all_reduce_time(system, expert_grad_bytes, lay.dp, lay.ep * t)
     zero3_gather = 0.0
@@ -297,7 +353,7 @@ def predict_gpt(system: System, devices: int, model: GPT, lay: Layout, batch: in
     window = comp_bwd if lay.overlap_grad_reduce else 0.0
     last_bucket = dp_red / max(n_slow, 1)
     dp_exposed = (max(overlapped_exposed(dev, dp_red, window), last_bucket) if lay.overlap_grad_reduce
-                  else dp_red) + zero3_gather
+                  else dp_red) + zero3_gather + param_gather
 
     shard = 1 if lay.zero_stage == 0 else dpe
     local_params = (stage_dense + stage_expert) / shard
@@ -307,6 +363,8 @@ def predict_gpt(system: System, devices: int, model: GPT, lay: Layout, batch: in
     # the global norm, clipping and zeroing of the gradients this rank holds (all of them when replicated)
     grad_passes = grad_pass_time(dev, GRAD_PASS_BYTES_REPLICATED * (stage_dense + stage_expert)
                                  if lay.zero_stage == 0 else GRAD_PASS_BYTES_ZERO * local_params)
+    if not lay.grad_accumulation_fusion:
+        grad_passes += grad_pass_time(dev, gradient_bookkeeping_bytes(lay, m) * (stage_dense + stage_expert))
     offload = _offload_time(system, lay, local_params, stage_dense + stage_expert, m, comp_fwd + comp_bwd,
                             m * comp_fwd)
 

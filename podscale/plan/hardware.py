@@ -64,6 +64,10 @@ class Device:
     grad_pass_bw: float = 0.0
     # Measured matmul throughput by shape (local calibration only): tuples (m, n, k, flop/s).
     matmul_table: tuple = ()
+    # Measured fused causal attention (torch's scaled_dot_product_attention) by shape (local calibration
+    # only): tuples (seq, head_dim, forward flop/s, backward flop/s), both rates in the forward's FLOPs
+    # 2 s^2 d per head (the unmasked half of QK^T and PV), so the backward's time is those FLOPs / its rate.
+    attention_table: tuple = ()
     # GEMM shape model (compute.gemm_time): streaming multiprocessors, the output tiles a GEMM library
     # picks from, the k step of its main loop, the per-tile fill/drain in k, and the operand bytes per
     # second one SM can load (L2), which makes small tiles slower. sm_count = 0: no shape model.
@@ -168,6 +172,7 @@ def system_from_dict(data: dict, source: str = "") -> System:
             optimizer_bw=float(dev.get("optimizer_gbps", 0.0)) * GB,
             grad_pass_bw=float(dev.get("grad_pass_gbps", 0.0)) * GB,
             matmul_table=table,
+            attention_table=tuple(tuple(float(x) for x in row) for row in dev.get("attention_table", ())),
             sm_count=int(dev.get("sm_count", 0)),
             gemm_tiles=tuple(tuple(int(x) for x in t) for t in dev.get("gemm_tiles", ())),
             gemm_tile_k=int(dev.get("gemm_tile_k", 32)),

@@ -41,6 +41,9 @@ class Layout:
                                     # (Megatron; DeepSpeed's pipe_partitioned, its default); False: whole
     parallel_block: bool = False  # attention and MLP read the same layer norm and are summed (GPT-J, PaLM):
                                   # one tensor-parallel collective per pass and layer instead of two
+    grad_accumulation_fusion: bool = True   # Megatron-LM's: the weight-gradient GEMM accumulates into the
+                                  # gradient buffer; False (podscale's trainer): autograd writes each
+                                  # micro-batch's gradient and adds it in, a pass over them per micro-batch
     pipeline_layers: tuple = ()   # blocks per model chunk (pp * interleave of them), as the trainer's
                                   # parallel.pipeline_layers; () -> the trainer's parameter-balanced split
 
