@@ -15,6 +15,7 @@ top-2 renormalises the gate values after dropping where GShard normalises before
 
     python bench/moe.py [--quick] [--d-model 128] [--d-hidden 512] [--capacity-factor 1.25] [--rounds 5]
                         [--row-tile N]   # podscale's expert row tile (an ablation; default: the library's)
+                        [--keep-heap]    # freed memory stays resident (no page faults on new activations)
 """
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ import torch.nn as nn
 
 from podscale.parallel.moe import MoELayer
 from podscale.parallel.moe import layer as moe_layer
+from podscale.runtime import hostmem
 from podscale.runtime.launcher import launch
 from podscale.runtime.mesh import Mesh
 from podscale.runtime.process import init_process
@@ -87,8 +89,17 @@ def _fwd_bwd(fn, params, x, g, device) -> tuple[float, float, torch.Tensor, int]
     return float(t), float(c), y.detach(), mem
 
 
+#: mallopt(3) parameter: the most chunks glibc serves with their own mmap (0: none, the heap serves all)
+_M_MMAP_MAX = -4
+
+
 def _worker(args) -> list[dict]:
     logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
+    if args.keep_heap:
+        # both layers alike: freed memory stays in the process, so a step's activations reuse resident
+        # pages instead of faulting fresh ones in (one fault per 4 KiB page)
+        hostmem.mallopt(_M_MMAP_MAX, 0)
+        hostmem.mallopt(hostmem.M_TRIM_THRESHOLD, 2**30)
     info = init_process()
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // info.world_size))
     import deepspeed
@@ -175,6 +186,9 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--row-tile", type=int, default=None,
                     help="rows per tile of podscale's expert feed-forward (default: the library's ROW_TILE; "
                          "a huge value gives one matmul per expert segment, the layout before tiling)")
+    ap.add_argument("--keep-heap", action="store_true",
+                    help="glibc: serve every allocation from the heap and never trim it (both layers; takes "
+                         "page faults on freshly allocated activations out of the times)")
     ap.add_argument("--json", help="write the rows here")
     args = ap.parse_args(argv)
     if args.quick:

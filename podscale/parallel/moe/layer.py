@@ -140,10 +140,12 @@ class Experts(nn.ModuleDict):
         return y
 
 
-#: rows of an expert's segment processed together: the tile's pre-activation, activation and GELU
+#: rows processed together by the grouped feed-forward: a tile's pre-activation, activation and GELU
 #: derivative (rows x hidden floats each, 512 KiB at 256 x 512) stay in the L2 cache across the first
-#: matmul, the GELU's element-wise passes and the second matmul (and in the backward between the two
-#: matmuls), so those passes, which otherwise cost as much as a matmul on a CPU, do not go out to memory
+#: matmul, the GELU's element-wise passes and the second matmul (in the backward: between ``d act``'s
+#: matmul and its product with the derivative), so the nine element-wise passes do not go out to memory.
+#: Ablation (one process, CPU time, fwd+bwd of 4096 rows, d 128, hidden 512): tiles of 128/256/512 rows
+#: 0.89-1.11x DeepSpeed's looped experts on the same rows, untiled (one tile per segment) 1.12-1.32x
 ROW_TILE = 256
 
 _GELU_C = math.sqrt(2.0 / math.pi)
@@ -191,16 +193,21 @@ def _tiles(bounds):
 
 
 class _GroupedFFN(torch.autograd.Function):
-    """Every expert's ``gelu(x w_fc + b_fc) w_proj + b_proj`` on its rows of one buffer, with the
-    backward written out: the buffer in tiles of :data:`ROW_TILE` rows (:func:`_tiles`), one pass per tile
-    that runs both matmuls of every expert piece in it and the GELU while the tile's rows are in cache,
-    biases folded into the matmuls (``addmm``), each expert's weight gradients accumulated straight into
-    its own tensors (no per-expert autograd nodes, no concatenation).  The forward also computes the
-    GELU's derivative (:func:`_gelu_and_derivative`) and saves the input, the activation and that
-    derivative, as many bytes as autograd keeps for two linears and a GELU (input, pre-activation,
-    activation), so the backward never evaluates a transcendental: ``d pre = (grad w_proj^T) * gelu'`` in
-    place in a reused tile buffer.  Low-precision inputs run the GELU in fp32 (as PyTorch's own kernel
-    does internally)."""
+    """Every expert's ``gelu(x w_fc + b_fc) w_proj + b_proj`` on its rows of one buffer (the segments of
+    :meth:`Experts.forward`), forward and backward written out, no per-expert autograd nodes.
+
+    Forward: the buffer in tiles of :data:`ROW_TILE` rows (:func:`_tiles`); per tile, every expert piece's
+    first matmul (bias folded in: ``addmm``), the GELU *and its derivative* over the whole tile from one
+    sigmoid (:func:`_gelu_and_derivative`), every piece's second matmul, while the tile is in cache.  It
+    saves the input, the activation and the derivative: as many bytes as autograd keeps for two linears
+    and a GELU (input, pre-activation, activation), but the backward evaluates no transcendental.
+
+    Backward: per tile, ``d act = grad w_proj^T`` into a reused cache-resident buffer, multiplied by the
+    derivative and written over it (it is read once), so the saved buffer becomes ``d pre`` with no new
+    allocation; then per expert segment one matmul each for ``d x``, ``d w_fc``, ``d w_proj`` over all the
+    segment's rows (the weight gradients want the long reduction dimension), and the bias sums.  Because of
+    that in-place write a second backward through the same forward (``retain_graph=True``) is refused.
+    Low-precision inputs run the GELU in fp32 (as PyTorch's own kernel does internally)."""
 
     @staticmethod
     def forward(ctx, x, segments, El, bias, *weights):
