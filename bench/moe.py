@@ -5,7 +5,9 @@ same capacity (DeepSpeed: ``min_capacity=0``, no noisy gate, no random token sel
 second expert; podscale: ``random_routing=False``; all local tokens of a rank form one group, as in
 DeepSpeed).  For experts 4 to 64, tokens per rank 1k to 8k and top-1 / top-2, each point times forward +
 backward of ``sum(y * g)`` for both in alternating rounds (machine noise hits both alike) and prints the
-median time ratio (podscale / DeepSpeed; below 1 is faster), the activation memory each keeps for the
+median time ratio (podscale / DeepSpeed; below 1 is faster; the slowest rank's wall time), the same ratio
+of CPU time (process CPU time summed over the ranks: on a shared, loaded machine it moves far less than
+wall time, which counts the time other programs hold the cores), the activation memory each keeps for the
 backward (bytes of the tensors autograd saves; on a GPU the allocator's peak instead), and the largest
 difference of the outputs on the tokens that no over-capacity expert touches (elsewhere the two differ by
 design: DeepSpeed's top-1 without random token selection keeps an arbitrary C of the tied tokens, and its
@@ -13,6 +15,7 @@ top-2 renormalises the gate values after dropping where GShard normalises before
 
     python bench/moe.py [--quick] [--d-model 128] [--d-hidden 512] [--capacity-factor 1.25] [--rounds 5]
                         [--row-tile N]   # podscale's expert row tile (an ablation; default: the library's)
+                        [--keep-heap]    # freed memory stays resident (no page faults on new activations)
 """
 from __future__ import annotations
 
@@ -30,6 +33,7 @@ import torch.nn as nn
 
 from podscale.parallel.moe import MoELayer
 from podscale.parallel.moe import layer as moe_layer
+from podscale.runtime import hostmem
 from podscale.runtime.launcher import launch
 from podscale.runtime.mesh import Mesh
 from podscale.runtime.process import init_process
@@ -64,27 +68,38 @@ def _copy_weights(ours: MoELayer, theirs) -> None:
             expert[2].bias.copy_(mine.b_proj)
 
 
-def _fwd_bwd(fn, params, x, g, device) -> tuple[float, torch.Tensor, int]:
+def _fwd_bwd(fn, params, x, g, device) -> tuple[float, float, torch.Tensor, int]:
     saved = _SavedBytes(params)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
         base = torch.cuda.memory_allocated(device)
     dist.barrier()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     with torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t):
         y = fn(x)
     (y * g).sum().backward()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    dt = time.perf_counter() - t0
+    dt, cpu = time.perf_counter() - t0, time.process_time() - c0
     t = torch.tensor([dt])
     dist.all_reduce(t, op=dist.ReduceOp.MAX)   # a step takes as long as its slowest rank
+    c = torch.tensor([cpu])
+    dist.all_reduce(c, op=dist.ReduceOp.SUM)   # the CPU time of all ranks (every thread of each)
     mem = torch.cuda.max_memory_allocated(device) - base if device.type == "cuda" else saved.total
-    return float(t), y.detach(), mem
+    return float(t), float(c), y.detach(), mem
+
+
+#: mallopt(3) parameter: the most chunks glibc serves with their own mmap (0: none, the heap serves all)
+_M_MMAP_MAX = -4
 
 
 def _worker(args) -> list[dict]:
     logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
+    if args.keep_heap:
+        # both layers alike: freed memory stays in the process, so a step's activations reuse resident
+        # pages instead of faulting fresh ones in (one fault per 4 KiB page)
+        hostmem.mallopt(_M_MMAP_MAX, 0)
+        hostmem.mallopt(hostmem.M_TRIM_THRESHOLD, 2**30)
     info = init_process()
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // info.world_size))
     import deepspeed
@@ -120,14 +135,16 @@ def _worker(args) -> list[dict]:
         runs = {"podscale": (lambda t: ours(t)[0], list(ours.parameters())),
                 "deepspeed": (lambda t: theirs(t)[0], list(theirs.parameters()))}
         times = {n: [] for n in runs}
+        cpus = {n: [] for n in runs}
         outs, mems = {}, {}
         for r in range(args.rounds + 1):
             ours.zero_grad(set_to_none=True)
             theirs.zero_grad(set_to_none=True)
             for name, (fn, params) in (runs.items() if r % 2 == 0 else reversed(list(runs.items()))):
-                dt, y, mem = _fwd_bwd(fn, params, x, gy, dev)
+                dt, cpu, y, mem = _fwd_bwd(fn, params, x, gy, dev)
                 if r > 0:  # round 0 warms up
                     times[name].append(dt)
+                    cpus[name].append(cpu)
                 outs[name], mems[name] = y, mem
         # Compare the tokens no expert had to turn away: where an expert is over capacity the two differ by
         # design (DeepSpeed's top-1 keeps an arbitrary C of a 0/1 mask's ties, and its top-2 renormalises
@@ -143,11 +160,12 @@ def _worker(args) -> list[dict]:
         row = {"experts": E, "tokens_per_rank": S, "top_k": k, "podscale_ms": 1e3 * t_ours,
                "deepspeed_ms": 1e3 * t_ds, "ratio": t_ours / t_ds, "podscale_mem_mb": mems["podscale"] / 2**20,
                "deepspeed_mem_mb": mems["deepspeed"] / 2**20, "max_out_diff": float(diff[0]),
-               "uncontested_share": float(diff[1])}
+               "uncontested_share": float(diff[1]),
+               "cpu_ratio": statistics.median(cpus["podscale"]) / statistics.median(cpus["deepspeed"])}
         rows.append(row)
         if info.rank == 0:
             print(f"E={E:3d} S={S:5d} k={k}  podscale {row['podscale_ms']:8.1f} ms  "
-                  f"deepspeed {row['deepspeed_ms']:8.1f} ms  ratio {row['ratio']:.2f}  "
+                  f"deepspeed {row['deepspeed_ms']:8.1f} ms  ratio {row['ratio']:.2f} (CPU time {row['cpu_ratio']:.2f})  "
                   f"mem {row['podscale_mem_mb']:.1f} / {row['deepspeed_mem_mb']:.1f} MB  "
                   f"max|dy| {row['max_out_diff']:.1e} (on {100 * row['uncontested_share']:.0f}% of tokens)", flush=True)
     return rows
@@ -168,13 +186,18 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--row-tile", type=int, default=None,
                     help="rows per tile of podscale's expert feed-forward (default: the library's ROW_TILE; "
                          "a huge value gives one matmul per expert segment, the layout before tiling)")
+    ap.add_argument("--keep-heap", action="store_true",
+                    help="glibc: serve every allocation from the heap and never trim it (both layers; takes "
+                         "page faults on freshly allocated activations out of the times)")
     ap.add_argument("--json", help="write the rows here")
     args = ap.parse_args(argv)
     if args.quick:
         args.experts, args.tokens, args.rounds = [4, 64], [1024, 4096], 3
     rows = launch(_worker, (args,), nproc=args.nproc)[0]
     worst = max(r["ratio"] for r in rows)
-    print(f"worst ratio (podscale / DeepSpeed): {worst:.2f}; largest output difference "
+    print(f"ratio (podscale / DeepSpeed): worst {worst:.2f}, median {statistics.median(r['ratio'] for r in rows):.2f}; "
+          f"CPU-time ratio: worst {max(r['cpu_ratio'] for r in rows):.2f}, median "
+          f"{statistics.median(r['cpu_ratio'] for r in rows):.2f}; largest output difference "
           f"{max(r['max_out_diff'] for r in rows):.1e}")
     if args.json:
         with open(args.json, "w") as f:

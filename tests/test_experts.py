@@ -62,6 +62,56 @@ def test_fast_path_equals_einsum_reference(top_k, dropless, random_routing, trai
     assert gp["router.weight"].abs().sum() > 0  # the gate values carry the router's gradient
 
 
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-12), (torch.float32, 2e-5)])
+def test_grouped_experts_equal_the_autograd_experts_over_the_whole_gelu_range(dtype, tol, monkeypatch):
+    """The grouped feed-forward (GELU and its derivative from one sigmoid, tiles packing several experts'
+    rows, the weight gradients per segment) against the experts run by autograd with PyTorch's GELU, on
+    pre-activations from -20 to 20 (both tails of the sigmoid) and with an expert that gets no rows."""
+    monkeypatch.setattr(moe_layer, "ROW_TILE", 7)
+    torch.manual_seed(3)
+    experts = moe_layer.Experts(6, 10, 4).to(dtype)
+    with torch.no_grad():
+        for p in experts.parameters():
+            p.normal_(0.0, 3.0)
+    R = 5                                        # rows per expert; expert 2 gets none
+    x = torch.randn(4, R, 6, dtype=dtype)
+    x[2] = 0
+    g = torch.randn(4, R, 6, dtype=dtype)
+    grads = []
+    for fast in (True, False):
+        experts.zero_grad(set_to_none=True)
+        xi = x.clone().requires_grad_(True)
+        if fast:
+            keep = torch.tensor([0, 1, 3])
+            y = torch.zeros_like(x).index_copy(0, keep, experts(xi[keep].reshape(-1, 6), [(0, R), (1, R), (2, 0), (3, R)]).view(3, R, 6))
+        else:
+            y = experts.forward_padded(xi) * (torch.arange(4) != 2).to(dtype)[:, None, None]
+        (y * g).sum().backward()
+        grads.append([y.detach(), xi.grad] + [p.grad for p in experts.parameters()])
+    pre = torch.einsum("erm,emh->erh", x, torch.stack([e.w_fc for e in experts.values()]))
+    assert pre.min() < -15 and pre.max() > 15
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, rtol=tol, atol=tol)
+    assert all(float(p.grad.abs().sum()) == 0 for p in experts["2"].parameters())
+
+
+def test_grouped_experts_in_bfloat16_follow_fp32_and_refuse_a_second_backward():
+    torch.manual_seed(4)
+    experts = moe_layer.Experts(8, 16, 2)
+    x = torch.randn(12, 8)
+    out = {}
+    for dt in (torch.float32, torch.bfloat16):
+        experts.zero_grad(set_to_none=True)
+        xi = x.to(dt).detach().requires_grad_(True)
+        y = experts.to(dt)(xi, [(0, 5), (1, 7)])
+        y.float().square().sum().backward(retain_graph=True)
+        out[dt] = (y.detach().float(), xi.grad.float(), experts["0"].w_fc.grad.float())
+        with pytest.raises(RuntimeError, match="backward ran twice"):
+            y.float().square().sum().backward()
+    for a, b in zip(out[torch.float32], out[torch.bfloat16]):
+        torch.testing.assert_close(b, a, rtol=0.05, atol=0.05 * float(a.abs().max()))
+
+
 def _onehot_logits(first: list[int], second: list[int], E: int) -> torch.Tensor:
     """Logits whose top choice is ``first[s]`` and second ``second[s]`` (one group)."""
     logits = torch.zeros(1, len(first), E)
