@@ -323,7 +323,7 @@ class RocksRowStore(RowStore):
 
     def __init__(self, path: str | os.PathLike, width: int, memtable_bytes: int = 4 << 20,
                  block_cache_bytes: int = 4 << 20):
-        from rocksdict import BlockBasedOptions, Cache, Options, Rdict
+        from rocksdict import BlockBasedOptions, Cache, DBCompressionType, Options, Rdict
 
         self.width = int(width)
         self.path = Path(path)
@@ -339,8 +339,10 @@ class RocksRowStore(RowStore):
         opts.create_if_missing(True)
         opts.set_write_buffer_size(int(memtable_bytes))
         opts.set_max_write_buffer_number(2)
+        opts.set_compression_type(DBCompressionType.none())  # trained float32 rows do not compress
         table = BlockBasedOptions()
         table.set_block_cache(Cache(int(block_cache_bytes)))
+        table.set_bloom_filter(10, False)  # a multi-get of new (absent) keys skips the files
         opts.set_block_based_table_factory(table)
         try:
             self._db = Rdict(str(self.path), opts)
@@ -488,6 +490,8 @@ class CachedRowStore(RowStore):
         self._jobs: list[Future] = []                  # queued I/O, oldest first
         self._pending: Future | None = None            # the prefetch in flight
         self._hold = np.zeros(0, dtype=np.int64)       # slots of the last get: the step writes them back
+        self._queued_bytes = 0                         # rows copied out for write-backs not done yet
+        self._queue_limit = max(1, self._slab.numel() * 4 // 2)
         self._stats = TierStats()
 
     # -- interface --------------------------------------------------------------------------------
@@ -537,7 +541,8 @@ class CachedRowStore(RowStore):
                     got = self._insert(mk[mfound], mrows[torch.from_numpy(mfound)], dirty=dirty[mfound],
                                        protect=hs)
                     self._hold = np.concatenate([hs, got])
-            return rows, found
+        self._throttle()
+        return rows, found
 
     def put(self, keys, rows):
         keys = _as_keys(keys)
@@ -549,7 +554,8 @@ class CachedRowStore(RowStore):
                 self._absent = self._absent[~np.isin(self._absent, kn)]
             self._forget_failed(kn)
             self._tick += 1
-            self._insert(kn, rows, dirty=True)
+            self._insert(kn, rows, dirty=True, protect=self._hold)
+        self._throttle()
 
     def delete(self, keys):
         keys = _as_keys(keys)
@@ -686,19 +692,32 @@ class CachedRowStore(RowStore):
         """Queue evicted dirty rows for the tier below (lock held)."""
         if self._pending is not None:
             self._written.append(kn)
-        order = np.argsort(kn)
-        kn, rows = kn[order], rows[torch.from_numpy(order)]
         self._stats.written_back += len(kn)
+        self._queued_bytes += rows.numel() * 4
         self._submit(self._write_job, kn, rows)
+
+    def _throttle(self) -> None:
+        """Bound the rows copied out for write-back to half the budget (a stated overhead): when more are
+        queued, wait for the oldest jobs.  Foreground only (the I/O thread never waits for itself)."""
+        while self._queued_bytes > self._queue_limit:
+            with self._lock:
+                if not self._jobs:
+                    return
+                f = self._jobs.pop(0)
+            f.result()
 
     def _write_job(self, kn: np.ndarray, rows: torch.Tensor) -> None:
         try:
             self.backing.put(torch.from_numpy(kn), rows)
         except StorageError as e:
+            order = np.argsort(kn)  # (sorted: get finds keys in them by binary search)
             with self._lock:  # kept, newest last: read by get, written again by flush
-                self._failed.append((kn, rows))
+                self._failed.append((kn[order], rows[torch.from_numpy(order)]))
                 if self._error is None:
                     self._error = e
+        finally:
+            with self._lock:
+                self._queued_bytes -= rows.numel() * 4
 
     def _promote(self, kn: np.ndarray, announced: np.ndarray) -> None:
         """Read ``kn`` (the absent part of the ``announced`` keys) and insert it.  Evicting may not take
