@@ -186,3 +186,24 @@ def test_memory_store_write_after_read_reuses_the_read_slots():
     s.put(keys, torch.tensor([[1.0, 1.0], [2.0, 2.0]]))              # 5 again: a new slot, not 11's
     rows, found = s.get(torch.tensor([9, 5, 11]))
     assert found.all() and rows[:, 0].tolist() == [1.0, 2.0, 11.0]
+
+
+def test_prefetch_inserts_what_fits_beside_the_rows_in_use(tmp_path):
+    """A prefetch never evicts the rows of the step in flight (its last get) nor announced rows already
+    cached; what does not fit beside them stays below (read at the next get) and nothing is lost."""
+    ssd = RocksRowStore(tmp_path / "f", 3)
+    k = torch.arange(20)
+    ssd.put(k, _rows(k))
+    cache = CachedRowStore(ssd, budget_bytes=4 * 3 * 4)  # 4 rows
+    cache.get(k[:3])                                      # the step in flight holds 3 of them
+    cache.prefetch(k[3:6])                                # 3 announced, room for 1
+    cache.wait_prefetch()
+    cache.put(k[:3], _rows(k[:3]) + 0.5)                  # the step writes its rows back: all still cached
+    cache.reset_stats()
+    rows, found = cache.get(k[3:6])
+    assert found.all() and torch.equal(rows, _rows(k[3:6]))
+    st = cache.stats()[0]
+    assert (st.hits, st.misses) == (1, 2)
+    rows, found = cache.get(k[:3])
+    assert found.all() and torch.equal(rows, _rows(k[:3]) + 0.5)
+    cache.close()

@@ -734,14 +734,16 @@ class CachedRowStore(RowStore):
             if keep.any():
                 self._tick += 1
                 here = self._index.get(announced)
-                self._insert(kn[keep], rows[torch.from_numpy(keep)], dirty=False,
-                             protect=np.concatenate([self._hold, here[here >= 0]]))
-                self._stats.prefetched += int(keep.sum())
+                got = self._insert(kn[keep], rows[torch.from_numpy(keep)], dirty=False,
+                                   protect=np.concatenate([self._hold, here[here >= 0]]), best_effort=True)
+                self._stats.prefetched += len(got)
 
-    def _insert(self, kn: np.ndarray, rows: torch.Tensor, dirty, protect: np.ndarray | None = None) -> np.ndarray:
+    def _insert(self, kn: np.ndarray, rows: torch.Tensor, dirty, protect: np.ndarray | None = None,
+                best_effort: bool = False) -> np.ndarray:
         """Place rows in the slab (overwriting present keys), evicting as needed; caller holds the lock
         and has advanced the tick.  ``dirty``: a bool or a per-row mask; ``protect``: slots not to evict
-        (besides those of ``kn``).  Returns the slots of ``kn``."""
+        (besides those of ``kn``), unless the rows of ``kn`` would not fit then; ``best_effort``: insert
+        only the rows that fit without evicting a protected one.  Returns the slots of the rows inserted."""
         n = len(kn)
         cap = self._slab.shape[0]
         if n > cap:
@@ -752,8 +754,18 @@ class CachedRowStore(RowStore):
         if len(new):
             free = np.flatnonzero(~self._used)
             if len(new) > len(free):
-                keep = slots[slots >= 0] if protect is None else np.concatenate([slots[slots >= 0], protect])
-                self._evict(len(new) - len(free), keep)
+                present = slots[slots >= 0]
+                keep = present if protect is None else np.concatenate([present, protect])
+                short = len(new) - len(free) - self._evict(len(new) - len(free), keep)
+                if short and best_effort:  # (a prefetch) insert what fits beside the protected rows
+                    kept = np.ones(n, dtype=bool)
+                    kept[new[len(new) - short:]] = False
+                    kn, rows, slots = kn[kept], rows[torch.from_numpy(kept)], slots[kept]
+                    if isinstance(dirty, np.ndarray):
+                        dirty = dirty[kept]
+                    new = np.flatnonzero(slots < 0)
+                elif short:  # the rows of this call must fit: the other protected rows give way
+                    self._evict(short, present)
                 free = np.flatnonzero(~self._used)
             fresh = free[: len(new)]
             self._index.insert(kn[new], fresh)
@@ -771,8 +783,9 @@ class CachedRowStore(RowStore):
             self._dirty[slots] = True
         return slots
 
-    def _evict(self, n: int, protect: np.ndarray) -> None:
-        """Free the ``n`` lowest-scored slots outside ``protect``, queueing their dirty rows for write-back."""
+    def _evict(self, n: int, protect: np.ndarray) -> int:
+        """Free the ``n`` lowest-scored slots outside ``protect`` (fewer if there are not as many), queueing
+        their dirty rows for write-back; returns how many were freed."""
         cand = self._used.copy()
         cand[protect] = False
         cs = np.flatnonzero(cand)
@@ -787,3 +800,4 @@ class CachedRowStore(RowStore):
         self._index.remove(self._key[victims])
         self._used[victims] = False
         self._dirty[victims] = False
+        return len(victims)
