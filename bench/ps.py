@@ -88,9 +88,10 @@ def run_podscale(s: dict, budget_fraction: float | None, ssd_root: str | None, s
     batches = [rank_batch(s, i, r, n) for i in range(s["warmup"] + s["steps"] + 1)]
     budget, preload = None, 0
     if budget_fraction is not None:
-        # the DRAM tier holds twice a step's rows per shard; the table holds 1/budget_fraction times that
+        # the DRAM tier holds twice a step's rows per shard (the ids of the global batch that this rank
+        # owns: every rank's batch asks the owner); the table holds 1/budget_fraction times that
         from podscale.table.hashing import owner_of
-        ws = max(int((owner_of(torch.unique(torch.cat([b[1][nm][0] for b in batches[i: i + 1]])), n) == r).sum())
+        ws = max(int((owner_of(torch.unique(make_batch(gen(s), i, s["batch"] * n)[1][nm][0]), n) == r).sum())
                  for i in range(len(batches)) for nm in names)
         t = torch.tensor([ws], device=mesh.device)
         comm.all_reduce(t, mesh, "dp", op=torch.distributed.ReduceOp.MAX)
