@@ -165,7 +165,7 @@ def test_auc_matches_pairwise_definition():
 
 
 # -- podscale train at 2 ranks, with the SSD tier ---------------------------------------------------------
-def _train(out: Path, name: str, steps: int, *extra: str, env=None) -> subprocess.CompletedProcess:
+def _start(out: Path, name: str, steps: int, *extra: str, env=None) -> subprocess.Popen:
     args = ["--steps", str(steps), "--name", name, "--out-dir", str(out),
             "--set", "run.eval_every=4", "--set", "run.log_every=4", "--set", "checkpoint.every=2",
             "--set", "train.global_batch=64", "--set", "train.micro_batch=32", "--set", "train.lr=1e-2",
@@ -174,8 +174,17 @@ def _train(out: Path, name: str, steps: int, *extra: str, env=None) -> subproces
             "--set", "model.sparse_lr=0.1", "--set", "model.teacher_scale=4.0",
             "--set", "model.val_samples=1024"]
     e = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]), **(env or {}))
-    return subprocess.run([sys.executable, "-m", "podscale", "train", str(ROOT / "examples" / "dlrm-small.toml"),
-                           *args, *extra], env=e, capture_output=True, text=True, timeout=600)
+    return subprocess.Popen([sys.executable, "-m", "podscale", "train", str(ROOT / "examples" / "dlrm-small.toml"),
+                             *args, *extra], env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _finish(p: subprocess.Popen) -> subprocess.CompletedProcess:
+    out, err = p.communicate(timeout=600)
+    return subprocess.CompletedProcess(p.args, p.returncode, out, err)
+
+
+def _train(out: Path, name: str, steps: int, *extra: str, env=None) -> subprocess.CompletedProcess:
+    return _finish(_start(out, name, steps, *extra, env=env))
 
 
 def _rows(run: Path) -> list[dict]:
@@ -183,7 +192,11 @@ def _rows(run: Path) -> list[dict]:
 
 
 def test_train_two_ranks_ssd_tier_kill_and_resume(tmp_path):
-    full = _train(tmp_path, "full", STEPS)
+    # the uninterrupted run and the run to be killed (below) start together: their start-ups overlap
+    z3 = ("--set", "zero.stage=3")
+    running = _start(tmp_path, "full", STEPS)
+    to_kill = _start(tmp_path, "res", STEPS, *z3, env={"PODSCALE_FAULT": "kill@5:1"})
+    full, killed = _finish(running), _finish(to_kill)
     assert full.returncode == 0, full.stderr[-3000:]
     rows = _rows(tmp_path / "full")
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
@@ -198,8 +211,6 @@ def test_train_two_ranks_ssd_tier_kill_and_resume(tmp_path):
 
     # the same under ZeRO-3 (the dense part's parameters, gradients and Adam state sharded), killed (SIGKILL)
     # at the start of step 6 on rank 1, mid-run with the SSD tier written every step, and resumed
-    z3 = ("--set", "zero.stage=3")
-    killed = _train(tmp_path, "res", STEPS, *z3, env={"PODSCALE_FAULT": "kill@5:1"})
     assert killed.returncode != 0
     resumed = _train(tmp_path, "res", STEPS, "--resume", *z3)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
