@@ -15,9 +15,10 @@ rows a batch needs promoted a batch ahead so that training never waits on the SS
   tables and HugeCTR's HPS use RocksDB), rows as raw little-endian float32 bytes under 8-byte big-endian
   keys, batch multi-get and atomic write batches.  Nothing read from it is unpickled.
 * :class:`CachedRowStore` is a cache tier with a byte budget over any other store (LRU, or LFU): the DRAM
-  tier over the SSD tier, and -- with ``device="cuda"`` -- the device tier over the DRAM tier.  Dirty rows
-  are written back when evicted; ``prefetch(keys)`` promotes rows on a background thread, and the counters
-  say how many rows a step still had to read synchronously from the tier below (``misses``).
+  tier over the SSD tier, and -- with ``device="cuda"`` -- the device tier over the DRAM tier.  Its key map,
+  recency and frequency are arrays (no per-key Python on the hot path).  Dirty rows are written back when
+  evicted and ``prefetch(keys)`` promotes rows, both on one background I/O thread while the step goes on;
+  the counters say how many rows a step still had to read synchronously from the tier below (``misses``).
 """
 from __future__ import annotations
 
