@@ -22,6 +22,9 @@ rows a batch needs promoted a batch ahead so that training never waits on the SS
 """
 from __future__ import annotations
 
+import collections
+import itertools
+import operator
 import os
 import threading
 import time
@@ -358,8 +361,9 @@ class RocksRowStore(RowStore):
             return torch.zeros(0, self.width), torch.zeros(0, dtype=torch.bool)
         # one multi-get; the values are joined and decoded in one pass (no array per row)
         vals = self._db.get(_key_bytes(keys))
-        found = np.fromiter((v is not None for v in vals), dtype=bool, count=n)
-        got = np.frombuffer(b"".join(v for v in vals if v is not None), dtype="<f4").reshape(-1, self.width)
+        found = np.fromiter(map(operator.is_not, vals, itertools.repeat(None, n)), dtype=bool, count=n)
+        # (filter(None, ...) drops the absent rows: a stored row is never empty)
+        got = np.frombuffer(b"".join(filter(None, vals)), dtype="<f4").reshape(-1, self.width)
         if len(got) == n:
             rows = got.astype(np.float32)  # (a copy: the joined bytes are read-only)
         else:
@@ -382,8 +386,7 @@ class RocksRowStore(RowStore):
         raw = rows.detach().to("cpu", torch.float32).contiguous().numpy().astype("<f4").tobytes()
         step = 4 * self.width
         wb = WriteBatch(raw_mode=True)
-        for i, k in enumerate(kb):
-            wb.put(k, raw[i * step: (i + 1) * step])
+        collections.deque(map(wb.put, kb, [raw[i: i + step] for i in range(0, len(raw), step)]), maxlen=0)
         self._write(wb)
 
     def delete(self, keys):
@@ -438,6 +441,29 @@ class RocksRowStore(RowStore):
         self._db.close()
 
 
+_IO_POOL: ThreadPoolExecutor | None = None
+_IO_POOL_LOCK = threading.Lock()
+
+
+def _io_pool() -> ThreadPoolExecutor:
+    """The one background I/O thread of this process, shared by every cache tier (a table has a store per
+    shard: one thread each would contend for the GIL with the step -- and with each other -- at every torch
+    op that releases it).  One FIFO also keeps each cache's jobs in the order they were queued."""
+    global _IO_POOL
+    with _IO_POOL_LOCK:
+        if _IO_POOL is None:
+            _IO_POOL = ThreadPoolExecutor(max_workers=1, thread_name_prefix="podscale-tier-io")
+        return _IO_POOL
+
+
+def _forget_io_pool() -> None:
+    global _IO_POOL
+    _IO_POOL = None  # a forked child has no copy of the parent's thread: it starts its own
+
+
+os.register_at_fork(after_in_child=_forget_io_pool)
+
+
 class CachedRowStore(RowStore):
     """A cache tier of at most ``budget_bytes`` of rows over ``backing`` (write-back, LRU or LFU).
 
@@ -487,7 +513,7 @@ class CachedRowStore(RowStore):
         self._failed: list[tuple[np.ndarray, torch.Tensor]] = []  # write-backs that failed, newest last
         self._error: StorageError | None = None
         self._lock = threading.RLock()
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="podscale-tier-io")
+        self._pool = _io_pool()
         self._jobs: list[Future] = []                  # queued I/O, oldest first
         self._pending: Future | None = None            # the prefetch in flight
         self._hold = np.zeros(0, dtype=np.int64)       # slots of the last get: the step writes them back
@@ -618,8 +644,7 @@ class CachedRowStore(RowStore):
         self.backing.flush()
 
     def close(self):
-        self.flush()
-        self._pool.shutdown(wait=True)
+        self.flush()  # (the I/O thread is shared by every cache of the process: it stays)
         self.backing.close()
 
     def clear(self):
