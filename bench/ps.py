@@ -88,9 +88,10 @@ def run_podscale(s: dict, budget_fraction: float | None, ssd_root: str | None, s
     batches = [rank_batch(s, i, r, n) for i in range(s["warmup"] + s["steps"] + 1)]
     budget, preload = None, 0
     if budget_fraction is not None:
-        # the DRAM tier holds twice a step's rows per shard; the table holds 1/budget_fraction times that
+        # the DRAM tier holds twice a step's rows per shard (the ids of the global batch that this rank
+        # owns: every rank's batch asks the owner); the table holds 1/budget_fraction times that
         from podscale.table.hashing import owner_of
-        ws = max(int((owner_of(torch.unique(torch.cat([b[1][nm][0] for b in batches[i: i + 1]])), n) == r).sum())
+        ws = max(int((owner_of(torch.unique(make_batch(gen(s), i, s["batch"] * n)[1][nm][0]), n) == r).sum())
                  for i in range(len(batches)) for nm in names)
         t = torch.tensor([ws], device=mesh.device)
         comm.all_reduce(t, mesh, "dp", op=torch.distributed.ReduceOp.MAX)
@@ -239,17 +240,7 @@ def main(argv=None) -> None:
         print(f"  {name:34s} {gb / t:10,.0f} samples/s", flush=True)
 
     report("podscale row-wise (in memory)", launch(run_podscale, (s, None, None, "row"), nproc=n, start_method="spawn"))
-    report("podscale table-wise (in memory)", launch(run_podscale, (s, None, None, "table"), nproc=n, start_method="spawn"))
-    report("podscale column-wise (in memory)", launch(run_podscale, (s, None, None, "column"), nproc=n, start_method="spawn"))
-    if "ddp" not in args.skip:
-        report("nn.EmbeddingBag sparse + DDP", launch(run_ddp_embeddingbag, (s,), nproc=n, start_method="spawn"))
-    if "torchrec" not in args.skip:
-        try:
-            import torchrec  # noqa: F401
-            for sh in ("table_wise", "column_wise"):
-                report(f"TorchRec {sh}", launch(run_torchrec, (s, sh), nproc=n, start_method="spawn"))
-        except Exception as err:  # not installed, or its FBGEMM kernels do not load with this torch
-            print(f"  TorchRec: not run ({type(err).__name__}: {str(err).splitlines()[0][:160]})", flush=True)
+    # the SSD variant right after its in-memory twin: on a shared machine the two see the most similar load
     if "ssd" not in args.skip:
         root = tempfile.mkdtemp(prefix="podscale-bench-ssd-")
         try:
@@ -261,6 +252,17 @@ def main(argv=None) -> None:
                   f"{o['rows_held'] / s['tables'] / (o['budget'] // (4 * (DIM + 2))):.1f}x)", flush=True)
         finally:
             shutil.rmtree(root, ignore_errors=True)
+    report("podscale table-wise (in memory)", launch(run_podscale, (s, None, None, "table"), nproc=n, start_method="spawn"))
+    report("podscale column-wise (in memory)", launch(run_podscale, (s, None, None, "column"), nproc=n, start_method="spawn"))
+    if "ddp" not in args.skip:
+        report("nn.EmbeddingBag sparse + DDP", launch(run_ddp_embeddingbag, (s,), nproc=n, start_method="spawn"))
+    if "torchrec" not in args.skip:
+        try:
+            import torchrec  # noqa: F401
+            for sh in ("table_wise", "column_wise"):
+                report(f"TorchRec {sh}", launch(run_torchrec, (s, sh), nproc=n, start_method="spawn"))
+        except Exception as err:  # not installed, or its FBGEMM kernels do not load with this torch
+            print(f"  TorchRec: not run ({type(err).__name__}: {str(err).splitlines()[0][:160]})", flush=True)
     ours = max(v for k, v in res.items() if k.startswith("podscale") and "(in memory)" in k)
     print("ratios (podscale's best in-memory layout over the peer; > 1: podscale faster):")
     for k, v in res.items():

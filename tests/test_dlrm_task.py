@@ -165,7 +165,7 @@ def test_auc_matches_pairwise_definition():
 
 
 # -- podscale train at 2 ranks, with the SSD tier ---------------------------------------------------------
-def _train(out: Path, name: str, steps: int, *extra: str, env=None) -> subprocess.CompletedProcess:
+def _start(out: Path, name: str, steps: int, *extra: str, env=None) -> subprocess.Popen:
     args = ["--steps", str(steps), "--name", name, "--out-dir", str(out),
             "--set", "run.eval_every=4", "--set", "run.log_every=4", "--set", "checkpoint.every=2",
             "--set", "train.global_batch=64", "--set", "train.micro_batch=32", "--set", "train.lr=1e-2",
@@ -174,8 +174,17 @@ def _train(out: Path, name: str, steps: int, *extra: str, env=None) -> subproces
             "--set", "model.sparse_lr=0.1", "--set", "model.teacher_scale=4.0",
             "--set", "model.val_samples=1024"]
     e = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]), **(env or {}))
-    return subprocess.run([sys.executable, "-m", "podscale", "train", str(ROOT / "examples" / "dlrm-small.toml"),
-                           *args, *extra], env=e, capture_output=True, text=True, timeout=600)
+    return subprocess.Popen([sys.executable, "-m", "podscale", "train", str(ROOT / "examples" / "dlrm-small.toml"),
+                             *args, *extra], env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _finish(p: subprocess.Popen) -> subprocess.CompletedProcess:
+    out, err = p.communicate(timeout=600)
+    return subprocess.CompletedProcess(p.args, p.returncode, out, err)
+
+
+def _train(out: Path, name: str, steps: int, *extra: str, env=None) -> subprocess.CompletedProcess:
+    return _finish(_start(out, name, steps, *extra, env=env))
 
 
 def _rows(run: Path) -> list[dict]:
@@ -183,7 +192,11 @@ def _rows(run: Path) -> list[dict]:
 
 
 def test_train_two_ranks_ssd_tier_kill_and_resume(tmp_path):
-    full = _train(tmp_path, "full", STEPS)
+    # the uninterrupted run and the run to be killed (below) start together: their start-ups overlap
+    z3 = ("--set", "zero.stage=3")
+    running = _start(tmp_path, "full", STEPS)
+    to_kill = _start(tmp_path, "res", STEPS, *z3, env={"PODSCALE_FAULT": "kill@5:1"})
+    full, killed = _finish(running), _finish(to_kill)
     assert full.returncode == 0, full.stderr[-3000:]
     rows = _rows(tmp_path / "full")
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
@@ -198,8 +211,6 @@ def test_train_two_ranks_ssd_tier_kill_and_resume(tmp_path):
 
     # the same under ZeRO-3 (the dense part's parameters, gradients and Adam state sharded), killed (SIGKILL)
     # at the start of step 6 on rank 1, mid-run with the SSD tier written every step, and resumed
-    z3 = ("--set", "zero.stage=3")
-    killed = _train(tmp_path, "res", STEPS, *z3, env={"PODSCALE_FAULT": "kill@5:1"})
     assert killed.returncode != 0
     resumed = _train(tmp_path, "res", STEPS, "--resume", *z3)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
@@ -266,3 +277,85 @@ def test_a_data_file_damaged_past_its_first_line_is_one_line_from_every_rank(tmp
     assert "fix or remove that record" in last
     ranks = [ln for ln in p.stderr.splitlines() if ln.startswith("podscale: rank ")]
     assert ranks and all("line 201" in ln for ln in ranks)
+
+
+# -- a table 10x its DRAM budget under `podscale train` ------------------------------------------------------
+# One table of near-uniform ids (Zipf(0.01) over 10^9 keys: almost every id is new, so the table grows by
+# about one step's ids every step) of dim 64 with row-wise Adagrad: 264 B a row.  The DRAM budget holds one
+# global batch's ids (512 x 40 = 20480 rows, 5.2 MiB; about the least the config accepts); each rank's shard gets
+# about half of each step's ids, so after 30 steps a shard holds ~15x what its cache may.  Peak RSS growth
+# is counted from step 1's peak (torch, gloo, the data and the tables' setup are all there by then).
+# Overhead allowed above the budget, per rank: RocksDB (its two 4 MiB memtables, 4 MiB block cache, its
+# own state and its compactions' buffers), the write-back queue (at most half the budget), the I/O thread's
+# malloc arena, the record of changed keys for incremental checkpoints and the step's temporaries.  Measured
+# (machine loaded): tiered 66-69 MiB; the same table in memory 249-252 MiB (its slab doubles as keys arrive,
+# to 138 MiB past 262144 rows a shard, with the old slab alive during the copy).
+RSS_STEPS = 30
+RSS_BUDGET_MB = 5.3
+RSS_OVERHEAD_MB = 88
+
+_RSS_TOML = """
+[run]
+name = "{name}"
+out_dir = "{out}"
+steps = {steps}
+log_every = 1
+eval_every = 0
+
+[model]
+kind = "dlrm"
+embedding_dim = 64
+bottom_mlp = [32, 64]
+top_mlp = [32]
+sparse_optimizer = "adagrad"
+sparse_lr = 0.05
+tables = [{{name = "big", cardinality = 1000000000}}]
+alpha = 0.01
+min_ids = 40
+max_ids = 40
+val_samples = 512
+{tier}
+
+[parallel]
+nproc = 2
+
+[train]
+global_batch = 512
+micro_batch = 256
+lr = 1e-2
+warmup_steps = 0
+
+[checkpoint]
+every = 0
+at_end = false
+"""
+
+
+def test_dlrm_table_ten_times_its_dram_budget_trains_like_in_memory(tmp_path):
+    """`podscale train` of a DLRM whose table outgrows its DRAM budget 10x: the same losses as the run that
+    keeps the table in memory, and each rank's peak RSS grows by at most the budget plus a stated overhead
+    (the in-memory run grows by more than that: the bound can fail)."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    procs = {}
+    for name, tier in [("mem", ""), ("ssd", f"dram_budget_mb = {RSS_BUDGET_MB}\nssd_path = '{tmp_path / 'ssd'}'")]:
+        cfg = tmp_path / f"{name}.toml"
+        cfg.write_text(_RSS_TOML.format(name=name, out=tmp_path, steps=RSS_STEPS, tier=tier))
+        procs[name] = subprocess.Popen([sys.executable, "-m", "podscale", "train", str(cfg)], env=env,
+                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    for name, p in procs.items():  # (both at once: RSS is per process, and the start-up costs overlap)
+        out, err = p.communicate(timeout=600)
+        assert p.returncode == 0, err[-3000:]
+    mem, ssd = _rows(tmp_path / "mem"), _rows(tmp_path / "ssd")
+    assert [r["loss"] for r in ssd] == [r["loss"] for r in mem], "the tiered table trained differently"
+    budget = int(RSS_BUDGET_MB * 2 ** 20) // (4 * (64 + 1 + 1)) * 4 * (64 + 1 + 1)  # the cache's bytes
+    table = mem[-1]["task"]["bytes/tier0"]  # every row, summed over the ranks
+    assert table / 2 >= 10 * budget, f"the table is {table / 2 / budget:.1f}x a rank's DRAM budget"
+    assert ssd[-1]["task"]["bytes/tier0"] <= 2 * budget  # the DRAM tiers kept to their budget
+    assert ssd[-1]["task"]["bytes/tier1"] >= 8 * budget  # the rest went to the SSD tier
+    for r in range(2):
+        grow = lambda rows: (rows[-1]["peak_mem_bytes"][r] - rows[0]["peak_mem_bytes"][r]) / 2 ** 20
+        assert grow(ssd) < RSS_BUDGET_MB + RSS_OVERHEAD_MB, (
+            f"rank {r}: peak RSS grew {grow(ssd):.1f} MiB, budget {RSS_BUDGET_MB} + {RSS_OVERHEAD_MB}")
+        assert grow(mem) > RSS_BUDGET_MB + RSS_OVERHEAD_MB, f"rank {r}: in memory grew only {grow(mem):.1f} MiB"
+        print(f"rank {r}: peak RSS growth tiered {grow(ssd):.1f} MiB, in memory {grow(mem):.1f} MiB; "
+              f"table {table / 2 / budget:.1f}x the budget")

@@ -54,6 +54,7 @@ def test_cache_writes_dirty_rows_back_and_counts_misses(tmp_path, policy):
     cache.put(k[:4], _rows(k[:4]))
     cache.get(k[:2])  # keys 0, 1 used again: the others go first
     cache.put(k[4:6], _rows(k[4:6]))
+    cache.drain()  # (written back in the background)
     assert ssd.get(torch.tensor([2, 3]))[1].tolist() == [True, True]  # evicted dirty rows reached the SSD
     cache.reset_stats()
     rows, found = cache.get(torch.tensor([0, 2, 8]))
@@ -147,10 +148,14 @@ def test_a_failed_write_back_is_raised_at_the_next_lookup_and_loses_no_row(tmp_p
     bag = lambda ids: {"t": (torch.tensor(ids), torch.tensor([0]))}
     emb(bag([1, 2]))["t"].sum().backward()  # fills the cache with two dirty rows
     before = cache.get(torch.tensor([1, 2]))[0].clone()
+    emb(bag([3]))  # a new row must evict a dirty one: its write-back (in the background) fails
     with pytest.raises(TableError, match="could not read or write the SSD tier on rank 0"):
-        emb(bag([3]))  # a new row must evict a dirty one: the write-back fails
+        emb(bag([3]))  # raised at the next lookup, which waits for the write-backs queued before it
     after, found = cache.get(torch.tensor([1, 2]))
-    assert found.all() and torch.equal(before, after)  # the dirty rows are still there
+    assert found.all() and torch.equal(before, after)  # the evicted dirty row is kept, and readable
+    with pytest.raises(StorageError, match="No space left"):
+        cache.flush()  # written again, and failing again: still kept
+    assert torch.equal(cache.get(torch.tensor([1, 2]))[0], before)
     # an update whose write fails (the disk fills up between the lookup and the update) is raised at the
     # next lookup
     store = emb.stores[(0, 0)] = _FillingDisk(emb.row_floats(0, emb.shards[0][0]))
@@ -181,3 +186,24 @@ def test_memory_store_write_after_read_reuses_the_read_slots():
     s.put(keys, torch.tensor([[1.0, 1.0], [2.0, 2.0]]))              # 5 again: a new slot, not 11's
     rows, found = s.get(torch.tensor([9, 5, 11]))
     assert found.all() and rows[:, 0].tolist() == [1.0, 2.0, 11.0]
+
+
+def test_prefetch_inserts_what_fits_beside_the_rows_in_use(tmp_path):
+    """A prefetch never evicts the rows of the step in flight (its last get) nor announced rows already
+    cached; what does not fit beside them stays below (read at the next get) and nothing is lost."""
+    ssd = RocksRowStore(tmp_path / "f", 3)
+    k = torch.arange(20)
+    ssd.put(k, _rows(k))
+    cache = CachedRowStore(ssd, budget_bytes=4 * 3 * 4)  # 4 rows
+    cache.get(k[:3])                                      # the step in flight holds 3 of them
+    cache.prefetch(k[3:6])                                # 3 announced, room for 1
+    cache.wait_prefetch()
+    cache.put(k[:3], _rows(k[:3]) + 0.5)                  # the step writes its rows back: all still cached
+    cache.reset_stats()
+    rows, found = cache.get(k[3:6])
+    assert found.all() and torch.equal(rows, _rows(k[3:6]))
+    st = cache.stats()[0]
+    assert (st.hits, st.misses) == (1, 2)
+    rows, found = cache.get(k[:3])
+    assert found.all() and torch.equal(rows, _rows(k[:3]) + 0.5)
+    cache.close()

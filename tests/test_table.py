@@ -54,10 +54,12 @@ def test_sharded_tables_match_embedding_bag(nproc):
 # A table of BIG_ROWS rows (weights, one Adagrad accumulator and a last-used step: 136 B a row, 26 MiB per
 # rank) against a DRAM budget of 2 MiB per rank (13x less).  Overhead allowed above the budget, per rank:
 # RocksDB itself (7 MiB once opened), its two 4 MiB memtables and 4 MiB block cache, the cache's key map,
-# the loader's 8192-row chunks and their hashing temporaries, gloo and the training step.  Measured (2 ranks,
-# peak RSS growth from before the table was built): 60-62 MiB tiered; the same table in memory 99-114 MiB.
+# the loader's 8192-row chunks and their hashing temporaries, gloo and the training step, and the write-back
+# thread: the evicted rows it has queued (at most half the budget) and its own malloc arena (RocksDB fills
+# its memtables from that thread).  Measured (2 ranks, peak RSS growth from before the table was built,
+# machine loaded): 74-76 MiB tiered (65 with writes in the foreground); the same table in memory 99-114 MiB.
 BIG_BUDGET = 2 << 20
-OVERHEAD_MB = 72
+OVERHEAD_MB = 82
 BIG_STEPS = 20
 BIG_BATCH = 256
 

@@ -15,17 +15,20 @@ rows a batch needs promoted a batch ahead so that training never waits on the SS
   tables and HugeCTR's HPS use RocksDB), rows as raw little-endian float32 bytes under 8-byte big-endian
   keys, batch multi-get and atomic write batches.  Nothing read from it is unpickled.
 * :class:`CachedRowStore` is a cache tier with a byte budget over any other store (LRU, or LFU): the DRAM
-  tier over the SSD tier, and -- with ``device="cuda"`` -- the device tier over the DRAM tier.  Dirty rows
-  are written back when evicted; ``prefetch(keys)`` promotes rows on a background thread, and the counters
-  say how many rows a step still had to read synchronously from the tier below (``misses``).
+  tier over the SSD tier, and -- with ``device="cuda"`` -- the device tier over the DRAM tier.  Its key map,
+  recency and frequency are arrays (no per-key Python on the hot path).  Dirty rows are written back when
+  evicted and ``prefetch(keys)`` promotes rows, both on one background I/O thread while the step goes on;
+  the counters say how many rows a step still had to read synchronously from the tier below (``misses``).
 """
 from __future__ import annotations
 
+import collections
+import itertools
+import operator
 import os
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -90,6 +93,10 @@ class RowStore(ABC):
 
     def wait_prefetch(self) -> None:
         """Block until the prefetch in flight (if any) has finished."""
+
+    def drain(self) -> None:
+        """Block until every queued background read and write-back has finished (raising a failed one):
+        then the tiers below hold every row evicted so far."""
 
     def stats(self) -> list[TierStats]:
         """Counters per tier, top first (empty for a store without tiers)."""
@@ -320,7 +327,7 @@ class RocksRowStore(RowStore):
 
     def __init__(self, path: str | os.PathLike, width: int, memtable_bytes: int = 4 << 20,
                  block_cache_bytes: int = 4 << 20):
-        from rocksdict import BlockBasedOptions, Cache, Options, Rdict
+        from rocksdict import BlockBasedOptions, Cache, DBCompressionType, Options, Rdict
 
         self.width = int(width)
         self.path = Path(path)
@@ -336,8 +343,10 @@ class RocksRowStore(RowStore):
         opts.create_if_missing(True)
         opts.set_write_buffer_size(int(memtable_bytes))
         opts.set_max_write_buffer_number(2)
+        opts.set_compression_type(DBCompressionType.none())  # trained float32 rows do not compress
         table = BlockBasedOptions()
         table.set_block_cache(Cache(int(block_cache_bytes)))
+        table.set_bloom_filter(10, False)  # a multi-get of new (absent) keys skips the files
         opts.set_block_based_table_factory(table)
         try:
             self._db = Rdict(str(self.path), opts)
@@ -352,8 +361,9 @@ class RocksRowStore(RowStore):
             return torch.zeros(0, self.width), torch.zeros(0, dtype=torch.bool)
         # one multi-get; the values are joined and decoded in one pass (no array per row)
         vals = self._db.get(_key_bytes(keys))
-        found = np.fromiter((v is not None for v in vals), dtype=bool, count=n)
-        got = np.frombuffer(b"".join(v for v in vals if v is not None), dtype="<f4").reshape(-1, self.width)
+        found = np.fromiter(map(operator.is_not, vals, itertools.repeat(None, n)), dtype=bool, count=n)
+        # (filter(None, ...) drops the absent rows: a stored row is never empty)
+        got = np.frombuffer(b"".join(filter(None, vals)), dtype="<f4").reshape(-1, self.width)
         if len(got) == n:
             rows = got.astype(np.float32)  # (a copy: the joined bytes are read-only)
         else:
@@ -376,8 +386,7 @@ class RocksRowStore(RowStore):
         raw = rows.detach().to("cpu", torch.float32).contiguous().numpy().astype("<f4").tobytes()
         step = 4 * self.width
         wb = WriteBatch(raw_mode=True)
-        for i, k in enumerate(kb):
-            wb.put(k, raw[i * step: (i + 1) * step])
+        collections.deque(map(wb.put, kb, [raw[i: i + step] for i in range(0, len(raw), step)]), maxlen=0)
         self._write(wb)
 
     def delete(self, keys):
@@ -432,15 +441,51 @@ class RocksRowStore(RowStore):
         self._db.close()
 
 
+_IO_POOL: ThreadPoolExecutor | None = None
+_IO_POOL_LOCK = threading.Lock()
+
+
+def _io_pool() -> ThreadPoolExecutor:
+    """The one background I/O thread of this process, shared by every cache tier (a table has a store per
+    shard: one thread each would contend for the GIL with the step -- and with each other -- at every torch
+    op that releases it).  One FIFO also keeps each cache's jobs in the order they were queued."""
+    global _IO_POOL
+    with _IO_POOL_LOCK:
+        if _IO_POOL is None:
+            _IO_POOL = ThreadPoolExecutor(max_workers=1, thread_name_prefix="podscale-tier-io")
+        return _IO_POOL
+
+
+def _forget_io_pool() -> None:
+    global _IO_POOL
+    _IO_POOL = None  # a forked child has no copy of the parent's thread: it starts its own
+
+
+os.register_at_fork(after_in_child=_forget_io_pool)
+
+
 class CachedRowStore(RowStore):
     """A cache tier of at most ``budget_bytes`` of rows over ``backing`` (write-back, LRU or LFU).
 
     Rows live in one preallocated slab of ``budget_bytes // (4 * width)`` rows on ``device`` (the DRAM
     tier on the CPU, the device tier on a GPU), so the tier's memory is its budget plus the key map.
-    A miss reads the row from ``backing`` synchronously and counts in ``stats().misses``; ``prefetch``
-    reads on a background thread and inserts what is still absent, so the step that follows finds its
-    rows here.  A prefetch that read a row before the foreground wrote that row (put, or written back on
-    eviction) does not insert its stale copy.
+    Everything on the hot path is a few array passes per batch, none per key: the key -> slot map is a
+    :class:`KeyIndex`; per slot, numpy arrays hold the key, the last-use tick (one tick per call), the use
+    count since the row entered and the dirty bit.  Victims are the ``n`` smallest scores among the
+    unprotected slots (``np.argpartition``): LRU scores by last use (ties -- rows used in the same call --
+    in any order), LFU by use count, then last use (O'Neil et al.'s LRU-K and the LFU of Baidu's MEM-PS
+    both rank by such per-row counters; :func:`podscale.table.estimate.hit_rate` predicts the rates).
+
+    One background thread (a FIFO) does the slow I/O, in order: write-back of evicted dirty rows and
+    ``prefetch`` reads.  So the step goes on while RocksDB writes (its write and multi-get release the
+    GIL), and a prefetch queued after a write reads the written row.  A prefetch that read a row before
+    the foreground wrote that row (put, or evicted with a newer value) does not insert its stale copy.
+    ``get`` first waits for the queue (in a training loop that is the prefetch it waits for anyway: the
+    write-backs were queued before it), so a miss never reads a row whose write is in flight, and a failed
+    write-back surfaces there, one call after the eviction, as :class:`StorageError`; its rows are kept
+    (readable, and written again by the next ``flush``), so a full disk loses no row.  ``flush``,
+    ``scan`` (checkpoints) and ``close`` wait for every write.  A miss reads the row from ``backing``
+    synchronously and counts in ``stats().misses``.
     """
 
     def __init__(self, backing: RowStore, budget_bytes: int, policy: str = "lru",
@@ -456,15 +501,24 @@ class CachedRowStore(RowStore):
             raise StorageError(f"cache budget {budget_bytes} B holds no row of {4 * self.width} B: "
                                f"raise the budget to at least {4 * self.width} B")
         self._slab = torch.zeros(rows, self.width, device=self.device)
-        self._freq = torch.zeros(rows, dtype=torch.int64)
-        self._dirty = torch.zeros(rows, dtype=torch.bool)
-        self._map: OrderedDict[int, int] = OrderedDict()  # key -> slot, least recently used first
-        self._free = list(range(rows - 1, -1, -1))
-        self._absent: set[int] = set()      # keys a prefetch found in no tier below (no need to re-read)
-        self._written: set[int] = set()     # keys written while a prefetch is in flight
+        self._index = KeyIndex(2 * rows)
+        self._key = np.zeros(rows, dtype=np.int64)     # key of each slot
+        self._used = np.zeros(rows, dtype=bool)
+        self._dirty = np.zeros(rows, dtype=bool)
+        self._last = np.zeros(rows, dtype=np.int64)    # tick of the last call that used the slot
+        self._freq = np.zeros(rows, dtype=np.int64)    # uses since the row entered
+        self._tick = 0
+        self._absent = np.zeros(0, dtype=np.int64)     # keys the prefetch found in no tier below (sorted)
+        self._written: list[np.ndarray] = []           # keys written while a prefetch is in flight
+        self._failed: list[tuple[np.ndarray, torch.Tensor]] = []  # write-backs that failed, newest last
+        self._error: StorageError | None = None
         self._lock = threading.RLock()
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="podscale-prefetch")
-        self._pending: Future | None = None
+        self._pool = _io_pool()
+        self._jobs: list[Future] = []                  # queued I/O, oldest first
+        self._pending: Future | None = None            # the prefetch in flight
+        self._hold = np.zeros(0, dtype=np.int64)       # slots of the last get: the step writes them back
+        self._queued_bytes = 0                         # rows copied out for write-backs not done yet
+        self._queue_limit = max(1, self._slab.numel() * 4 // 2)
         self._stats = TierStats()
 
     # -- interface --------------------------------------------------------------------------------
@@ -473,48 +527,72 @@ class CachedRowStore(RowStore):
 
     def get(self, keys):
         keys = _as_keys(keys)
-        self._wait_pending(count=True)
+        self._settle(count=True)
         with self._lock:
-            kl = keys.tolist()
-            slots = [self._map.get(k, -1) for k in kl]
-            hit = torch.tensor(slots, dtype=torch.int64) >= 0
-            rows = torch.zeros(len(kl), self.width, device=self.device)
-            found = hit.clone()
-            if hit.any():
-                hs = torch.tensor([s for s in slots if s >= 0], dtype=torch.int64)
-                rows[hit.to(self.device)] = self._slab[hs.to(self.device)]
-                self._touch([k for k, s in zip(kl, slots) if s >= 0], hs)
-                self._stats.hits += len(hs)
-            miss_idx = [i for i, s in enumerate(slots) if s < 0 and kl[i] not in self._absent]
-            if miss_idx:
-                mk = keys[miss_idx]
-                mrows, mfound = self.backing.get(mk)
-                self._stats.misses += len(miss_idx)
-                mi = torch.tensor(miss_idx, dtype=torch.int64)
-                rows[mi.to(self.device)] = mrows.to(self.device)
-                found[mi] = mfound
+            kn = keys.numpy()
+            n = len(kn)
+            slots = self._index.get(kn)
+            hit = slots >= 0
+            self._tick += 1
+            hs = slots[hit]
+            self._last[hs] = self._tick
+            self._freq[hs] += 1
+            self._stats.hits += len(hs)
+            if len(hs) == n:
+                self._hold = slots
+                return self._slab.index_select(0, torch.from_numpy(slots).to(self.device)), torch.ones(n, dtype=torch.bool)
+            rows = self._slab.index_select(0, torch.from_numpy(np.maximum(slots, 0)).to(self.device))
+            found = torch.from_numpy(hit.copy())
+            mi = np.flatnonzero(~hit)
+            if len(self._absent):
+                mi = mi[~np.isin(kn[mi], self._absent)]
+            rows[torch.from_numpy(np.flatnonzero(~hit)).to(self.device)] = 0.0
+            self._hold = hs
+            if len(mi):
+                mk = kn[mi]
+                mrows, mfound = self.backing.get(torch.from_numpy(mk))
+                self._stats.misses += len(mi)
+                mfound = mfound.numpy().copy()
+                dirty = np.zeros(len(mk), dtype=bool)
+                for fk, fr in self._failed:  # rows whose write-back failed are newer than the tier below
+                    at = np.searchsorted(fk, mk)
+                    inb = (at < len(fk)) & (fk[np.minimum(at, len(fk) - 1)] == mk)
+                    if inb.any():
+                        mrows[torch.from_numpy(np.flatnonzero(inb))] = fr[torch.from_numpy(at[inb])]
+                        mfound |= inb
+                        dirty |= inb
+                self._forget_failed(mk[dirty])
+                rows[torch.from_numpy(mi).to(self.device)] = mrows.to(self.device)
+                found[torch.from_numpy(mi)] = torch.from_numpy(mfound)
                 if mfound.any():
-                    self._insert(mk[mfound], mrows[mfound], dirty=False)
-            return rows, found
+                    got = self._insert(mk[mfound], mrows[torch.from_numpy(mfound)], dirty=dirty[mfound],
+                                       protect=hs)
+                    self._hold = np.concatenate([hs, got])
+        self._throttle()
+        return rows, found
 
     def put(self, keys, rows):
         keys = _as_keys(keys)
         with self._lock:
+            kn = keys.numpy()
             if self._pending is not None:
-                self._written.update(keys.tolist())
-            self._absent.difference_update(keys.tolist())
-            self._insert(keys, rows, dirty=True)
+                self._written.append(kn.copy())
+            if len(self._absent):
+                self._absent = self._absent[~np.isin(self._absent, kn)]
+            self._forget_failed(kn)
+            self._tick += 1
+            self._insert(kn, rows, dirty=True, protect=self._hold)
+        self._throttle()
 
     def delete(self, keys):
         keys = _as_keys(keys)
+        self._settle(count=False)
         with self._lock:
-            for k in keys.tolist():
-                s = self._map.pop(k, None)
-                if s is not None:
-                    self._dirty[s] = False
-                    self._free.append(s)
-                if self._pending is not None:
-                    self._written.add(k)
+            kn = keys.numpy()
+            freed = self._index.remove(kn)
+            self._used[freed] = False
+            self._dirty[freed] = False
+            self._forget_failed(kn)
             self.backing.delete(keys)
 
     def scan(self, batch=65536):
@@ -527,17 +605,21 @@ class CachedRowStore(RowStore):
 
     def prefetch(self, keys):
         keys = _as_keys(keys)
-        self._wait_pending(count=False)
+        self._wait_prefetch()  # (not the write-backs queued since: the prefetch queues behind them)
         with self._lock:
             self._written.clear()
-            self._absent.clear()
-            want = [k for k in keys.tolist() if k not in self._map]
-            if not want:
+            self._absent = np.zeros(0, dtype=np.int64)
+            kn = keys.numpy()
+            want = kn[self._index.get(kn) < 0]
+            if not len(want):
                 return
-            self._pending = self._pool.submit(self._promote, torch.tensor(want, dtype=torch.int64))
+            self._pending = self._submit(self._promote, want.copy(), kn.copy())
 
     def wait_prefetch(self):
-        self._wait_pending(count=False)
+        self._wait_prefetch()
+
+    def drain(self):
+        self._settle(count=False)
 
     def stats(self):
         return [TierStats(**vars(self._stats))] + self.backing.stats()
@@ -547,121 +629,201 @@ class CachedRowStore(RowStore):
         self.backing.reset_stats()
 
     def flush(self):
-        self._wait_pending(count=False)
+        self._settle(count=False)
         with self._lock:
-            dirty = self._dirty.nonzero().reshape(-1)
+            for fk, fr in self._failed:  # written again; a failure raises here and keeps them
+                self.backing.put(torch.from_numpy(fk), fr)
+                self._stats.written_back += len(fk)
+            self._failed.clear()
+            dirty = np.flatnonzero(self._dirty)
             if len(dirty):
-                inv = {s: k for k, s in self._map.items()}
-                keys = torch.tensor([inv[s] for s in dirty.tolist()], dtype=torch.int64)
-                self.backing.put(keys, self._slab[dirty.to(self.device)].cpu())
+                ds = torch.from_numpy(dirty)
+                self.backing.put(torch.from_numpy(self._key[dirty]), self._slab[ds.to(self.device)].cpu())
                 self._stats.written_back += len(dirty)
                 self._dirty[dirty] = False
         self.backing.flush()
 
     def close(self):
-        self.flush()
-        self._pool.shutdown(wait=True)
+        self.flush()  # (the I/O thread is shared by every cache of the process: it stays)
         self.backing.close()
 
     def clear(self):
-        self._wait_pending(count=False)
+        try:
+            self._settle(count=False)
+        except StorageError:
+            pass  # the rows are being discarded anyway
         with self._lock:
-            self._map.clear()
-            self._dirty.zero_()
-            self._freq.zero_()
-            self._free = list(range(self._slab.shape[0] - 1, -1, -1))
-            self._absent.clear()
+            self._index.clear()
+            self._used[:] = False
+            self._dirty[:] = False
+            self._freq[:] = 0
+            self._last[:] = 0
+            self._absent = np.zeros(0, dtype=np.int64)
             self._written.clear()
+            self._failed.clear()
         self.backing.clear()
 
     def tier_bytes(self):
         """This tier's rows (its slab's used part), then the tiers below."""
-        return [len(self._map) * 4 * self.width] + self.backing.tier_bytes()
+        return [self._index.used * 4 * self.width] + self.backing.tier_bytes()
 
     # -- internals --------------------------------------------------------------------------------
-    def _wait_pending(self, count: bool) -> None:
+    def _submit(self, fn, *args) -> Future:
+        f = self._pool.submit(fn, *args)
+        with self._lock:
+            self._jobs.append(f)
+        return f
+
+    def _wait_prefetch(self) -> None:
         p = self._pending
-        if p is None:
-            return
+        if p is not None:
+            p.result()  # re-raises a failed prefetch here, in the foreground
+            self._pending = None
+
+    def _settle(self, count: bool) -> None:
+        """Wait for every queued write-back and prefetch; raise the first failure (once)."""
         t0 = time.perf_counter()
-        p.result()  # re-raises a failed prefetch here, in the foreground
-        if count:
+        while True:
+            with self._lock:
+                if not self._jobs:
+                    break
+                f = self._jobs.pop(0)
+            try:
+                f.result()  # re-raises a failed prefetch here, in the foreground
+            except BaseException:
+                if f is self._pending:
+                    self._pending = None
+                raise
+        if count and self._pending is not None:
             self._stats.prefetch_wait_s += time.perf_counter() - t0
         self._pending = None
+        err, self._error = self._error, None
+        if err is not None:
+            raise err
 
-    def _promote(self, keys: torch.Tensor) -> None:
-        rows, found = self.backing.get(keys)  # the slow read, outside the lock
+    def _forget_failed(self, kn: np.ndarray) -> None:
+        """Drop ``kn`` from the failed write-backs (their newest row is in the slab now); lock held."""
+        if not self._failed or not len(kn):
+            return
+        kept = []
+        for fk, fr in self._failed:
+            keep = ~np.isin(fk, kn)
+            if keep.all():
+                kept.append((fk, fr))
+            elif keep.any():
+                kept.append((fk[keep], fr[torch.from_numpy(keep)]))
+        self._failed = kept
+
+    def _write_back(self, kn: np.ndarray, rows: torch.Tensor) -> None:
+        """Queue evicted dirty rows for the tier below (lock held)."""
+        if self._pending is not None:
+            self._written.append(kn)
+        self._stats.written_back += len(kn)
+        self._queued_bytes += rows.numel() * 4
+        self._submit(self._write_job, kn, rows)
+
+    def _throttle(self) -> None:
+        """Bound the rows copied out for write-back to half the budget (a stated overhead): when more are
+        queued, wait for the oldest jobs.  Foreground only (the I/O thread never waits for itself)."""
+        while self._queued_bytes > self._queue_limit:
+            with self._lock:
+                if not self._jobs:
+                    return
+                f = self._jobs.pop(0)
+            f.result()
+
+    def _write_job(self, kn: np.ndarray, rows: torch.Tensor) -> None:
+        try:
+            self.backing.put(torch.from_numpy(kn), rows)
+        except StorageError as e:
+            order = np.argsort(kn)  # (sorted: get finds keys in them by binary search)
+            with self._lock:  # kept, newest last: read by get, written again by flush
+                self._failed.append((kn[order], rows[torch.from_numpy(order)]))
+                if self._error is None:
+                    self._error = e
+        finally:
+            with self._lock:
+                self._queued_bytes -= rows.numel() * 4
+
+    def _promote(self, kn: np.ndarray, announced: np.ndarray) -> None:
+        """Read ``kn`` (the absent part of the ``announced`` keys) and insert it.  Evicting may not take
+        the announced rows already here (else the step would miss them) nor the rows of the step in
+        flight (it writes them back)."""
+        rows, found = self.backing.get(torch.from_numpy(kn))  # the slow read, outside the lock
         with self._lock:
-            kl = keys.tolist()
-            fl = found.tolist()
-            keep = [i for i, k in enumerate(kl) if fl[i] and k not in self._map and k not in self._written]
-            self._absent.update(k for k, f in zip(kl, fl) if not f and k not in self._written)
-            if keep:
-                idx = torch.tensor(keep, dtype=torch.int64)
-                self._insert(keys[idx], rows[idx], dirty=False)
-                self._stats.prefetched += len(keep)
+            stale = np.concatenate(self._written + [fk for fk, _ in self._failed]) if (self._written or self._failed) \
+                else np.zeros(0, dtype=np.int64)
+            fresh = ~np.isin(kn, stale) if len(stale) else np.ones(len(kn), dtype=bool)
+            f = found.numpy()
+            self._absent = np.sort(kn[~f & fresh])
+            keep = f & fresh & (self._index.get(kn) < 0)
+            if keep.any():
+                self._tick += 1
+                here = self._index.get(announced)
+                got = self._insert(kn[keep], rows[torch.from_numpy(keep)], dirty=False,
+                                   protect=np.concatenate([self._hold, here[here >= 0]]), best_effort=True)
+                self._stats.prefetched += len(got)
 
-    def _touch(self, keys: list[int], slots: torch.Tensor) -> None:
-        if self.policy == "lru":
-            for k in keys:
-                self._map.move_to_end(k)
-        self._freq[slots] += 1
-
-    def _insert(self, keys: torch.Tensor, rows: torch.Tensor, dirty: bool) -> None:
-        """Place rows in the slab (overwriting present keys), evicting as needed; caller holds the lock."""
-        kl = keys.tolist()
-        n = len(kl)
-        if n > self._slab.shape[0]:
-            raise StorageError(f"{n} rows do not fit a cache of {self._slab.shape[0]} rows: "
+    def _insert(self, kn: np.ndarray, rows: torch.Tensor, dirty, protect: np.ndarray | None = None,
+                best_effort: bool = False) -> np.ndarray:
+        """Place rows in the slab (overwriting present keys), evicting as needed; caller holds the lock
+        and has advanced the tick.  ``dirty``: a bool or a per-row mask; ``protect``: slots not to evict
+        (besides those of ``kn``), unless the rows of ``kn`` would not fit then; ``best_effort``: insert
+        only the rows that fit without evicting a protected one.  Returns the slots of the rows inserted."""
+        n = len(kn)
+        cap = self._slab.shape[0]
+        if n > cap:
+            raise StorageError(f"{n} rows do not fit a cache of {cap} rows: "
                                f"raise the budget above {n * 4 * self.width} B")
-        m = self._map
-        slots = [m.get(k, -1) for k in kl]
-        new = [i for i, s in enumerate(slots) if s < 0]
-        if len(new) > len(self._free):
-            self._evict(len(new) - len(self._free), protect=set(kl))
-        if self.policy == "lru":
-            for i, s in enumerate(slots):
-                if s >= 0:
-                    m.move_to_end(kl[i])
-        if new:
-            fresh = self._free[-len(new):][::-1]
-            del self._free[-len(new):]
-            for i, s in zip(new, fresh):
-                slots[i] = s
-                m[kl[i]] = s
-            self._freq[torch.tensor(fresh, dtype=torch.int64)] = 0
-        st = torch.tensor(slots, dtype=torch.int64)
+        slots = self._index.get(kn)
+        new = np.flatnonzero(slots < 0)
+        if len(new):
+            free = np.flatnonzero(~self._used)
+            if len(new) > len(free):
+                present = slots[slots >= 0]
+                keep = present if protect is None else np.concatenate([present, protect])
+                short = len(new) - len(free) - self._evict(len(new) - len(free), keep)
+                if short and best_effort:  # (a prefetch) insert what fits beside the protected rows
+                    kept = np.ones(n, dtype=bool)
+                    kept[new[len(new) - short:]] = False
+                    kn, rows, slots = kn[kept], rows[torch.from_numpy(kept)], slots[kept]
+                    if isinstance(dirty, np.ndarray):
+                        dirty = dirty[kept]
+                    new = np.flatnonzero(slots < 0)
+                elif short:  # the rows of this call must fit: the other protected rows give way
+                    self._evict(short, present)
+                free = np.flatnonzero(~self._used)
+            fresh = free[: len(new)]
+            self._index.insert(kn[new], fresh)
+            self._key[fresh] = kn[new]
+            self._used[fresh] = True
+            self._freq[fresh] = 0
+            slots[new] = fresh
+        st = torch.from_numpy(slots)
         self._slab[st.to(self.device)] = rows.to(self.device, torch.float32)
-        self._freq[st] += 1
-        if dirty:
-            self._dirty[st] = True
+        self._last[slots] = self._tick
+        self._freq[slots] += 1
+        if isinstance(dirty, np.ndarray):
+            self._dirty[slots[dirty]] = True
+        elif dirty:
+            self._dirty[slots] = True
+        return slots
 
-    def _evict(self, n: int, protect: set[int]) -> None:
-        victims: list[int] = []
+    def _evict(self, n: int, protect: np.ndarray) -> int:
+        """Free the ``n`` lowest-scored slots outside ``protect`` (fewer if there are not as many), queueing
+        their dirty rows for write-back; returns how many were freed."""
+        cand = self._used.copy()
+        cand[protect] = False
+        cs = np.flatnonzero(cand)
         if self.policy == "lru":
-            for k in self._map:
-                if k not in protect:
-                    victims.append(k)
-                    if len(victims) == n:
-                        break
+            score = self._last[cs]
         else:
-            inv = {s: k for k, s in self._map.items()}
-            for s in torch.argsort(self._freq, stable=True).tolist():
-                k = inv.get(s)
-                if k is not None and k not in protect:
-                    victims.append(k)
-                    if len(victims) == n:
-                        break
-        slot_list = [self._map[k] for k in victims]
-        slots = torch.tensor(slot_list, dtype=torch.int64)
-        dirty = self._dirty[slots]
-        if dirty.any():  # written down before the rows leave the cache: a failed write loses nothing
-            dk = torch.tensor(victims, dtype=torch.int64)[dirty]
-            self.backing.put(dk, self._slab[slots[dirty].to(self.device)].cpu())
-            self._stats.written_back += len(dk)
-            if self._pending is not None:
-                self._written.update(dk.tolist())
-        for k in victims:
-            del self._map[k]
-        self._dirty[slots] = False
-        self._free.extend(slot_list)
+            score = self._freq[cs] * (1 << 40) + self._last[cs]
+        victims = cs[np.argpartition(score, n - 1)[:n]] if n < len(cs) else cs
+        dv = victims[self._dirty[victims]]
+        if len(dv):  # copied out before the slots are reused; written below in the background
+            self._write_back(self._key[dv].copy(), self._slab[torch.from_numpy(dv).to(self.device)].cpu())
+        self._index.remove(self._key[victims])
+        self._used[victims] = False
+        self._dirty[victims] = False
+        return len(victims)

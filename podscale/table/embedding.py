@@ -30,8 +30,9 @@ a cache tier) with a 4-integer all-gather, each before the collective that would
 nothing is written to a store before the verdict on the ids and the budget.  A store
 that fails while reading or creating rows is agreed before the row exchange; one that fails while writing
 the update (after the step's last collective) is recorded and raised by every rank at the next lookup.
-Each write to the SSD tier is one atomic RocksDB write batch and a cache drops a dirty row only after it
-was written down, so a failure leaves every row at its old or its new value.
+Each write to the SSD tier is one atomic RocksDB write batch and a cache keeps a copy of each dirty row it
+evicts until that row is written down (written in the background; a failed write keeps it, readable, and is
+raised at the next lookup), so a failure leaves every row at its old or its new value.
 """
 from __future__ import annotations
 
