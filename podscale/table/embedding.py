@@ -45,6 +45,7 @@ from torch import nn
 
 from podscale.runtime import comm
 from podscale.runtime.errors import InputError
+from podscale.storage.dense import DenseRowStore
 from podscale.storage.rows import CachedRowStore, MemoryRowStore, RocksRowStore, RowStore, StorageError, TierStats
 from podscale.table.base import ShardedTable
 from podscale.table.hashing import KeyOwner, init_rows, name_seed, owner_of
@@ -52,6 +53,7 @@ from podscale.table.optim import SparseOptimizer
 
 SHARDINGS = ("row", "table", "column")
 POOLINGS = ("sum", "mean")
+STORAGES = ("keyed", "dense")
 
 
 class TableError(InputError):
@@ -82,6 +84,7 @@ class TableSpec:
     ssd_path: str | None = None
     cache_policy: str = "lru"
     device_budget_bytes: int | None = None
+    storage: str = "keyed"            # "dense": ids in [0, num_keys), rows created up front (storage/dense.py)
 
     def check(self) -> None:
         """Raise TableError (one line, the fix) for settings that cannot work; same on every rank."""
@@ -98,6 +101,18 @@ class TableSpec:
             raise TableError(f"{where}: dram_budget_bytes needs an SSD tier below it: set ssd_path")
         if self.cache_policy not in ("lru", "lfu"):
             raise TableError(f"{where}: cache_policy '{self.cache_policy}' must be lru or lfu")
+        if self.storage not in STORAGES:
+            raise TableError(f"{where}: storage '{self.storage}' must be one of {', '.join(STORAGES)}")
+        if self.storage == "dense":
+            fix = "use storage='keyed'"
+            if self.num_keys is None:
+                raise TableError(f"{where}: storage='dense' needs the id range: set num_keys (or {fix})")
+            if self.sharding == "row":
+                raise TableError(f"{where}: storage='dense' needs table- or column-wise sharding (a row-wise "
+                                 f"shard holds hashed keys, not a range): change sharding or {fix}")
+            if self.admit_after > 1 or self.ttl_steps is not None or self.dram_budget_bytes is not None:
+                raise TableError(f"{where}: storage='dense' holds every row in memory from the start, so "
+                                 f"admit_after, ttl_steps and dram_budget_bytes do not apply: {fix}")
 
 
 @dataclass(frozen=True)
@@ -296,7 +311,9 @@ class ShardedEmbeddingBags(nn.Module, ShardedTable):
 
     def _make_store(self, spec: TableSpec, sh: Shard) -> RowStore:
         width = self.row_floats(sh.table, sh)
-        if spec.dram_budget_bytes is None:
+        if spec.storage == "dense":
+            store: RowStore = DenseRowStore(spec.num_keys, width, lambda keys: self._fresh_rows(sh, keys))
+        elif spec.dram_budget_bytes is None:
             store: RowStore = MemoryRowStore(width)
         else:
             path = Path(spec.ssd_path) / spec.name / f"shard-{sh.index}"
@@ -512,6 +529,18 @@ class ShardedEmbeddingBags(nn.Module, ShardedTable):
         step = _Step(list(ids), uniq, segments, send_floats, recv_floats, received, src_layout)
         return rows, inv, step
 
+    def _fresh_rows(self, sh: Shard, keys: torch.Tensor) -> torch.Tensor:
+        """New full stored rows of ``keys`` in shard ``sh``: the deterministic per-key initial weights,
+        fresh optimizer state and the current step as last use."""
+        spec = self.specs[sh.table]
+        scale = spec.init_scale if spec.init_scale is not None else 1.0 / math.sqrt(spec.dim)
+        fresh = torch.empty(len(keys), self.row_floats(sh.table, sh))
+        fresh[:, : sh.width] = init_rows(self._seeds[sh.table], keys, sh.c0, sh.c1, scale)
+        if spec.trainable:
+            fresh[:, sh.width: -1] = self.optimizer.init_state(len(keys), sh.width)
+        fresh[:, -1] = float(self.step_count)
+        return fresh
+
     def _fetch(self, key, u: torch.Tensor, total: torch.Tensor, train: bool):
         """Full stored rows of ``u`` in shard ``key``, creating admitted new keys (train only)."""
         t, _ = key
@@ -540,11 +569,7 @@ class ShardedEmbeddingBags(nn.Module, ShardedTable):
                 ok_t = torch.ones(len(nk), dtype=torch.bool)
             if ok_t.any():
                 ck = nk[ok_t]
-                scale = spec.init_scale if spec.init_scale is not None else 1.0 / math.sqrt(spec.dim)
-                fresh = torch.zeros(len(ck), rows.shape[1])
-                fresh[:, : sh.width] = init_rows(self._seeds[t], ck, sh.c0, sh.c1, scale)
-                fresh[:, sh.width: -1] = self.optimizer.init_state(len(ck), sh.width)
-                fresh[:, -1] = float(self.step_count)
+                fresh = self._fresh_rows(sh, ck)
                 idx = new.nonzero().reshape(-1)[ok_t]
                 rows[idx] = fresh
                 admitted[idx] = True
