@@ -71,7 +71,8 @@ def _timed(step_fn, s: dict) -> float:
 
 
 # -- variants (each runs inside a worker) ---------------------------------------------------------------
-def run_podscale(s: dict, budget_fraction: float | None, ssd_root: str | None, sharding: str = "row") -> dict:
+def run_podscale(s: dict, budget_fraction: float | None, ssd_root: str | None, sharding: str = "row",
+                 storage: str = "keyed") -> dict:
     from podscale.parallel.data import DataParallel
     from podscale.runtime import comm
     from podscale.runtime.mesh import Mesh
@@ -96,7 +97,8 @@ def run_podscale(s: dict, budget_fraction: float | None, ssd_root: str | None, s
         comm.all_reduce(t, mesh, "dp", op=torch.distributed.ReduceOp.MAX)
         budget = int(2 * int(t) * row_bytes)
         preload = int(budget / budget_fraction / row_bytes) * n
-    specs = [TableSpec(nm, DIM, "sum", sharding, dram_budget_bytes=budget,
+    specs = [TableSpec(nm, DIM, "sum", sharding, dram_budget_bytes=budget, storage=storage,
+                       num_keys=s["rows"] if storage == "dense" else None,
                        ssd_path=None if ssd_root is None else os.path.join(ssd_root, f"r{r}")) for nm in names]
     emb = ShardedEmbeddingBags(specs, mesh, RowWiseAdagrad(0.05), seed=0)
     emb.clear()
@@ -222,7 +224,8 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--small", action="store_true", help="8 tables x 50k rows, few steps (a quick check)")
     ap.add_argument("--nproc", type=int, default=2)
-    ap.add_argument("--skip", action="append", default=[], help="variants to skip: ddp, torchrec, ssd")
+    ap.add_argument("--skip", action="append", default=[], help="variants to skip: ddp, torchrec, ssd, "
+                    "and podscale's <sharding>-<storage> (row-keyed, table-keyed, column-keyed, table-dense, column-dense)")
     args = ap.parse_args(argv)
     from podscale.runtime.launcher import launch
 
@@ -238,9 +241,12 @@ def main(argv=None) -> None:
         res[name] = gb / t
         print(f"  {name:34s} {gb / t:10,.0f} samples/s", flush=True)
 
-    report("podscale row-wise (in memory)", launch(run_podscale, (s, None, None, "row"), nproc=n, start_method="spawn"))
-    report("podscale table-wise (in memory)", launch(run_podscale, (s, None, None, "table"), nproc=n, start_method="spawn"))
-    report("podscale column-wise (in memory)", launch(run_podscale, (s, None, None, "column"), nproc=n, start_method="spawn"))
+    variants = [("row", "keyed"), ("table", "keyed"), ("column", "keyed"), ("table", "dense"), ("column", "dense")]
+    for sharding, storage in variants:
+        if f"{sharding}-{storage}" in args.skip:
+            continue
+        name = f"podscale {sharding}-wise{', dense' if storage == 'dense' else ''} (in memory)"
+        report(name, launch(run_podscale, (s, None, None, sharding, storage), nproc=n, start_method="spawn"))
     if "ddp" not in args.skip:
         report("nn.EmbeddingBag sparse + DDP", launch(run_ddp_embeddingbag, (s,), nproc=n, start_method="spawn"))
     if "torchrec" not in args.skip:
@@ -266,7 +272,7 @@ def main(argv=None) -> None:
     for k, v in res.items():
         if not k.startswith("podscale"):
             print(f"  vs {k:30s} {ours / v:6.2f}x")
-    if "podscale row-wise, table 10x DRAM" in res:
+    if "podscale row-wise, table 10x DRAM" in res and "podscale row-wise (in memory)" in res:
         print(f"  SSD tier / in memory (row-wise)   {res['podscale row-wise, table 10x DRAM'] / res['podscale row-wise (in memory)']:6.2f}x")
 
 
