@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from typing import Callable, Iterator
 
+import numpy as np
 import torch
 
 from podscale.storage.rows import RowStore, StorageError
@@ -40,48 +41,48 @@ class DenseRowStore(RowStore):
                                f"({4 * self.num_keys * self.width} B) does not fit in memory ({e}): use "
                                "storage='keyed' or a DRAM budget over an SSD tier") from e
         self._np = self._slab.numpy()  # numpy's fancy indexing copies whole rows: faster than index_copy_
-        self._written = torch.zeros(self.num_keys, dtype=torch.bool)
-        self._reset(torch.arange(self.num_keys, dtype=torch.int64))
+        self._written = np.zeros(self.num_keys, dtype=bool)
+        self._reset(np.arange(self.num_keys, dtype=np.int64))
 
-    def _reset(self, keys: torch.Tensor) -> None:
+    def _reset(self, keys: np.ndarray) -> None:
         for a in range(0, len(keys), INIT_CHUNK):
             k = keys[a: a + INIT_CHUNK]
-            self._slab[k] = self._init(k)
+            self._np[k] = self._init(torch.from_numpy(k)).numpy()
 
-    def _check(self, keys: torch.Tensor) -> torch.Tensor:
-        keys = keys.to(torch.int64).reshape(-1).cpu()
-        if len(keys) and (int(keys.min()) < 0 or int(keys.max()) >= self.num_keys):
+    def _check(self, keys: torch.Tensor) -> np.ndarray:
+        k = keys.to(torch.int64).reshape(-1).cpu().numpy()
+        if len(k) and (k.min() < 0 or k.max() >= self.num_keys):
             raise StorageError(f"a dense store of keys [0, {self.num_keys}) got a key outside that range: "
                                "declare a larger num_keys or use storage='keyed'")
-        return keys
+        return k
 
     def get(self, keys):
-        keys = self._check(keys)
-        return torch.from_numpy(self._np[keys.numpy()]), torch.ones(len(keys), dtype=torch.bool)
+        k = self._check(keys)
+        return torch.from_numpy(self._np[k]), torch.ones(len(k), dtype=torch.bool)
 
     def put(self, keys, rows):
-        keys = self._check(keys)
-        self._np[keys.numpy()] = rows.to(torch.float32).cpu().numpy()
-        self._written[keys] = True
+        k = self._check(keys)
+        self._np[k] = rows.to(torch.float32).cpu().numpy()
+        self._written[k] = True
 
     def delete(self, keys):
-        keys = self._check(keys)
-        keys = keys[self._written[keys]]
-        self._reset(keys)
-        self._written[keys] = False
+        k = self._check(keys)
+        k = k[self._written[k]]
+        self._reset(k)
+        self._written[k] = False
 
     def scan(self, batch: int = 65536) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        keys = self._written.nonzero().reshape(-1)
+        keys = np.flatnonzero(self._written)
         for a in range(0, len(keys), batch):
             k = keys[a: a + batch]
-            yield k, self._slab.index_select(0, k)
+            yield torch.from_numpy(k), torch.from_numpy(self._np[k])
 
     def __len__(self) -> int:
         return int(self._written.sum())
 
     def clear(self) -> None:
         """Every row back to its initial value (only the written ones differ from it)."""
-        self.delete(self._written.nonzero().reshape(-1))
+        self.delete(torch.from_numpy(np.flatnonzero(self._written)))
 
     def tier_bytes(self) -> list[int]:
         return [self._slab.numel() * 4]
