@@ -60,3 +60,23 @@ def test_dense_spec_errors_name_the_fix(kw, part):
     with pytest.raises(TableError, match=part) as e:
         TableSpec("t", 4, **kw).check()
     assert "\n" not in str(e.value)
+
+
+def test_dlrm_dense_storage_config_errors_before_workers(tmp_path):
+    from podscale.config import ConfigError, parse_config
+
+    def cfg(**model):
+        return {"run": {"name": "d", "out_dir": str(tmp_path)},
+                "model": {"kind": "dlrm", "tables": [{"name": "a", "cardinality": 1000}],
+                          "table_storage": "dense", **model},
+                "train": {"global_batch": 64, "micro_batch": 32}, "parallel": {"nproc": 2}}
+
+    ok = parse_config(cfg(declare_range=True, sharding="table"))
+    from podscale.tasks.dlrm import DLRMTask
+    assert [s.storage for s in DLRMTask(ok).table_specs()] == ["dense"]
+    for model, part in [({"sharding": "table"}, "set model.declare_range = true"),
+                        ({"declare_range": True}, "needs table- or column-wise sharding"),
+                        ({"declare_range": True, "sharding": "column", "ttl_steps": 3}, "drop model.admit_after")]:
+        with pytest.raises(ConfigError, match=part) as e:
+            parse_config(cfg(**model))
+        assert "\n" not in str(e.value)
