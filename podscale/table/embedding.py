@@ -215,30 +215,21 @@ class _Exchange(torch.autograd.Function):
 
 
 class _BagPool(torch.autograd.Function):
-    """Pooled bags (``nn.EmbeddingBag``'s sum or mean) of ``rows[idx]`` over ``offsets``, whose backward
-    scatters each id's share of its bag's gradient into the rows with one ``index_add_`` (ATen's dense
-    embedding-bag backward sorts the indices and counts them first, which the deduplicated rows don't need)."""
+    """Pooled bags (``nn.EmbeddingBag``'s sum or mean) of deduplicated ``rows`` over ``offsets`` (``ids``:
+    the batch's ids against the rows), whose backward sums each row's share of its bags' gradients with
+    :meth:`Dedup.rows_grad` (the ids are sorted already, so ATen's dense embedding-bag backward, which sorts
+    and counts them first, would repeat that work)."""
 
     @staticmethod
-    def forward(ctx, rows, idx, offsets, mode):
-        ctx.save_for_backward(idx, offsets)
-        ctx.mode, ctx.n = mode, rows.shape[0]
-        return F.embedding_bag(idx, rows, offsets, mode=mode)
+    def forward(ctx, rows, ids, offsets, mode):
+        ctx.save_for_backward(offsets)
+        ctx.mode, ctx.ids = mode, ids
+        return F.embedding_bag(ids.inv, rows, offsets, mode=mode)
 
     @staticmethod
     def backward(ctx, g):
-        idx, offsets = ctx.saved_tensors
-        return bag_rows_grad(g, idx, offsets, ctx.mode, ctx.n), None, None, None
-
-
-def bag_rows_grad(g: torch.Tensor, idx: torch.Tensor, offsets: torch.Tensor, mode: str, n: int) -> torch.Tensor:
-    """The gradient of ``n`` rows from that of their pooled bags ``g [bags, dim]``: each id's share of its
-    bag's gradient (``1/len`` of it for mean pooling) summed into its row ``idx`` with one ``index_add_``."""
-    lengths = torch.diff(offsets, append=offsets.new_tensor([len(idx)]))
-    bag = torch.repeat_interleave(torch.arange(len(offsets)), lengths)
-    if mode == "mean":
-        g = g / lengths.clamp(min=1).to(g.dtype)[:, None]
-    return torch.zeros(n, g.shape[1], dtype=g.dtype).index_add_(0, idx, g.index_select(0, bag))
+        (offsets,) = ctx.saved_tensors
+        return ctx.ids.rows_grad(g, offsets, ctx.mode), None, None, None
 
 
 @dataclass
@@ -448,12 +439,14 @@ class ShardedEmbeddingBags(nn.Module, ShardedTable):
 
     # -- routing ----------------------------------------------------------------------------------------
     def _route(self, ids: dict[int, torch.Tensor]):
-        """Deduplicate per table and split into per-destination segments; also the inverse indices."""
+        """Deduplicate per table (a :class:`Dedup` per table: the pooling and its backward reuse it) and
+        split into per-destination segments."""
         uniq, inv, counts = {}, {}, {}
         segments: list[list[_Segment]] = [[] for _ in range(self.n)]
         for t, v in ids.items():
-            u, i, c = torch.unique(v, sorted=True, return_inverse=True, return_counts=True)
-            uniq[t], inv[t], counts[t] = u, i, c
+            dd = Dedup.of(v)
+            uniq[t], inv[t], counts[t] = dd.keys, dd, dd.counts()
+            u = dd.keys
             shards = self.shards[t]
             if shards[0].hashed:
                 own = self._owner(u, self.n)
@@ -582,7 +575,8 @@ class ShardedEmbeddingBags(nn.Module, ShardedTable):
         for key, parts in by_shard.items():
             keys = torch.cat([p[2] for p in parts])
             cnt = torch.cat([p[3] for p in parts])
-            u, i = torch.unique(keys, sorted=True, return_inverse=True)
+            dd = Dedup.of(keys)
+            u, i = dd.keys, dd.inv
             total = torch.zeros(len(u), dtype=torch.int64).index_add_(0, i, cnt)
             merged[key] = (u, i, total, parts)
         bag_merged = {}
@@ -834,7 +828,7 @@ class ShardedEmbeddingBags(nn.Module, ShardedTable):
     def lookup(self, ids: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Rows ``[len(ids), dim]`` of the given keys per table (zeros for keys without a row)."""
         rows, inv, _ = self._rows(self._ids(ids))
-        return {self.specs[t].name: rows[t][inv[t]] for t in rows}
+        return {self.specs[t].name: rows[t][inv[t].inv] for t in rows}
 
     def forward(self, features: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> dict[str, torch.Tensor]:
         """Pooled bags per table from jagged ids: ``values`` and ``offsets`` (each bag's start), as in
