@@ -18,6 +18,19 @@ DLRM's model-parallel embeddings (Naumov et al., "Deep Learning Recommendation M
 and Recommendation Systems", 2019, section 4) and of the Baidu parameter server's pull/push (Zhao et al.,
 MLSys 2020), with all-to-all in place of parameter-server RPCs.
 
+Table- and column-wise bags take the *pooled exchange* instead (TorchRec's data flow for those shardings):
+each bag's ids go to the owner, the owner deduplicates them over all sources, pools the bags over its rows
+and returns ``[bags, width]`` per table; in backward the bags' gradients go back to the owner, which
+expands them to rows (:meth:`Dedup.rows_grad`) and applies the sparse update.  Under Zipf ids a bag's
+pooled row is fewer bytes than its distinct rows, and the pooling runs where the rows are.  Row-wise
+tables keep the row exchange (a bag spans owners).  Both ride the same collectives: one id exchange, one
+reply and one gradient exchange per step for all tables.
+
+A shard's rows live in a :class:`~podscale.storage.rows.RowStore` chosen from its spec: the keyed store
+(arbitrary int64 keys, rows created as keys arrive; admission, TTL and the SSD tier) or, for a table that
+declares ``num_keys`` and ``storage="dense"``, :class:`~podscale.storage.dense.DenseRowStore` (the key is
+the slot and every row exists from the start: no index search and no row creation in a step).
+
 Rows start from :func:`~podscale.table.hashing.init_rows` of (seed, table, key, column), so any sharding
 of any world size holds identical rows.  Admission (a key gets a row only after ``admit_after``
 occurrences and reads zeros until then, as Monolith and PaddlePaddle do) and TTL expiry are per table.
