@@ -58,7 +58,7 @@ class DenseRowStore(RowStore):
 
     def get(self, keys):
         k = self._check(keys)
-        return torch.from_numpy(self._np[k]), torch.ones(len(k), dtype=torch.bool)
+        return torch.from_numpy(np.take(self._np, k, axis=0)), torch.ones(len(k), dtype=torch.bool)
 
     def put(self, keys, rows):
         k = self._check(keys)
