@@ -239,7 +239,7 @@ def main(argv=None) -> None:
     def report(name, out):
         t = max(o["step_s"] for o in out.values())
         res[name] = gb / t
-        print(f"  {name:34s} {gb / t:10,.0f} samples/s", flush=True)
+        print(f"  {name:40s} {gb / t:10,.0f} samples/s", flush=True)
 
     variants = [("row", "keyed"), ("table", "keyed"), ("column", "keyed"), ("table", "dense"), ("column", "dense")]
     for sharding, storage in variants:
