@@ -1,7 +1,12 @@
 """Parameter-server throughput: a DLRM-like model on 2 gloo ranks, podscale's sharded tables against
 ``nn.EmbeddingBag`` + a sparse optimizer under DDP, against TorchRec's sharded EmbeddingBagCollection
 (table-wise and column-wise; TorchRec refuses row-wise on CPU) when it is installed, and podscale with the
-table 10x its DRAM budget (SSD tier, RocksDB).
+table 10x its DRAM budget (SSD tier, RocksDB).  podscale runs row-, table- and column-wise over keyed stores
+(arbitrary int64 ids, rows created as ids arrive) and table- and column-wise over dense-range stores
+(``TableSpec(num_keys=rows, storage="dense")``: the id is the slot, rows created up front, as TorchRec's
+tables are); table- and column-wise bags take the pooled exchange (owners pool).
+
+    python bench/ps.py --small --skip ssd --skip row-keyed   # variants by name: see --skip
 
     python bench/ps.py            # 8 tables x 1M rows x dim 64, Zipf(1.05), 10-20 ids per bag
     python bench/ps.py --small    # 8 tables x 50k rows, a quick check
