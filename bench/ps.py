@@ -1,7 +1,12 @@
 """Parameter-server throughput: a DLRM-like model on 2 gloo ranks, podscale's sharded tables against
 ``nn.EmbeddingBag`` + a sparse optimizer under DDP, against TorchRec's sharded EmbeddingBagCollection
 (table-wise and column-wise; TorchRec refuses row-wise on CPU) when it is installed, and podscale with the
-table 10x its DRAM budget (SSD tier, RocksDB).
+table 10x its DRAM budget (SSD tier, RocksDB).  podscale runs row-, table- and column-wise over keyed stores
+(arbitrary int64 ids, rows created as ids arrive) and table- and column-wise over dense-range stores
+(``TableSpec(num_keys=rows, storage="dense")``: the id is the slot, rows created up front, as TorchRec's
+tables are); table- and column-wise bags take the pooled exchange (owners pool).
+
+    python bench/ps.py --small --skip ssd --skip row-keyed   # variants by name: see --skip
 
     python bench/ps.py            # 8 tables x 1M rows x dim 64, Zipf(1.05), 10-20 ids per bag
     python bench/ps.py --small    # 8 tables x 50k rows, a quick check
@@ -71,7 +76,8 @@ def _timed(step_fn, s: dict) -> float:
 
 
 # -- variants (each runs inside a worker) ---------------------------------------------------------------
-def run_podscale(s: dict, budget_fraction: float | None, ssd_root: str | None, sharding: str = "row") -> dict:
+def run_podscale(s: dict, budget_fraction: float | None, ssd_root: str | None, sharding: str = "row",
+                 storage: str = "keyed") -> dict:
     from podscale.parallel.data import DataParallel
     from podscale.runtime import comm
     from podscale.runtime.mesh import Mesh
@@ -97,7 +103,8 @@ def run_podscale(s: dict, budget_fraction: float | None, ssd_root: str | None, s
         comm.all_reduce(t, mesh, "dp", op=torch.distributed.ReduceOp.MAX)
         budget = int(2 * int(t) * row_bytes)
         preload = int(budget / budget_fraction / row_bytes) * n
-    specs = [TableSpec(nm, DIM, "sum", sharding, dram_budget_bytes=budget,
+    specs = [TableSpec(nm, DIM, "sum", sharding, dram_budget_bytes=budget, storage=storage,
+                       num_keys=s["rows"] if storage == "dense" else None,
                        ssd_path=None if ssd_root is None else os.path.join(ssd_root, f"r{r}")) for nm in names]
     emb = ShardedEmbeddingBags(specs, mesh, RowWiseAdagrad(0.05), seed=0)
     emb.clear()
@@ -223,7 +230,8 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--small", action="store_true", help="8 tables x 50k rows, few steps (a quick check)")
     ap.add_argument("--nproc", type=int, default=2)
-    ap.add_argument("--skip", action="append", default=[], help="variants to skip: ddp, torchrec, ssd")
+    ap.add_argument("--skip", action="append", default=[], help="variants to skip: ddp, torchrec, ssd, "
+                    "and podscale's <sharding>-<storage> (row-keyed, table-keyed, column-keyed, table-dense, column-dense)")
     args = ap.parse_args(argv)
     from podscale.runtime.launcher import launch
 
@@ -237,23 +245,27 @@ def main(argv=None) -> None:
     def report(name, out):
         t = max(o["step_s"] for o in out.values())
         res[name] = gb / t
-        print(f"  {name:34s} {gb / t:10,.0f} samples/s", flush=True)
+        print(f"  {name:40s} {gb / t:10,.0f} samples/s", flush=True)
 
-    report("podscale row-wise (in memory)", launch(run_podscale, (s, None, None, "row"), nproc=n, start_method="spawn"))
-    # the SSD variant right after its in-memory twin: on a shared machine the two see the most similar load
-    if "ssd" not in args.skip:
-        root = tempfile.mkdtemp(prefix="podscale-bench-ssd-")
-        try:
-            out = launch(run_podscale, (s, 0.1, root, "row"), nproc=n, start_method="spawn")
-            report("podscale row-wise, table 10x DRAM", out)
-            o = out[0]
-            print(f"    (rank 0: {o['rows_held']:,} rows held in {s['tables']} table shards, DRAM budget "
-                  f"{o['budget'] / 2 ** 20:.2f} MiB per table shard = {o['budget'] // (4 * (DIM + 2)):,} rows: "
-                  f"{o['rows_held'] / s['tables'] / (o['budget'] // (4 * (DIM + 2))):.1f}x)", flush=True)
-        finally:
-            shutil.rmtree(root, ignore_errors=True)
-    report("podscale table-wise (in memory)", launch(run_podscale, (s, None, None, "table"), nproc=n, start_method="spawn"))
-    report("podscale column-wise (in memory)", launch(run_podscale, (s, None, None, "column"), nproc=n, start_method="spawn"))
+    variants = [("row", "keyed"), ("table", "keyed"), ("column", "keyed"), ("table", "dense"), ("column", "dense")]
+    for sharding, storage in variants:
+        if f"{sharding}-{storage}" in args.skip:
+            continue
+        name = f"podscale {sharding}-wise{', dense' if storage == 'dense' else ''} (in memory)"
+        report(name, launch(run_podscale, (s, None, None, sharding, storage), nproc=n, start_method="spawn"))
+        if (sharding, storage) == ("row", "keyed"):
+            # the SSD variant right after its in-memory twin: on a shared machine the two see the most similar load
+            if "ssd" not in args.skip:
+                root = tempfile.mkdtemp(prefix="podscale-bench-ssd-")
+                try:
+                    out = launch(run_podscale, (s, 0.1, root, "row", "keyed"), nproc=n, start_method="spawn")
+                    report("podscale row-wise, table 10x DRAM", out)
+                    o = out[0]
+                    print(f"    (rank 0: {o['rows_held']:,} rows held in {s['tables']} table shards, DRAM budget "
+                          f"{o['budget'] / 2 ** 20:.2f} MiB per table shard = {o['budget'] // (4 * (DIM + 2)):,} rows: "
+                          f"{o['rows_held'] / s['tables'] / (o['budget'] // (4 * (DIM + 2))):.1f}x)", flush=True)
+                finally:
+                    shutil.rmtree(root, ignore_errors=True)
     if "ddp" not in args.skip:
         report("nn.EmbeddingBag sparse + DDP", launch(run_ddp_embeddingbag, (s,), nproc=n, start_method="spawn"))
     if "torchrec" not in args.skip:
@@ -268,8 +280,10 @@ def main(argv=None) -> None:
     for k, v in res.items():
         if not k.startswith("podscale"):
             print(f"  vs {k:30s} {ours / v:6.2f}x")
-    if "podscale row-wise, table 10x DRAM" in res:
-        print(f"  SSD tier / in memory (row-wise)   {res['podscale row-wise, table 10x DRAM'] / res['podscale row-wise (in memory)']:6.2f}x")
+    if "podscale row-wise, table 10x DRAM" in res and "podscale row-wise (in memory)" in res:
+        ssd = res["podscale row-wise, table 10x DRAM"]
+        print(f"  SSD tier / in memory (row-wise)   {ssd / res['podscale row-wise (in memory)']:6.2f}x")
+        print(f"  SSD tier / best in memory         {ssd / ours:6.2f}x")
 
 
 if __name__ == "__main__":

@@ -290,6 +290,10 @@ class DLRMModelSection(_Section):
                                                                    "beyond it live in the SSD tier")
     ssd_path: str | None = Field(None, description="folder of the SSD tier (needed with dram_budget_mb)")
     cache_policy: Literal["lru", "lfu"] = "lru"
+    table_storage: Literal["keyed", "dense"] = Field(
+        "keyed", description="keyed: arbitrary int64 ids, rows created as ids arrive (admission, TTL, SSD "
+                             "tier); dense: ids in [0, cardinality), every row created up front and the id "
+                             "is its slot (needs declare_range and table- or column-wise sharding)")
     prefetch: bool = Field(True, description="promote the next batch's rows while this batch trains")
     full_checkpoint_every: int = Field(4, ge=1, description="tables: every N-th checkpoint is full, the "
                                                             "others hold only the rows changed since the last")
@@ -306,6 +310,18 @@ class DLRMModelSection(_Section):
             names = [t.name for t in self.tables]
             if not names or len(set(names)) != len(names):
                 raise ValueError(f"model.tables names {names}: give at least one table, each its own name")
+        if self.table_storage == "dense":
+            keyed = "or set model.table_storage = \"keyed\""
+            if self.data_format != "generated" or not self.declare_range:
+                raise ValueError("model.table_storage = \"dense\" needs declared id ranges: set "
+                                 f"model.declare_range = true (generated data) {keyed}")
+            rows = [t.name for t in (self.tables or []) if (t.sharding or self.sharding) == "row"]
+            if self.sharding == "row" and self.tables is None or rows:
+                raise ValueError(f"model.table_storage = \"dense\" needs table- or column-wise sharding "
+                                 f"(row-wise: {rows or 'every table'}): set model.sharding {keyed}")
+            if self.admit_after > 1 or self.ttl_steps is not None or self.dram_budget_mb is not None:
+                raise ValueError("model.table_storage = \"dense\" holds every row in memory from the start: "
+                                 f"drop model.admit_after, model.ttl_steps and model.dram_budget_mb {keyed}")
         return self
 
     def task_class(self) -> type:

@@ -19,9 +19,13 @@ BATCH = 48
 CARD = 300
 
 
-def specs(shardings: tuple[str, str]) -> list[TableSpec]:
+DENSE_KEYS = (CARD - 1) * 7919 + 12  # the id range of batch(): (rank % CARD) * 7919 + 11
+
+
+def specs(shardings: tuple[str, str], v_storage: str = "keyed") -> list[TableSpec]:
     return [TableSpec("u", 8, "sum", shardings[0], ttl_steps=1),  # TTL: the deltas carry deletions
-            TableSpec("v", 6, "mean", shardings[1])]
+            TableSpec("v", 6, "mean", shardings[1], storage=v_storage,
+                      num_keys=DENSE_KEYS if v_storage == "dense" else None)]
 
 
 def batch(step: int):
@@ -72,7 +76,8 @@ def run(phase: dict) -> dict:
     ``saves`` {step: folder}, then the loss of the following step (reported, and trained)."""
     info = init_process()
     mesh = Mesh.build(info.device, dp=info.world_size)
-    emb = ShardedEmbeddingBags(specs(tuple(phase["shardings"])), mesh, RowWiseAdagrad(0.2), seed=1)
+    emb = ShardedEmbeddingBags(specs(tuple(phase["shardings"]), phase.get("v_storage", "keyed")), mesh,
+                               RowWiseAdagrad(0.2), seed=1)
     ck = TableCheckpointer(emb, full_every=phase.get("full_every", 4))
     if phase.get("load"):
         ck.load(Path(phase["load"]))

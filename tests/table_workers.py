@@ -48,6 +48,22 @@ def universe(name: str, card: int) -> np.ndarray:
     return _universe(name, card).copy()
 
 
+def keys_of(spec: TableSpec, card: int) -> np.ndarray:
+    """The keys a table's ids are drawn from: arbitrary int64 keys, or ``[0, card)`` for a dense-range
+    table (``storage="dense"``)."""
+    return np.arange(card, dtype=np.int64) if spec.storage == "dense" else universe(spec.name, card)
+
+
+def dense_specs() -> list[TableSpec]:
+    """default_specs() with the table- and column-wise tables in dense-range stores."""
+    return [TableSpec("users", 8, "sum", "row"),
+            TableSpec("items", 4, "mean", "table", num_keys=CARD["items"], storage="dense"),
+            TableSpec("tags", 6, "sum", "column", num_keys=CARD["tags"], storage="dense")]
+
+
+SPECS = {"default": default_specs, "dense": dense_specs}
+
+
 def hash_name(name: str) -> int:
     return name_seed(0, name) >> 1
 
@@ -61,13 +77,14 @@ def make_batch(step: int, batch: int, specs, max_len: int = 6, zipf: float = 1.3
     rng = np.random.default_rng(1000 + step)
     feats, score = {}, np.zeros(batch)
     for s in specs:
-        keys = universe(s.name, card[s.name])
+        keys = keys_of(s, card[s.name])
         lens = rng.integers(0, max_len + 1, size=batch)
         idx = (rng.zipf(zipf, size=int(lens.sum())) - 1) % len(keys)
         vals = keys[idx]
         offs = np.concatenate([[0], np.cumsum(lens)[:-1]])
         feats[s.name] = (torch.from_numpy(vals), torch.from_numpy(offs.astype(np.int64)))
-        teacher = ((keys[idx] >> 7) % 5).astype(np.float64) - 2.0  # hidden per-key score
+        # hidden per-key score (of the table's arbitrary key at that rank, also for a dense-range table)
+        teacher = ((universe(s.name, card[s.name])[idx] >> 7) % 5).astype(np.float64) - 2.0
         score += np.bincount(np.repeat(np.arange(batch), lens), weights=teacher, minlength=batch)
     labels = torch.from_numpy((score > 0).astype(np.float32))
     return feats, labels
@@ -95,7 +112,7 @@ def reference_run(kind: str, specs, steps: int, batch: int, column_bounds: dict[
     """nn.EmbeddingBag tables + the same head, sparse updates written out plainly; losses and rows."""
     tables, keys = {}, {}
     for s in specs:
-        keys[s.name] = torch.from_numpy(universe(s.name, CARD[s.name]))
+        keys[s.name] = torch.from_numpy(keys_of(s, CARD[s.name]))
         bag = nn.EmbeddingBag(len(keys[s.name]), s.dim, mode=s.pooling)
         with torch.no_grad():
             bag.weight.copy_(init_rows(name_seed(SEED, s.name), keys[s.name], 0, s.dim, 1 / s.dim ** 0.5))
@@ -196,10 +213,10 @@ def _train(emb, mesh, specs, steps, batch, prefetch: bool = False, stats: bool =
     return losses, misses, waits
 
 
-def train_sharded(kinds: list[str], steps: int, batch: int) -> list[dict]:
+def train_sharded(kinds: list[str], steps: int, batch: int, spec_set: str = "default") -> list[dict]:
     """For each optimizer kind: losses, and this rank's rows of every table."""
     info, mesh = _setup()
-    specs = default_specs()
+    specs = SPECS[spec_set]()
     out = []
     for kind in kinds:
         emb = ShardedEmbeddingBags(specs, mesh, make_optimizer(kind), seed=SEED)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from podscale.runtime.launcher import launch
-from table_workers import (BIG_ROWS, bad_inputs, column_bounds, default_specs, reference_run,
+from table_workers import (BIG_ROWS, SPECS, bad_inputs, column_bounds, default_specs, reference_run,
                            train_big, train_sharded)
 
 STEPS = 20
@@ -19,10 +19,13 @@ LOSS_TOL = 1e-6
 ROW_TOL = 2e-6
 
 
-@pytest.mark.parametrize("nproc", [2, 4])
-def test_sharded_tables_match_embedding_bag(nproc):
-    specs = default_specs()
-    results = launch(train_sharded, (KINDS, STEPS, BATCH), nproc=nproc)
+# "default": arbitrary int64 keys in keyed stores; "dense": the table- and column-wise tables in dense-range
+# stores (ids in [0, num_keys), rows created up front).  Either way table- and column-wise bags go through
+# the pooled exchange (owners pool) and the row-wise table through the row exchange.
+@pytest.mark.parametrize("nproc,spec_set", [(2, "default"), (4, "default"), (2, "dense")])
+def test_sharded_tables_match_embedding_bag(nproc, spec_set):
+    specs = SPECS[spec_set]()
+    results = launch(train_sharded, (KINDS, STEPS, BATCH, spec_set), nproc=nproc)
     bounds = column_bounds(specs, nproc)
     for i, kind in enumerate(KINDS):
         ref_losses, ref_rows = reference_run(kind, specs, STEPS, BATCH, bounds)

@@ -83,3 +83,21 @@ def test_reshard_two_to_one_to_four_ranks_and_export(tmp_path, capsys):
     assert main(["export", str(tmp_path), str(tmp_path / "serve3"), "--tables"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "no checkpoint with sharded tables" in err[0]
+
+
+def test_dense_store_checkpoint_loads_into_keyed_and_dense_shards(tmp_path):
+    """Table v in dense-range stores (column-wise, 2 ranks): its checkpoint holds the rows training wrote,
+    and loads into keyed table-wise shards on 1 rank and dense table-wise shards on 2 ranks with the same
+    next-step loss and rows."""
+    ck = tmp_path / "c"
+    a = launch(run, ({"shardings": ["row", "column"], "v_storage": "dense", "first": 0, "steps": 3,
+                      "saves": {"3": str(ck / "step_3")}},), nproc=2)
+    assert a[0]["losses"][-1] < a[0]["losses"][0]
+    b = launch(run, ({"shardings": ["table", "table"], "first": 3, "steps": 0, "load": str(ck / "step_3")},),
+               nproc=1)
+    c = launch(run, ({"shardings": ["row", "table"], "v_storage": "dense", "first": 3, "steps": 0,
+                      "load": str(ck / "step_3")},), nproc=2)
+    for other in (b, c):
+        assert abs(other[0]["next_loss"] - a[0]["next_loss"]) < LOSS_TOL
+        for name in ("u", "v"):
+            assert _same_rows(_gather(a, name), _gather(other, name)) == 0.0

@@ -18,6 +18,19 @@ DLRM's model-parallel embeddings (Naumov et al., "Deep Learning Recommendation M
 and Recommendation Systems", 2019, section 4) and of the Baidu parameter server's pull/push (Zhao et al.,
 MLSys 2020), with all-to-all in place of parameter-server RPCs.
 
+Table- and column-wise bags take the *pooled exchange* instead (TorchRec's data flow for those shardings):
+each bag's ids go to the owner, the owner deduplicates them over all sources, pools the bags over its rows
+and returns ``[bags, width]`` per table; in backward the bags' gradients go back to the owner, which
+expands them to rows (:meth:`Dedup.rows_grad`) and applies the sparse update.  Under Zipf ids a bag's
+pooled row is fewer bytes than its distinct rows, and the pooling runs where the rows are.  Row-wise
+tables keep the row exchange (a bag spans owners).  Both ride the same collectives: one id exchange, one
+reply and one gradient exchange per step for all tables.
+
+A shard's rows live in a :class:`~podscale.storage.rows.RowStore` chosen from its spec: the keyed store
+(arbitrary int64 keys, rows created as keys arrive; admission, TTL and the SSD tier) or, for a table that
+declares ``num_keys`` and ``storage="dense"``, :class:`~podscale.storage.dense.DenseRowStore` (the key is
+the slot and every row exists from the start: no index search and no row creation in a step).
+
 Rows start from :func:`~podscale.table.hashing.init_rows` of (seed, table, key, column), so any sharding
 of any world size holds identical rows.  Admission (a key gets a row only after ``admit_after``
 occurrences and reads zeros until then, as Monolith and PaddlePaddle do) and TTL expiry are per table.
@@ -40,12 +53,14 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from podscale.runtime import comm
 from podscale.runtime.errors import InputError
+from podscale.storage.dense import DenseRowStore
 from podscale.storage.rows import CachedRowStore, MemoryRowStore, RocksRowStore, RowStore, StorageError, TierStats
 from podscale.table.base import ShardedTable
 from podscale.table.hashing import KeyOwner, init_rows, name_seed, owner_of
@@ -53,6 +68,7 @@ from podscale.table.optim import SparseOptimizer
 
 SHARDINGS = ("row", "table", "column")
 POOLINGS = ("sum", "mean")
+STORAGES = ("keyed", "dense")
 
 
 class TableError(InputError):
@@ -83,6 +99,7 @@ class TableSpec:
     ssd_path: str | None = None
     cache_policy: str = "lru"
     device_budget_bytes: int | None = None
+    storage: str = "keyed"            # "dense": ids in [0, num_keys), rows created up front (storage/dense.py)
 
     def check(self) -> None:
         """Raise TableError (one line, the fix) for settings that cannot work; same on every rank."""
@@ -99,6 +116,18 @@ class TableSpec:
             raise TableError(f"{where}: dram_budget_bytes needs an SSD tier below it: set ssd_path")
         if self.cache_policy not in ("lru", "lfu"):
             raise TableError(f"{where}: cache_policy '{self.cache_policy}' must be lru or lfu")
+        if self.storage not in STORAGES:
+            raise TableError(f"{where}: storage '{self.storage}' must be one of {', '.join(STORAGES)}")
+        if self.storage == "dense":
+            fix = "use storage='keyed'"
+            if self.num_keys is None:
+                raise TableError(f"{where}: storage='dense' needs the id range: set num_keys (or {fix})")
+            if self.sharding == "row":
+                raise TableError(f"{where}: storage='dense' needs table- or column-wise sharding (a row-wise "
+                                 f"shard holds hashed keys, not a range): change sharding or {fix}")
+            if self.admit_after > 1 or self.ttl_steps is not None or self.dram_budget_bytes is not None:
+                raise TableError(f"{where}: storage='dense' holds every row in memory from the start, so "
+                                 f"admit_after, ttl_steps and dram_budget_bytes do not apply: {fix}")
 
 
 @dataclass(frozen=True)
@@ -158,6 +187,16 @@ class _Received:
 
 
 @dataclass
+class _Bags:
+    """The bags of one table- or column-wise shard this rank owns, from every source, in one step: the
+    owner pools them (the pooled exchange) and, in backward, expands their gradients to rows."""
+
+    rec: _Received              # the bags' ids deduplicated over all sources, and their rows
+    ids: "Dedup"                # every received id (sources in rank order) against rec.keys
+    offsets: torch.Tensor       # each received bag's start in the ids
+
+
+@dataclass
 class _Step:
     """One lookup's routing, kept for its backward push."""
 
@@ -168,6 +207,11 @@ class _Step:
     recv_floats: list[int]           # row floats this rank sends to each source
     received: dict[tuple[int, int], _Received]
     src_layout: list[list[tuple[tuple[int, int], int]]]  # per source: (shard key, count) in arrival order
+    # the pooled exchange (table- and column-wise bags)
+    bag_tables: list[int] = field(default_factory=list)
+    bag_sent: list[list[tuple[Shard, int]]] = field(default_factory=list)  # per destination: (shard, bags)
+    bags: dict[tuple[int, int], _Bags] = field(default_factory=dict)
+    bag_from: list[list[tuple[tuple[int, int], int]]] = field(default_factory=list)  # per source: (key, bags)
 
 
 class _Exchange(torch.autograd.Function):
@@ -185,25 +229,61 @@ class _Exchange(torch.autograd.Function):
 
 
 class _BagPool(torch.autograd.Function):
-    """Pooled bags (``nn.EmbeddingBag``'s sum or mean) of ``rows[idx]`` over ``offsets``, whose backward
-    scatters each id's share of its bag's gradient into the rows with one ``index_add_`` (ATen's dense
-    embedding-bag backward sorts the indices and counts them first, which the deduplicated rows don't need)."""
+    """Pooled bags (``nn.EmbeddingBag``'s sum or mean) of deduplicated ``rows`` over ``offsets`` (``ids``:
+    the batch's ids against the rows), whose backward sums each row's share of its bags' gradients with
+    :meth:`Dedup.rows_grad` (the ids are sorted already, so ATen's dense embedding-bag backward, which sorts
+    and counts them first, would repeat that work)."""
 
     @staticmethod
-    def forward(ctx, rows, idx, offsets, mode):
-        ctx.save_for_backward(idx, offsets)
-        ctx.mode, ctx.n = mode, rows.shape[0]
-        return F.embedding_bag(idx, rows, offsets, mode=mode)
+    def forward(ctx, rows, ids, offsets, mode):
+        ctx.save_for_backward(offsets)
+        ctx.mode, ctx.ids = mode, ids
+        return F.embedding_bag(ids.inv, rows, offsets, mode=mode)
 
     @staticmethod
     def backward(ctx, g):
-        idx, offsets = ctx.saved_tensors
-        lengths = torch.diff(offsets, append=offsets.new_tensor([len(idx)]))
-        bag = torch.repeat_interleave(torch.arange(len(offsets)), lengths)
-        if ctx.mode == "mean":
-            g = g / lengths.clamp(min=1).to(g.dtype)[:, None]
-        grad = torch.zeros(ctx.n, g.shape[1], dtype=g.dtype).index_add_(0, idx, g.index_select(0, bag))
-        return grad, None, None, None
+        (offsets,) = ctx.saved_tensors
+        return ctx.ids.rows_grad(g, offsets, ctx.mode), None, None, None
+
+
+@dataclass
+class Dedup:
+    """Distinct ids of a batch by one sort: ``keys`` (sorted), each id's position ``inv`` in them, the
+    sorting permutation ``perm`` and each distinct key's first place ``starts`` in the sorted ids."""
+
+    keys: torch.Tensor
+    inv: torch.Tensor
+    perm: torch.Tensor
+    starts: torch.Tensor
+
+    @staticmethod
+    def of(ids: torch.Tensor) -> "Dedup":
+        v = ids.numpy()
+        perm = np.argsort(v)  # numpy's introsort: a few times faster here than torch.unique on the CPU
+        srt = v[perm]
+        first = np.empty(len(srt), dtype=bool)
+        first[:1] = True
+        np.not_equal(srt[1:], srt[:-1], out=first[1:])
+        inv = np.empty(len(srt), dtype=np.int64)
+        inv[perm] = np.cumsum(first) - 1
+        return Dedup(torch.from_numpy(srt[first]), torch.from_numpy(inv), torch.from_numpy(perm),
+                     torch.from_numpy(np.flatnonzero(first)))
+
+    def counts(self) -> torch.Tensor:
+        return torch.diff(self.starts, append=self.starts.new_tensor([len(self.inv)]))
+
+    def rows_grad(self, g: torch.Tensor, offsets: torch.Tensor, mode: str) -> torch.Tensor:
+        """The gradient of the distinct rows from that of the bags ``g [bags, dim]`` the ids were pooled
+        into (``offsets``: each bag's first id): each row gathers its ids' bags in sorted order, so the
+        sum is one ``embedding_bag`` over ``g`` (ATen's fused CPU kernel) instead of a scatter-add."""
+        if len(self.inv) == 0:
+            return g.new_zeros(0, g.shape[1])
+        lengths = torch.diff(offsets, append=offsets.new_tensor([len(self.inv)]))
+        col = torch.repeat_interleave(torch.arange(len(offsets)), lengths)[self.perm]
+        weights = None
+        if mode == "mean":
+            weights = (1.0 / lengths.clamp(min=1).to(g.dtype))[col]
+        return F.embedding_bag(col, g.contiguous(), self.starts, mode="sum", per_sample_weights=weights)
 
 
 class _ScaleGrad(torch.autograd.Function):
@@ -297,7 +377,9 @@ class ShardedEmbeddingBags(nn.Module, ShardedTable):
 
     def _make_store(self, spec: TableSpec, sh: Shard) -> RowStore:
         width = self.row_floats(sh.table, sh)
-        if spec.dram_budget_bytes is None:
+        if spec.storage == "dense":
+            store: RowStore = DenseRowStore(spec.num_keys, width, lambda keys: self._fresh_rows(sh, keys))
+        elif spec.dram_budget_bytes is None:
             store: RowStore = MemoryRowStore(width)
         else:
             path = Path(spec.ssd_path) / spec.name / f"shard-{sh.index}"
@@ -371,12 +453,14 @@ class ShardedEmbeddingBags(nn.Module, ShardedTable):
 
     # -- routing ----------------------------------------------------------------------------------------
     def _route(self, ids: dict[int, torch.Tensor]):
-        """Deduplicate per table and split into per-destination segments; also the inverse indices."""
+        """Deduplicate per table (a :class:`Dedup` per table: the pooling and its backward reuse it) and
+        split into per-destination segments."""
         uniq, inv, counts = {}, {}, {}
         segments: list[list[_Segment]] = [[] for _ in range(self.n)]
         for t, v in ids.items():
-            u, i, c = torch.unique(v, sorted=True, return_inverse=True, return_counts=True)
-            uniq[t], inv[t], counts[t] = u, i, c
+            dd = Dedup.of(v)
+            uniq[t], inv[t], counts[t] = dd.keys, dd, dd.counts()
+            u = dd.keys
             shards = self.shards[t]
             if shards[0].hashed:
                 own = self._owner(u, self.n)
@@ -391,28 +475,72 @@ class ShardedEmbeddingBags(nn.Module, ShardedTable):
                         segments[sh.rank].append(_Segment(t, sh, pos, whole=True))
         return uniq, inv, counts, segments
 
-    def _exchange_ids(self, uniq, counts, segments, err: tuple[int, int, int] = (0, 0, 0)):
-        """Send (shard, key, count) triples to owners; returns what this rank received, per source.
+    def _route_bags(self, bags: dict[int, tuple[torch.Tensor, torch.Tensor]]):
+        """The pooled exchange's requests: per destination, for each table- or column-wise shard it owns
+        (tables in order), ``[bags, ids, lengths..., ids...]`` (int64) -- each bag's ids go to the owner,
+        which pools them (TorchRec's table- and column-wise data flow: fewer bytes back than the
+        deduplicated rows, and the pooling runs where the rows are)."""
+        payload: list[list[torch.Tensor]] = [[] for _ in range(self.n)]
+        sent: list[list[tuple[Shard, int]]] = [[] for _ in range(self.n)]
+        for t in sorted(bags):
+            v, o = bags[t]
+            lengths = torch.diff(o, append=o.new_tensor([len(v)]))
+            seg = torch.cat([torch.tensor([len(o), len(v)], dtype=torch.int64), lengths, v])
+            for sh in self.shards[t]:
+                payload[sh.rank].append(seg)
+                sent[sh.rank].append((sh, len(o)))
+        return payload, sent
+
+    def _parse_bags(self, bag_tables: list[int], per_src: list[torch.Tensor]):
+        """Per local shard, the bags every source sent (sources in rank order): ``(lengths, ids)`` lists,
+        and per source the ``(shard key, bags)`` in arrival order."""
+        got: dict[tuple[int, int], list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        bag_from: list[list[tuple[tuple[int, int], int]]] = []
+        mine = [(t, sh.index) for t in bag_tables for sh in self.shards[t] if sh.rank == self.me]
+        for x in per_src:
+            pos, layout = 0, []
+            for key in mine:
+                b, nv = x[pos: pos + 2].tolist()
+                got.setdefault(key, []).append((x[pos + 2: pos + 2 + b], x[pos + 2 + b: pos + 2 + b + nv]))
+                layout.append((key, b))
+                pos += 2 + b + nv
+            bag_from.append(layout)
+        return got, bag_from
+
+    def _exchange_ids(self, uniq, counts, segments, err: tuple[int, int, int] = (0, 0, 0),
+                      bag_payload: list[list[torch.Tensor]] | None = None):
+        """Send (shard, key, count) triples to owners, followed by the pooled exchange's bags; returns the
+        triples this rank received and their number per source, and each source's bag payload.
 
         The split sizes travel with each rank's verdict on its input (``err``): every rank receives every
         other rank's verdict in that first exchange and raises the first rank's error before the ids move,
         so agreeing costs no collective of its own."""
-        send = []
+        send, send_tri, send_bag = [], [], []
         for d in range(self.n):
+            nt = 0
             for seg in segments[d]:
                 tri = torch.stack([torch.full_like(seg.pos, seg.shard.table * 4096 + seg.shard.index),
                                    uniq[seg.table][seg.pos], counts[seg.table][seg.pos]], dim=1)
                 send.append(tri.reshape(-1))
+                nt += 3 * len(seg.pos)
+            bp = bag_payload[d] if bag_payload else []
+            send.extend(bp)
+            send_tri.append(nt)
+            send_bag.append(sum(len(b) for b in bp))
         send_t = torch.cat(send) if send else torch.zeros(0, dtype=torch.int64)
-        send_n = [sum(3 * len(s.pos) for s in segments[d]) for d in range(self.n)]
-        head = torch.tensor([[c, *err] for c in send_n], dtype=torch.int64).reshape(-1)
-        got = self._exchange(head, [4] * self.n, [4] * self.n).reshape(self.n, 4).tolist()
-        for r, (_, code, t, v) in enumerate(got):
+        head = torch.tensor([[a, b, *err] for a, b in zip(send_tri, send_bag)], dtype=torch.int64).reshape(-1)
+        got = self._exchange(head, [5] * self.n, [5] * self.n).reshape(self.n, 5).tolist()
+        for r, (_, _, code, t, v) in enumerate(got):
             if code:
                 raise TableError(self._message(code, t, v, r))
-        recv_n = [g[0] for g in got]
-        recv_t = self._exchange(send_t, recv_n, send_n)
-        return recv_t.reshape(-1, 3), [c // 3 for c in recv_n]
+        recv_n = [g[0] + g[1] for g in got]
+        recv_t = self._exchange(send_t, recv_n, [a + b for a, b in zip(send_tri, send_bag)])
+        tri, bags, off = [], [], 0
+        for a, b, *_ in got:
+            tri.append(recv_t[off: off + a])
+            bags.append(recv_t[off + a: off + a + b])
+            off += a + b
+        return torch.cat(tri).reshape(-1, 3), [g[0] // 3 for g in got], bags
 
     def _group_received(self, tri: torch.Tensor, per_src: list[int]):
         """Per local shard: deduplicated keys, total counts and each source's slice of the triples."""
@@ -438,34 +566,48 @@ class ShardedEmbeddingBags(nn.Module, ShardedTable):
         return by_shard, src_layout
 
     # -- lookup -----------------------------------------------------------------------------------------
-    def _lookup(self, ids: dict[int, torch.Tensor], train: bool, err: tuple[int, int, int] = (0, 0, 0)):
+    def _lookup(self, ids: dict[int, torch.Tensor], train: bool, err: tuple[int, int, int] = (0, 0, 0),
+                bags: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None):
+        """Rows of ``ids`` (deduplicated, per table) and the pooled ``bags`` of table- and column-wise
+        tables, with one id exchange and one reply exchange for all of them."""
+        bags = bags or {}
         if self._deferred[0]:
             err = self._deferred
-        for t, v in ids.items():
+        for t, v in list(ids.items()) + [(t, v) for t, (v, _) in bags.items()]:
             e = self._check_ids(t, v)
             if e[0] and not err[0]:
                 err = e
         uniq, inv, counts, segments = self._route(ids)
-        tri, per_src = self._exchange_ids(uniq, counts, segments, err)
+        bag_payload, bag_sent = self._route_bags(bags)
+        tri, per_src, bag_in = self._exchange_ids(uniq, counts, segments, err, bag_payload)
         by_shard, src_layout = self._group_received(tri, per_src)
+        bag_tables = sorted(bags)
+        bag_parts, bag_from = self._parse_bags(bag_tables, bag_in)
         # owners: deduplicate across sources and check the working set before touching any store
         merged = {}
         err = (0, 0, 0)
         for key, parts in by_shard.items():
             keys = torch.cat([p[2] for p in parts])
             cnt = torch.cat([p[3] for p in parts])
-            u, i = torch.unique(keys, sorted=True, return_inverse=True)
+            dd = Dedup.of(keys)
+            u, i = dd.keys, dd.inv
             total = torch.zeros(len(u), dtype=torch.int64).index_add_(0, i, cnt)
             merged[key] = (u, i, total, parts)
+        bag_merged = {}
+        for key, parts in bag_parts.items():
+            lengths = torch.cat([p[0] for p in parts])
+            dd = Dedup.of(torch.cat([p[1] for p in parts]))
+            offsets = torch.cumsum(lengths, 0) - lengths
+            bag_merged[key] = (dd.keys, dd, dd.counts(), offsets)
+        for key, (u, *_rest) in list(merged.items()) + list(bag_merged.items()):
             cap = self.stores[key].capacity()
             if cap is not None and len(u) > cap and not err[0]:
                 err = (3, key[0], key[1] * (1 << 40) + len(u))
         if self._tiered:  # only a cache tier has a capacity, only a store on disk fails while reading
             self._agree(*err)
         self.step_count += int(train)
-        received: dict[tuple[int, int], _Received] = {}
         fetched, err = {}, (0, 0, 0)
-        for key, (u, i, total, parts) in merged.items():
+        for key, (u, _i, total, _p) in list(merged.items()) + list(bag_merged.items()):
             try:
                 fetched[key] = self._fetch(key, u, total, train)
             except StorageError as e:  # agreed below, before the row exchange the other ranks wait in
@@ -473,6 +615,7 @@ class ShardedEmbeddingBags(nn.Module, ShardedTable):
                 break
         if self._tiered:
             self._agree(*err)
+        received: dict[tuple[int, int], _Received] = {}
         for key, (u, i, total, parts) in merged.items():
             rows, admitted = fetched[key]
             rec = _Received(u, rows, admitted, bool(admitted.all()))
@@ -481,8 +624,21 @@ class ShardedEmbeddingBags(nn.Module, ShardedTable):
                 rec.parts.append((src, start, len(k), i[start: start + len(k)]))
                 start += len(k)
             received[key] = rec
-        # reply with each source's rows (weights only), in the order it asked
+        # owners of bags pool them over their rows (zeros for keys without a row)
+        owned: dict[tuple[int, int], _Bags] = {}
+        pooled: dict[tuple[int, int], torch.Tensor] = {}
+        for key, (u, dd, _total, offsets) in bag_merged.items():
+            rows, admitted = fetched[key]
+            rec = _Received(u, rows, admitted, bool(admitted.all()))
+            owned[key] = _Bags(rec, dd, offsets)
+            w = rows[:, : self.shards[key[0]][key[1]].width].contiguous()  # (ATen's fast path wants it)
+            if not rec.every:
+                w = torch.where(admitted[:, None], w, torch.zeros_like(w))
+            pooled[key] = (F.embedding_bag(dd.inv, w, offsets, mode=self.specs[key[0]].pooling) if len(offsets)
+                           else w.new_zeros(0, w.shape[1]))
+        # reply with each source's rows (weights only), in the order it asked, then its pooled bags
         out_chunks, recv_floats = [], []
+        bag_start = {key: 0 for key in owned}
         for src in range(self.n):
             nf = 0
             for key, count in src_layout[src]:
@@ -494,12 +650,19 @@ class ShardedEmbeddingBags(nn.Module, ShardedTable):
                     w = torch.where(rec.admitted[part[3], None], w, torch.zeros_like(w))
                 out_chunks.append(w.reshape(-1))
                 nf += count * sh.width
+            for key, b in bag_from[src]:
+                a = bag_start[key]
+                out_chunks.append(pooled[key][a: a + b].reshape(-1))
+                bag_start[key] = a + b
+                nf += b * self.shards[key[0]][key[1]].width
             recv_floats.append(nf)
         send_rows = torch.cat(out_chunks) if out_chunks else torch.zeros(0)
-        send_floats = [sum(len(s.pos) * s.shard.width for s in segments[d]) for d in range(self.n)]
+        send_floats = [sum(len(s.pos) * s.shard.width for s in segments[d]) +
+                       sum(b * sh.width for sh, b in bag_sent[d]) for d in range(self.n)]
         got = self._exchange(send_rows, send_floats, recv_floats)
         # assemble each table's deduplicated rows (the segments cover every id and column: no zero fill)
         rows = {t: torch.empty(len(uniq[t]), self.specs[t].dim) for t in ids}
+        out = {t: torch.empty(len(o), self.specs[t].dim) for t, (_, o) in bags.items()}
         off = 0
         for d in range(self.n):
             for seg in segments[d]:
@@ -510,8 +673,25 @@ class ShardedEmbeddingBags(nn.Module, ShardedTable):
                 else:
                     rows[seg.table][seg.pos, seg.shard.c0: seg.shard.c1] = got[off: off + n].reshape(-1, w)
                 off += n
-        step = _Step(list(ids), uniq, segments, send_floats, recv_floats, received, src_layout)
-        return rows, inv, step
+            for sh, b in bag_sent[d]:
+                n = b * sh.width
+                out[sh.table][:, sh.c0: sh.c1] = got[off: off + n].reshape(b, sh.width)
+                off += n
+        step = _Step(list(ids), uniq, segments, send_floats, recv_floats, received, src_layout,
+                     bag_tables, bag_sent, owned, bag_from)
+        return rows, inv, out, step
+
+    def _fresh_rows(self, sh: Shard, keys: torch.Tensor) -> torch.Tensor:
+        """New full stored rows of ``keys`` in shard ``sh``: the deterministic per-key initial weights,
+        fresh optimizer state and the current step as last use."""
+        spec = self.specs[sh.table]
+        scale = spec.init_scale if spec.init_scale is not None else 1.0 / math.sqrt(spec.dim)
+        fresh = torch.empty(len(keys), self.row_floats(sh.table, sh))
+        fresh[:, : sh.width] = init_rows(self._seeds[sh.table], keys, sh.c0, sh.c1, scale)
+        if spec.trainable:
+            fresh[:, sh.width: -1] = self.optimizer.init_state(len(keys), sh.width)
+        fresh[:, -1] = float(self.step_count)
+        return fresh
 
     def _fetch(self, key, u: torch.Tensor, total: torch.Tensor, train: bool):
         """Full stored rows of ``u`` in shard ``key``, creating admitted new keys (train only)."""
@@ -541,11 +721,7 @@ class ShardedEmbeddingBags(nn.Module, ShardedTable):
                 ok_t = torch.ones(len(nk), dtype=torch.bool)
             if ok_t.any():
                 ck = nk[ok_t]
-                scale = spec.init_scale if spec.init_scale is not None else 1.0 / math.sqrt(spec.dim)
-                fresh = torch.zeros(len(ck), rows.shape[1])
-                fresh[:, : sh.width] = init_rows(self._seeds[t], ck, sh.c0, sh.c1, scale)
-                fresh[:, sh.width: -1] = self.optimizer.init_state(len(ck), sh.width)
-                fresh[:, -1] = float(self.step_count)
+                fresh = self._fresh_rows(sh, ck)
                 idx = new.nonzero().reshape(-1)[ok_t]
                 rows[idx] = fresh
                 admitted[idx] = True
@@ -555,27 +731,42 @@ class ShardedEmbeddingBags(nn.Module, ShardedTable):
 
     # -- backward: push gradients, owners update ------------------------------------------------------
     def _push(self, step: _Step, grads) -> None:
+        """Send each row's gradient (row path) and each bag's (pooled exchange) to its owner, in one
+        exchange; owners sum them per row and apply the sparse optimizer to the touched rows."""
         trainable = [s.trainable for s in self.specs]
+        row_grads = dict(zip(step.tables, grads[: len(step.tables)]))
+        bag_grads = dict(zip(step.bag_tables, grads[len(step.tables):]))
         chunks, send_f = [], []
         for d in range(self.n):
             nf = 0
             for seg in step.segments[d]:
                 if not trainable[seg.table]:  # read-only rows (features) send no gradient back
                     continue
-                g = grads[step.tables.index(seg.table)]
+                g = row_grads[seg.table]
                 if g is None:
                     g = torch.zeros(len(step.uniq[seg.table]), self.specs[seg.table].dim)
                 g = g[:, seg.shard.c0: seg.shard.c1]
                 chunks.append((g if seg.whole else g.index_select(0, seg.pos)).reshape(-1))
                 nf += len(seg.pos) * seg.shard.width
+            for sh, b in step.bag_sent[d]:
+                if not trainable[sh.table]:
+                    continue
+                g = bag_grads[sh.table]
+                if g is None:
+                    g = torch.zeros(b, self.specs[sh.table].dim)
+                chunks.append(g[:, sh.c0: sh.c1].reshape(-1))
+                nf += b * sh.width
             send_f.append(nf)
         recv_f = [sum(count * self.shards[k[0]][k[1]].width for k, count in step.src_layout[src]
-                      if trainable[k[0]]) for src in range(self.n)]
+                      if trainable[k[0]]) +
+                  sum(b * self.shards[k[0]][k[1]].width for k, b in step.bag_from[src] if trainable[k[0]])
+                  for src in range(self.n)]
         send = torch.cat(chunks) if chunks else torch.zeros(0)
         got = self._exchange(send, recv_f, send_f)
         # sum each key's gradient over the sources, then update the touched rows
         sums = {key: torch.zeros(len(rec.keys), self.shards[key[0]][key[1]].width)
                 for key, rec in step.received.items() if trainable[key[0]]}
+        bag_g: dict[tuple[int, int], list[torch.Tensor]] = {key: [] for key in step.bags if trainable[key[0]]}
         off = 0
         for src in range(self.n):
             for key, count in step.src_layout[src]:
@@ -586,29 +777,45 @@ class ShardedEmbeddingBags(nn.Module, ShardedTable):
                 part = next(p for p in rec.parts if p[0] == src)
                 sums[key].index_add_(0, part[3], got[off: off + count * w].reshape(-1, w))
                 off += count * w
-        for t in step.tables:
+            for key, b in step.bag_from[src]:
+                if not trainable[key[0]]:
+                    continue
+                w = self.shards[key[0]][key[1]].width
+                bag_g[key].append(got[off: off + b * w].reshape(b, w))
+                off += b * w
+        for t in sorted(set(step.tables) | set(step.bag_tables)):
             self._updates[t] += trainable[t]
         for key, rec in step.received.items():
-            t = key[0]
-            if not self.specs[t].trainable or not rec.admitted.any():
-                continue
-            w = self.shards[t][key[1]].width
-            if rec.every:  # the received rows are this step's own copy: update them in place
-                rows, g, keys = rec.rows, sums[key], rec.keys
-            else:
-                a = rec.admitted
-                rows, g, keys = rec.rows[a], sums[key][a], rec.keys[a]
-            self.optimizer.update(rows[:, :w], rows[:, w:-1], g, self._updates[t])
-            rows[:, -1] = float(self.step_count)
-            try:
-                self.stores[key].put(keys, rows)
-                self._mark(key, keys)
-            except StorageError as e:
-                # The other ranks are past their last collective of this step: the verdict is agreed at
-                # the start of the next exchange, so every rank raises it there instead of one hanging.
-                if not self._deferred[0]:
-                    self._deferred = (6, t, 0)
-                    self._deferred_text = str(e)
+            if trainable[key[0]]:
+                self._update(key, rec, sums[key])
+        for key, bg in bag_g.items():
+            own = step.bags[key]
+            g = own.ids.rows_grad(torch.cat(bg), own.offsets, self.specs[key[0]].pooling)
+            self._update(key, own.rec, g)
+
+    def _update(self, key: tuple[int, int], rec: _Received, g: torch.Tensor) -> None:
+        """Apply the sparse optimizer to the admitted rows of ``rec`` with their summed gradients ``g`` and
+        write them back to the store."""
+        t = key[0]
+        if not rec.admitted.any():
+            return
+        w = self.shards[t][key[1]].width
+        if rec.every:  # the received rows are this step's own copy: update them in place
+            rows, keys = rec.rows, rec.keys
+        else:
+            a = rec.admitted
+            rows, g, keys = rec.rows[a], g[a], rec.keys[a]
+        self.optimizer.update(rows[:, :w], rows[:, w:-1], g, self._updates[t])
+        rows[:, -1] = float(self.step_count)
+        try:
+            self.stores[key].put(keys, rows)
+            self._mark(key, keys)
+        except StorageError as e:
+            # The other ranks are past their last collective of this step: the verdict is agreed at
+            # the start of the next exchange, so every rank raises it there instead of one hanging.
+            if not self._deferred[0]:
+                self._deferred = (6, t, 0)
+                self._deferred_text = str(e)
 
     # -- public ---------------------------------------------------------------------------------------
     def _ids(self, features: dict[str, torch.Tensor]) -> dict[int, torch.Tensor]:
@@ -619,23 +826,29 @@ class ShardedEmbeddingBags(nn.Module, ShardedTable):
                              f"{[s.name for s in self.specs]}: pass one entry per table")
         return {self.index[k]: v.reshape(-1).to(torch.int64).cpu() for k, v in features.items()}
 
-    def _rows(self, ids: dict[int, torch.Tensor], err: tuple[int, int, int] = (0, 0, 0)):
-        train = torch.is_grad_enabled() and any(self.specs[t].trainable for t in ids)
-        rows, inv, step = self._lookup(ids, train, err)
-        order = list(ids)
+    def _rows(self, ids: dict[int, torch.Tensor], err: tuple[int, int, int] = (0, 0, 0),
+              bags: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None):
+        bags = bags or {}
+        train = torch.is_grad_enabled() and any(self.specs[t].trainable for t in list(ids) + list(bags))
+        rows, inv, pooled, step = self._lookup(ids, train, err, bags)
+        order, bag_order = list(ids), sorted(bags)
         if train:
-            outs = _Exchange.apply(self._anchor, self, step, *[rows[t] for t in order])
-            rows = dict(zip(order, outs))
-        return rows, inv
+            outs = _Exchange.apply(self._anchor, self, step, *[rows[t] for t in order],
+                                   *[pooled[t] for t in bag_order])
+            rows = dict(zip(order, outs[: len(order)]))
+            pooled = dict(zip(bag_order, outs[len(order):]))
+        return rows, inv, pooled
 
     def lookup(self, ids: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Rows ``[len(ids), dim]`` of the given keys per table (zeros for keys without a row)."""
-        rows, inv = self._rows(self._ids(ids))
-        return {self.specs[t].name: rows[t][inv[t]] for t in rows}
+        rows, inv, _ = self._rows(self._ids(ids))
+        return {self.specs[t].name: rows[t][inv[t].inv] for t in rows}
 
     def forward(self, features: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> dict[str, torch.Tensor]:
         """Pooled bags per table from jagged ids: ``values`` and ``offsets`` (each bag's start), as in
-        ``nn.EmbeddingBag``."""
+        ``nn.EmbeddingBag``.  Row-wise tables fetch their deduplicated rows and pool here (a bag spans
+        owners); table- and column-wise tables send each bag's ids to the owner, which pools (the pooled
+        exchange); both ride the same collectives."""
         values = self._ids({k: v for k, (v, _) in features.items()})
         offsets = {self.index[k]: o.to(torch.int64).cpu() for k, (_, o) in features.items()}
         err = (0, 0, 0)
@@ -645,9 +858,12 @@ class ShardedEmbeddingBags(nn.Module, ShardedTable):
                   (len(o) == 0 and n)
             if bad and not err[0]:
                 err = (4, t, 0)
-        rows, inv = self._rows(values, err)
-        return {self.specs[t].name: _BagPool.apply(rows[t], inv[t], offsets[t], self.specs[t].pooling)
-                for t in rows}
+        hashed = {t: v for t, v in values.items() if self.shards[t][0].hashed}
+        bags = {t: (v, offsets[t]) for t, v in values.items() if not self.shards[t][0].hashed}
+        rows, inv, pooled = self._rows(hashed, err, bags)
+        out = {t: _BagPool.apply(rows[t], inv[t], offsets[t], self.specs[t].pooling) for t in rows}
+        out.update(pooled)
+        return {self.specs[t].name: out[t] for t in sorted(out)}
 
     def prefetch(self, features: dict[str, torch.Tensor | tuple[torch.Tensor, torch.Tensor]]) -> None:
         """Announce the next batch's ids (a tensor, or the ``(values, offsets)`` of a bag) per table: owners
@@ -661,7 +877,7 @@ class ShardedEmbeddingBags(nn.Module, ShardedTable):
         ids = self._ids({k: (v[0] if isinstance(v, tuple) else v) for k, v in features.items()})
         ids = {t: v[v >= 0] for t, v in ids.items()}
         uniq, _, counts, segments = self._route(ids)
-        tri, per_src = self._exchange_ids(uniq, counts, segments)
+        tri, per_src, _ = self._exchange_ids(uniq, counts, segments)
         by_shard, _ = self._group_received(tri, per_src)
         for key, parts in by_shard.items():
             self.stores[key].prefetch(torch.unique(torch.cat([p[2] for p in parts])))
