@@ -132,6 +132,13 @@ class KeyIndex:
     SplitMix64's finaliser; deleted entries are tombstones until the next rebuild."""
 
     _EMPTY, _USED, _DEAD = 0, 1, 2
+    ENTRY_BYTES = 17  # key (int64), slot (int64), state (int8)
+
+    @staticmethod
+    def max_entries(n: int) -> int:
+        """The most entries the index allocates while it holds at most ``n`` live keys: it is rebuilt at a
+        load (live + tombstones) of 1/2 to at least 4x the live keys, in powers of two."""
+        return 1 << max(4, (4 * max(1, n) - 1).bit_length())
 
     def __init__(self, capacity: int = 1024):
         cap = 1 << max(4, int(capacity - 1).bit_length())
@@ -226,6 +233,12 @@ class MemoryRowStore(RowStore):
     keys) searches the index only for the keys that had no slot then -- one index search per step instead
     of three.  A slot changes only when its key is deleted, so :meth:`delete` and :meth:`clear` forget them.
     """
+
+    @staticmethod
+    def key_bytes(n: int) -> int:
+        """Bytes beside ``n`` rows: the key index at its largest (the slab itself grows by doubling, so it
+        holds up to ``2n`` rows after a growth)."""
+        return KeyIndex.max_entries(n) * KeyIndex.ENTRY_BYTES
 
     def __init__(self, width: int, device: str | torch.device = "cpu", initial_rows: int = 1024):
         self.width = int(width)
@@ -488,6 +501,13 @@ class CachedRowStore(RowStore):
     synchronously and counts in ``stats().misses``.
     """
 
+    SLOT_BYTES = 26  # the per-slot arrays beside each cached row (see __init__)
+
+    @staticmethod
+    def key_bytes(rows: int) -> int:
+        """Bytes beside ``rows`` cached rows: the key index at its largest and the per-slot arrays."""
+        return KeyIndex.max_entries(rows) * KeyIndex.ENTRY_BYTES + rows * CachedRowStore.SLOT_BYTES
+
     def __init__(self, backing: RowStore, budget_bytes: int, policy: str = "lru",
                  device: str | torch.device = "cpu"):
         if policy not in ("lru", "lfu"):
@@ -502,6 +522,7 @@ class CachedRowStore(RowStore):
                                f"raise the budget to at least {4 * self.width} B")
         self._slab = torch.zeros(rows, self.width, device=self.device)
         self._index = KeyIndex(2 * rows)
+        # per-slot arrays (SLOT_BYTES): key 8, used 1, dirty 1, last use 8, frequency 8
         self._key = np.zeros(rows, dtype=np.int64)     # key of each slot
         self._used = np.zeros(rows, dtype=bool)
         self._dirty = np.zeros(rows, dtype=bool)

@@ -21,8 +21,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from podscale.storage.rows import CachedRowStore, MemoryRowStore
+
 STATE_FLOATS = {"adagrad": lambda d: 1, "sgd": lambda d: 0, "adam": lambda d: 2 * d}
-DRAM_KEY_BYTES = 120      # the cache's key -> slot map per row (a Python dict entry with its int objects)
 SSD_KEY_BYTES = 24        # RocksDB per row beside the value: 8-byte key, sequence number, index share
 
 
@@ -93,12 +94,12 @@ def estimate_table(rows: int, dim: int, shards: int = 1, optimizer: str = "adagr
     rb = row_bytes(dim, optimizer)
     per = math.ceil(rows / shards)
     if dram_budget_bytes is None:
-        return TableEstimate(rows, rb, shards, per * (rb + DRAM_KEY_BYTES), 0.0, None, 1.0)
+        return TableEstimate(rows, rb, shards, per * rb + MemoryRowStore.key_bytes(per), 0.0, None, 1.0)
     cache = int(dram_budget_bytes) // rb
     if cache < 1:
         raise ValueError(f"a DRAM budget of {dram_budget_bytes} B holds no row of {rb} B: raise it")
     hit = hit_rate(rows, alpha, cache, shards, policy, ids_per_step)
-    return TableEstimate(rows, rb, shards, cache * rb + min(cache, per) * DRAM_KEY_BYTES,
+    return TableEstimate(rows, rb, shards, cache * rb + CachedRowStore.key_bytes(cache),
                          per * (rb + SSD_KEY_BYTES), cache, hit)
 
 
