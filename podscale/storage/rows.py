@@ -564,10 +564,9 @@ class CachedRowStore(RowStore):
                 return self._slab.index_select(0, torch.from_numpy(slots).to(self.device)), torch.ones(n, dtype=torch.bool)
             rows = self._slab.index_select(0, torch.from_numpy(np.maximum(slots, 0)).to(self.device))
             found = torch.from_numpy(hit.copy())
-            mi = np.flatnonzero(~hit)
-            if len(self._absent):
-                mi = mi[~np.isin(kn[mi], self._absent)]
-            rows[torch.from_numpy(np.flatnonzero(~hit)).to(self.device)] = 0.0
+            miss = np.flatnonzero(~hit)
+            rows[torch.from_numpy(miss).to(self.device)] = 0.0
+            mi = miss[~np.isin(kn[miss], self._absent)] if len(self._absent) else miss
             self._hold = hs
             if len(mi):
                 mk = kn[mi]
@@ -602,7 +601,7 @@ class CachedRowStore(RowStore):
                 self._absent = self._absent[~np.isin(self._absent, kn)]
             self._forget_failed(kn)
             self._tick += 1
-            self._insert(kn, rows, dirty=True, protect=self._hold)
+            self._insert(kn, rows, dirty=np.ones(len(kn), dtype=bool), protect=self._hold)
         self._throttle()
 
     def delete(self, keys):
@@ -781,14 +780,15 @@ class CachedRowStore(RowStore):
             if keep.any():
                 self._tick += 1
                 here = self._index.get(announced)
-                got = self._insert(kn[keep], rows[torch.from_numpy(keep)], dirty=False,
+                got = self._insert(kn[keep], rows[torch.from_numpy(keep)],
+                                   dirty=np.zeros(int(keep.sum()), dtype=bool),
                                    protect=np.concatenate([self._hold, here[here >= 0]]), best_effort=True)
                 self._stats.prefetched += len(got)
 
-    def _insert(self, kn: np.ndarray, rows: torch.Tensor, dirty, protect: np.ndarray | None = None,
+    def _insert(self, kn: np.ndarray, rows: torch.Tensor, dirty: np.ndarray, protect: np.ndarray | None = None,
                 best_effort: bool = False) -> np.ndarray:
         """Place rows in the slab (overwriting present keys), evicting as needed; caller holds the lock
-        and has advanced the tick.  ``dirty``: a bool or a per-row mask; ``protect``: slots not to evict
+        and has advanced the tick.  ``dirty``: per row, whether it differs from the tier below; ``protect``: slots not to evict
         (besides those of ``kn``), unless the rows of ``kn`` would not fit then; ``best_effort``: insert
         only the rows that fit without evicting a protected one.  Returns the slots of the rows inserted."""
         n = len(kn)
@@ -807,9 +807,7 @@ class CachedRowStore(RowStore):
                 if short and best_effort:  # (a prefetch) insert what fits beside the protected rows
                     kept = np.ones(n, dtype=bool)
                     kept[new[len(new) - short:]] = False
-                    kn, rows, slots = kn[kept], rows[torch.from_numpy(kept)], slots[kept]
-                    if isinstance(dirty, np.ndarray):
-                        dirty = dirty[kept]
+                    kn, rows, slots, dirty = kn[kept], rows[torch.from_numpy(kept)], slots[kept], dirty[kept]
                     new = np.flatnonzero(slots < 0)
                 elif short:  # the rows of this call must fit: the other protected rows give way
                     self._evict(short, present)
@@ -824,10 +822,7 @@ class CachedRowStore(RowStore):
         self._slab[st.to(self.device)] = rows.to(self.device, torch.float32)
         self._last[slots] = self._tick
         self._freq[slots] += 1
-        if isinstance(dirty, np.ndarray):
-            self._dirty[slots[dirty]] = True
-        elif dirty:
-            self._dirty[slots] = True
+        self._dirty[slots[dirty]] = True
         return slots
 
     def _evict(self, n: int, protect: np.ndarray) -> int:

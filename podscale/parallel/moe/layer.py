@@ -550,9 +550,12 @@ class MoELayer(nn.Module):
         flat, r, out = self._route(x, keys)
         N, k = r.expert.shape
         token = r.order // k                                   # the kept choices' tokens, sorted by expert
-        counts = self._exchange_counts(r.counts)               # in flight while the rows are gathered
-        # index_select (not ``flat[token]``): its backward is an index_add, not a sorting index_put
-        rows = self._run_experts(flat.index_select(0, token), counts)   # (M, d), same order
+        if self.ep == 1:
+            # index_select (not ``flat[token]``): its backward is an index_add, not a sorting index_put
+            rows = self.experts(flat.index_select(0, token), list(enumerate(r.counts.tolist())))
+        else:
+            counts = self._exchange_counts(r.counts)           # in flight while the rows are gathered
+            rows = self._run_experts(flat.index_select(0, token), *counts)   # (M, d), same order
         w = r.weight.reshape(-1).index_select(0, r.order).to(rows.dtype)
         y = rows.new_zeros(N, rows.shape[1]).index_add_(0, token, rows * w.unsqueeze(1))
         return y.view(x.shape), out
@@ -560,20 +563,15 @@ class MoELayer(nn.Module):
     def _exchange_counts(self, counts: torch.Tensor):
         """Start step 1 of the exchange: how many rows each rank sends each of my experts (an
         asynchronous ``all_to_all_single`` of ep x E/ep integers).  Returns (what I send, what I will
-        receive, the handle); with ep = 1 just the counts."""
-        if self.ep == 1:
-            return counts
+        receive, the handle)."""
         send = counts.view(self.ep, self.experts.num_local)
         recv = torch.empty_like(send)
         handle = comm.all_to_all(recv.view(-1), send.reshape(-1).contiguous(), self.mesh, "ep", async_op=True)
         return send, recv, handle
 
-    def _run_experts(self, x: torch.Tensor, counts) -> torch.Tensor:
+    def _run_experts(self, x: torch.Tensor, send: torch.Tensor, recv: torch.Tensor, handle) -> torch.Tensor:
         """Rows sorted by global expert and what :meth:`_exchange_counts` returned -> the experts'
-        outputs, same order."""
-        if self.ep == 1:
-            return self.experts(x, list(enumerate(counts.tolist())))
-        send, recv, handle = counts
+        outputs over ep, same order."""
         handle.wait()
         in_splits, out_splits = send.sum(1).tolist(), recv.sum(1).tolist()
         # 2. the rows, arriving grouped by source rank then local expert; regrouped expert-major (one
