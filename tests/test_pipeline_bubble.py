@@ -16,9 +16,9 @@ def test_measured_bubble():
     """The real executor and point-to-point messages on 4 ranks, with stages that take a fixed time:
     the measured bubble is within 10% of (p - 1) / m (GPipe, 1F1B) and (p - 1) / (v m) (interleaved)."""
     p, m = 4, 8
-    cases = [dict(schedule="gpipe", m=m, v=1, t_f=0.1, t_b=0.2, steps=4),
-             dict(schedule="1f1b", m=m, v=1, t_f=0.1, t_b=0.2, steps=4),
-             dict(schedule="interleaved", m=m, v=2, t_f=0.1, t_b=0.2, steps=4)]
+    cases = [dict(schedule="gpipe", m=m, v=1, t_f=0.075, t_b=0.15, steps=3),
+             dict(schedule="1f1b", m=m, v=1, t_f=0.075, t_b=0.15, steps=3),
+             dict(schedule="interleaved", m=m, v=2, t_f=0.075, t_b=0.15, steps=3)]
     results = launch(measure_bubble, (cases,), nproc=p)
     seen = {}
     for c in results[0]:
