@@ -223,9 +223,9 @@ def test_train_two_ranks_ssd_tier_kill_and_resume(tmp_path):
 
 
 _WRITER = r"""
-import sys, torch
-from podscale.storage.rows import RocksRowStore
-s = RocksRowStore(sys.argv[1], 64)
+import importlib, sys, torch
+module, cls = sys.argv[2].rsplit(".", 1)
+s = getattr(importlib.import_module(module), cls)(sys.argv[1], 64)
 keys = torch.arange(2000, dtype=torch.int64)
 g = 0
 while True:
@@ -234,20 +234,26 @@ while True:
     if g == 3:
         print("ready", flush=True)
 """
+SSD_ENGINES = {"rocksdb": "podscale.storage.rows.RocksRowStore", "log": "podscale.storage.log.LogRowStore"}
 
 
-def test_rocks_store_reopens_consistent_after_sigkill_mid_write(tmp_path):
+@pytest.mark.parametrize("engine", list(SSD_ENGINES))
+def test_ssd_store_reopens_consistent_after_sigkill_mid_write(tmp_path, engine):
     """A process overwriting 2000 rows per atomic write batch is killed at an arbitrary moment: the store
-    reopens with every row present and all rows from the same batch (no torn batch, no torn row)."""
-    from podscale.storage.rows import RocksRowStore
+    reopens with every row present and all rows from the same batch (no torn batch, no torn row) -- for
+    each SSD engine."""
+    import importlib
+    module, cls = SSD_ENGINES[engine].rsplit(".", 1)
+    store = getattr(importlib.import_module(module), cls)
     path = tmp_path / "db"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    p = subprocess.Popen([sys.executable, "-c", _WRITER, str(path)], stdout=subprocess.PIPE, env=env, text=True)
+    p = subprocess.Popen([sys.executable, "-c", _WRITER, str(path), SSD_ENGINES[engine]], stdout=subprocess.PIPE,
+                         env=env, text=True)
     assert p.stdout.readline().strip() == "ready"
     time.sleep(0.3)
     os.kill(p.pid, signal.SIGKILL)
     p.wait()
-    s = RocksRowStore(path, 64)
+    s = store(path, 64)
     keys, rows = zip(*s.scan())
     keys, rows = torch.cat(keys), torch.cat(rows)
     assert torch.equal(torch.sort(keys).values, torch.arange(2000))

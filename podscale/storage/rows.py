@@ -205,6 +205,17 @@ class KeyIndex:
         self.used -= len(at)
         return self._v[at].copy()
 
+    def upsert(self, keys: np.ndarray, slots: np.ndarray) -> np.ndarray:
+        """Point distinct ``keys`` at ``slots``, adding the absent ones; returns their previous slots (-1 where
+        absent).  (A log-structured store moves a key to its newest record at every write.)"""
+        at = self._find(keys)
+        here = at >= 0
+        old = np.where(here, self._v[np.maximum(at, 0)], -1)
+        self._v[at[here]] = slots[here]
+        if not here.all():
+            self.insert(keys[~here], slots[~here])
+        return old
+
     def items(self) -> tuple[np.ndarray, np.ndarray]:
         live = self._st == self._USED
         return self._k[live].copy(), self._v[live].copy()
@@ -323,6 +334,18 @@ class MemoryRowStore(RowStore):
         self._slab.zero_()
 
 
+def ensure_writable_dir(path: Path) -> None:
+    """Create ``path`` and check that a file can be written in it; StorageError (one line) if not."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / ".podscale-write-probe"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        raise StorageError(f"SSD tier path {path} is not writable ({e.strerror}): "
+                           "set the table's ssd_path to a writable directory") from None
+
+
 def _key_bytes(keys: torch.Tensor) -> list[bytes]:
     # big-endian so that RocksDB's byte order follows the key order for non-negative keys
     raw = keys.numpy().astype(">i8").tobytes()
@@ -344,14 +367,7 @@ class RocksRowStore(RowStore):
 
         self.width = int(width)
         self.path = Path(path)
-        try:
-            self.path.mkdir(parents=True, exist_ok=True)
-            probe = self.path / ".podscale-write-probe"
-            probe.write_bytes(b"")
-            probe.unlink()
-        except OSError as e:
-            raise StorageError(f"SSD tier path {self.path} is not writable ({e.strerror}): "
-                               "set the table's ssd_path to a writable directory") from None
+        ensure_writable_dir(self.path)
         opts = Options(raw_mode=True)
         opts.create_if_missing(True)
         opts.set_write_buffer_size(int(memtable_bytes))
