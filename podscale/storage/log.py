@@ -29,7 +29,7 @@ it and ``os.replace``\\ s it over the log (atomic; the directory is fsynced too)
 merge leaves either the old log or the new one.
 
 Memory.  The key index lives in DRAM: a :class:`KeyIndex` (17 B an entry at a load of 1/8 to 1/2, so 34-136
-B per key, plus the old arrays while it is rebuilt: :meth:`LogRowStore.key_bytes` states the most).  At
+B per key, plus the old arrays while it is rebuilt: :meth:`LogRowStore.dram_bytes` states the most).  At
 10^9 keys that is 34-136 GB over the cluster, 13-52 % of the rows themselves for dim-64 Adagrad rows
 (264 B): acceptable when the rows are what does not fit DRAM (the index is one int64 pair a key, the row
 is 33 of them), and bounded by spreading the keys over more shards or, when the key count itself is what
@@ -51,7 +51,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from podscale.storage.rows import KeyIndex, RowStore, StorageError, _as_keys, ensure_writable_dir
+from podscale.storage.rows import DiskRowStore, KeyIndex, StorageError, _as_keys, ensure_writable_dir
 
 MAGIC = b"PSLOGB01"
 PUT, DELETE = 1, 2
@@ -68,7 +68,7 @@ def _write_all(fd: int, buf: memoryview) -> None:
         buf = buf[n:]
 
 
-class LogRowStore(RowStore):
+class LogRowStore(DiskRowStore):
     """The SSD tier as one append-only log of fixed-size row records (see the module docstring).
 
     ``compact_min_bytes``: the log is merged when its dead bytes exceed its live bytes and it is at least
@@ -76,10 +76,8 @@ class LogRowStore(RowStore):
     window before its pages are released (bounds the mapped pages resident at once to ``read_chunk``
     pages)."""
 
-    ENTRY_BYTES = KeyIndex.ENTRY_BYTES
-
     @staticmethod
-    def key_bytes(n: int) -> int:
+    def dram_bytes(n: int) -> int:
         """DRAM beside ``n`` stored keys: the key index at its largest, and while it is rebuilt the old
         arrays (half as many entries) too."""
         return KeyIndex.max_entries(n) * KeyIndex.ENTRY_BYTES * 3 // 2

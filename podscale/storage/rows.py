@@ -121,6 +121,23 @@ class RowStore(ABC):
         """Flush and release files and threads."""
 
 
+class DiskRowStore(RowStore):
+    """An SSD tier: rows in files under ``path`` that survive the process.  Each engine states what it costs
+    beside the rows, for the table estimator (:func:`podscale.table.estimate.estimate_table`)."""
+
+    path: Path
+
+    @staticmethod
+    @abstractmethod
+    def dram_bytes(n: int) -> int:
+        """Most DRAM the engine holds for ``n`` stored keys (its index, buffers and caches)."""
+
+    @staticmethod
+    @abstractmethod
+    def file_bytes(n: int, width: int) -> int:
+        """Most bytes on disk for ``n`` rows of ``width`` floats."""
+
+
 def _as_keys(keys: torch.Tensor) -> torch.Tensor:
     return keys.to(torch.int64).reshape(-1).cpu()
 
@@ -352,7 +369,7 @@ def _key_bytes(keys: torch.Tensor) -> list[bytes]:
     return [raw[i: i + 8] for i in range(0, len(raw), 8)]
 
 
-class RocksRowStore(RowStore):
+class RocksRowStore(DiskRowStore):
     """The SSD tier: rows in an embedded RocksDB (``rocksdict``), read with batch multi-get.
 
     Each ``put``/``delete`` is one atomic ``WriteBatch`` and RocksDB's write-ahead log makes it durable
@@ -361,8 +378,20 @@ class RocksRowStore(RowStore):
     above it.
     """
 
-    def __init__(self, path: str | os.PathLike, width: int, memtable_bytes: int = 4 << 20,
-                 block_cache_bytes: int = 4 << 20):
+    MEMTABLE_BYTES = BLOCK_CACHE_BYTES = 4 << 20
+    KEY_BYTES = 24  # per row on disk beside the value: 8-byte key, sequence number, index share
+
+    @staticmethod
+    def dram_bytes(n: int) -> int:
+        """Two memtables and the block cache at their default sizes, whatever ``n`` (the index is on disk)."""
+        return 2 * RocksRowStore.MEMTABLE_BYTES + RocksRowStore.BLOCK_CACHE_BYTES
+
+    @staticmethod
+    def file_bytes(n: int, width: int) -> int:
+        return n * (4 * width + RocksRowStore.KEY_BYTES)
+
+    def __init__(self, path: str | os.PathLike, width: int, memtable_bytes: int = MEMTABLE_BYTES,
+                 block_cache_bytes: int = BLOCK_CACHE_BYTES):
         from rocksdict import BlockBasedOptions, Cache, DBCompressionType, Options, Rdict
 
         self.width = int(width)
