@@ -73,8 +73,8 @@ class LogRowStore(DiskRowStore):
 
     ``compact_min_bytes``: the log is merged when its dead bytes exceed its live bytes and it is at least
     this large (so a small store is not rewritten at every put).  ``read_chunk``: rows gathered per mapped
-    window before its pages are released (bounds the mapped pages resident at once to ``read_chunk``
-    pages)."""
+    window before its pages are released (bounds the mapped pages resident at once: each row's page and
+    the kernel's fault-around neighbours, 64 KiB a row at most, so 8 MiB at the default 128)."""
 
     @staticmethod
     def dram_bytes(n: int) -> int:
@@ -89,7 +89,7 @@ class LogRowStore(DiskRowStore):
         return 2 * n * (8 + 4 * width)
 
     def __init__(self, path: str | os.PathLike, width: int, compact_min_bytes: int = 64 << 20,
-                 read_chunk: int = 2048):
+                 read_chunk: int = 128):
         self.width = int(width)
         self.path = Path(path)
         self.compact_min_bytes = int(compact_min_bytes)
@@ -98,6 +98,7 @@ class LogRowStore(DiskRowStore):
         self._hrecs = -(-_HEADER.itemsize // self._rec.itemsize)  # records per batch header
         ensure_writable_dir(self.path)
         self._file = self.path / FILE
+        (self.path / (FILE + ".compact")).unlink(missing_ok=True)  # a merge a crash cut short: the log stands
         self._lock = threading.RLock()
         self._index = KeyIndex(1024)
         self._fd = -1
@@ -233,6 +234,7 @@ class LogRowStore(DiskRowStore):
         if n > self._mapped:
             self._unmap()
             self._map = mmap.mmap(self._fd, n * self._rec.itemsize, prot=mmap.PROT_READ)
+            self._map.madvise(mmap.MADV_RANDOM)  # random rows: no read-ahead around each one
             self._mapped = n
         return np.frombuffer(self._map, dtype=self._rec, count=self._mapped)
 
