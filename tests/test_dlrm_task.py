@@ -242,20 +242,20 @@ while True:
     if g == 3:
         print("ready", flush=True)
 """
-SSD_ENGINES = {"rocksdb": "podscale.storage.rows.RocksRowStore", "log": "podscale.storage.log.LogRowStore"}
+ENGINE_PATHS = {"rocksdb": "podscale.storage.rows.RocksRowStore", "log": "podscale.storage.log.LogRowStore"}
 
 
-@pytest.mark.parametrize("engine", list(SSD_ENGINES))
+@pytest.mark.parametrize("engine", list(ENGINE_PATHS))
 def test_ssd_store_reopens_consistent_after_sigkill_mid_write(tmp_path, engine):
     """A process overwriting 2000 rows per atomic write batch is killed at an arbitrary moment: the store
     reopens with every row present and all rows from the same batch (no torn batch, no torn row) -- for
     each SSD engine."""
     import importlib
-    module, cls = SSD_ENGINES[engine].rsplit(".", 1)
+    module, cls = ENGINE_PATHS[engine].rsplit(".", 1)
     store = getattr(importlib.import_module(module), cls)
     path = tmp_path / "db"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    p = subprocess.Popen([sys.executable, "-c", _WRITER, str(path), SSD_ENGINES[engine]], stdout=subprocess.PIPE,
+    p = subprocess.Popen([sys.executable, "-c", _WRITER, str(path), ENGINE_PATHS[engine]], stdout=subprocess.PIPE,
                          env=env, text=True)
     assert p.stdout.readline().strip() == "ready"
     time.sleep(0.3)

@@ -51,7 +51,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from podscale.storage.rows import DiskRowStore, KeyIndex, StorageError, _as_keys, ensure_writable_dir
+from podscale.storage.rows import DiskRowStore, KeyIndex, StorageError, as_keys, ensure_writable_dir
 
 MAGIC = b"PSLOGB01"
 PUT, DELETE = 1, 2
@@ -113,7 +113,7 @@ class LogRowStore(DiskRowStore):
 
     # -- interface --------------------------------------------------------------------------------
     def get(self, keys):
-        keys = _as_keys(keys)
+        keys = as_keys(keys)
         n = len(keys)
         rows = np.zeros((n, self.width), dtype=np.float32)
         with self._lock:
@@ -126,7 +126,7 @@ class LogRowStore(DiskRowStore):
         return torch.from_numpy(rows), torch.from_numpy(found)
 
     def put(self, keys, rows):
-        keys = _as_keys(keys)
+        keys = as_keys(keys)
         n = len(keys)
         if not n:
             return
@@ -140,7 +140,7 @@ class LogRowStore(DiskRowStore):
             self._maybe_compact()
 
     def delete(self, keys):
-        kn = _as_keys(keys).numpy()
+        kn = as_keys(keys).numpy()
         if not len(kn):
             return
         with self._lock:

@@ -138,7 +138,8 @@ class DiskRowStore(RowStore):
         """Most bytes on disk for ``n`` rows of ``width`` floats."""
 
 
-def _as_keys(keys: torch.Tensor) -> torch.Tensor:
+def as_keys(keys: torch.Tensor) -> torch.Tensor:
+    """``keys`` as a flat int64 tensor on the host (what every store's get/put/delete take)."""
     return keys.to(torch.int64).reshape(-1).cpu()
 
 
@@ -289,7 +290,7 @@ class MemoryRowStore(RowStore):
         return s, s >= 0
 
     def get(self, keys):
-        keys = _as_keys(keys)
+        keys = as_keys(keys)
         slots, found = self._slots(keys)
         self._last = (keys.clone(), slots)  # a copy: the caller may reuse its tensor
         if bool(found.all()):
@@ -310,7 +311,7 @@ class MemoryRowStore(RowStore):
         self._slab = slab
 
     def put(self, keys, rows):
-        keys = _as_keys(keys)
+        keys = as_keys(keys)
         slots, found = self._slots(keys)
         new = (~found).nonzero().reshape(-1)
         if len(new):
@@ -328,7 +329,7 @@ class MemoryRowStore(RowStore):
 
     def delete(self, keys):
         self._last = None
-        freed = self._index.remove(_as_keys(keys).numpy())
+        freed = self._index.remove(as_keys(keys).numpy())
         if len(freed):
             self._free.extend(freed.tolist())
             self._slab[torch.from_numpy(freed).to(self.device)] = 0
@@ -413,7 +414,7 @@ class RocksRowStore(DiskRowStore):
                                "point ssd_path at a directory of its own on a writable disk") from None
 
     def get(self, keys):
-        keys = _as_keys(keys)
+        keys = as_keys(keys)
         n = len(keys)
         if not n:
             return torch.zeros(0, self.width), torch.zeros(0, dtype=torch.bool)
@@ -439,7 +440,7 @@ class RocksRowStore(DiskRowStore):
     def put(self, keys, rows):
         from rocksdict import WriteBatch
 
-        keys = _as_keys(keys)
+        keys = as_keys(keys)
         kb = _key_bytes(keys)
         raw = rows.detach().to("cpu", torch.float32).contiguous().numpy().astype("<f4").tobytes()
         step = 4 * self.width
@@ -450,7 +451,7 @@ class RocksRowStore(DiskRowStore):
     def delete(self, keys):
         from rocksdict import WriteBatch
 
-        kb = _key_bytes(_as_keys(keys))
+        kb = _key_bytes(as_keys(keys))
         wb = WriteBatch(raw_mode=True)
         for k in kb:
             wb.delete(k)
@@ -592,7 +593,7 @@ class CachedRowStore(RowStore):
         return self._slab.shape[0]
 
     def get(self, keys):
-        keys = _as_keys(keys)
+        keys = as_keys(keys)
         self._settle(count=True)
         with self._lock:
             kn = keys.numpy()
@@ -637,7 +638,7 @@ class CachedRowStore(RowStore):
         return rows, found
 
     def put(self, keys, rows):
-        keys = _as_keys(keys)
+        keys = as_keys(keys)
         with self._lock:
             kn = keys.numpy()
             if self._pending is not None:
@@ -650,7 +651,7 @@ class CachedRowStore(RowStore):
         self._throttle()
 
     def delete(self, keys):
-        keys = _as_keys(keys)
+        keys = as_keys(keys)
         self._settle(count=False)
         with self._lock:
             kn = keys.numpy()
@@ -669,7 +670,7 @@ class CachedRowStore(RowStore):
         return len(self.backing)
 
     def prefetch(self, keys):
-        keys = _as_keys(keys)
+        keys = as_keys(keys)
         self._wait_prefetch()  # (not the write-backs queued since: the prefetch queues behind them)
         with self._lock:
             self._written.clear()
