@@ -292,7 +292,7 @@ class DLRMModelSection(_Section):
     ssd_path: str | None = Field(None, description="folder of the SSD tier (needed with dram_budget_mb)")
     cache_policy: Literal["lru", "lfu"] = "lru"
     ssd_engine: Literal["log", "rocksdb"] = Field(
-        "log", description="SSD tier engine: log (append-only row records, key index in DRAM, ~68-136 B a key; "
+        "log", description="SSD tier engine: log (append-only row records, key index in DRAM, 34-136 B a key; "
                            "faster) or rocksdb (index on disk: for more keys than DRAM can index)")
     table_storage: Literal["keyed", "dense"] = Field(
         "keyed", description="keyed: arbitrary int64 ids, rows created as ids arrive (admission, TTL, SSD "

@@ -11,4 +11,5 @@ from podscale.storage.log import LogRowStore
 SSD_ENGINES: dict[str, type[DiskRowStore]] = {"log": LogRowStore, "rocksdb": RocksRowStore}
 
 __all__ = ["ALIGN", "AsyncFile", "Request", "StorageFullError", "aligned_empty", "measure_sequential_bandwidth",
-           "CachedRowStore", "DiskRowStore", "LogRowStore", "MemoryRowStore", "SSD_ENGINES", "RocksRowStore", "RowStore", "StorageError", "TierStats"]
+           "CachedRowStore", "DiskRowStore", "LogRowStore", "MemoryRowStore", "SSD_ENGINES", "RocksRowStore",
+           "RowStore", "StorageError", "TierStats"]

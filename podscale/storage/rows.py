@@ -11,9 +11,13 @@ rows a batch needs promoted a batch ahead so that training never waits on the SS
   ``put``, ``delete``, ``scan``, ``capacity``, ``prefetch``.
 * :class:`MemoryRowStore` keeps every row in memory: a key -> slot map over one growing slab (no hashing
   into a fixed row space, so no collisions; freed slots are reused).
-* :class:`RocksRowStore` is the SSD tier: an embedded RocksDB through ``rocksdict`` (as TorchRec's SSD
-  tables and HugeCTR's HPS use RocksDB), rows as raw little-endian float32 bytes under 8-byte big-endian
-  keys, batch multi-get and atomic write batches.  Nothing read from it is unpickled.
+* :class:`DiskRowStore` is an SSD tier, which states its own DRAM and disk bytes; two engines
+  (``podscale.storage.SSD_ENGINES``): :class:`podscale.storage.log.LogRowStore`, the default, an append-only
+  log of fixed-size row records with its key index in DRAM (whole-batch numpy reads and writes: several
+  times RocksDB's rows/s, ``bench/rowstore.py``), and :class:`RocksRowStore`, an embedded RocksDB through
+  ``rocksdict`` (as TorchRec's SSD tables and HugeCTR's HPS use RocksDB), rows as raw little-endian
+  float32 bytes under 8-byte big-endian keys, batch multi-get and atomic write batches, its index on disk.
+  Nothing read from either is unpickled.
 * :class:`CachedRowStore` is a cache tier with a byte budget over any other store (LRU, or LFU): the DRAM
   tier over the SSD tier, and -- with ``device="cuda"`` -- the device tier over the DRAM tier.  Its key map,
   recency and frequency are arrays (no per-key Python on the hot path).  Dirty rows are written back when
