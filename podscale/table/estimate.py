@@ -86,6 +86,7 @@ class TableEstimate:
     ssd_bytes: float           # per shard
     cache_rows: int | None     # per shard
     hit_rate: float | None
+    ssd_engine: str | None = None  # the SSD tier's engine (its DRAM is in dram_bytes)
 
 
 def estimate_table(rows: int, dim: int, shards: int = 1, optimizer: str = "adagrad",
@@ -107,7 +108,7 @@ def estimate_table(rows: int, dim: int, shards: int = 1, optimizer: str = "adagr
     engine = SSD_ENGINES[ssd_engine]
     hit = hit_rate(rows, alpha, cache, shards, policy, ids_per_step)
     return TableEstimate(rows, rb, shards, cache * rb + CachedRowStore.key_bytes(cache) + engine.dram_bytes(per),
-                         engine.file_bytes(per, rb // 4), cache, hit)
+                         engine.file_bytes(per, rb // 4), cache, hit, ssd_engine)
 
 
 def format_table_estimate(e: TableEstimate, alpha: float, policy: str) -> str:
@@ -116,7 +117,8 @@ def format_table_estimate(e: TableEstimate, alpha: float, policy: str) -> str:
              f"shard(s), per shard:",
              f"  DRAM tier  {e.dram_bytes / mib:12,.1f} MiB"
              + (f"  ({e.cache_rows:,} rows cached)" if e.cache_rows is not None else "  (every row)"),
-             f"  SSD tier   {e.ssd_bytes / mib:12,.1f} MiB"]
+             f"  SSD tier   {e.ssd_bytes / mib:12,.1f} MiB"
+             + (f"  ({e.ssd_engine}; DRAM above includes its index and buffers)" if e.ssd_engine else "")]
     if e.cache_rows is not None:
         lines.append(f"  expected DRAM hit rate {e.hit_rate:.1%} ({policy.upper()}, Zipf({alpha}) ids)")
     return "\n".join(lines)
