@@ -1,7 +1,8 @@
 """Parameter-server throughput: a DLRM-like model on 2 gloo ranks, podscale's sharded tables against
 ``nn.EmbeddingBag`` + a sparse optimizer under DDP, against TorchRec's sharded EmbeddingBagCollection
 (table-wise and column-wise; TorchRec refuses row-wise on CPU) when it is installed, and podscale with the
-table 10x its DRAM budget (SSD tier, RocksDB).  podscale runs row-, table- and column-wise over keyed stores
+table 10x its DRAM budget (SSD tier: the default engine, the log-structured store of storage/log.py, or
+``--ssd-engine rocksdb``).  podscale runs row-, table- and column-wise over keyed stores
 (arbitrary int64 ids, rows created as ids arrive) and table- and column-wise over dense-range stores
 (``TableSpec(num_keys=rows, storage="dense")``: the id is the slot, rows created up front, as TorchRec's
 tables are); table- and column-wise bags take the pooled exchange (owners pool).
@@ -10,6 +11,8 @@ tables are); table- and column-wise bags take the pooled exchange (owners pool).
 
     python bench/ps.py            # 8 tables x 1M rows x dim 64, Zipf(1.05), 10-20 ids per bag
     python bench/ps.py --small    # 8 tables x 50k rows, a quick check
+    python bench/ps.py --skip table-keyed --skip column-keyed --skip table-dense --skip column-dense \
+        --skip ddp --skip torchrec --ssd-engine rocksdb   # the SSD variant and its in-memory twin only
 
 TorchRec (optional; pinned in the ``torchrec`` extra of pyproject.toml, installed without dependencies):
 ``pip install --no-deps fbgemm-gpu-cpu==1.8.0 torchrec==1.8.0 tensordict==0.10.0 pyvers==0.2.3
@@ -77,7 +80,7 @@ def _timed(step_fn, s: dict) -> float:
 
 # -- variants (each runs inside a worker) ---------------------------------------------------------------
 def run_podscale(s: dict, budget_fraction: float | None, ssd_root: str | None, sharding: str = "row",
-                 storage: str = "keyed") -> dict:
+                 storage: str = "keyed", ssd_engine: str | None = None) -> dict:
     from podscale.parallel.data import DataParallel
     from podscale.runtime import comm
     from podscale.runtime.mesh import Mesh
@@ -103,7 +106,8 @@ def run_podscale(s: dict, budget_fraction: float | None, ssd_root: str | None, s
         comm.all_reduce(t, mesh, "dp", op=torch.distributed.ReduceOp.MAX)
         budget = int(2 * int(t) * row_bytes)
         preload = int(budget / budget_fraction / row_bytes) * n
-    specs = [TableSpec(nm, DIM, "sum", sharding, dram_budget_bytes=budget, storage=storage,
+    engine = {} if ssd_engine is None else {"ssd_engine": ssd_engine}  # (None: TableSpec's default)
+    specs = [TableSpec(nm, DIM, "sum", sharding, dram_budget_bytes=budget, storage=storage, **engine,
                        num_keys=s["rows"] if storage == "dense" else None,
                        ssd_path=None if ssd_root is None else os.path.join(ssd_root, f"r{r}")) for nm in names]
     emb = ShardedEmbeddingBags(specs, mesh, RowWiseAdagrad(0.05), seed=0)
@@ -232,8 +236,11 @@ def main(argv=None) -> None:
     ap.add_argument("--nproc", type=int, default=2)
     ap.add_argument("--skip", action="append", default=[], help="variants to skip: ddp, torchrec, ssd, "
                     "and podscale's <sharding>-<storage> (row-keyed, table-keyed, column-keyed, table-dense, column-dense)")
+    ap.add_argument("--ssd-engine", choices=("log", "rocksdb"), default=None,
+                    help="the SSD variant's engine (default: TableSpec's default, the log store)")
     args = ap.parse_args(argv)
     from podscale.runtime.launcher import launch
+    from podscale.table import TableSpec
 
     s = setting(args.small)
     n = args.nproc
@@ -258,8 +265,10 @@ def main(argv=None) -> None:
             if "ssd" not in args.skip:
                 root = tempfile.mkdtemp(prefix="podscale-bench-ssd-")
                 try:
-                    out = launch(run_podscale, (s, 0.1, root, "row", "keyed"), nproc=n, start_method="spawn")
+                    out = launch(run_podscale, (s, 0.1, root, "row", "keyed", args.ssd_engine), nproc=n,
+                                 start_method="spawn")
                     report("podscale row-wise, table 10x DRAM", out)
+                    print(f"    (SSD engine: {args.ssd_engine or TableSpec.ssd_engine})", flush=True)
                     o = out[0]
                     print(f"    (rank 0: {o['rows_held']:,} rows held in {s['tables']} table shards, DRAM budget "
                           f"{o['budget'] / 2 ** 20:.2f} MiB per table shard = {o['budget'] // (4 * (DIM + 2)):,} rows: "

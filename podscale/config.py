@@ -258,7 +258,8 @@ class DLRMModelSection(_Section):
 
     The MLPs are dense parameters under the data-parallel strategy (replicated or ZeRO); the tables are a
     :class:`~podscale.table.ShardedEmbeddingBags` with its own sparse optimizer and, with ``dram_budget_mb``,
-    a DRAM cache over an SSD tier (RocksDB under ``ssd_path``).  ``data_format`` picks the data: the
+    a DRAM cache over an SSD tier under ``ssd_path`` (``ssd_engine``: podscale's log-structured store or
+    RocksDB).  ``data_format`` picks the data: the
     Criteo-like generator (``generated``, no file), a Criteo TSV file (``criteo-tsv``: label, 13 integer and
     26 hex categorical columns) or MovieLens-100K's ``u.data`` (``movielens``; click = rating >= 4).
     """
@@ -290,6 +291,9 @@ class DLRMModelSection(_Section):
                                                                    "beyond it live in the SSD tier")
     ssd_path: str | None = Field(None, description="folder of the SSD tier (needed with dram_budget_mb)")
     cache_policy: Literal["lru", "lfu"] = "lru"
+    ssd_engine: Literal["log", "rocksdb"] = Field(
+        "log", description="SSD tier engine: log (append-only row records, key index in DRAM, 34-136 B a key; "
+                           "faster) or rocksdb (index on disk: for more keys than DRAM can index)")
     table_storage: Literal["keyed", "dense"] = Field(
         "keyed", description="keyed: arbitrary int64 ids, rows created as ids arrive (admission, TTL, SSD "
                              "tier); dense: ids in [0, cardinality), every row created up front and the id "

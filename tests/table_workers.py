@@ -245,14 +245,15 @@ BIG_DIM = 32
 BIG_ROWS = 400_000
 
 
-def big_specs(budget: int | None, path: str | None) -> list[TableSpec]:
-    return [TableSpec("big", BIG_DIM, "sum", "row", dram_budget_bytes=budget, ssd_path=path)]
+def big_specs(budget: int | None, path: str | None, engine: str = "log") -> list[TableSpec]:
+    return [TableSpec("big", BIG_DIM, "sum", "row", dram_budget_bytes=budget, ssd_path=path, ssd_engine=engine)]
 
 
-def train_big(budget: int | None, path: str | None, steps: int, batch: int, prefetch: bool = False):
+def train_big(budget: int | None, path: str | None, steps: int, batch: int, prefetch: bool = False,
+              engine: str = "log"):
     """A table of BIG_ROWS rows loaded first, then trained; peak RSS growth from after the imports."""
     info, mesh = _setup()
-    specs = big_specs(budget, path and os.path.join(path, f"r{info.rank}"))
+    specs = big_specs(budget, path and os.path.join(path, f"r{info.rank}"), engine)
     card = {"big": BIG_ROWS}
     open("/proc/self/clear_refs", "w").write("5")  # reset the peak-RSS counter (Linux >= 4.0)
     base_kb = _vm_hwm_kb()

@@ -4,9 +4,14 @@ import pytest
 import torch
 
 from podscale.runtime.mesh import Mesh
+from podscale.storage.log import LogRowStore
 from podscale.storage.rows import CachedRowStore, MemoryRowStore, RocksRowStore, StorageError
 from podscale.table import ShardedEmbeddingBags, ShardedTable, SparseSGD, TableError, TableSpec
 from podscale.table.hashing import init_rows, name_seed
+
+
+SSD = {"log": LogRowStore, "rocksdb": RocksRowStore}  # the SSD tier's engines: every test runs on both
+engines = pytest.mark.parametrize("engine", list(SSD))
 
 
 def _rows(keys, width=3):
@@ -24,13 +29,14 @@ def test_memory_store_grows_and_reuses_slots():
     assert len(s) == 4 and s.get(torch.tensor([5]))[1].tolist() == [False]
 
 
-def test_rocks_store_persists_across_reopen(tmp_path):
-    s = RocksRowStore(tmp_path / "db", 3)
+@engines
+def test_ssd_store_persists_across_reopen(tmp_path, engine):
+    s = SSD[engine](tmp_path / "db", 3)
     k = torch.tensor([1, 2 ** 40, 3])
     s.put(k, _rows(k))
     s.delete(torch.tensor([3]))
     s.close()
-    s = RocksRowStore(tmp_path / "db", 3)
+    s = SSD[engine](tmp_path / "db", 3)
     rows, found = s.get(torch.tensor([2 ** 40, 3, 1]))
     assert found.tolist() == [True, False, True] and rows[0, 2] == 2 ** 40
     keys, _ = next(s.scan())
@@ -38,16 +44,18 @@ def test_rocks_store_persists_across_reopen(tmp_path):
     s.close()
 
 
-def test_rocks_store_refuses_unwritable_path(tmp_path):
+@engines
+def test_ssd_store_refuses_unwritable_path(tmp_path, engine):
     blocker = tmp_path / "file"
     blocker.write_text("")
     with pytest.raises(StorageError, match="not writable"):
-        RocksRowStore(blocker / "db", 3)
+        SSD[engine](blocker / "db", 3)
 
 
+@engines
 @pytest.mark.parametrize("policy", ["lru", "lfu"])
-def test_cache_writes_dirty_rows_back_and_counts_misses(tmp_path, policy):
-    ssd = RocksRowStore(tmp_path / policy, 3)
+def test_cache_writes_dirty_rows_back_and_counts_misses(tmp_path, policy, engine):
+    ssd = SSD[engine](tmp_path / policy, 3)
     cache = CachedRowStore(ssd, budget_bytes=4 * 3 * 4, policy=policy)  # 4 rows
     assert cache.capacity() == 4
     k = torch.arange(10)
@@ -69,8 +77,9 @@ def test_cache_writes_dirty_rows_back_and_counts_misses(tmp_path, policy):
     cache.close()
 
 
-def test_prefetch_promotes_without_overwriting_newer_rows(tmp_path):
-    ssd = RocksRowStore(tmp_path / "p", 3)
+@engines
+def test_prefetch_promotes_without_overwriting_newer_rows(tmp_path, engine):
+    ssd = SSD[engine](tmp_path / "p", 3)
     k = torch.arange(100)
     ssd.put(k, _rows(k))
     cache = CachedRowStore(ssd, budget_bytes=50 * 3 * 4)
@@ -188,10 +197,11 @@ def test_memory_store_write_after_read_reuses_the_read_slots():
     assert found.all() and rows[:, 0].tolist() == [1.0, 2.0, 11.0]
 
 
-def test_prefetch_inserts_what_fits_beside_the_rows_in_use(tmp_path):
+@engines
+def test_prefetch_inserts_what_fits_beside_the_rows_in_use(tmp_path, engine):
     """A prefetch never evicts the rows of the step in flight (its last get) nor announced rows already
     cached; what does not fit beside them stays below (read at the next get) and nothing is lost."""
-    ssd = RocksRowStore(tmp_path / "f", 3)
+    ssd = SSD[engine](tmp_path / "f", 3)
     k = torch.arange(20)
     ssd.put(k, _rows(k))
     cache = CachedRowStore(ssd, budget_bytes=4 * 3 * 4)  # 4 rows
@@ -207,3 +217,109 @@ def test_prefetch_inserts_what_fits_beside_the_rows_in_use(tmp_path):
     rows, found = cache.get(k[:3])
     assert found.all() and torch.equal(rows, _rows(k[:3]) + 0.5)
     cache.close()
+
+
+# -- the log-structured SSD tier (storage/log.py) ------------------------------------------------------------
+def _random_ops(seed, n=12):
+    """A reproducible mix of puts (new and overwritten keys), deletes and reads over a small key space."""
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(n):
+        keys = torch.randperm(200, generator=g)[: int(torch.randint(1, 60, (1,), generator=g))] * 7919 - 500
+        op = int(torch.randint(0, 4, (1,), generator=g))
+        yield ("delete" if op == 0 else "put" if op < 3 else "get"), keys, torch.randn(len(keys), 3, generator=g)
+
+
+def _contents(s):
+    keys, rows = zip(*s.scan(batch=17)) if len(s) else ((torch.zeros(0, dtype=torch.int64),), (torch.zeros(0, 3),))
+    keys, rows = torch.cat(keys), torch.cat(rows)
+    order = torch.argsort(keys)
+    return keys[order], rows[order]
+
+
+def test_log_store_matches_rocksdb_through_reopen_and_compaction(tmp_path):
+    """The same operations on both engines give the same reads, scans and lengths -- with the log merged at
+    every chance (no size floor) and reopened half way."""
+    log = LogRowStore(tmp_path / "log", 3, compact_min_bytes=0)
+    rocks = RocksRowStore(tmp_path / "rocks", 3)
+    merged = False
+    for i, (op, keys, rows) in enumerate(_random_ops(3, 40)):
+        if i == 20:
+            log.close()
+            log = LogRowStore(tmp_path / "log", 3, compact_min_bytes=0)
+        before = log.tier_bytes()[0]
+        for s in (log, rocks):
+            getattr(s, op)(*((keys, rows) if op == "put" else (keys,)))
+        merged |= log.tier_bytes()[0] < before
+        a, b = log.get(keys), rocks.get(keys)
+        assert torch.equal(a[1], b[1]) and torch.equal(a[0], b[0]), (i, op)
+        assert len(log) == len(rocks)
+    assert merged, "the log was never merged"
+    ka, ra = _contents(log)
+    kb, rb = _contents(rocks)
+    assert torch.equal(ka, kb) and torch.equal(ra, rb)
+    # a merged log holds only live records and its header: dead ones are gone
+    log.close()
+    log = LogRowStore(tmp_path / "log", 3, compact_min_bytes=0)
+    log.put(ka, ra + 1)  # every row overwritten: the dead records outnumber the live ones, merged at once
+    assert log.tier_bytes()[0] == (len(ka) + 2) * (8 + 4 * 3)  # live records and one 2-record header
+    assert torch.equal(_contents(log)[1], rb + 1)
+    log.clear()
+    assert len(log) == 0 and log.tier_bytes() == [0]
+    for s in (log, rocks):
+        s.close()
+    assert len(LogRowStore(tmp_path / "log", 3)) == 0
+
+
+def test_log_store_cuts_a_torn_or_damaged_tail(tmp_path):
+    """Reopening applies whole checksummed batches only: a batch cut short (a killed write) or with a flipped
+    byte is dropped with everything after it, and the store goes on from its last whole batch."""
+    s = LogRowStore(tmp_path / "db", 3)
+    k = torch.arange(10)
+    s.put(k, _rows(k))
+    good = s.tier_bytes()[0]
+    s.put(k[:4], _rows(k[:4]) + 0.5)
+    s.close()
+    path = tmp_path / "db" / "rows.log"
+    data = path.read_bytes()
+    for damaged in (data[: len(data) - 5], data[: good + 50] + bytes([data[good + 50] ^ 1]) + data[good + 51:]):
+        path.write_bytes(damaged)
+        s = LogRowStore(tmp_path / "db", 3)
+        rows, found = s.get(k)
+        assert found.all() and torch.equal(rows, _rows(k))  # the first batch, not half the second
+        assert path.stat().st_size == good
+        s.put(k[:2], _rows(k[:2]) + 2)  # appended after the cut
+        s.close()
+        s = LogRowStore(tmp_path / "db", 3)
+        assert torch.equal(s.get(k[:3])[0], torch.cat([_rows(k[:2]) + 2, _rows(k[2:3])]))
+        s.close()
+
+
+def test_log_store_write_failure_keeps_the_last_batch(tmp_path, monkeypatch):
+    """A disk that fills up half way through a batch: StorageError (one line), the log cut back, the index as
+    before; the same store goes on once there is room, and reopens at its last whole batch."""
+    import podscale.storage.log as logmod
+
+    s = LogRowStore(tmp_path / "db", 3)
+    k = torch.arange(8)
+    s.put(k, _rows(k))
+    size = s.tier_bytes()[0]
+    real = logmod.os.write
+
+    def full(fd, buf):
+        real(fd, buf[: len(buf) // 2])
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(logmod.os, "write", full)
+    with pytest.raises(StorageError, match=r"write failed \(No space left on device\): free space"):
+        s.put(torch.tensor([3, 100]), torch.full((2, 3), 9.0))
+    with pytest.raises(StorageError, match="No space left"):
+        s.delete(torch.tensor([1]))
+    assert s.tier_bytes()[0] == size == (tmp_path / "db" / "rows.log").stat().st_size
+    rows, found = s.get(torch.tensor([3, 100, 1]))
+    assert found.tolist() == [True, False, True] and rows[0, 0] == 3
+    monkeypatch.setattr(logmod.os, "write", real)
+    s.put(torch.tensor([100]), torch.full((1, 3), 5.0))
+    s.close()
+    s = LogRowStore(tmp_path / "db", 3)
+    assert len(s) == 9 and s.get(torch.tensor([100]))[0][0, 0] == 5.0
+    s.close()

@@ -61,6 +61,8 @@ def test_sharded_tables_match_embedding_bag(nproc, spec_set):
 # thread: the evicted rows it has queued (at most half the budget) and its own malloc arena (RocksDB fills
 # its memtables from that thread).  Measured (2 ranks, peak RSS growth from before the table was built,
 # machine loaded): 74-76 MiB tiered (65 with writes in the foreground); the same table in memory 99-114 MiB.
+# This test runs the SSD tier on RocksDB (TableSpec.ssd_engine = "rocksdb"), keeping that engine's path
+# tested through the table; test_dlrm_task.py's RSS test runs the default log engine.
 BIG_BUDGET = 2 << 20
 OVERHEAD_MB = 82
 BIG_STEPS = 20
@@ -69,7 +71,7 @@ BIG_BATCH = 256
 
 def test_table_ten_times_its_dram_budget_trains_like_in_memory(tmp_path):
     mem = launch(train_big, (None, None, BIG_STEPS, BIG_BATCH), nproc=2, start_method="spawn")
-    ssd = launch(train_big, (BIG_BUDGET, str(tmp_path), BIG_STEPS, BIG_BATCH), nproc=2,
+    ssd = launch(train_big, (BIG_BUDGET, str(tmp_path), BIG_STEPS, BIG_BATCH, False, "rocksdb"), nproc=2,
                  start_method="spawn")  # (memory growth of fresh interpreters, see runtime/forkserver.py)
     table_mb = BIG_ROWS * ssd[0]["row_bytes"] / 2 ** 20
     assert table_mb >= 10 * 2 * BIG_BUDGET / 2 ** 20  # 10x the DRAM of both ranks together

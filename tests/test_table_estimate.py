@@ -44,10 +44,15 @@ def test_hit_rate_prediction_matches_a_measured_run(tmp_path):
 
 
 def test_memory_per_tier_and_cli(capsys):
-    e = estimate_table(10 ** 6, 64, shards=4, optimizer="adagrad", dram_budget_bytes=1 << 20)
+    e = estimate_table(10 ** 6, 64, shards=4, optimizer="adagrad", dram_budget_bytes=1 << 20, ssd_engine="rocksdb")
     assert e.row_bytes == 4 * 66 and e.cache_rows == (1 << 20) // 264
-    assert e.ssd_bytes > 250_000 * 264 and e.dram_bytes < (1 << 20) + e.cache_rows * 200
+    assert e.ssd_bytes > 250_000 * 264 and e.dram_bytes < (1 << 20) + e.cache_rows * 200 + 12 * 2 ** 20
     assert 0 < e.hit_rate < 1
+    # the log engine's key index holds every key of the shard in DRAM: 250k keys, 17 B an entry, 4-8 entries
+    # a key, and the old arrays while it is rebuilt
+    log = estimate_table(10 ** 6, 64, shards=4, optimizer="adagrad", dram_budget_bytes=1 << 20)
+    assert 250_000 * 17 * 4 <= log.dram_bytes - (e.dram_bytes - 12 * 2 ** 20) <= 250_000 * 17 * 12
+    assert 250_000 * (264 + 8) <= log.ssd_bytes <= 2 * 250_000 * (264 + 8)
     assert main(["memory", "--table-rows", "1e9", "--dim", "64", "--shards", "16", "--dram-budget-mb", "8192"]) == 0
     out = capsys.readouterr().out
     assert "expected DRAM hit rate" in out and "SSD tier" in out

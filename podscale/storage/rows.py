@@ -11,9 +11,13 @@ rows a batch needs promoted a batch ahead so that training never waits on the SS
   ``put``, ``delete``, ``scan``, ``capacity``, ``prefetch``.
 * :class:`MemoryRowStore` keeps every row in memory: a key -> slot map over one growing slab (no hashing
   into a fixed row space, so no collisions; freed slots are reused).
-* :class:`RocksRowStore` is the SSD tier: an embedded RocksDB through ``rocksdict`` (as TorchRec's SSD
-  tables and HugeCTR's HPS use RocksDB), rows as raw little-endian float32 bytes under 8-byte big-endian
-  keys, batch multi-get and atomic write batches.  Nothing read from it is unpickled.
+* :class:`DiskRowStore` is an SSD tier, which states its own DRAM and disk bytes; two engines
+  (``podscale.storage.SSD_ENGINES``): :class:`podscale.storage.log.LogRowStore`, the default, an append-only
+  log of fixed-size row records with its key index in DRAM (whole-batch numpy reads and writes: several
+  times RocksDB's rows/s, ``bench/rowstore.py``), and :class:`RocksRowStore`, an embedded RocksDB through
+  ``rocksdict`` (as TorchRec's SSD tables and HugeCTR's HPS use RocksDB), rows as raw little-endian
+  float32 bytes under 8-byte big-endian keys, batch multi-get and atomic write batches, its index on disk.
+  Nothing read from either is unpickled.
 * :class:`CachedRowStore` is a cache tier with a byte budget over any other store (LRU, or LFU): the DRAM
   tier over the SSD tier, and -- with ``device="cuda"`` -- the device tier over the DRAM tier.  Its key map,
   recency and frequency are arrays (no per-key Python on the hot path).  Dirty rows are written back when
@@ -121,7 +125,25 @@ class RowStore(ABC):
         """Flush and release files and threads."""
 
 
-def _as_keys(keys: torch.Tensor) -> torch.Tensor:
+class DiskRowStore(RowStore):
+    """An SSD tier: rows in files under ``path`` that survive the process.  Each engine states what it costs
+    beside the rows, for the table estimator (:func:`podscale.table.estimate.estimate_table`)."""
+
+    path: Path
+
+    @staticmethod
+    @abstractmethod
+    def dram_bytes(n: int) -> int:
+        """Most DRAM the engine holds for ``n`` stored keys (its index, buffers and caches)."""
+
+    @staticmethod
+    @abstractmethod
+    def file_bytes(n: int, width: int) -> int:
+        """Most bytes on disk for ``n`` rows of ``width`` floats."""
+
+
+def as_keys(keys: torch.Tensor) -> torch.Tensor:
+    """``keys`` as a flat int64 tensor on the host (what every store's get/put/delete take)."""
     return keys.to(torch.int64).reshape(-1).cpu()
 
 
@@ -205,6 +227,17 @@ class KeyIndex:
         self.used -= len(at)
         return self._v[at].copy()
 
+    def upsert(self, keys: np.ndarray, slots: np.ndarray) -> np.ndarray:
+        """Point distinct ``keys`` at ``slots``, adding the absent ones; returns their previous slots (-1 where
+        absent).  (A log-structured store moves a key to its newest record at every write.)"""
+        at = self._find(keys)
+        here = at >= 0
+        old = np.where(here, self._v[np.maximum(at, 0)], -1)
+        self._v[at[here]] = slots[here]
+        if not here.all():
+            self.insert(keys[~here], slots[~here])
+        return old
+
     def items(self) -> tuple[np.ndarray, np.ndarray]:
         live = self._st == self._USED
         return self._k[live].copy(), self._v[live].copy()
@@ -261,7 +294,7 @@ class MemoryRowStore(RowStore):
         return s, s >= 0
 
     def get(self, keys):
-        keys = _as_keys(keys)
+        keys = as_keys(keys)
         slots, found = self._slots(keys)
         self._last = (keys.clone(), slots)  # a copy: the caller may reuse its tensor
         if bool(found.all()):
@@ -282,7 +315,7 @@ class MemoryRowStore(RowStore):
         self._slab = slab
 
     def put(self, keys, rows):
-        keys = _as_keys(keys)
+        keys = as_keys(keys)
         slots, found = self._slots(keys)
         new = (~found).nonzero().reshape(-1)
         if len(new):
@@ -300,7 +333,7 @@ class MemoryRowStore(RowStore):
 
     def delete(self, keys):
         self._last = None
-        freed = self._index.remove(_as_keys(keys).numpy())
+        freed = self._index.remove(as_keys(keys).numpy())
         if len(freed):
             self._free.extend(freed.tolist())
             self._slab[torch.from_numpy(freed).to(self.device)] = 0
@@ -323,13 +356,25 @@ class MemoryRowStore(RowStore):
         self._slab.zero_()
 
 
+def ensure_writable_dir(path: Path) -> None:
+    """Create ``path`` and check that a file can be written in it; StorageError (one line) if not."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / ".podscale-write-probe"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        raise StorageError(f"SSD tier path {path} is not writable ({e.strerror}): "
+                           "set the table's ssd_path to a writable directory") from None
+
+
 def _key_bytes(keys: torch.Tensor) -> list[bytes]:
     # big-endian so that RocksDB's byte order follows the key order for non-negative keys
     raw = keys.numpy().astype(">i8").tobytes()
     return [raw[i: i + 8] for i in range(0, len(raw), 8)]
 
 
-class RocksRowStore(RowStore):
+class RocksRowStore(DiskRowStore):
     """The SSD tier: rows in an embedded RocksDB (``rocksdict``), read with batch multi-get.
 
     Each ``put``/``delete`` is one atomic ``WriteBatch`` and RocksDB's write-ahead log makes it durable
@@ -338,20 +383,25 @@ class RocksRowStore(RowStore):
     above it.
     """
 
-    def __init__(self, path: str | os.PathLike, width: int, memtable_bytes: int = 4 << 20,
-                 block_cache_bytes: int = 4 << 20):
+    MEMTABLE_BYTES = BLOCK_CACHE_BYTES = 4 << 20
+    KEY_BYTES = 24  # per row on disk beside the value: 8-byte key, sequence number, index share
+
+    @staticmethod
+    def dram_bytes(n: int) -> int:
+        """Two memtables and the block cache at their default sizes, whatever ``n`` (the index is on disk)."""
+        return 2 * RocksRowStore.MEMTABLE_BYTES + RocksRowStore.BLOCK_CACHE_BYTES
+
+    @staticmethod
+    def file_bytes(n: int, width: int) -> int:
+        return n * (4 * width + RocksRowStore.KEY_BYTES)
+
+    def __init__(self, path: str | os.PathLike, width: int, memtable_bytes: int = MEMTABLE_BYTES,
+                 block_cache_bytes: int = BLOCK_CACHE_BYTES):
         from rocksdict import BlockBasedOptions, Cache, DBCompressionType, Options, Rdict
 
         self.width = int(width)
         self.path = Path(path)
-        try:
-            self.path.mkdir(parents=True, exist_ok=True)
-            probe = self.path / ".podscale-write-probe"
-            probe.write_bytes(b"")
-            probe.unlink()
-        except OSError as e:
-            raise StorageError(f"SSD tier path {self.path} is not writable ({e.strerror}): "
-                               "set the table's ssd_path to a writable directory") from None
+        ensure_writable_dir(self.path)
         opts = Options(raw_mode=True)
         opts.create_if_missing(True)
         opts.set_write_buffer_size(int(memtable_bytes))
@@ -368,7 +418,7 @@ class RocksRowStore(RowStore):
                                "point ssd_path at a directory of its own on a writable disk") from None
 
     def get(self, keys):
-        keys = _as_keys(keys)
+        keys = as_keys(keys)
         n = len(keys)
         if not n:
             return torch.zeros(0, self.width), torch.zeros(0, dtype=torch.bool)
@@ -394,7 +444,7 @@ class RocksRowStore(RowStore):
     def put(self, keys, rows):
         from rocksdict import WriteBatch
 
-        keys = _as_keys(keys)
+        keys = as_keys(keys)
         kb = _key_bytes(keys)
         raw = rows.detach().to("cpu", torch.float32).contiguous().numpy().astype("<f4").tobytes()
         step = 4 * self.width
@@ -405,7 +455,7 @@ class RocksRowStore(RowStore):
     def delete(self, keys):
         from rocksdict import WriteBatch
 
-        kb = _key_bytes(_as_keys(keys))
+        kb = _key_bytes(as_keys(keys))
         wb = WriteBatch(raw_mode=True)
         for k in kb:
             wb.delete(k)
@@ -547,7 +597,7 @@ class CachedRowStore(RowStore):
         return self._slab.shape[0]
 
     def get(self, keys):
-        keys = _as_keys(keys)
+        keys = as_keys(keys)
         self._settle(count=True)
         with self._lock:
             kn = keys.numpy()
@@ -592,7 +642,7 @@ class CachedRowStore(RowStore):
         return rows, found
 
     def put(self, keys, rows):
-        keys = _as_keys(keys)
+        keys = as_keys(keys)
         with self._lock:
             kn = keys.numpy()
             if self._pending is not None:
@@ -605,7 +655,7 @@ class CachedRowStore(RowStore):
         self._throttle()
 
     def delete(self, keys):
-        keys = _as_keys(keys)
+        keys = as_keys(keys)
         self._settle(count=False)
         with self._lock:
             kn = keys.numpy()
@@ -624,7 +674,7 @@ class CachedRowStore(RowStore):
         return len(self.backing)
 
     def prefetch(self, keys):
-        keys = _as_keys(keys)
+        keys = as_keys(keys)
         self._wait_prefetch()  # (not the write-backs queued since: the prefetch queues behind them)
         with self._lock:
             self._written.clear()

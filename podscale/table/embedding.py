@@ -61,7 +61,8 @@ from torch import nn
 from podscale.runtime import comm
 from podscale.runtime.errors import InputError
 from podscale.storage.dense import DenseRowStore
-from podscale.storage.rows import CachedRowStore, MemoryRowStore, RocksRowStore, RowStore, StorageError, TierStats
+from podscale.storage import SSD_ENGINES
+from podscale.storage.rows import CachedRowStore, MemoryRowStore, RowStore, StorageError, TierStats
 from podscale.table.base import ShardedTable
 from podscale.table.hashing import KeyOwner, init_rows, name_seed, owner_of
 from podscale.table.optim import SparseOptimizer
@@ -81,8 +82,10 @@ class TableSpec:
 
     Storage: without ``dram_budget_bytes`` every row of a shard is in memory; with it, a shard keeps at
     most that many bytes of rows (weights, optimizer state and a last-used step) in a DRAM cache over an
-    SSD tier in ``ssd_path/<table>/shard-<rank>`` (RocksDB).  ``device_budget_bytes`` adds a cache on the
-    mesh's GPU above the DRAM tier (ignored on a CPU).
+    SSD tier in ``ssd_path/<table>/shard-<rank>``, whose engine is ``ssd_engine``: ``"log"`` (the default,
+    storage/log.py: an append-only log of row records, its key index in DRAM) or ``"rocksdb"`` (RocksDB
+    through rocksdict: the index on disk too, for more keys than DRAM can index).  ``device_budget_bytes``
+    adds a cache on the mesh's GPU above the DRAM tier (ignored on a CPU).
     """
 
     name: str
@@ -98,6 +101,7 @@ class TableSpec:
     dram_budget_bytes: int | None = None
     ssd_path: str | None = None
     cache_policy: str = "lru"
+    ssd_engine: str = next(iter(SSD_ENGINES))
     device_budget_bytes: int | None = None
     storage: str = "keyed"            # "dense": ids in [0, num_keys), rows created up front (storage/dense.py)
 
@@ -116,6 +120,8 @@ class TableSpec:
             raise TableError(f"{where}: dram_budget_bytes needs an SSD tier below it: set ssd_path")
         if self.cache_policy not in ("lru", "lfu"):
             raise TableError(f"{where}: cache_policy '{self.cache_policy}' must be lru or lfu")
+        if self.ssd_engine not in SSD_ENGINES:
+            raise TableError(f"{where}: ssd_engine '{self.ssd_engine}' must be one of {', '.join(SSD_ENGINES)}")
         if self.storage not in STORAGES:
             raise TableError(f"{where}: storage '{self.storage}' must be one of {', '.join(STORAGES)}")
         if self.storage == "dense":
@@ -383,7 +389,8 @@ class ShardedEmbeddingBags(nn.Module, ShardedTable):
             store: RowStore = MemoryRowStore(width)
         else:
             path = Path(spec.ssd_path) / spec.name / f"shard-{sh.index}"
-            store = CachedRowStore(RocksRowStore(path, width), spec.dram_budget_bytes, spec.cache_policy)
+            store = CachedRowStore(SSD_ENGINES[spec.ssd_engine](path, width), spec.dram_budget_bytes,
+                                   spec.cache_policy)
         if spec.device_budget_bytes is not None and self.mesh.device.type == "cuda":
             store = CachedRowStore(store, spec.device_budget_bytes, spec.cache_policy, device=self.mesh.device)
         return store

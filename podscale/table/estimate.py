@@ -3,8 +3,11 @@
 Bytes: a stored row is ``4 * (dim + state + 1)`` (float32 weights, the sparse optimizer's state --
 row-wise Adagrad 1 float, lazy Adam ``2 * dim``, SGD none -- and the last-used step that TTL reads).  Each
 of ``shards`` ranks holds ``rows / shards`` rows: all in DRAM without a budget; with one, at most the budget
-in the DRAM tier (a preallocated slab) plus its key map, and every row in the SSD tier (RocksDB: the rows
-plus its per-key overhead, keys of 8 bytes and a few bytes of block index).
+in the DRAM tier (a preallocated slab) plus its key map, and every row in the SSD tier.  The SSD engine
+adds DRAM of its own (:meth:`~podscale.storage.rows.DiskRowStore.dram_bytes`): the log store's key index
+(every key of the shard: 17 B an entry, 4-8 entries a key at its largest), RocksDB's memtables and block
+cache (a constant); on disk the log holds up to twice the live records before a merge, RocksDB the rows plus
+its per-key overhead (key, sequence number, block index).
 
 Hit rate: ids drawn from the bounded Zipf law of :func:`podscale.table.data.zipf_ranks`, whose CDF is
 ``P(rank < k) = ((k + 1)^(1 - a) - 1) / ((n + 1)^(1 - a) - 1)`` (``log(k + 1) / log(n + 1)`` at ``a = 1``).
@@ -21,10 +24,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from podscale.storage import SSD_ENGINES
 from podscale.storage.rows import CachedRowStore, MemoryRowStore
 
 STATE_FLOATS = {"adagrad": lambda d: 1, "sgd": lambda d: 0, "adam": lambda d: 2 * d}
-SSD_KEY_BYTES = 24        # RocksDB per row beside the value: 8-byte key, sequence number, index share
 
 
 def row_bytes(dim: int, optimizer: str = "adagrad") -> int:
@@ -83,12 +86,14 @@ class TableEstimate:
     ssd_bytes: float           # per shard
     cache_rows: int | None     # per shard
     hit_rate: float | None
+    ssd_engine: str | None = None  # the SSD tier's engine (its DRAM is in dram_bytes)
 
 
 def estimate_table(rows: int, dim: int, shards: int = 1, optimizer: str = "adagrad",
                    dram_budget_bytes: int | None = None, alpha: float = 1.05, policy: str = "lfu",
-                   ids_per_step: int | None = None) -> TableEstimate:
-    """Bytes per tier per shard and the expected DRAM hit rate of a table of ``rows`` keys."""
+                   ids_per_step: int | None = None, ssd_engine: str = "log") -> TableEstimate:
+    """Bytes per tier per shard and the expected DRAM hit rate of a table of ``rows`` keys (the DRAM figure
+    includes the SSD engine's own: ``ssd_engine``, as in ``TableSpec``)."""
     if rows < 1 or dim < 1 or shards < 1:
         raise ValueError(f"rows={rows}, dim={dim} and shards={shards} must be positive")
     rb = row_bytes(dim, optimizer)
@@ -98,9 +103,12 @@ def estimate_table(rows: int, dim: int, shards: int = 1, optimizer: str = "adagr
     cache = int(dram_budget_bytes) // rb
     if cache < 1:
         raise ValueError(f"a DRAM budget of {dram_budget_bytes} B holds no row of {rb} B: raise it")
+    if ssd_engine not in SSD_ENGINES:
+        raise ValueError(f"ssd_engine '{ssd_engine}' is not one of {', '.join(SSD_ENGINES)}")
+    engine = SSD_ENGINES[ssd_engine]
     hit = hit_rate(rows, alpha, cache, shards, policy, ids_per_step)
-    return TableEstimate(rows, rb, shards, cache * rb + CachedRowStore.key_bytes(cache),
-                         per * (rb + SSD_KEY_BYTES), cache, hit)
+    return TableEstimate(rows, rb, shards, cache * rb + CachedRowStore.key_bytes(cache) + engine.dram_bytes(per),
+                         engine.file_bytes(per, rb // 4), cache, hit, ssd_engine)
 
 
 def format_table_estimate(e: TableEstimate, alpha: float, policy: str) -> str:
@@ -109,7 +117,8 @@ def format_table_estimate(e: TableEstimate, alpha: float, policy: str) -> str:
              f"shard(s), per shard:",
              f"  DRAM tier  {e.dram_bytes / mib:12,.1f} MiB"
              + (f"  ({e.cache_rows:,} rows cached)" if e.cache_rows is not None else "  (every row)"),
-             f"  SSD tier   {e.ssd_bytes / mib:12,.1f} MiB"]
+             f"  SSD tier   {e.ssd_bytes / mib:12,.1f} MiB"
+             + (f"  ({e.ssd_engine}; DRAM above includes its index and buffers)" if e.ssd_engine else "")]
     if e.cache_rows is not None:
         lines.append(f"  expected DRAM hit rate {e.hit_rate:.1%} ({policy.upper()}, Zipf({alpha}) ids)")
     return "\n".join(lines)

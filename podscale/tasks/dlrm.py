@@ -391,7 +391,8 @@ class DLRMTask(Task):
         return [TableSpec(name, m.embedding_dim, m.pooling, sharding.get(name, m.sharding),
                           num_keys=cards.get(name) if m.declare_range else None,
                           admit_after=m.admit_after, ttl_steps=m.ttl_steps, dram_budget_bytes=budget,
-                          ssd_path=ssd, cache_policy=m.cache_policy, storage=m.table_storage)
+                          ssd_path=ssd, cache_policy=m.cache_policy, ssd_engine=m.ssd_engine,
+                          storage=m.table_storage)
                 for name in self.feature_names()]
 
     def sparse_optimizer(self):

@@ -29,6 +29,8 @@ def add_memory_parser(subparsers) -> argparse.ArgumentParser:
     t.add_argument("--dram-budget-mb", type=float, default=None, help="table mode: DRAM cache per shard (MiB)")
     t.add_argument("--alpha", type=float, default=1.05, help="table mode: Zipf exponent of the ids")
     t.add_argument("--policy", choices=("lfu", "lru"), default="lfu", help="table mode: cache policy")
+    t.add_argument("--ssd-engine", choices=("log", "rocksdb"), default="log",
+                   help="table mode: SSD tier engine (log: key index in DRAM; rocksdb: index on disk)")
     t.add_argument("--ids-per-step", type=int, default=None,
                    help="table mode: ids of this table in one global batch (hit rate per step's distinct ids)")
     p.set_defaults(func=run_memory)
@@ -40,7 +42,7 @@ def run_table_memory(args) -> int:
     try:
         budget = None if args.dram_budget_mb is None else int(args.dram_budget_mb * 2 ** 20)
         est = estimate_table(int(args.table_rows), args.dim, args.shards, args.sparse_optimizer, budget, args.alpha,
-                             args.policy, args.ids_per_step)
+                             args.policy, args.ids_per_step, args.ssd_engine)
     except ValueError as err:
         print(f"podscale: error: {err}", file=sys.stderr)
         return 2
