@@ -315,15 +315,20 @@ class DLRMModelSection(_Section):
             if not names or len(set(names)) != len(names):
                 raise ValueError(f"model.tables names {names}: give at least one table, each its own name")
         if self.table_storage == "dense":
+            from podscale.table.embedding import dense_store_rule_broken
             keyed = "or set model.table_storage = \"keyed\""
-            if self.data_format != "generated" or not self.declare_range:
+            rows = [t.name for t in (self.tables or []) if (t.sharding or self.sharding) == "row"]
+            broken = dense_store_rule_broken(self.data_format == "generated" and self.declare_range,
+                                             self.sharding == "row" and self.tables is None or bool(rows),
+                                             self.admit_after > 1 or self.ttl_steps is not None
+                                             or self.dram_budget_mb is not None)
+            if broken == "range":
                 raise ValueError("model.table_storage = \"dense\" needs declared id ranges: set "
                                  f"model.declare_range = true (generated data) {keyed}")
-            rows = [t.name for t in (self.tables or []) if (t.sharding or self.sharding) == "row"]
-            if self.sharding == "row" and self.tables is None or rows:
+            if broken == "row-wise":
                 raise ValueError(f"model.table_storage = \"dense\" needs table- or column-wise sharding "
                                  f"(row-wise: {rows or 'every table'}): set model.sharding {keyed}")
-            if self.admit_after > 1 or self.ttl_steps is not None or self.dram_budget_mb is not None:
+            if broken == "tiers":
                 raise ValueError("model.table_storage = \"dense\" holds every row in memory from the start: "
                                  f"drop model.admit_after, model.ttl_steps and model.dram_budget_mb {keyed}")
         return self

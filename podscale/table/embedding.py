@@ -126,14 +126,31 @@ class TableSpec:
             raise TableError(f"{where}: storage '{self.storage}' must be one of {', '.join(STORAGES)}")
         if self.storage == "dense":
             fix = "use storage='keyed'"
-            if self.num_keys is None:
+            broken = dense_store_rule_broken(self.num_keys is not None, self.sharding == "row",
+                                             self.admit_after > 1 or self.ttl_steps is not None
+                                             or self.dram_budget_bytes is not None)
+            if broken == "range":
                 raise TableError(f"{where}: storage='dense' needs the id range: set num_keys (or {fix})")
-            if self.sharding == "row":
+            if broken == "row-wise":
                 raise TableError(f"{where}: storage='dense' needs table- or column-wise sharding (a row-wise "
                                  f"shard holds hashed keys, not a range): change sharding or {fix}")
-            if self.admit_after > 1 or self.ttl_steps is not None or self.dram_budget_bytes is not None:
+            if broken == "tiers":
                 raise TableError(f"{where}: storage='dense' holds every row in memory from the start, so "
                                  f"admit_after, ttl_steps and dram_budget_bytes do not apply: {fix}")
+
+
+def dense_store_rule_broken(declared_range: bool, row_wise: bool, admits_expires_or_budgets: bool) -> str | None:
+    """The dense-range store's rules, written once (``TableSpec.check`` and the DLRM config word them in their
+    own keys): the id is the slot, so the range must be declared ("range"); a row-wise shard holds hashed keys,
+    not a range ("row-wise"); every row exists from the start, so admission, TTL and a DRAM budget have nothing
+    to act on ("tiers").  Returns the first rule broken, or None."""
+    if not declared_range:
+        return "range"
+    if row_wise:
+        return "row-wise"
+    if admits_expires_or_budgets:
+        return "tiers"
+    return None
 
 
 @dataclass(frozen=True)
@@ -887,7 +904,7 @@ class ShardedEmbeddingBags(nn.Module, ShardedTable):
         tri, per_src, _ = self._exchange_ids(uniq, counts, segments)
         by_shard, _ = self._group_received(tri, per_src)
         for key, parts in by_shard.items():
-            self.stores[key].prefetch(torch.unique(torch.cat([p[2] for p in parts])))
+            self.stores[key].prefetch(Dedup.of(torch.cat([p[2] for p in parts])).keys)
 
     def load_rows(self, name: str, keys: torch.Tensor, rows: torch.Tensor) -> None:
         """Write rows (e.g. node features, or a trained table) for ``keys``; every rank may pass the same
