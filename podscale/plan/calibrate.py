@@ -4,13 +4,14 @@ What is measured, with ``ranks`` worker processes running *at the same time* (as
 runs them, so they share cores, caches and memory bandwidth), each with cores/ranks torch threads:
   - matmul FLOP/s by shape (float32, torch on CPU): squares and transformer-like rectangles, each in the
     three forms a linear layer runs (forward addmm with the transposed weight, input and weight gradients),
-    outputs allocated as autograd allocates them;
+    outputs allocated as autograd allocates them; the grid is measured in GEMM_PASSES whole passes and each
+    shape keeps its fastest (a slow spell of a shared machine hits neighbouring shapes of one pass);
   - fused causal attention (scaled_dot_product_attention) forward and backward by sequence and head size:
     on a CPU it runs far below the matmul rate, so it is measured, not derived from GEMMs;
   - memory bandwidth: a large tensor copy (bytes read + written per second) per rank, and the rate of
     a GPT layer's element-wise kernels forward and backward through autograd (on a CPU they are
-    compute-bound, below the copy rate), and the host cost per kernel of the same layer run at a size
-    where its kernels do no work;
+    compute-bound, below the copy rate) at several activation sizes (faster while the activations stay in
+    cache), and the host cost per kernel of the same layer run at a size where its kernels do no work;
   - gloo all-reduce time by message size over ``ranks`` processes; a least-squares fit of the ring
     model t(S) = 2(n-1) alpha + 2(n-1)/n * S / B (Thakur et al. 2005) gives latency alpha and bandwidth B;
   - the wait of a collective issued *between compute kernels*, as the trainer issues its tensor-parallel
@@ -46,7 +47,12 @@ from .hardware import GB, GiB, local_system_path
 # A log-spaced grid of (m, n, k) covering what a GPT trained on a CPU multiplies: forward (tokens x out x in),
 # input gradients and weight gradients (in x out x tokens), attention (seq x seq x head_dim).
 GRID_M = (64, 256, 1024, 4096)
-GRID_NK = (32, 128, 512, 2048)
+# Steps of 2 from 128 up: a CPU core's rate falls by about half once a GEMM's operands outgrow its L2 cache
+# (here 4 MiB: a 1024 x 1024 fp32 weight), and a log-space interpolation across a 4x step (512 -> 2048)
+# put that cliff in the wrong place for the widths in between (a 640-wide model's 640 x 2560 weights).
+GRID_NK = (32, 128, 256, 512, 1024, 2048)
+# Passes over the whole grid; each shape keeps its fastest pass (:func:`gemm_table_from_passes`).
+GEMM_PASSES = 2
 QUICK_M, QUICK_NK = (256, 2048), (128, 1024)
 ALLREDUCE_BYTES = (1 << 12, 1 << 14, 1 << 16, 1 << 18, 1 << 20, 1 << 22, 1 << 24)
 SYNC_BYTES = 1 << 19          # a tensor-parallel activation on a CPU: 8 x 128 tokens x 128 wide, float32
@@ -88,12 +94,15 @@ def _worker(rank: int, ranks: int, port: int, quick: bool, out_path: str) -> Non
                             timeout=_dt.timedelta(seconds=120))   # fail rather than hang
     budget = 0.01 if quick else 0.04
     ms, nks = (QUICK_M, QUICK_NK) if quick else (GRID_M, GRID_NK)
-    table = []
-    for m in ms:
-        for n in nks:
-            for k in nks:
-                dist.barrier()
-                table.append([m, n, k, 2.0 * m * n * k / _linear_gemm_seconds(torch, m, n, k, budget)])
+    shapes = [(m, n, k) for m in ms for n in nks for k in nks]
+    passes = []
+    for _ in range(1 if quick else GEMM_PASSES):
+        seconds = []
+        for m, n, k in shapes:
+            dist.barrier()
+            seconds.append(_linear_gemm_seconds(torch, m, n, k, budget))
+        passes.append(seconds)
+    table = gemm_table_from_passes(shapes, passes)
     attention = _attention_table(dist, torch, budget, quick)
     n_el = (4 if quick else 16) * 1024 * 1024          # 16 / 64 MiB float32 per buffer
     src, dst = torch.randn(n_el), torch.empty(n_el)
@@ -102,7 +111,10 @@ def _worker(rank: int, ranks: int, port: int, quick: bool, out_path: str) -> Non
     mem_bw = 2 * 4 * n_el / sec
     optimizer_bw, grad_pass_bw = _optimizer_and_grad_passes(dist, torch, n_el // 4, budget * 4)
     dist.barrier()
-    elementwise_bw, kernel_overhead = _layer_elementwise_and_host(torch, budget * 4)
+    elementwise_table, kernel_overhead = _layer_elementwise_and_host(
+        torch, budget * 4, ELEMENTWISE_SIZES[:2] if quick else ELEMENTWISE_SIZES)
+    ref = 4 * ELEMENTWISE_REFERENCE[0] * ELEMENTWISE_REFERENCE[1]
+    elementwise_bw = next(r for b, r in elementwise_table if b == ref)
     sizes = ALLREDUCE_BYTES[::2] if quick else ALLREDUCE_BYTES
     ar = []
     for nbytes in sizes:
@@ -122,11 +134,26 @@ def _worker(rank: int, ranks: int, port: int, quick: bool, out_path: str) -> Non
     if rank == 0:
         with open(out_path, "w") as f:
             json.dump({"matmul": table, "attention": attention, "memory_bw": mem_bw, "elementwise_bw": elementwise_bw,
+                       "elementwise": elementwise_table,
                        "kernel_overhead": kernel_overhead, "allreduce": ar, "threads": threads,
                        "optimizer_bw": optimizer_bw, "grad_pass_bw": grad_pass_bw,
                        "sync": sync}, f)
     dist.barrier()
     dist.destroy_process_group()
+
+
+def gemm_table_from_passes(shapes, passes) -> list:
+    """[m, n, k, FLOP/s] rows from ``passes`` (lists of seconds, one per shape, in ``shapes``' order): each
+    shape's fastest pass. The grid is measured in whole passes rather than shape by shape with more
+    repetitions because what slows a measurement on a shared machine (another process, the other rank's
+    gloo thread, a frequency change) lasts longer than one shape's few milliseconds: within one pass it hits
+    a run of neighbouring shapes, which a log-space interpolation then passes on to every GEMM near them
+    (one pass gave 78 GFLOP/s at (256, 128, 128) and 110 at (1024, 128, 128), which priced the GEMMs of two
+    micro-batches of 4 sequences at 1.4x those of one of 8; measured again, the two come out alike, about
+    150). A spell that hits one pass is unlikely to hit the same shapes in the next, and other work only
+    ever slows a measurement down, so the minimum over passes estimates the uncontended time (as
+    :func:`low_percentile` does within one)."""
+    return [[m, n, k, 2.0 * m * n * k / min(p[i] for p in passes)] for i, (m, n, k) in enumerate(shapes)]
 
 
 def _linear_gemm_seconds(torch, m: int, n: int, k: int, budget: float) -> float:
@@ -219,23 +246,34 @@ def _gpt_layer(torch, tokens: int, hidden: int, seq: int, full: bool):
     return run
 
 
-def _layer_elementwise_and_host(torch, budget: float) -> tuple[float, float]:
-    """(element-wise bytes/s, host seconds per kernel) from one GPT layer (:func:`_gpt_layer`), forward and
-    backward. The element-wise and layout kernels alone are timed at a trainer's activation size (1,024
-    tokens x 256) and at a size where they do no work (8 x 8); the difference is their work, priced in the
-    planner's own byte count of it (``gpt_cost.layer_elementwise_bytes``, forward + BWD_OVER_FWD x forward).
+# (tokens, hidden) at which a GPT layer's element-wise kernels are timed: activations of 128 KiB to 8 MiB,
+# from inside a core's L2 (4 MiB here) to beyond it. The rate depends on that size (a small micro-batch's
+# activations stay in cache between kernels), so the planner interpolates by the layer's activation size
+# instead of applying one rate to all. The reference size is the one ``elementwise_gbps`` reports.
+ELEMENTWISE_SIZES = ((256, 128), (1024, 256), (2048, 512), (4096, 512))
+ELEMENTWISE_REFERENCE = (1024, 256)
+
+
+def _layer_elementwise_and_host(torch, budget: float, sizes=ELEMENTWISE_SIZES) -> tuple[list, float]:
+    """([[activation bytes, element-wise bytes/s], ...], host seconds per kernel) from one GPT layer
+    (:func:`_gpt_layer`), forward and backward. The element-wise and layout kernels alone are timed at each
+    of ``sizes`` (tokens x hidden; the activation bytes are those of one fp32 tokens x hidden tensor) and at a
+    size where they do no work (8 x 8); the difference is their work, priced in the planner's own byte count
+    of it (``gpt_cost.layer_elementwise_bytes``, forward + BWD_OVER_FWD x forward).
     The whole layer at the small size is the host cost of a layer's kernels (Python, dispatcher, autograd's
     engine), spread over the planner's KERNELS_PER_LAYER forward kernels and their backward. The rates of
     single forward kernels on a large tensor (GELU, layer norm, softmax) and of one small forward op, which
     these replace, missed the backward's kernels, the tanh GELU, the layout copy and autograd's engine
     between them (a profiled step: element-wise work 1.5-2x the planner's term, host cost 2-4x)."""
     from .gpt_cost import BWD_OVER_FWD, KERNELS_PER_LAYER, layer_elementwise_bytes
-    tokens, hidden = 1024, 256
-    big = _timeit(_gpt_layer(torch, tokens, hidden, 128, full=False), budget)
     small = _timeit(_gpt_layer(torch, 8, 8, 8, full=False), budget)
     host = _timeit(_gpt_layer(torch, 8, 8, 8, full=True), budget)
-    nbytes = (1 + BWD_OVER_FWD) * layer_elementwise_bytes(tokens, hidden, 4 * hidden, dtype_bytes=4)
-    return nbytes / max(big - small, 1e-9), host / (KERNELS_PER_LAYER * (1 + BWD_OVER_FWD))
+    rows = []
+    for tokens, hidden in sizes:
+        big = _timeit(_gpt_layer(torch, tokens, hidden, 128, full=False), budget)
+        nbytes = (1 + BWD_OVER_FWD) * layer_elementwise_bytes(tokens, hidden, 4 * hidden, dtype_bytes=4)
+        rows.append([4 * tokens * hidden, nbytes / max(big - small, 1e-9)])
+    return rows, host / (KERNELS_PER_LAYER * (1 + BWD_OVER_FWD))
 
 
 def _optimizer_and_grad_passes(dist, torch, n: int, budget: float) -> tuple[float, float]:
@@ -410,6 +448,7 @@ def system_toml(data: dict, ranks: int, quick: bool) -> str:
     when = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     rows = ",\n".join(f"  [{m}, {n}, {k}, {f:.6g}]" for m, n, k, f in data["matmul"])
     attention = ",\n".join(f"  [{s}, {d}, {f:.6g}, {b:.6g}]" for s, d, f, b in data.get("attention", ()))
+    elementwise = ", ".join(f"[{a:.0f}, {r / GB:.6g}]" for a, r in data.get("elementwise", ()))
     ar = ", ".join(f"[{s}, {t:.6g}]" for s, t in data["allreduce"])
     mem = _total_memory()
     return f'''# Written by `podscale plan calibrate` on {when}{" (quick mode)" if quick else ""}.
@@ -427,6 +466,9 @@ peak_tflops = {peak / 1e12:.6g}           # best measured matmul rate of one ran
 memory_gib = {mem / ranks / GiB:.4g}            # RAM / ranks
 memory_bw_gbps = {data["memory_bw"] / GB:.6g}        # tensor copy, bytes read + written per s, per rank
 elementwise_gbps = {data["elementwise_bw"] / GB:.6g}      # a GPT layer's element-wise kernels, fwd + bwd, planner's bytes / s
+# [bytes of one tokens x hidden activation, GB/s] of the same kernels at several sizes; the planner
+# interpolates by the layer's activation size (log space)
+elementwise_table = [{elementwise}]
 kernel_overhead_us = {data["kernel_overhead"] * 1e6:.4g}      # host cost per kernel: a tiny GPT layer, fwd + bwd, per planner kernel
 overlap_penalty_us = {overlap_penalty(data) * 1e6:.4g}      # all-reduce under a matmul, beyond the longer of them
 overlap_exposed = {overlap_exposed(data):.4g}      # of an 8 MiB all-reduce under longer matmuls: what overlap still costs

@@ -44,8 +44,8 @@ from __future__ import annotations
 
 
 from . import network as net
-from .compute import (attention_time, gemm_rate as _gemm_rate, gemm_time, grad_pass_time, linear_time, optimizer_time,
-                      overlapped_exposed, stream_time)
+from .compute import (attention_time, elementwise_time, gemm_rate as _gemm_rate, gemm_time, grad_pass_time, linear_time,
+                      optimizer_time, overlapped_exposed, stream_time)
 from .hardware import System
 from .layout import Layout, LayoutError
 from .memory import (activation_bytes_per_layer, pipeline_inflight_layers, precision_of, zero3_gathered_bytes,
@@ -154,7 +154,8 @@ def _layer_times_uncached(system: System, model: GPT, lay: Layout, moe: bool) ->
                 + gemm_time(dev, s, h / a, s, batch=heads_local, bytes_per_element=e))
     sbh = tokens * h
     softmax = 9 * a * s * s * b / t
-    ew = stream_time(dev, layer_elementwise_bytes(tokens, h, f * scale, t, lay.sequence_parallel, e))
+    ew = elementwise_time(dev, layer_elementwise_bytes(tokens, h, f * scale, t, lay.sequence_parallel, e),
+                          e * tokens * h)
     ew_attn = 0.0 if lay.fused_attention else stream_time(dev, softmax * e / 2)
     act_bytes = e * sbh                                       # one [s, b, h] activation tensor
     tp_ar = net.all_reduce_time(system, act_bytes, t, 1) if t > 1 else 0.0

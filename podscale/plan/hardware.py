@@ -45,6 +45,9 @@ class Device:
     # Measured (local only): achieved bytes/s of element-wise kernels (GeLU, layer norm, softmax),
     # which on a CPU are compute-bound well below the copy bandwidth; 0 -> memory_bw * memory_efficiency.
     elementwise_bw: float = 0.0
+    # Measured (local only): the same rate at several activation sizes, tuples (bytes of one tokens x hidden
+    # activation, bytes/s); a CPU runs them faster while a layer's activations stay in its caches.
+    elementwise_table: tuple = ()
     # Host-side cost per kernel when kernels run synchronously (CPU); GPUs queue kernels asynchronously,
     # so it is 0 there.
     kernel_overhead: float = 0.0
@@ -166,6 +169,7 @@ def system_from_dict(data: dict, source: str = "") -> System:
             reserved_bytes=float(dev.get("reserved_gib", 0.0)) * GiB,
             dtype_bytes=int(dev.get("dtype_bytes", 2)),
             elementwise_bw=float(dev.get("elementwise_gbps", 0.0)) * GB,
+            elementwise_table=tuple((float(a), float(r) * GB) for a, r in dev.get("elementwise_table", ())),
             kernel_overhead=float(dev.get("kernel_overhead_us", 0.0)) * 1e-6,
             overlap_penalty=float(dev.get("overlap_penalty_us", 0.0)) * 1e-6,
             overlap_exposed=float(dev.get("overlap_exposed", 0.0)),
