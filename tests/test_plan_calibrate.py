@@ -35,6 +35,8 @@ def test_quick_calibration_writes_a_local_system(tmp_path, monkeypatch, capsys):
     assert data["device"]["optimizer_gbps"] > 0.01 and data["device"]["grad_pass_gbps"] > 0.01
     assert data["device"]["overlap_exposed"] >= 0
     assert data["device"]["elementwise_gbps"] > 0.01 and data["device"]["kernel_overhead_us"] > 0
+    sizes = data["device"]["elementwise_table"]          # the element-wise rate at >= 2 activation sizes
+    assert len(sizes) >= 2 and len({a for a, _ in sizes}) == len(sizes) and all(r > 0.01 for _, r in sizes)
     assert len(data["device"]["attention_table"]) >= 4
     assert all(f > 1e7 and b > 1e7 for *_, f, b in data["device"]["attention_table"])   # measured FLOP/s
     assert data["host"]["nvme_gbps"] > 0.01  # the swap folder's disk, measured (was a fixed 1 GB/s)

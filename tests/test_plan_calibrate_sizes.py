@@ -80,3 +80,19 @@ def test_the_planner_prices_each_micro_batch_at_its_own_element_wise_rate():
     assert ew[4] == pytest.approx(2 * MODEL.layers * 3 * fwd_bytes / 8e9, rel=1e-6)   # 2 micro-batches, fwd + 2 bwd
     assert ew[8] == pytest.approx(MODEL.layers * 3 * 2 * fwd_bytes / 4e9, rel=1e-6)
     assert ew[8] == pytest.approx(2 * ew[4], rel=1e-6)
+
+
+def test_a_weight_gradient_is_read_from_the_table_at_the_shape_autograd_issues():
+    """nn.Linear stores its weight (out x in), so autograd's dW = dY^T X is (out x tokens)(tokens x in): the
+    table is read at m = out, n = in, not the transpose (a CPU's rates are not symmetric in m and n)."""
+    from podscale.plan.compute import gemm_time, linear_time
+    tokens, n_out, k_in = 512, 2048, 512
+    fast, slow = 1e11, 2.5e10
+    rows = [[m, n, k, fast if (m, n) == (n_out, k_in) else slow]
+            for m in (512, 2048) for n in (512, 2048) for k in (512, 2048)]
+    dev = _system(rows).device
+    fwd, bwd = linear_time(dev, tokens, n_out, k_in, bytes_per_element=4)
+    flops = 2.0 * tokens * n_out * k_in
+    assert fwd == pytest.approx(flops / slow)
+    assert bwd == pytest.approx(flops / slow + flops / fast)               # input gradient + weight gradient
+    assert gemm_time(dev, k_in, n_out, tokens, bytes_per_element=4) == pytest.approx(flops / slow)

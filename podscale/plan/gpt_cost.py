@@ -45,7 +45,7 @@ from __future__ import annotations
 
 from . import network as net
 from .compute import (attention_time, elementwise_time, gemm_rate as _gemm_rate, gemm_time, grad_pass_time, linear_time,
-                      optimizer_time, overlapped_exposed, stream_time)
+                      optimizer_time, overlapped_exposed, stream_time, weight_grad_time)
 from .hardware import System
 from .layout import Layout, LayoutError
 from .memory import (activation_bytes_per_layer, pipeline_inflight_layers, precision_of, zero3_gathered_bytes,
@@ -162,8 +162,8 @@ def _layer_times_uncached(system: System, model: GPT, lay: Layout, moe: bool) ->
     a2a = net.all_to_all_time(system, act_bytes * scale, lay.ep, t) if moe and lay.ep > 1 else 0.0
     # Weight-gradient GEMMs of the two column-parallel linears (QKV, MLP-in), which Megatron's asynchronous
     # tensor-parallel backward runs while the input gradient's collective is in flight.
-    wgrad = [] if moe else [gemm_time(dev, h, 3 * h / t, tokens, bytes_per_element=e),
-                            gemm_time(dev, h, f / t, tokens, bytes_per_element=e)]
+    wgrad = [] if moe else [weight_grad_time(dev, tokens, 3 * h / t, h, bytes_per_element=e),
+                            weight_grad_time(dev, tokens, f / t, h, bytes_per_element=e)]
     # backward of the attention core: twice its forward; fused, 2.5x (five GEMMs for the forward's two,
     # the scores recomputed: Dao 2023, FlashAttention-2, Sec. 3.1.2)
     attn_bwd = (attn_bwd_measured if measured_attn else
