@@ -96,3 +96,36 @@ def test_a_weight_gradient_is_read_from_the_table_at_the_shape_autograd_issues()
     assert fwd == pytest.approx(flops / slow)
     assert bwd == pytest.approx(flops / slow + flops / fast)               # input gradient + weight gradient
     assert gemm_time(dev, k_in, n_out, tokens, bytes_per_element=4) == pytest.approx(flops / slow)
+
+
+def test_zero_collectives_are_priced_at_their_own_measured_bandwidth():
+    """podscale's reduce-scatter on gloo is a reduce per rank, not half a ring all-reduce (measured: about a
+    whole all-reduce's time): calibration fits its own bandwidth (and the all-gather's) in the half-ring
+    model, the planner prices ZeRO's collectives with it, and files without it price the ring."""
+    from podscale.plan import network as net
+    from podscale.plan.calibrate import fit_ring, sharded_bandwidth
+    alpha, bw, n = 50e-6, 2e9, 2
+    ar = [(s, 2 * (n - 1) * alpha + 2 * (n - 1) / n * s / bw) for s in (1 << 12, 1 << 16, 1 << 20, 1 << 24)]
+    rs_bw, ag_bw = 0.5e9, 1.5e9
+    half = {name: [(s, (n - 1) * alpha + (n - 1) / n * s / b) for s in (1 << 20, 1 << 22, 1 << 24)]
+            for name, b in (("reduce_scatter", rs_bw), ("all_gather", ag_bw))}
+    data = {"matmul": [[64, 64, 64, RATE], [4096, 512, 512, RATE]], "memory_bw": 1e10, "elementwise_bw": 4e9,
+            "kernel_overhead": 5e-6, "allreduce": ar, "threads": 1, "nvme_bw": 1e9, "optimizer_bw": 8e9,
+            "grad_pass_bw": 6e9, **half}
+    assert fit_ring(ar, n)[0] == pytest.approx(alpha, rel=1e-6)
+    assert sharded_bandwidth(data, "reduce_scatter", n) == pytest.approx(rs_bw, rel=1e-6)
+    measured = system_from_dict(tomllib.loads(system_toml(data, n, quick=True)))
+    ring = system_from_dict(tomllib.loads(system_toml({k: v for k, v in data.items() if k not in half}, n, True)))
+    assert measured.intra.reduce_scatter_bandwidth == pytest.approx(rs_bw, rel=1e-5)
+    assert ring.intra.reduce_scatter_bandwidth == 0 and ring.intra.all_gather_bandwidth == 0
+    s = 1 << 24
+    assert net.reduce_scatter_time(measured, s, 2) == pytest.approx(alpha + s / 2 / rs_bw, rel=1e-5)
+    assert net.all_gather_time(measured, s, 2) == pytest.approx(alpha + s / 2 / ag_bw, rel=1e-5)
+    assert net.reduce_scatter_time(ring, s, 2) == pytest.approx(net.all_reduce_time(ring, s, 2) / 2, rel=1e-9)
+    assert net.all_reduce_time(measured, s, 2) == net.all_reduce_time(ring, s, 2)
+    lay = as_trained(Layout(dp=2, microbatch=8, zero_stage=2))
+    z2 = {sys_.name + str(i): predict(sys_, 2, MODEL, lay, 16).time_breakdown_s["dp_communication"]
+          for i, sys_ in enumerate((measured, ring))}
+    assert z2["local0"] > z2["local1"]                  # slower reduce-scatter: ZeRO-2 waits longer
+    z0 = as_trained(Layout(dp=2, microbatch=8))
+    assert predict(measured, 2, MODEL, z0, 16).step_time_s == predict(ring, 2, MODEL, z0, 16).step_time_s

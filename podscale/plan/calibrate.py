@@ -130,6 +130,7 @@ def _worker(rank: int, ranks: int, port: int, quick: bool, out_path: str) -> Non
             dist.all_reduce(buf)
             times.append(time.perf_counter() - t0)
         ar.append([nbytes, low_percentile(times)])
+    sharded = _sharded_collectives(torch, ranks, SHARDED_BYTES[::2] if quick else SHARDED_BYTES, quick)
     sync = _sync_wait(dist, torch, 10 if quick else 30)
     if rank == 0:
         with open(out_path, "w") as f:
@@ -137,7 +138,7 @@ def _worker(rank: int, ranks: int, port: int, quick: bool, out_path: str) -> Non
                        "elementwise": elementwise_table,
                        "kernel_overhead": kernel_overhead, "allreduce": ar, "threads": threads,
                        "optimizer_bw": optimizer_bw, "grad_pass_bw": grad_pass_bw,
-                       "sync": sync}, f)
+                       "sync": sync, **sharded}, f)
     dist.barrier()
     dist.destroy_process_group()
 
@@ -304,6 +305,53 @@ def _optimizer_and_grad_passes(dist, torch, n: int, budget: float) -> tuple[floa
     return ADAM_BYTES_PER_PARAM * total / opt_s, GRAD_PASS_BYTES_REPLICATED * total / pass_s
 
 
+SHARDED_BYTES = (1 << 20, 1 << 22, 1 << 24)     # ZeRO's gradient buckets and parameter blocks on a CPU
+
+
+def _sharded_collectives(torch, ranks: int, sizes, quick: bool) -> dict:
+    """[[bytes, seconds], ...] of ZeRO's reduce-scatter and all-gather over all ranks as the trainer issues
+    them (:mod:`podscale.runtime.comm` on a ``dp`` mesh axis; ``bytes`` is the full, unsharded buffer). They are
+    not the halves of the ring all-reduce that the planner's network model assumes everywhere else: on gloo
+    comm issues one reduce (broadcast) per rank onto (from) its slice, and under load on this 2-core machine
+    the reduce-scatter of 4-64 MiB took 0.8-1.2x a whole all-reduce of the same buffer, the all-gather
+    0.35-0.6x (A/B in one process), where the ring model says 0.5x both."""
+    import torch.distributed as dist
+    from podscale.runtime import comm
+    from podscale.runtime.mesh import Mesh
+    mesh = Mesh.build(dp=ranks)
+    out = {"reduce_scatter": [], "all_gather": []}
+    for nbytes in sizes:
+        full = torch.ones(nbytes // 4, device=mesh.device)
+        shard = torch.empty(full.numel() // ranks, device=mesh.device)
+        ops = {"reduce_scatter": lambda: comm.reduce_scatter(shard, full, mesh, "dp", scratch_input=True),
+               "all_gather": lambda: comm.all_gather(full, shard, mesh, "dp")}
+        reps = (10 if nbytes <= 1 << 20 else 4) // (2 if quick else 1)
+        for name, op in ops.items():
+            op()
+            times = []
+            for _ in range(reps):
+                dist.barrier()
+                t0 = time.perf_counter()
+                op()
+                times.append(time.perf_counter() - t0)
+            out[name].append([nbytes, low_percentile(times)])
+    return out
+
+
+def sharded_bandwidth(data: dict, name: str, ranks: int) -> float:
+    """Bandwidth B of the measured ``name`` collective (``reduce_scatter`` or ``all_gather``) in the half-ring
+    model the planner prices it with, t(S) = (n-1) alpha + (n-1)/n * S / B, alpha the all-reduce's (back to
+    back): the fastest over the samples of at least 4 MiB, where the bandwidth term dominates (two or three
+    samples are too few to fit both parameters under noise). 0 when not measured (files from before this
+    measurement: the planner then prices the ring)."""
+    samples = data.get(name)
+    if not samples:
+        return 0.0
+    alpha = fit_ring(data["allreduce"], ranks)[0]
+    large = [(s, t) for s, t in samples if s >= 1 << 22] or samples
+    return max((ranks - 1) / ranks * s / max(t - (ranks - 1) * alpha, 1e-9) for s, t in large)
+
+
 def _sync_wait(dist, torch, reps: int) -> dict:
     """Median seconds per iteration of (multiply; all-reduce SYNC_BYTES), of the multiply alone, and of the
     all-reduce alone back to back: the first minus the other two is what a collective between kernels
@@ -452,6 +500,9 @@ def system_toml(data: dict, ranks: int, quick: bool) -> str:
     attention = ",\n".join(f"  [{s}, {d}, {f:.6g}, {b:.6g}]" for s, d, f, b in data.get("attention", ()))
     elementwise = ", ".join(f"[{a:.0f}, {r / GB:.6g}]" for a, r in data.get("elementwise", ()))
     ar = ", ".join(f"[{s}, {t:.6g}]" for s, t in data["allreduce"])
+    sharded = "".join(f"{key} = {b / GB:.6g}\n" for key, b in
+                      (("reduce_scatter_gbps", sharded_bandwidth(data, "reduce_scatter", ranks)),
+                       ("all_gather_gbps", sharded_bandwidth(data, "all_gather", ranks))) if b)
     mem = _total_memory()
     return f'''# Written by `podscale plan calibrate` on {when}{" (quick mode)" if quick else ""}.
 # {ranks} concurrent ranks x {data["threads"]} torch threads on {cores} cores of: {_cpu_name()}
@@ -494,16 +545,17 @@ attention_table = [
 [intra_node]
 # gloo all-reduce over loopback, least-squares fit of the ring model to the samples below (latency
 # {alpha0 * 1e6:.4g} us back to back), plus the measured wait of a collective between compute kernels
-# ({wait * 1e6:.4g} us per collective, spread over its 2(n-1) steps).
+# ({wait * 1e6:.4g} us per collective, spread over its 2(n-1) steps). ZeRO's reduce-scatter and all-gather
+# as podscale issues them on gloo (a reduce / broadcast per rank), fitted to half the ring model.
 bandwidth_gbps = {bw / GB:.6g}
 efficiency = 1.0
 latency_us = {alpha * 1e6:.4g}
-
+{sharded}
 [inter_node]
 bandwidth_gbps = {bw / GB:.6g}
 efficiency = 1.0
 latency_us = {alpha * 1e6:.4g}
-
+{sharded}
 [host]
 memory_gib = {mem / GiB:.4g}
 memory_bw_gbps = {data["memory_bw"] * ranks / GB:.6g}

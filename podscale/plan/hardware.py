@@ -88,10 +88,20 @@ class Link:
     bandwidth: float             # bytes/s per device per direction
     efficiency: float
     latency: float               # seconds per message (per ring step)
+    # Measured (local only): the bandwidth of the transport's reduce-scatter and all-gather as the trainer
+    # issues them, when they are not the ring halves of its all-reduce (gloo: a reduce / broadcast per
+    # rank); 0 -> the ring's, ``bandwidth``.
+    reduce_scatter_bandwidth: float = 0.0
+    all_gather_bandwidth: float = 0.0
 
     @property
     def effective(self) -> float:
         return self.bandwidth * self.efficiency
+
+    def effective_for(self, collective: str) -> float:
+        """Effective bandwidth of ``collective`` ("all_reduce", "reduce_scatter" or "all_gather")."""
+        own = {"reduce_scatter": self.reduce_scatter_bandwidth, "all_gather": self.all_gather_bandwidth}
+        return (own.get(collective) or self.bandwidth) * self.efficiency
 
 
 @dataclass(frozen=True)
@@ -148,7 +158,9 @@ class System:
 
 def _link(table: dict, key: str = "bandwidth_gbps") -> Link:
     return Link(bandwidth=float(table[key]) * GB, efficiency=float(table.get("efficiency", 1.0)),
-                latency=float(table.get("latency_us", 0.0)) * 1e-6)
+                latency=float(table.get("latency_us", 0.0)) * 1e-6,
+                reduce_scatter_bandwidth=float(table.get("reduce_scatter_gbps", 0.0)) * GB,
+                all_gather_bandwidth=float(table.get("all_gather_gbps", 0.0)) * GB)
 
 
 def system_from_dict(data: dict, source: str = "") -> System:
