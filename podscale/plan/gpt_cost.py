@@ -35,8 +35,11 @@ devices that run kernels synchronously (CPUs) every kernel also pays a measured 
 On a calibrated CPU (``plan calibrate``) three of these are measured on the kernels themselves rather than
 derived: the fused attention kernel's forward and backward by shape (``compute.attention_time``; a CPU's
 flash-attention loop runs far below its GEMM rate), the element-wise rate (a GPT layer's element-wise
-kernels forward and backward, priced in ``layer_elementwise_bytes``), and the host cost per kernel (the
-same layer at a size where its kernels do no work). A layout with ``grad_accumulation_fusion`` off
+kernels forward and backward, priced in ``layer_elementwise_bytes``, at several activation sizes:
+``compute.elementwise_time`` reads it at the layer's own), and the host cost per kernel (the same layer at a
+size where its kernels do no work); each weight gradient is read from the GEMM table at the shape autograd
+issues (``compute.weight_grad_time``), and ZeRO's reduce-scatter and all-gather at their own measured
+bandwidth (``network``). A layout with ``grad_accumulation_fusion`` off
 (podscale's trainer: ``auto.as_trained``) also pays its strategy's passes to accumulate and scale the
 gradients (``gradient_bookkeeping_bytes``).
 """
