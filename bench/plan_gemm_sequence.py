@@ -6,9 +6,9 @@ both ranks measuring at once) were half what one process reaches. This script te
 the trainer's: it runs a layer's twelve GEMMs (QKV, attention output, MLP in and out; each forward addmm with
 the bias and the transposed weight, input gradient dY W, weight gradient dY^T X, as autograd issues them) in
 the trainer's order, on ``--ranks`` processes at once with cores/ranks threads each as the trainer runs them
-(and on one process with all the cores, for the contention between ranks), ``--rounds`` times, and prints each GEMM's rate (its
-20th-percentile time over the rounds, the calibration's statistic) beside the `local` table's rate for the
-same shape (`podscale.plan.compute.gemm_time`, the planner's own lookup).
+(and on one process with all the cores, for the contention between ranks), ``--rounds`` times, and prints
+each GEMM's rate (its 20th-percentile time over the rounds, the calibration's statistic) beside the `local`
+table's rate for the same shape (`podscale.plan.compute.gemm_time`, the planner's own lookup).
 
     python -m podscale.plan calibrate                  # on an idle machine
     python bench/plan_gemm_sequence.py [--hidden 640] [--tokens 512] [--rounds 10]
@@ -91,9 +91,9 @@ def main(argv=None) -> int:
         t = (gemm_time(dev, m, n, k, bytes_per_element=dev.dtype_bytes), together[label], alone[label])
         sums = [a + b for a, b in zip(sums, t)]
         print(f"{label:<14}{str((m, n, k)):<22}" + "".join(f"{flops / x / 1e9:>10.1f}" for x in t))
-    print(f"layer: table {sums[0] * 1e3:.1f} ms, {args.ranks} ranks {sums[1] * 1e3:.1f} ms, 1 rank with all cores {sums[2] * 1e3:.1f} ms; "
-          f"table / {args.ranks} ranks = {sums[0] / sums[1]:.2f} (load average {os.getloadavg()[0]:.1f}: figures are "
-          "final only on an idle machine)")
+    print(f"layer: table {sums[0] * 1e3:.1f} ms, {args.ranks} ranks {sums[1] * 1e3:.1f} ms, 1 rank with all cores "
+          f"{sums[2] * 1e3:.1f} ms; table / {args.ranks} ranks = {sums[0] / sums[1]:.2f} "
+          f"(load average {os.getloadavg()[0]:.1f}: figures are final only on an idle machine)")
     return 0
 
 

@@ -15,8 +15,8 @@ all-gathers back, so (Thakur et al., "Optimization of collective communication o
     T_allreduce = sum_i [ 2 (k_i - 1)/k_i * S / (prod_{j<i} k_j) / B_i  +  2 (k_i - 1) * alpha_i ]
 
 reduce-scatter and all-gather are half of it each (at a link's own measured bandwidth for them where it
-has one: ``plan calibrate`` on gloo, whose podscale reduce-scatter is one reduce per rank). All-to-all sends (n-1)/n of the buffer, and the
-bottleneck is the slowest level it crosses. Point-to-point is S / B + alpha.
+has one: ``plan calibrate`` on gloo, whose podscale reduce-scatter is one reduce per rank). All-to-all
+sends (n-1)/n of the buffer, and the bottleneck is the slowest level it crosses. Point-to-point is S / B + alpha.
 """
 from __future__ import annotations
 
