@@ -129,3 +129,22 @@ def test_zero_collectives_are_priced_at_their_own_measured_bandwidth():
     assert z2["local0"] > z2["local1"]                  # slower reduce-scatter: ZeRO-2 waits longer
     z0 = as_trained(Layout(dp=2, microbatch=8))
     assert predict(measured, 2, MODEL, z0, 16).step_time_s == predict(ring, 2, MODEL, z0, 16).step_time_s
+
+
+def test_zero_1_and_2_pay_the_reduce_scatter_and_the_all_gather_each_at_its_own_bandwidth():
+    """A slower measured all-gather lengthens ZeRO-1/2's step by exactly the longer parameter all-gather after
+    the optimizer step; the gradients' reduce-scatter is priced as itself (it was the all-reduce less the
+    all-gather, right only when both are ring halves)."""
+    import dataclasses
+    from podscale.plan import network as net
+    base = _system([[64, 64, 64, RATE], [4096, 512, 512, RATE]])
+    slow_ag = dataclasses.replace(base, intra=dataclasses.replace(base.intra, all_gather_bandwidth=0.25e9),
+                                  inter=dataclasses.replace(base.inter, all_gather_bandwidth=0.25e9))
+    grad_bytes = 4 * (MODEL.params)                        # fp32 gradients of the whole model (dp = 2, pp = 1)
+    extra = net.all_gather_time(slow_ag, grad_bytes, 2) - net.all_gather_time(base, grad_bytes, 2)
+    assert extra > 0
+    for stage in (1, 2):
+        lay = as_trained(Layout(dp=2, microbatch=8, zero_stage=stage))
+        a = predict(base, 2, MODEL, lay, 16).time_breakdown_s["dp_communication"]
+        b = predict(slow_ag, 2, MODEL, lay, 16).time_breakdown_s["dp_communication"]
+        assert b - a == pytest.approx(extra, rel=1e-6)

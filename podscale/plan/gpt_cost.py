@@ -330,8 +330,10 @@ def predict_gpt(system: System, devices: int, model: GPT, lay: Layout, batch: in
     # al. 2020, Sec. 5). Stage 3 gathers per unit under compute (below).
     param_gather = 0.0
     if lay.zero_stage in (1, 2) and dpe > 1:
+        # the reduce-scatter priced as itself, not as the all-reduce less the all-gather: the two halves of a
+        # ring are equal, but a calibrated gloo runs each at its own measured bandwidth
         param_gather = net.all_gather_time(system, grad_bytes, dpe, dp_stride)
-        dp_red -= param_gather
+        dp_red = net.reduce_scatter_time(system, grad_bytes, dpe, dp_stride)
     if stage_expert and lay.dp > 1:
         dp_red += net.all_reduce_time(system, expert_grad_bytes, lay.dp, lay.ep * t)
     zero3_gather = 0.0
