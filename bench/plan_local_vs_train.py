@@ -11,6 +11,9 @@ model here is "other"; the 12 x 640 cases are the ones the issue reports).
     python -m podscale.plan calibrate          # once, on an idle machine (writes $PODSCALE_CACHE/local.toml)
     python bench/plan_local_vs_train.py [--steps 30] [--calibrate] [--only SUBSTRING]
 
+On the 2-core machine: `--calibrate --steps 16 --repeat 2` takes an estimated 15 minutes idle (the calibration's GEMM
+grid alone about 1.5 of them: three passes over 144 shapes).
+
 Absolute times on a shared machine are noisy; run it on an idle machine and record the ratios. Where a layout
 misses, `python bench/plan_profile_step.py --case ...` profiles one of its steps and sets each kind of work
 beside the planner's term for it.

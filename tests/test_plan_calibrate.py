@@ -31,10 +31,14 @@ def test_quick_calibration_writes_a_local_system(tmp_path, monkeypatch, capsys):
     assert data["device"]["memory_bw_gbps"] > 0.1
     assert data["intra_node"]["bandwidth_gbps"] > 0 and data["intra_node"]["latency_us"] >= 0
     assert len(data["calibration"]["allreduce_bytes_seconds"]) >= 3
+    # ZeRO's reduce-scatter and all-gather as podscale issues them on gloo, measured on their own
+    assert data["intra_node"]["reduce_scatter_gbps"] > 0.001 and data["intra_node"]["all_gather_gbps"] > 0.001
     assert data["calibration"]["sync_wait_us"] >= 0 and data["device"]["overlap_penalty_us"] >= 0
     assert data["device"]["optimizer_gbps"] > 0.01 and data["device"]["grad_pass_gbps"] > 0.01
     assert data["device"]["overlap_exposed"] >= 0
     assert data["device"]["elementwise_gbps"] > 0.01 and data["device"]["kernel_overhead_us"] > 0
+    sizes = data["device"]["elementwise_table"]          # the element-wise rate at >= 2 activation sizes
+    assert len(sizes) >= 2 and len({a for a, _ in sizes}) == len(sizes) and all(r > 0.01 for _, r in sizes)
     assert len(data["device"]["attention_table"]) >= 4
     assert all(f > 1e7 and b > 1e7 for *_, f, b in data["device"]["attention_table"])   # measured FLOP/s
     assert data["host"]["nvme_gbps"] > 0.01  # the swap folder's disk, measured (was a fixed 1 GB/s)

@@ -4,13 +4,14 @@ What is measured, with ``ranks`` worker processes running *at the same time* (as
 runs them, so they share cores, caches and memory bandwidth), each with cores/ranks torch threads:
   - matmul FLOP/s by shape (float32, torch on CPU): squares and transformer-like rectangles, each in the
     three forms a linear layer runs (forward addmm with the transposed weight, input and weight gradients),
-    outputs allocated as autograd allocates them;
+    outputs allocated as autograd allocates them; the grid is measured in GEMM_PASSES whole passes and each
+    shape keeps its fastest (a slow spell of a shared machine hits neighbouring shapes of one pass);
   - fused causal attention (scaled_dot_product_attention) forward and backward by sequence and head size:
     on a CPU it runs far below the matmul rate, so it is measured, not derived from GEMMs;
   - memory bandwidth: a large tensor copy (bytes read + written per second) per rank, and the rate of
     a GPT layer's element-wise kernels forward and backward through autograd (on a CPU they are
-    compute-bound, below the copy rate), and the host cost per kernel of the same layer run at a size
-    where its kernels do no work;
+    compute-bound, below the copy rate) at several activation sizes (faster while the activations stay in
+    cache), and the host cost per kernel of the same layer run at a size where its kernels do no work;
   - gloo all-reduce time by message size over ``ranks`` processes; a least-squares fit of the ring
     model t(S) = 2(n-1) alpha + 2(n-1)/n * S / B (Thakur et al. 2005) gives latency alpha and bandwidth B;
   - the wait of a collective issued *between compute kernels*, as the trainer issues its tensor-parallel
@@ -46,7 +47,12 @@ from .hardware import GB, GiB, local_system_path
 # A log-spaced grid of (m, n, k) covering what a GPT trained on a CPU multiplies: forward (tokens x out x in),
 # input gradients and weight gradients (in x out x tokens), attention (seq x seq x head_dim).
 GRID_M = (64, 256, 1024, 4096)
-GRID_NK = (32, 128, 512, 2048)
+# Steps of 2 from 128 up: a CPU core's rate falls by about half once a GEMM's operands outgrow its L2 cache
+# (here 4 MiB: a 1024 x 1024 fp32 weight), and a log-space interpolation across a 4x step (512 -> 2048)
+# put that cliff in the wrong place for the widths in between (a 640-wide model's 640 x 2560 weights).
+GRID_NK = (32, 128, 256, 512, 1024, 2048)
+# Passes over the whole grid; each shape keeps its fastest pass (:func:`gemm_table_from_passes`).
+GEMM_PASSES = 3
 QUICK_M, QUICK_NK = (256, 2048), (128, 1024)
 ALLREDUCE_BYTES = (1 << 12, 1 << 14, 1 << 16, 1 << 18, 1 << 20, 1 << 22, 1 << 24)
 SYNC_BYTES = 1 << 19          # a tensor-parallel activation on a CPU: 8 x 128 tokens x 128 wide, float32
@@ -88,12 +94,15 @@ def _worker(rank: int, ranks: int, port: int, quick: bool, out_path: str) -> Non
                             timeout=_dt.timedelta(seconds=120))   # fail rather than hang
     budget = 0.01 if quick else 0.04
     ms, nks = (QUICK_M, QUICK_NK) if quick else (GRID_M, GRID_NK)
-    table = []
-    for m in ms:
-        for n in nks:
-            for k in nks:
-                dist.barrier()
-                table.append([m, n, k, 2.0 * m * n * k / _linear_gemm_seconds(torch, m, n, k, budget)])
+    shapes = [(m, n, k) for m in ms for n in nks for k in nks]
+    passes = []
+    for _ in range(1 if quick else GEMM_PASSES):
+        seconds = []
+        for m, n, k in shapes:
+            dist.barrier()
+            seconds.append(_linear_gemm_seconds(torch, m, n, k, budget))
+        passes.append(seconds)
+    table = gemm_table_from_passes(shapes, passes)
     attention = _attention_table(dist, torch, budget, quick)
     n_el = (4 if quick else 16) * 1024 * 1024          # 16 / 64 MiB float32 per buffer
     src, dst = torch.randn(n_el), torch.empty(n_el)
@@ -102,7 +111,10 @@ def _worker(rank: int, ranks: int, port: int, quick: bool, out_path: str) -> Non
     mem_bw = 2 * 4 * n_el / sec
     optimizer_bw, grad_pass_bw = _optimizer_and_grad_passes(dist, torch, n_el // 4, budget * 4)
     dist.barrier()
-    elementwise_bw, kernel_overhead = _layer_elementwise_and_host(torch, budget * 4)
+    elementwise_table, kernel_overhead = _layer_elementwise_and_host(
+        torch, budget * 4, ELEMENTWISE_SIZES[:2] if quick else ELEMENTWISE_SIZES)
+    ref = 4 * ELEMENTWISE_REFERENCE[0] * ELEMENTWISE_REFERENCE[1]
+    elementwise_bw = next(r for b, r in elementwise_table if b == ref)
     sizes = ALLREDUCE_BYTES[::2] if quick else ALLREDUCE_BYTES
     ar = []
     for nbytes in sizes:
@@ -118,15 +130,31 @@ def _worker(rank: int, ranks: int, port: int, quick: bool, out_path: str) -> Non
             dist.all_reduce(buf)
             times.append(time.perf_counter() - t0)
         ar.append([nbytes, low_percentile(times)])
+    sharded = _sharded_collectives(torch, ranks, SHARDED_BYTES[::2] if quick else SHARDED_BYTES, quick)
     sync = _sync_wait(dist, torch, 10 if quick else 30)
     if rank == 0:
         with open(out_path, "w") as f:
             json.dump({"matmul": table, "attention": attention, "memory_bw": mem_bw, "elementwise_bw": elementwise_bw,
+                       "elementwise": elementwise_table,
                        "kernel_overhead": kernel_overhead, "allreduce": ar, "threads": threads,
                        "optimizer_bw": optimizer_bw, "grad_pass_bw": grad_pass_bw,
-                       "sync": sync}, f)
+                       "sync": sync, **sharded}, f)
     dist.barrier()
     dist.destroy_process_group()
+
+
+def gemm_table_from_passes(shapes, passes) -> list:
+    """[m, n, k, FLOP/s] rows from ``passes`` (lists of seconds, one per shape, in ``shapes``' order): each
+    shape's fastest pass. The grid is measured in whole passes rather than shape by shape with more
+    repetitions because what slows a measurement on a shared machine (another process, the other rank's
+    gloo thread, a frequency change) lasts longer than one shape's few milliseconds: within one pass it hits
+    a run of neighbouring shapes, which a log-space interpolation then passes on to every GEMM near them
+    (one pass gave 78 GFLOP/s at (256, 128, 128) and 110 at (1024, 128, 128), which priced the GEMMs of two
+    micro-batches of 4 sequences at 1.4x those of one of 8; measured again, the two come out alike, about
+    150). A spell that hits one pass is unlikely to hit the same shapes in the next, and other work only
+    ever slows a measurement down, so the minimum over passes estimates the uncontended time (as
+    :func:`low_percentile` does within one)."""
+    return [[m, n, k, 2.0 * m * n * k / min(p[i] for p in passes)] for i, (m, n, k) in enumerate(shapes)]
 
 
 def _linear_gemm_seconds(torch, m: int, n: int, k: int, budget: float) -> float:
@@ -219,23 +247,36 @@ def _gpt_layer(torch, tokens: int, hidden: int, seq: int, full: bool):
     return run
 
 
-def _layer_elementwise_and_host(torch, budget: float) -> tuple[float, float]:
-    """(element-wise bytes/s, host seconds per kernel) from one GPT layer (:func:`_gpt_layer`), forward and
-    backward. The element-wise and layout kernels alone are timed at a trainer's activation size (1,024
-    tokens x 256) and at a size where they do no work (8 x 8); the difference is their work, priced in the
-    planner's own byte count of it (``gpt_cost.layer_elementwise_bytes``, forward + BWD_OVER_FWD x forward).
+# (tokens, hidden) at which a GPT layer's element-wise kernels are timed: activations of 96 KiB to 8 MiB,
+# from inside a core's L2 (4 MiB here) to beyond it. The rate depends on that size (a small micro-batch's
+# activations stay in cache between kernels), so the planner interpolates by the layer's activation size
+# instead of applying one rate to all. The sizes are none of the benchmarks' models (bench/plan_*.py), so
+# that those measure the interpolation, not a copy of a calibrated point. The reference size is the one
+# ``elementwise_gbps`` reports.
+ELEMENTWISE_SIZES = ((256, 96), (768, 192), (1536, 384), (4096, 512))
+ELEMENTWISE_REFERENCE = (768, 192)
+
+
+def _layer_elementwise_and_host(torch, budget: float, sizes=ELEMENTWISE_SIZES) -> tuple[list, float]:
+    """([[activation bytes, element-wise bytes/s], ...], host seconds per kernel) from one GPT layer
+    (:func:`_gpt_layer`), forward and backward. The element-wise and layout kernels alone are timed at each
+    of ``sizes`` (tokens x hidden; the activation bytes are those of one fp32 tokens x hidden tensor) and at a
+    size where they do no work (8 x 8); the difference is their work, priced in the planner's own byte count
+    of it (``gpt_cost.layer_elementwise_bytes``, forward + BWD_OVER_FWD x forward).
     The whole layer at the small size is the host cost of a layer's kernels (Python, dispatcher, autograd's
     engine), spread over the planner's KERNELS_PER_LAYER forward kernels and their backward. The rates of
     single forward kernels on a large tensor (GELU, layer norm, softmax) and of one small forward op, which
     these replace, missed the backward's kernels, the tanh GELU, the layout copy and autograd's engine
     between them (a profiled step: element-wise work 1.5-2x the planner's term, host cost 2-4x)."""
     from .gpt_cost import BWD_OVER_FWD, KERNELS_PER_LAYER, layer_elementwise_bytes
-    tokens, hidden = 1024, 256
-    big = _timeit(_gpt_layer(torch, tokens, hidden, 128, full=False), budget)
     small = _timeit(_gpt_layer(torch, 8, 8, 8, full=False), budget)
     host = _timeit(_gpt_layer(torch, 8, 8, 8, full=True), budget)
-    nbytes = (1 + BWD_OVER_FWD) * layer_elementwise_bytes(tokens, hidden, 4 * hidden, dtype_bytes=4)
-    return nbytes / max(big - small, 1e-9), host / (KERNELS_PER_LAYER * (1 + BWD_OVER_FWD))
+    rows = []
+    for tokens, hidden in sizes:
+        big = _timeit(_gpt_layer(torch, tokens, hidden, 128, full=False), budget)
+        nbytes = (1 + BWD_OVER_FWD) * layer_elementwise_bytes(tokens, hidden, 4 * hidden, dtype_bytes=4)
+        rows.append([4 * tokens * hidden, nbytes / max(big - small, 1e-9)])
+    return rows, host / (KERNELS_PER_LAYER * (1 + BWD_OVER_FWD))
 
 
 def _optimizer_and_grad_passes(dist, torch, n: int, budget: float) -> tuple[float, float]:
@@ -262,6 +303,53 @@ def _optimizer_and_grad_passes(dist, torch, n: int, budget: float) -> tuple[floa
     pass_s = _timeit(passes, budget)
     total = 16 * (n // 16)
     return ADAM_BYTES_PER_PARAM * total / opt_s, GRAD_PASS_BYTES_REPLICATED * total / pass_s
+
+
+SHARDED_BYTES = (1 << 20, 1 << 22, 1 << 24)     # ZeRO's gradient buckets and parameter blocks on a CPU
+
+
+def _sharded_collectives(torch, ranks: int, sizes, quick: bool) -> dict:
+    """[[bytes, seconds], ...] of ZeRO's reduce-scatter and all-gather over all ranks as the trainer issues
+    them (:mod:`podscale.runtime.comm` on a ``dp`` mesh axis; ``bytes`` is the full, unsharded buffer). They are
+    not the halves of the ring all-reduce that the planner's network model assumes everywhere else: on gloo
+    comm issues one reduce (broadcast) per rank onto (from) its slice, and under load on this 2-core machine
+    the reduce-scatter of 4-64 MiB took 0.8-1.2x a whole all-reduce of the same buffer, the all-gather
+    0.35-0.6x (A/B in one process), where the ring model says 0.5x both."""
+    import torch.distributed as dist
+    from podscale.runtime import comm
+    from podscale.runtime.mesh import Mesh
+    mesh = Mesh.build(dp=ranks)
+    out = {"reduce_scatter": [], "all_gather": []}
+    for nbytes in sizes:
+        full = torch.ones(nbytes // 4, device=mesh.device)
+        shard = torch.empty(full.numel() // ranks, device=mesh.device)
+        ops = {"reduce_scatter": lambda: comm.reduce_scatter(shard, full, mesh, "dp", scratch_input=True),
+               "all_gather": lambda: comm.all_gather(full, shard, mesh, "dp")}
+        reps = (10 if nbytes <= 1 << 20 else 4) // (2 if quick else 1)
+        for name, op in ops.items():
+            op()
+            times = []
+            for _ in range(reps):
+                dist.barrier()
+                t0 = time.perf_counter()
+                op()
+                times.append(time.perf_counter() - t0)
+            out[name].append([nbytes, low_percentile(times)])
+    return out
+
+
+def sharded_bandwidth(data: dict, name: str, ranks: int) -> float:
+    """Bandwidth B of the measured ``name`` collective (``reduce_scatter`` or ``all_gather``) in the half-ring
+    model the planner prices it with, t(S) = (n-1) alpha + (n-1)/n * S / B, alpha the all-reduce's (back to
+    back): the fastest over the samples of at least 4 MiB, where the bandwidth term dominates (two or three
+    samples are too few to fit both parameters under noise). 0 when not measured (files from before this
+    measurement: the planner then prices the ring)."""
+    samples = data.get(name)
+    if not samples:
+        return 0.0
+    alpha = fit_ring(data["allreduce"], ranks)[0]
+    large = [(s, t) for s, t in samples if s >= 1 << 22] or samples
+    return max((ranks - 1) / ranks * s / max(t - (ranks - 1) * alpha, 1e-9) for s, t in large)
 
 
 def _sync_wait(dist, torch, reps: int) -> dict:
@@ -410,7 +498,11 @@ def system_toml(data: dict, ranks: int, quick: bool) -> str:
     when = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     rows = ",\n".join(f"  [{m}, {n}, {k}, {f:.6g}]" for m, n, k, f in data["matmul"])
     attention = ",\n".join(f"  [{s}, {d}, {f:.6g}, {b:.6g}]" for s, d, f, b in data.get("attention", ()))
+    elementwise = ", ".join(f"[{a:.0f}, {r / GB:.6g}]" for a, r in data.get("elementwise", ()))
     ar = ", ".join(f"[{s}, {t:.6g}]" for s, t in data["allreduce"])
+    sharded = "".join(f"{key} = {b / GB:.6g}\n" for key, b in
+                      (("reduce_scatter_gbps", sharded_bandwidth(data, "reduce_scatter", ranks)),
+                       ("all_gather_gbps", sharded_bandwidth(data, "all_gather", ranks))) if b)
     mem = _total_memory()
     return f'''# Written by `podscale plan calibrate` on {when}{" (quick mode)" if quick else ""}.
 # {ranks} concurrent ranks x {data["threads"]} torch threads on {cores} cores of: {_cpu_name()}
@@ -427,6 +519,9 @@ peak_tflops = {peak / 1e12:.6g}           # best measured matmul rate of one ran
 memory_gib = {mem / ranks / GiB:.4g}            # RAM / ranks
 memory_bw_gbps = {data["memory_bw"] / GB:.6g}        # tensor copy, bytes read + written per s, per rank
 elementwise_gbps = {data["elementwise_bw"] / GB:.6g}      # a GPT layer's element-wise kernels, fwd + bwd, planner's bytes / s
+# [bytes of one tokens x hidden activation, GB/s] of the same kernels at several sizes; the planner
+# interpolates by the layer's activation size (log space)
+elementwise_table = [{elementwise}]
 kernel_overhead_us = {data["kernel_overhead"] * 1e6:.4g}      # host cost per kernel: a tiny GPT layer, fwd + bwd, per planner kernel
 overlap_penalty_us = {overlap_penalty(data) * 1e6:.4g}      # all-reduce under a matmul, beyond the longer of them
 overlap_exposed = {overlap_exposed(data):.4g}      # of an 8 MiB all-reduce under longer matmuls: what overlap still costs
@@ -450,16 +545,17 @@ attention_table = [
 [intra_node]
 # gloo all-reduce over loopback, least-squares fit of the ring model to the samples below (latency
 # {alpha0 * 1e6:.4g} us back to back), plus the measured wait of a collective between compute kernels
-# ({wait * 1e6:.4g} us per collective, spread over its 2(n-1) steps).
+# ({wait * 1e6:.4g} us per collective, spread over its 2(n-1) steps). ZeRO's reduce-scatter and all-gather
+# as podscale issues them on gloo (a reduce / broadcast per rank), fitted to half the ring model.
 bandwidth_gbps = {bw / GB:.6g}
 efficiency = 1.0
 latency_us = {alpha * 1e6:.4g}
-
+{sharded}
 [inter_node]
 bandwidth_gbps = {bw / GB:.6g}
 efficiency = 1.0
 latency_us = {alpha * 1e6:.4g}
-
+{sharded}
 [host]
 memory_gib = {mem / GiB:.4g}
 memory_bw_gbps = {data["memory_bw"] * ranks / GB:.6g}

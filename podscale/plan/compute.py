@@ -118,14 +118,45 @@ def stream_time(device: Device, nbytes: float) -> float:
     return nbytes / bw
 
 
+def elementwise_time(device: Device, nbytes: float, activation_bytes: float) -> float:
+    """Seconds of a layer's element-wise kernels moving ``nbytes`` whose activations (one tokens x hidden
+    tensor) are ``activation_bytes``: at the rate measured for that activation size (``elementwise_table``,
+    log-log linear between the two measured sizes around it, the end rates beyond them), else
+    :func:`stream_time`. On a CPU these kernels run faster while the activations they pass between them
+    stay in a core's cache, so one rate measured at one size misprices smaller and larger micro-batches."""
+    table = sorted(device.elementwise_table)
+    if not table:
+        return stream_time(device, nbytes)
+    x = math.log(max(activation_bytes, 1.0))
+    if x <= math.log(table[0][0]) or len(table) == 1:
+        return nbytes / table[0][1]
+    if x >= math.log(table[-1][0]):
+        return nbytes / table[-1][1]
+    for (a0, r0), (a1, r1) in zip(table, table[1:]):
+        if x <= math.log(a1):
+            w = (x - math.log(a0)) / (math.log(a1) - math.log(a0))
+            return nbytes / math.exp((1 - w) * math.log(r0) + w * math.log(r1))
+    raise AssertionError("unreachable")
+
+
+def weight_grad_time(device: Device, tokens: float, n_out: float, k_in: float, batch: float = 1.0,
+                     bytes_per_element: int = 2) -> float:
+    """Seconds of a linear layer's weight gradient as autograd issues it for a weight stored (out x in),
+    as torch's nn.Linear stores it: dW = dY^T X, an (n_out x tokens) @ (tokens x k_in) product, so m is the
+    output width and n the input width. A roofline is symmetric in m and n; a CPU's measured rates are not
+    (in one profiled step of a 640-wide GPT, under load, its MLP's two weight gradients, the same FLOPs with
+    m and n swapped, took 0.58 s and 0.88 s), so the table is read at the shape the trainer runs."""
+    return gemm_time(device, n_out, k_in, tokens, batch, bytes_per_element)
+
+
 def linear_time(device: Device, tokens: float, n_out: float, k_in: float, batch: float = 1.0,
                 bytes_per_element: int = 2) -> tuple[float, float]:
-    """(forward, backward) seconds of a linear layer y = x W on ``tokens`` rows: forward (T x k)(k x n);
-    backward the input gradient (T x n)(n x k) and the weight gradient (k x T)(T x n), whose shapes
-    differ from the forward's (matters on calibrated CPUs; the roofline is symmetric in them)."""
+    """(forward, backward) seconds of a linear layer y = x W^T on ``tokens`` rows: forward (T x k)(k x n);
+    backward the input gradient (T x n)(n x k) and the weight gradient (:func:`weight_grad_time`), whose
+    shapes differ from the forward's (matters on calibrated CPUs; the roofline is symmetric in them)."""
     e = bytes_per_element
     fwd = gemm_time(device, tokens, n_out, k_in, batch, e)
-    bwd = gemm_time(device, tokens, k_in, n_out, batch, e) + gemm_time(device, k_in, n_out, tokens, batch, e)
+    bwd = gemm_time(device, tokens, k_in, n_out, batch, e) + weight_grad_time(device, tokens, n_out, k_in, batch, e)
     return fwd, bwd
 
 

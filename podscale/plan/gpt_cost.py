@@ -35,8 +35,11 @@ devices that run kernels synchronously (CPUs) every kernel also pays a measured 
 On a calibrated CPU (``plan calibrate``) three of these are measured on the kernels themselves rather than
 derived: the fused attention kernel's forward and backward by shape (``compute.attention_time``; a CPU's
 flash-attention loop runs far below its GEMM rate), the element-wise rate (a GPT layer's element-wise
-kernels forward and backward, priced in ``layer_elementwise_bytes``), and the host cost per kernel (the
-same layer at a size where its kernels do no work). A layout with ``grad_accumulation_fusion`` off
+kernels forward and backward, priced in ``layer_elementwise_bytes``, at several activation sizes:
+``compute.elementwise_time`` reads it at the layer's own), and the host cost per kernel (the same layer at a
+size where its kernels do no work); each weight gradient is read from the GEMM table at the shape autograd
+issues (``compute.weight_grad_time``), and ZeRO's reduce-scatter and all-gather at their own measured
+bandwidth (``network``). A layout with ``grad_accumulation_fusion`` off
 (podscale's trainer: ``auto.as_trained``) also pays its strategy's passes to accumulate and scale the
 gradients (``gradient_bookkeeping_bytes``).
 """
@@ -44,8 +47,8 @@ from __future__ import annotations
 
 
 from . import network as net
-from .compute import (attention_time, gemm_rate as _gemm_rate, gemm_time, grad_pass_time, linear_time, optimizer_time,
-                      overlapped_exposed, stream_time)
+from .compute import (attention_time, elementwise_time, gemm_rate as _gemm_rate, gemm_time, grad_pass_time, linear_time,
+                      optimizer_time, overlapped_exposed, stream_time, weight_grad_time)
 from .hardware import System
 from .layout import Layout, LayoutError
 from .memory import (activation_bytes_per_layer, pipeline_inflight_layers, precision_of, zero3_gathered_bytes,
@@ -154,15 +157,16 @@ def _layer_times_uncached(system: System, model: GPT, lay: Layout, moe: bool) ->
                 + gemm_time(dev, s, h / a, s, batch=heads_local, bytes_per_element=e))
     sbh = tokens * h
     softmax = 9 * a * s * s * b / t
-    ew = stream_time(dev, layer_elementwise_bytes(tokens, h, f * scale, t, lay.sequence_parallel, e))
+    ew = elementwise_time(dev, layer_elementwise_bytes(tokens, h, f * scale, t, lay.sequence_parallel, e),
+                          e * tokens * h)
     ew_attn = 0.0 if lay.fused_attention else stream_time(dev, softmax * e / 2)
     act_bytes = e * sbh                                       # one [s, b, h] activation tensor
     tp_ar = net.all_reduce_time(system, act_bytes, t, 1) if t > 1 else 0.0
     a2a = net.all_to_all_time(system, act_bytes * scale, lay.ep, t) if moe and lay.ep > 1 else 0.0
     # Weight-gradient GEMMs of the two column-parallel linears (QKV, MLP-in), which Megatron's asynchronous
     # tensor-parallel backward runs while the input gradient's collective is in flight.
-    wgrad = [] if moe else [gemm_time(dev, h, 3 * h / t, tokens, bytes_per_element=e),
-                            gemm_time(dev, h, f / t, tokens, bytes_per_element=e)]
+    wgrad = [] if moe else [weight_grad_time(dev, tokens, 3 * h / t, h, bytes_per_element=e),
+                            weight_grad_time(dev, tokens, f / t, h, bytes_per_element=e)]
     # backward of the attention core: twice its forward; fused, 2.5x (five GEMMs for the forward's two,
     # the scores recomputed: Dao 2023, FlashAttention-2, Sec. 3.1.2)
     attn_bwd = (attn_bwd_measured if measured_attn else
@@ -326,8 +330,10 @@ def predict_gpt(system: System, devices: int, model: GPT, lay: Layout, batch: in
     # al. 2020, Sec. 5). Stage 3 gathers per unit under compute (below).
     param_gather = 0.0
     if lay.zero_stage in (1, 2) and dpe > 1:
+        # the reduce-scatter priced as itself, not as the all-reduce less the all-gather: the two halves of a
+        # ring are equal, but a calibrated gloo runs each at its own measured bandwidth
         param_gather = net.all_gather_time(system, grad_bytes, dpe, dp_stride)
-        dp_red -= param_gather
+        dp_red = net.reduce_scatter_time(system, grad_bytes, dpe, dp_stride)
     if stage_expert and lay.dp > 1:
         dp_red += net.all_reduce_time(system, expert_grad_bytes, lay.dp, lay.ep * t)
     zero3_gather = 0.0

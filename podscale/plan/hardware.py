@@ -45,6 +45,9 @@ class Device:
     # Measured (local only): achieved bytes/s of element-wise kernels (GeLU, layer norm, softmax),
     # which on a CPU are compute-bound well below the copy bandwidth; 0 -> memory_bw * memory_efficiency.
     elementwise_bw: float = 0.0
+    # Measured (local only): the same rate at several activation sizes, tuples (bytes of one tokens x hidden
+    # activation, bytes/s); a CPU runs them faster while a layer's activations stay in its caches.
+    elementwise_table: tuple = ()
     # Host-side cost per kernel when kernels run synchronously (CPU); GPUs queue kernels asynchronously,
     # so it is 0 there.
     kernel_overhead: float = 0.0
@@ -85,10 +88,20 @@ class Link:
     bandwidth: float             # bytes/s per device per direction
     efficiency: float
     latency: float               # seconds per message (per ring step)
+    # Measured (local only): the bandwidth of the transport's reduce-scatter and all-gather as the trainer
+    # issues them, when they are not the ring halves of its all-reduce (gloo: a reduce / broadcast per
+    # rank); 0 -> the ring's, ``bandwidth``.
+    reduce_scatter_bandwidth: float = 0.0
+    all_gather_bandwidth: float = 0.0
 
     @property
     def effective(self) -> float:
         return self.bandwidth * self.efficiency
+
+    def effective_for(self, collective: str) -> float:
+        """Effective bandwidth of ``collective`` ("all_reduce", "reduce_scatter" or "all_gather")."""
+        own = {"reduce_scatter": self.reduce_scatter_bandwidth, "all_gather": self.all_gather_bandwidth}
+        return (own.get(collective) or self.bandwidth) * self.efficiency
 
 
 @dataclass(frozen=True)
@@ -145,7 +158,9 @@ class System:
 
 def _link(table: dict, key: str = "bandwidth_gbps") -> Link:
     return Link(bandwidth=float(table[key]) * GB, efficiency=float(table.get("efficiency", 1.0)),
-                latency=float(table.get("latency_us", 0.0)) * 1e-6)
+                latency=float(table.get("latency_us", 0.0)) * 1e-6,
+                reduce_scatter_bandwidth=float(table.get("reduce_scatter_gbps", 0.0)) * GB,
+                all_gather_bandwidth=float(table.get("all_gather_gbps", 0.0)) * GB)
 
 
 def system_from_dict(data: dict, source: str = "") -> System:
@@ -166,6 +181,7 @@ def system_from_dict(data: dict, source: str = "") -> System:
             reserved_bytes=float(dev.get("reserved_gib", 0.0)) * GiB,
             dtype_bytes=int(dev.get("dtype_bytes", 2)),
             elementwise_bw=float(dev.get("elementwise_gbps", 0.0)) * GB,
+            elementwise_table=tuple((float(a), float(r) * GB) for a, r in dev.get("elementwise_table", ())),
             kernel_overhead=float(dev.get("kernel_overhead_us", 0.0)) * 1e-6,
             overlap_penalty=float(dev.get("overlap_penalty_us", 0.0)) * 1e-6,
             overlap_exposed=float(dev.get("overlap_exposed", 0.0)),

@@ -14,8 +14,9 @@ all-gathers back, so (Thakur et al., "Optimization of collective communication o
 
     T_allreduce = sum_i [ 2 (k_i - 1)/k_i * S / (prod_{j<i} k_j) / B_i  +  2 (k_i - 1) * alpha_i ]
 
-reduce-scatter and all-gather are half of it each. All-to-all sends (n-1)/n of the buffer, and the
-bottleneck is the slowest level it crosses. Point-to-point is S / B + alpha.
+reduce-scatter and all-gather are half of it each (at a link's own measured bandwidth for them where it
+has one: ``plan calibrate`` on gloo, whose podscale reduce-scatter is one reduce per rank). All-to-all
+sends (n-1)/n of the buffer, and the bottleneck is the slowest level it crosses. Point-to-point is S / B + alpha.
 """
 from __future__ import annotations
 
@@ -24,15 +25,15 @@ from .hardware import Link, System
 Level = tuple  # (members, bandwidth bytes/s, latency s)
 
 
-def _switch_levels(system: System, n: int, stride: int) -> list[Level]:
+def _switch_levels(system: System, n: int, stride: int, collective: str = "all_reduce") -> list[Level]:
     """Members per node first (NVLink/NVSwitch), then nodes over the per-device NIC share."""
     per_node = system.devices_per_node
     inside = max(1, min(n, per_node // stride)) if stride < per_node else 1
     levels = []
     if inside > 1:
-        levels.append((inside, system.intra.effective, system.intra.latency))
+        levels.append((inside, system.intra.effective_for(collective), system.intra.latency))
     if n // inside > 1:
-        levels.append((n // inside, system.inter.effective, system.inter.latency))
+        levels.append((n // inside, system.inter.effective_for(collective), system.inter.latency))
     return levels
 
 
@@ -71,11 +72,13 @@ def _torus_levels(system: System, n: int, stride: int) -> list[Level]:
     return [(n, link.effective, link.latency * max(1, stride))]
 
 
-def levels(system: System, n: int, stride: int = 1) -> list[Level]:
+def levels(system: System, n: int, stride: int = 1, collective: str = "all_reduce") -> list[Level]:
+    """The group's levels; ``collective`` picks a link's own measured bandwidth for a reduce-scatter or an
+    all-gather where it has one (a calibrated CPU's gloo: not the ring halves of its all-reduce)."""
     if n <= 1:
         return []
     if system.topology in ("switch", "fat-tree", "host"):
-        return _switch_levels(system, n, stride)
+        return _switch_levels(system, n, stride, collective)
     if system.topology == "torus":
         return _torus_levels(system, n, stride)
     if system.topology == "weight-streaming":
@@ -93,16 +96,22 @@ def all_reduce_time(system: System, nbytes: float, n: int, stride: int = 1) -> f
     return t
 
 
-def reduce_scatter_time(system: System, nbytes: float, n: int, stride: int = 1) -> float:
-    """Half of an all-reduce: ``nbytes`` is the full (unsharded) buffer."""
+def _half_ring(system: System, nbytes: float, n: int, stride: int, collective: str) -> float:
     t, shard = 0.0, float(nbytes)
-    for k, bw, lat in levels(system, n, stride):
+    for k, bw, lat in levels(system, n, stride, collective):
         t += (k - 1) / k * shard / bw + (k - 1) * lat
         shard /= k
     return t
 
 
-all_gather_time = reduce_scatter_time  # same volume, reversed direction; nbytes is the gathered size
+def reduce_scatter_time(system: System, nbytes: float, n: int, stride: int = 1) -> float:
+    """Half of an all-reduce: ``nbytes`` is the full (unsharded) buffer."""
+    return _half_ring(system, nbytes, n, stride, "reduce_scatter")
+
+
+def all_gather_time(system: System, nbytes: float, n: int, stride: int = 1) -> float:
+    """Same volume as the reduce-scatter, reversed direction; ``nbytes`` is the gathered size."""
+    return _half_ring(system, nbytes, n, stride, "all_gather")
 
 
 def all_to_all_time(system: System, nbytes: float, n: int, stride: int = 1) -> float:
