@@ -496,7 +496,7 @@ def calibrate(out: str | None = None, quick: bool = False, ranks: int = 2, log=p
     data["nvme_bw"] = measure_swap_disk(swap_dir, quick)
     path = Path(out) if out else local_system_path()
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(system_toml(data, ranks, quick))
+    path.write_text(system_toml(data, ranks, quick) + table_toml(measure_table_rates(quick, ranks, swap_dir)))
     alpha, bw = fit_ring(data["allreduce"], ranks)
     wait = sync_wait(data)
     log(f"matmul: best {max(f for *_, f in data['matmul']) / 1e9:.1f} GFLOP/s per rank "
@@ -654,3 +654,161 @@ nvme_gbps = 5
     log(f"{gpus} x {name}: GEMM model e_mm {e_mm:.2f}, k0 {k0:g} (mean |log error| {err:.3f} over "
         f"{len(samples)} shapes); best GEMM {best_rate / 1e12:.0f} TFLOP/s; copy {mem_bw / GB:.0f} GB/s")
     return path
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Sharded tables: the host cost of each operation a table step runs (the DLRM cost model's [table] rates)
+
+TABLE_SIZES = (256, 4096)        # keys (or ids) per call
+TABLE_WIDTHS = (18, 130)         # floats per stored row: dim 16 / 128 + row-wise Adagrad's state + last use
+
+
+def _fit_op(make, budget: float, sizes=TABLE_SIZES, widths=TABLE_WIDTHS) -> list:
+    """[call_s, per_item_s, per_float_s] of an operation: non-negative least squares of
+    ``t = call + n * per_item + n * w * per_float`` over calls of ``n`` items of ``w`` floats
+    (``make(n, w)`` returns the call to time; ``widths=(0,)`` for operations on ids alone)."""
+    import numpy as np
+    from scipy.optimize import nnls
+    rows, ts = [], []
+    for n in sizes:
+        for w in widths:
+            ts.append(_timeit(make(n, w), budget))
+            rows.append([1.0, n, n * w])
+    a, t = np.array(rows), np.array(ts)
+    scale = a.max(axis=0)
+    scale[scale == 0] = 1.0
+    coef = nnls(a / scale / t[:, None], np.ones(len(t)))[0] / scale   # relative error: small calls count
+    return [float(c) for c in coef]
+
+
+def measure_table_rates(quick: bool = False, ranks: int = 2, folder: str | None = None) -> dict:
+    """Time, on synthetic keys and rows, the operations of a sharded table's step (podscale/table/embedding.py)
+    with the torch threads one of ``ranks`` training processes gets: deduplication (:class:`Dedup`), a
+    shard's store read and write -- the keyed in-memory store (key-index search and gather), the dense
+    store (the key is the slot), the DRAM cache of the SSD tier (all hits) and the SSD engine itself (the
+    log store's read and write of rows not cached) --, bag pooling (``embedding_bag``, also the backward's
+    row gradients), row-wise Adagrad's update and a row copy (``index_select``: the reply's gather, the
+    gradient sums).  Returns ``{op: [call_s, per_item_s, per_float_s]}`` (:class:`~.hardware.TableRates`)."""
+    import numpy as np
+    import torch
+    import torch.nn.functional as F
+    from podscale.storage.dense import DenseRowStore
+    from podscale.storage.log import LogRowStore
+    from podscale.storage.rows import CachedRowStore, MemoryRowStore
+    from podscale.table.embedding import Dedup
+    from podscale.table.optim import RowWiseAdagrad
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // ranks))
+    budget = 0.01 if quick else 0.05
+    rng = np.random.default_rng(0)
+    big = 4 * max(TABLE_SIZES)
+    all_keys = torch.from_numpy(rng.choice(1 << 40, size=big, replace=False).astype(np.int64))
+
+    def key_sets(n):  # two sets, used in turn: a store remembers the slots of its last read
+        return [all_keys[torch.from_numpy(rng.choice(big, size=n, replace=False))] for _ in range(2)]
+
+    def filled(store, w):
+        for a in range(0, big, 8192):
+            store.put(all_keys[a: a + 8192], torch.randn(len(all_keys[a: a + 8192]), w))
+        return store
+
+    def reader(store, n):
+        sets, i = key_sets(n), [0]
+
+        def run():
+            i[0] ^= 1
+            store.get(sets[i[0]])
+        return run
+
+    def writer(store, n, w):
+        keys, rows = key_sets(n)[0], torch.randn(n, w)
+        store.get(keys)                      # a step writes back the keys it read
+
+        def run():
+            store.put(keys, rows)
+        return run
+
+    out = {}
+    try:
+        ids = torch.from_numpy(rng.zipf(1.05, size=16 * max(TABLE_SIZES)).astype(np.int64))
+        out["dedup"] = _fit_op(lambda n, w: (lambda: Dedup.of(ids[:n])), budget, widths=(0,))
+        out["keyed_get"] = _fit_op(lambda n, w: reader(filled(MemoryRowStore(w), w), n), budget)
+        out["keyed_put"] = _fit_op(lambda n, w: writer(filled(MemoryRowStore(w), w), n, w), budget)
+
+        def dense(w):
+            return DenseRowStore(big, w, lambda k: torch.zeros(len(k), w))
+        dense_keys = torch.arange(big)
+        all_keys_saved = all_keys
+        all_keys = dense_keys                # the dense store's keys are its slots
+        out["dense_get"] = _fit_op(lambda n, w: reader(dense(w), n), budget)
+        out["dense_put"] = _fit_op(lambda n, w: writer(dense(w), n, w), budget)
+        all_keys = all_keys_saved
+        with tempfile.TemporaryDirectory(dir=folder) as tmp:
+            made = [0]
+
+            def log_store(w):
+                made[0] += 1
+                return filled(LogRowStore(Path(tmp) / f"s{made[0]}", w), w)
+
+            def cached(w):
+                made[0] += 1
+                store = CachedRowStore(LogRowStore(Path(tmp) / f"s{made[0]}", w), 4 * w * (big + 1024), "lru")
+                filled(store, w)
+                for a in range(0, big, 8192):   # every row cached: only the cache's own work is timed
+                    store.get(all_keys[a: a + 8192])
+                return store
+            out["cached_get"] = _fit_op(lambda n, w: reader(cached(w), n), budget)
+            out["cached_put"] = _fit_op(lambda n, w: writer(cached(w), n, w), budget)
+            out["ssd_get"] = _fit_op(lambda n, w: reader(log_store(w), n), budget)
+            out["ssd_put"] = _fit_op(lambda n, w: writer(log_store(w), n, w), budget)
+
+        def pool(n, w):
+            table = torch.randn(max(1, n // 2), w - 2)
+            inv = torch.from_numpy(rng.integers(0, len(table), size=n))
+            offsets = torch.arange(0, n, 16)
+            return lambda: F.embedding_bag(inv, table, offsets, mode="sum")
+        out["pool"] = _fit_op(pool, budget)
+        adagrad = RowWiseAdagrad(0.05)
+
+        def update(n, w):
+            rows, g = torch.rand(n, w), torch.randn(n, w - 2)
+            return lambda: adagrad.update(rows[:, : w - 2], rows[:, w - 2: w - 1], g, 1)
+        out["update"] = _fit_op(update, budget)
+
+        def copy(n, w):
+            rows, idx = torch.randn(2 * n, w), torch.from_numpy(rng.integers(0, 2 * n, size=n))
+            return lambda: rows.index_select(0, idx)
+        out["copy"] = _fit_op(copy, budget)
+    finally:
+        torch.set_num_threads(threads)
+    return out
+
+
+def table_toml(rates: dict) -> str:
+    """The ``[table]`` section of a system file (:class:`~.hardware.TableRates`)."""
+    lines = "\n".join(f"{op} = [{', '.join(f'{x:.4g}' for x in v)}]" for op, v in rates.items())
+    return f'''
+[table]
+# Host cost of a sharded table's operations, measured on synthetic keys and rows by `podscale plan
+# calibrate` with one rank's torch threads: seconds = call + items * per_item + floats * per_float.
+# [call_s, per_item_s, per_float_s]
+{lines}
+'''
+
+
+def calibrate_table(path: str | None = None, quick: bool = False, ranks: int = 2, log=print) -> Path:
+    """Measure the table rates alone and write them into an existing system file (default the ``local``
+    one), replacing its ``[table]`` section: ``podscale plan calibrate --table-only``."""
+    import re
+    p = Path(path) if path else local_system_path()
+    if not p.is_file():
+        raise ValueError(f"no system file at {p}: run `podscale plan calibrate` first")
+    start = time.perf_counter()
+    rates = measure_table_rates(quick, ranks)
+    text = re.sub(r"\n\[table\]\n.*?(?=\n\[|\Z)", "", p.read_text(), flags=re.S)
+    tmp = p.with_suffix(".tmp")
+    tmp.write_text(text.rstrip("\n") + "\n" + table_toml(rates))
+    os.replace(tmp, p)
+    log(f"table rates ({len(rates)} operations) written to {p} in {time.perf_counter() - start:.1f} s")
+    return p
