@@ -1,0 +1,113 @@
+"""The planner's DLRM cost model (podscale/plan/dlrm_cost.py): its table terms on constructed inputs, the
+expected distinct count of a Zipf sample against sampled ones, and the quick path of the table
+microbenchmarks `plan calibrate` runs."""
+import dataclasses
+
+import numpy as np
+import pytest
+
+from podscale.plan import predict
+from podscale.plan.calibrate import measure_table_rates, table_toml
+from podscale.plan.hardware import TABLE_OPS, TableRates, load_system, system_from_dict
+from podscale.plan.models import DLRM, ModelError, model_from_dict
+from podscale.table.data import zipf_ranks
+from podscale.table.estimate import expected_distinct
+
+
+def _rates(scale: float = 1.0) -> TableRates:
+    """Constructed rates: every op costs 2 us a call, 20 ns a key, 1 ns a float (SSD ops 20 x dearer)."""
+    ops = {op: (2e-6, 20e-9, 1e-9) for op in TABLE_OPS}
+    ops["dense_get"] = ops["dense_put"] = (2e-6, 0.0, 1e-9)      # no key index: the key is the slot
+    ops["ssd_get"] = ops["ssd_put"] = (40e-6, 400e-9, 20e-9)
+    return TableRates({k: tuple(scale * x for x in v) for k, v in ops.items()})
+
+
+def _system(rates: TableRates | None):
+    return dataclasses.replace(load_system("dgx-a100-superpod"), table=rates, name="constructed")
+
+
+def _model(**kw) -> DLRM:
+    base = dict(tables=((100_000, 32),) * 4, bottom_mlp=(13, 64, 32), top_mlp=(64, 1), lookups_per_table=4)
+    base.update(kw)
+    if "dim" in base:
+        d = base.pop("dim")
+        base["tables"] = tuple((r, d) for r, _ in base["tables"])
+        base["bottom_mlp"] = (13, 64, d)
+    return DLRM(**base)
+
+
+def _step(model: DLRM, rates=_rates(), batch: int = 512, n: int = 2):
+    return predict(_system(rates), n, model, {"tp": 1, "pp": 1, "dp": n, "microbatch": batch // n}, batch)
+
+
+def _tables(p) -> float:
+    return sum(v for k, v in p.time_breakdown_s.items() if k.startswith("table_"))
+
+
+def test_expected_distinct_matches_sampled_zipf():
+    rng = np.random.default_rng(3)
+    for n, alpha, draws in [(100_000, 1.05, 4096), (2_000, 1.05, 10_000), (1_000_000, 1.3, 20_000)]:
+        sampled = np.mean([len(np.unique(zipf_ranks(rng, draws, n, alpha))) for _ in range(8)])
+        assert expected_distinct(n, alpha, draws) == pytest.approx(sampled, rel=0.03), (n, alpha, draws)
+    assert expected_distinct(50, 1.05, 10_000) <= 50
+
+
+@pytest.mark.parametrize("sharding", ["row", "table", "column"])
+def test_table_time_grows_with_ids_dims_and_batch(sharding):
+    base = _tables(_step(_model(sharding=sharding)))
+    assert _tables(_step(_model(sharding=sharding, lookups_per_table=12))) > base
+    assert _tables(_step(_model(sharding=sharding, dim=128))) > base
+    assert _tables(_step(_model(sharding=sharding), batch=2048)) > base
+    assert _tables(_step(_model(sharding=sharding, tables=((100_000, 32),) * 8))) > base
+    # a more skewed id law leaves fewer distinct rows to look up and update
+    assert _tables(_step(_model(sharding=sharding, alpha=1.4))) < base
+
+
+def test_dense_store_cheaper_than_keyed():
+    for sharding in ("table", "column"):
+        keyed = _step(_model(sharding=sharding)).time_breakdown_s["table_store"]
+        dense = _step(_model(sharding=sharding, storage="dense")).time_breakdown_s["table_store"]
+        assert dense < keyed
+
+
+def test_ssd_tier_dearer_with_smaller_budget():
+    times = [_step(_model(dram_budget_mb=b)).step_time_s for b in (None, 64.0, 4.0, 0.5)]
+    assert times == sorted(times) and times[0] < times[-1], times
+
+
+def test_host_model_named_and_bandwidth_model_without_rates():
+    host, bw = _step(_model()), _step(_model(), rates=None)
+    assert "host model" in host.notes[0] and "table_store" in host.time_breakdown_s
+    assert "bandwidth model" in bw.notes[0] and "embedding" in bw.time_breakdown_s
+    # slower rates, slower tables: the host model reads the rates it is given
+    assert _tables(_step(_model(), rates=_rates(3.0))) == pytest.approx(3 * _tables(host), rel=1e-6)
+
+
+@pytest.mark.parametrize("kw, words", [
+    ({"sharding": "diagonal"}, "sharding 'diagonal'"),
+    ({"storage": "dense"}, "storage 'dense' needs table- or column-wise"),
+    ({"dram_budget_mb": -1.0}, "dram_budget_mb=-1.0 must be positive"),
+    ({"sharding": "table", "storage": "dense", "dram_budget_mb": 8.0}, "with storage='keyed'"),
+    ({"cache_policy": "fifo"}, "cache_policy 'fifo'"),
+])
+def test_bad_dlrm_record_is_one_line(kw, words):
+    with pytest.raises(ModelError, match=words) as e:
+        _model(**kw)
+    assert "\n" not in str(e.value)
+    with pytest.raises(ModelError):
+        model_from_dict({"kind": "dlrm", "tables": [[10, 4]], "bottom_mlp": [13, 4], "top_mlp": [1], **kw})
+
+
+def test_calibrate_table_quick_path_round_trips(tmp_path):
+    rates = measure_table_rates(quick=True, folder=str(tmp_path))
+    assert set(rates) == set(TABLE_OPS)
+    assert all(len(v) == 3 and min(v) >= 0 and sum(v) > 0 for v in rates.values())
+    # more rows cost more: the keyed store's read of 4096 rows over that of 256
+    r = TableRates({k: tuple(v) for k, v in rates.items()})
+    assert r.time("keyed_get", 4096, 4096 * 34) > r.time("keyed_get", 256, 256 * 34)
+    import tomllib
+    parsed = tomllib.loads(table_toml(rates))
+    data = {"name": "x", "device": {"peak_tflops": 1, "memory_gib": 1, "memory_bw_gbps": 1},
+            "topology": "host", "intra_node": {"bandwidth_gbps": 1}, "inter_node": {"bandwidth_gbps": 1},
+            "table": parsed["table"]}
+    assert system_from_dict(data).table.ops["dedup"] == pytest.approx(tuple(rates["dedup"]), rel=1e-3)
