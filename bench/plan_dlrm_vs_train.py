@@ -8,7 +8,9 @@ single operations on synthetic keys (``[table]`` of the system file).
     python -m podscale.plan calibrate       # once, on an idle machine (or: calibrate --table-only)
     python bench/plan_dlrm_vs_train.py [--steps 30] [--small]
 
-The statistic is the one calibration uses (a low percentile of the step times after warm-up).  Prints
+The statistic is the one calibration uses (a low percentile of the step times after the first quarter);
+the prediction is for the middle step of that window (keyed stores still create rows for ids no earlier
+step drew: :func:`podscale.table.estimate.expected_new`).  Prints
 predicted / measured per case, and the mean and largest |error|; the prediction's table model (host or
 bandwidth) is named.
 """
@@ -95,7 +97,7 @@ def main(argv=None) -> int:
                                  f"case{i}")
             model = DLRM(tables=tuple((c, dim) for c in cards), bottom_mlp=(13, 64, 32, dim),
                          top_mlp=(64, 32, 1), lookups_per_table=(ids[0] + ids[1]) / 2, sharding=sharding,
-                         storage=storage, dram_budget_mb=budget)
+                         storage=storage, dram_budget_mb=budget, step=round(0.625 * args.steps))
             pred = predict(system, 2, model, {"tp": 1, "pp": 1, "dp": 2, "microbatch": batch // 2}, batch)
             model_used = pred.notes[0]
             ratio = pred.step_time_s / measured

@@ -736,6 +736,17 @@ def measure_table_rates(quick: bool = False, ranks: int = 2, folder: str | None 
         out["keyed_get"] = _fit_op(lambda n, w: reader(filled(MemoryRowStore(w), w), n), budget)
         out["keyed_put"] = _fit_op(lambda n, w: writer(filled(MemoryRowStore(w), w), n, w), budget)
 
+        def create(n, w):  # new keys: their initial rows (hashed per key and column) into the keyed store
+            from podscale.table.hashing import init_rows
+            store, made = MemoryRowStore(w), [0]
+
+            def run():
+                made[0] += 1
+                keys = torch.arange(made[0] * n, (made[0] + 1) * n) * 7919
+                store.put(keys, init_rows(1, keys, 0, w, 0.1))
+            return run
+        out["create"] = _fit_op(create, budget)
+
         def dense(w):
             return DenseRowStore(big, w, lambda k: torch.zeros(len(k), w))
         dense_keys = torch.arange(big)
@@ -780,9 +791,32 @@ def measure_table_rates(quick: bool = False, ranks: int = 2, folder: str | None 
             rows, idx = torch.randn(2 * n, w), torch.from_numpy(rng.integers(0, 2 * n, size=n))
             return lambda: rows.index_select(0, idx)
         out["copy"] = _fit_op(copy, budget)
+        out["step_row"] = _fit_op(lambda n, w: _tiny_table_step(n, "row"), budget, sizes=(1, 4), widths=(0,))
+        out["step_pooled"] = _fit_op(lambda n, w: _tiny_table_step(n, "table"), budget, sizes=(1, 4),
+                                     widths=(0,))
     finally:
         torch.set_num_threads(threads)
     return out
+
+
+def _tiny_table_step(tables: int, sharding: str):
+    """A forward and backward of a one-rank :class:`ShardedEmbeddingBags` of ``tables`` tables (dim 16),
+    one id in each of 2 bags, every row existing: what a table step costs whatever its size (row-wise:
+    keyed stores through the row exchange; table-wise: dense stores through the pooled exchange)."""
+    import torch
+    from podscale.runtime.mesh import Mesh
+    from podscale.table import RowWiseAdagrad, ShardedEmbeddingBags, TableSpec
+    dense = sharding != "row"
+    specs = [TableSpec(f"t{i}", 16, "sum", sharding, num_keys=64 if dense else None,
+                       storage="dense" if dense else "keyed") for i in range(tables)]
+    emb = ShardedEmbeddingBags(specs, Mesh.build(dp=1), RowWiseAdagrad(0.05), seed=1)
+    feats = {s.name: (torch.tensor([3, 5]), torch.tensor([0, 1])) for s in specs}
+
+    def run():
+        out = emb(feats)
+        sum(v.sum() for v in out.values()).backward()
+    run()                                # creates the rows
+    return run
 
 
 def table_toml(rates: dict) -> str:

@@ -43,6 +43,14 @@ from .prediction import Prediction
 
 # Collectives of a table step: split sizes, ids, rows / pooled bags, gradients (all_to_all_single each).
 TABLE_COLLECTIVES = 4
+# Kernels of the dense part a step launches (each pays the device's host cost per kernel, 0 on a GPU):
+# a linear layer's addmm and ReLU forward, two matmuls, the bias sum and ReLU's backward; the dot
+# interaction's stack, batched matmul, triangle gather and concatenation, forward and backward; per table
+# its pooled vector's gradient scaling, copy and slice of the concatenation; the loss forward and backward.
+KERNELS_PER_LINEAR = 6
+KERNELS_INTERACTION = 8
+KERNELS_PER_TABLE = 3
+KERNELS_LOSS = 6
 TIERED_AGREEMENTS = 2   # with a DRAM cache tier: the budget's and the store's verdicts (4-int all-gathers)
 
 
@@ -53,39 +61,54 @@ def _state_floats(model: DLRM, width: int) -> int:
 
 def _store_time(system: System, model: DLRM, rows: float, table_rows: int, width: int, shards: int,
                 global_ids: float) -> float:
-    """Read and write back ``rows`` distinct rows of a shard whose stored rows are ``width`` floats."""
-    from podscale.table.estimate import hit_rate
+    """Read and write back ``rows`` distinct rows of a shard whose stored rows are ``width`` floats, and
+    create those of keys no earlier step drew (keyed stores, ``model.step``)."""
+    from podscale.table.estimate import expected_new, hit_rate
     r = system.table
     stored = width + _state_floats(model, width) + 1             # weights, optimizer state, last use
     if model.storage == "dense":
-        return r.time("dense_get", rows, rows * stored) + r.time("dense_put", rows, rows * stored)
+        return (r.time("dense_get", rows, rows * stored, call=False)
+                + r.time("dense_put", rows, rows * stored, call=False))
+    new = 0.0
+    if model.step is not None:   # the shard's share of the step's never-seen keys
+        new = expected_new(table_rows, model.alpha, global_ids, model.step) / shards
+    create = r.time("create", new, new * stored)
     if model.dram_budget_mb is None:
-        return r.time("keyed_get", rows, rows * stored) + r.time("keyed_put", rows, rows * stored)
+        return (r.time("keyed_get", rows, rows * stored, call=False)
+                + r.time("keyed_put", rows, rows * stored, call=False) + create)
     cache_rows = max(1, int(model.dram_budget_mb * 2 ** 20) // (4 * stored))
     hit = hit_rate(table_rows, model.alpha, cache_rows, shards, model.cache_policy, ids_per_step=int(global_ids))
-    miss = rows * (1.0 - hit)    # each read from the SSD engine evicts a row, dirty once trained: written back
-    return (r.time("cached_get", rows, rows * stored) + r.time("cached_put", rows, rows * stored)
+    miss = max(0.0, rows * (1.0 - hit) - new)   # a read from the SSD engine evicts a row, dirty once trained:
+    return (r.time("cached_get", rows, rows * stored, call=False)      # written back
+            + r.time("cached_put", rows, rows * stored, call=False) + create
             + r.time("ssd_get", miss, miss * stored) + r.time("ssd_put", miss, miss * stored))
+
+
+def _distinct(model: DLRM, table_rows: int, ids: float) -> float:
+    from podscale.table.estimate import expected_distinct
+    return expected_distinct(table_rows, model.alpha, ids)
 
 
 def table_host_time(system: System, n: int, model: DLRM, local: int) -> tuple[dict, float]:
     """Host seconds per step of the tables on the busiest rank, by part, and the bytes each rank sends
-    in the step's exchanges (ids, rows or bags, gradients)."""
-    from podscale.table.estimate import expected_distinct
+    in the step's exchanges (ids, rows or bags, gradients).  Each operation is priced without its call's
+    fixed cost, which the measured one-id step (``step_row`` / ``step_pooled`` per table) holds."""
     r = system.table
+    T = len(model.tables)
     parts = {"dedup": 0.0, "store": 0.0, "pool": 0.0, "optimizer": 0.0, "copies": 0.0}
     sent = 0.0
     ids = local * model.lookups_per_table                     # ids of one table on one rank
     if model.sharding == "row":
+        parts["host"] = r.time("step_row", T)
         for rows, d in model.tables:
-            mine = expected_distinct(rows, model.alpha, ids)      # after this rank's deduplication
-            owned = expected_distinct(rows, model.alpha, n * ids) / n   # keys of this shard in the step
-            parts["dedup"] += r.time("dedup", ids) + r.time("dedup", mine)      # own ids; owner's merge
+            mine = _distinct(model, rows, ids)                    # after this rank's deduplication
+            owned = _distinct(model, rows, n * ids) / n           # keys of this shard in the step
+            parts["dedup"] += r.time("dedup", ids, call=False) + r.time("dedup", mine, call=False)
             parts["store"] += _store_time(system, model, owned, rows, d, n, n * ids)
             # the reply's gather, its assembly, the gradient's gather and the owner's sums: d floats a row
-            parts["copies"] += 4 * r.time("copy", mine, mine * d)
-            parts["pool"] += 2 * r.time("pool", ids, ids * d)      # bags forward, row gradients backward
-            parts["optimizer"] += r.time("update", owned, owned * d)
+            parts["copies"] += 4 * r.time("copy", mine, mine * d, call=False)
+            parts["pool"] += 2 * r.time("pool", ids, ids * d, call=False)   # bags forward, row gradients
+            parts["optimizer"] += r.time("update", owned, owned * d, call=False)
             sent += mine * 16 + 2 * mine * d * 4                   # ids + counts, rows, gradients
         return parts, sent
     # pooled exchange: each table's (column block's) owner deduplicates and pools every rank's ids
@@ -103,14 +126,15 @@ def table_host_time(system: System, n: int, model: DLRM, local: int) -> tuple[di
     busiest = None
     for shards in owners:
         own = {k: 0.0 for k in parts}
+        own["host"] = r.time("step_pooled", max(T, len(shards)))
         for rows, w in shards:
             g = n * ids                                            # every rank's ids of this table
-            u = expected_distinct(rows, model.alpha, g)
-            own["dedup"] += r.time("dedup", g)
+            u = _distinct(model, rows, g)
+            own["dedup"] += r.time("dedup", g, call=False)
             own["store"] += _store_time(system, model, u, rows, w, 1, g)
-            own["pool"] += 2 * r.time("pool", g, g * w)            # bags forward, row gradients backward
-            own["optimizer"] += r.time("update", u, u * w)
-            own["copies"] += 2 * r.time("copy", n * local, n * local * w)   # bags out, bag gradients in
+            own["pool"] += 2 * r.time("pool", g, g * w, call=False)   # bags forward, row gradients backward
+            own["optimizer"] += r.time("update", u, u * w, call=False)
+            own["copies"] += 2 * r.time("copy", n * local, n * local * w, call=False)  # bags out, grads in
         if busiest is None or sum(own.values()) > sum(busiest.values()):
             busiest = own
     for _, d in model.tables:
@@ -132,6 +156,9 @@ def predict_dlrm(system: System, devices: int, model: DLRM, lay: Layout, batch: 
             mlp += 3 * gemm_time(dev, local, k_out, k_in, bytes_per_element=4)
     f = T + 1
     mlp += 3 * gemm_time(dev, f, f, d, batch=local, bytes_per_element=4)    # pairwise dot interaction
+    layers = len(model.bottom_mlp) + len(model.interaction_mlp_widths) - 2
+    dense_host = (KERNELS_PER_LINEAR * layers + KERNELS_INTERACTION + KERNELS_PER_TABLE * T
+                  + KERNELS_LOSS) * dev.kernel_overhead
     allreduce = net.all_reduce_time(system, 4 * model.mlp_params, n, 1) if n > 1 else 0.0
     exposed_ar = max(0.0, allreduce - m * mlp / 3)
     optimizer = stream_time(dev, 30 * model.mlp_params)
@@ -139,8 +166,10 @@ def predict_dlrm(system: System, devices: int, model: DLRM, lay: Layout, batch: 
     if system.table is not None:
         parts, sent = table_host_time(system, n, model, local)
         calls = TABLE_COLLECTIVES + (TIERED_AGREEMENTS if model.dram_budget_mb is not None else 0)
-        a2a = (net.all_to_all_time(system, sent, n, 1) + calls * net.all_to_all_time(system, 0.0, n, 1)
-               if n > 1 else 0.0)
+        # each collective waits like a minimal all-reduce between compute kernels (the calibrated latency
+        # and wait), its bytes at the link's bandwidth
+        a2a = (net.all_to_all_time(system, sent, n, 1) - net.all_to_all_time(system, 0.0, n, 1)
+               + calls * net.all_reduce_time(system, 4, n, 1) if n > 1 else 0.0)
         breakdown = {f"table_{k}": m * v for k, v in parts.items()}
         breakdown["all_to_all"] = m * a2a
         notes.append("tables: host model (calibrated [table] rates: dedup, store, pooling, sparse update)")
@@ -149,7 +178,7 @@ def predict_dlrm(system: System, devices: int, model: DLRM, lay: Layout, batch: 
         breakdown = {"embedding": m * 3 * stream_time(dev, lookups * d * 4),
                      "all_to_all": m * (2 * net.all_to_all_time(system, local * T * d * 4, n, 1) if n > 1 else 0.0)}
         notes.append("tables: bandwidth model (bytes moved at memory bandwidth; no [table] rates calibrated)")
-    breakdown.update({"mlp": m * mlp, "dp_communication": exposed_ar, "optimizer": optimizer})
+    breakdown.update({"mlp": m * mlp, "dense_kernels": m * dense_host, "dp_communication": exposed_ar, "optimizer": optimizer})
     state = sum(r * _state_floats(model, dd) for r, dd in model.tables)
     tables_bytes = (4 * model.embedding_params + 4 * state) / n
     if model.dram_budget_mb is not None:

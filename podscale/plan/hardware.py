@@ -78,8 +78,8 @@ class Device:
     l2_bw: float = 0.0
 
 
-TABLE_OPS = ("dedup", "keyed_get", "keyed_put", "dense_get", "dense_put", "cached_get", "cached_put",
-             "ssd_get", "ssd_put", "pool", "update", "copy")
+TABLE_OPS = ("dedup", "keyed_get", "keyed_put", "create", "dense_get", "dense_put", "cached_get", "cached_put",
+             "ssd_get", "ssd_put", "pool", "update", "copy", "step_row", "step_pooled")
 
 
 @dataclass(frozen=True)
@@ -87,13 +87,17 @@ class TableRates:
     """Measured host cost of the operations a sharded embedding table runs per step (``[table]`` of a
     calibrated ``local`` system, :func:`podscale.plan.calibrate.measure_table_rates`): each op costs
     ``call + items * per_item + floats * per_float`` seconds (a call's fixed host cost, a per-key cost such
-    as a key-index search, a per-float cost of moving row data)."""
+    as a key-index search, a per-float cost of moving row data).  ``step_row`` / ``step_pooled``: a whole
+    table step (forward and backward) of one id on one rank, items = tables: the host cost a step pays
+    per table and per step whatever its size (Python bookkeeping, and every operation's call once)."""
 
     ops: dict = field(default_factory=dict)   # name -> (call_s, per_item_s, per_float_s)
 
-    def time(self, op: str, items: float, floats: float = 0.0) -> float:
-        call, per_item, per_float = self.ops[op]
-        return call + items * per_item + floats * per_float if items > 0 else 0.0
+    def time(self, op: str, items: float, floats: float = 0.0, call: bool = True) -> float:
+        """Seconds of one call on ``items`` (``call=False``: without its fixed cost, which a step pays in
+        its ``step_*`` cost)."""
+        fixed, per_item, per_float = self.ops[op]
+        return (fixed * call + items * per_item + floats * per_float) if items > 0 else 0.0
 
     @classmethod
     def from_dict(cls, data: dict, source: str = "") -> "TableRates":

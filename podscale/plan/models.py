@@ -93,6 +93,9 @@ class DLRM:
     cache_policy: str = "lru"
     alpha: float = 1.05
     sparse_optimizer: str = "adagrad"
+    # The training step the prediction is for: a keyed store creates a row for each id no earlier step
+    # drew, and under Zipf ids such keys keep arriving for many steps.  None: steady state (every key seen).
+    step: int | None = None
 
     def __post_init__(self):
         checks = [
@@ -107,6 +110,7 @@ class DLRM:
             (self.lookups_per_table >= 1, f"lookups_per_table={self.lookups_per_table} must be >= 1"),
             (self.sparse_optimizer in ("adagrad", "sgd", "adam"),
              f"sparse_optimizer '{self.sparse_optimizer}' must be adagrad, sgd or adam"),
+            (self.step is None or self.step >= 1, f"step={self.step} must be >= 1 (or None: steady state)"),
             (len(self.tables) > 0 and all(r >= 1 and d >= 1 for r, d in self.tables),
              "tables must be a non-empty list of (rows, dim) with positive rows and dim"),
         ]

@@ -64,6 +64,15 @@ def expected_distinct(n: int, alpha: float, draws: float, buckets: int = 4096) -
     return float(min(draws, (count * q).sum()))
 
 
+def expected_new(n: int, alpha: float, draws: float, step: int, buckets: int = 4096) -> float:
+    """Expected ids of step ``step`` (1-based, ``draws`` Zipf draws a step) that no earlier step drew:
+    ``sum_i q_i (1 - q_i)^(step - 1)`` -- the keys a keyed store creates rows for in that step."""
+    if draws <= 0 or step < 1:
+        return 0.0
+    _, count, q = _step_demand(n, alpha, draws, buckets)
+    return float((count * q * np.exp((step - 1) * np.log1p(-np.minimum(q, 1 - 1e-15)))).sum())
+
+
 def hit_rate(n: int, alpha: float, cache_rows: int, shards: int = 1, policy: str = "lfu",
              ids_per_step: int | None = None, buckets: int = 4096) -> float:
     """Expected share of the rows a step needs that its shard's DRAM cache (``cache_rows`` rows, ``policy``)
