@@ -11,7 +11,7 @@ from podscale.plan.calibrate import measure_table_rates, table_toml
 from podscale.plan.hardware import TABLE_OPS, TableRates, load_system, system_from_dict
 from podscale.plan.models import DLRM, ModelError, model_from_dict
 from podscale.table.data import zipf_ranks
-from podscale.table.estimate import expected_distinct
+from podscale.table.estimate import expected_distinct, expected_new
 
 
 def _rates(scale: float = 1.0) -> TableRates:
@@ -52,6 +52,30 @@ def test_expected_distinct_matches_sampled_zipf():
     assert expected_distinct(50, 1.05, 10_000) <= 50
 
 
+def test_expected_new_keys_match_sampled_steps():
+    """Ids of step s that no earlier step drew: the rows a keyed store creates in that step."""
+    rng = np.random.default_rng(5)
+    n, alpha, draws, steps = 50_000, 1.05, 2048, 12
+    counts = np.zeros(steps)
+    for _ in range(6):
+        seen = set()
+        for s in range(steps):
+            step_ids = set(np.unique(zipf_ranks(rng, draws, n, alpha)).tolist())
+            counts[s] += len(step_ids - seen) / 6
+            seen |= step_ids
+    for s in (1, 4, 12):
+        assert expected_new(n, alpha, draws, s) == pytest.approx(counts[s - 1], rel=0.05), s
+    assert expected_new(n, alpha, draws, 1) == pytest.approx(expected_distinct(n, alpha, draws))
+
+
+def test_early_steps_dearer_in_keyed_store_only():
+    """New keys create rows in a keyed store; a dense store has every row from the start."""
+    early, late = _step(_model(step=2)), _step(_model(step=200))
+    assert early.time_breakdown_s["table_store"] > late.time_breakdown_s["table_store"]
+    dense = [_step(_model(sharding="table", storage="dense", step=s)).step_time_s for s in (2, 200)]
+    assert dense[0] == pytest.approx(dense[1])
+
+
 @pytest.mark.parametrize("sharding", ["row", "table", "column"])
 def test_table_time_grows_with_ids_dims_and_batch(sharding):
     base = _tables(_step(_model(sharding=sharding)))
@@ -89,6 +113,7 @@ def test_host_model_named_and_bandwidth_model_without_rates():
     ({"dram_budget_mb": -1.0}, "dram_budget_mb=-1.0 must be positive"),
     ({"sharding": "table", "storage": "dense", "dram_budget_mb": 8.0}, "with storage='keyed'"),
     ({"cache_policy": "fifo"}, "cache_policy 'fifo'"),
+    ({"step": 0}, "step=0 must be >= 1"),
 ])
 def test_bad_dlrm_record_is_one_line(kw, words):
     with pytest.raises(ModelError, match=words) as e:
