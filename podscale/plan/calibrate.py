@@ -702,7 +702,8 @@ def measure_table_rates(quick: bool = False, ranks: int = 2, folder: str | None 
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // ranks))
     budget = 0.01 if quick else 0.05
     rng = np.random.default_rng(0)
-    big = 4 * max(TABLE_SIZES)
+    big = 4 * max(TABLE_SIZES) if quick else 64 * max(TABLE_SIZES)   # keys per store: a shard's index, not
+    # one that stays in the CPU's caches (its per-key cost grows with the size)
     all_keys = torch.from_numpy(rng.choice(1 << 40, size=big, replace=False).astype(np.int64))
 
     def key_sets(n):  # two sets, used in turn: a store remembers the slots of its last read
