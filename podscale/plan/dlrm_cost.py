@@ -3,7 +3,9 @@ devices (row-, table- or column-wise, :mod:`podscale.table.embedding`), MLPs rep
 
 Dense part, per step of B samples on N devices (each owns B/N samples):
     MLPs + interaction                  GEMMs of B/N rows (forward, input and weight gradients)
-    gradient all-reduce of MLP weights  fp32, overlapped with the backward of the top MLP
+    gradient all-reduce of MLP weights  fp32, overlapped with the backward of the top MLP (the measured
+                                        exposed fraction on a CPU), and the all-reduce of the step's loss
+    kernels                             the dense part's kernels at the device's host cost per kernel
     optimizer                           Adam over the MLP weights
 
 Tables, two models:
@@ -161,7 +163,12 @@ def predict_dlrm(system: System, devices: int, model: DLRM, lay: Layout, batch: 
     dense_host = (KERNELS_PER_LINEAR * layers + KERNELS_INTERACTION + KERNELS_PER_TABLE * T
                   + KERNELS_LOSS) * dev.kernel_overhead
     allreduce = net.all_reduce_time(system, 4 * model.mlp_params, n, 1) if n > 1 else 0.0
-    exposed_ar = max(0.0, allreduce - m * mlp / 3)
+    # The gradient all-reduce overlaps the top MLP's backward; on a CPU the overlap still costs the measured
+    # fraction of the all-reduce (its thread competes with the compute for the cores).  The engine then
+    # all-reduces the step's loss: one more collective.
+    exposed_ar = (allreduce * dev.overlap_exposed if dev.overlap_exposed else max(0.0, allreduce - m * mlp / 3))
+    if n > 1:
+        exposed_ar += net.all_reduce_time(system, 4, n, 1)
     optimizer = stream_time(dev, 30 * model.mlp_params)
     notes = []
     if system.table is not None:
