@@ -15,10 +15,12 @@ from podscale.table.estimate import expected_distinct, expected_new
 
 
 def _rates(scale: float = 1.0) -> TableRates:
-    """Constructed rates: every op costs 2 us a call, 20 ns a key, 1 ns a float (SSD ops 20 x dearer)."""
+    """Constructed rates: every op costs 2 us a call, 20 ns a key, 1 ns a float (SSD ops 20 x dearer, creating
+    a row 4 x)."""
     ops = {op: (2e-6, 20e-9, 1e-9) for op in TABLE_OPS}
     ops["dense_get"] = ops["dense_put"] = (2e-6, 0.0, 1e-9)      # no key index: the key is the slot
     ops["ssd_get"] = ops["ssd_put"] = (40e-6, 400e-9, 20e-9)
+    ops["create"] = (2e-6, 80e-9, 4e-9)                        # a missing read, initial rows, two writes
     return TableRates({k: tuple(scale * x for x in v) for k, v in ops.items()})
 
 

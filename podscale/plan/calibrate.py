@@ -737,14 +737,17 @@ def measure_table_rates(quick: bool = False, ranks: int = 2, folder: str | None 
         out["keyed_get"] = _fit_op(lambda n, w: reader(filled(MemoryRowStore(w), w), n), budget)
         out["keyed_put"] = _fit_op(lambda n, w: writer(filled(MemoryRowStore(w), w), n, w), budget)
 
-        def create(n, w):  # new keys: their initial rows (hashed per key and column) into the keyed store
-            from podscale.table.hashing import init_rows
+        def create(n, w):  # new keys as a step meets them: a read that misses, their initial rows (hashed per
+            from podscale.table.hashing import init_rows   # key and column), the insert, the update's write
             store, made = MemoryRowStore(w), [0]
 
             def run():
                 made[0] += 1
                 keys = torch.arange(made[0] * n, (made[0] + 1) * n) * 7919
-                store.put(keys, init_rows(1, keys, 0, w, 0.1))
+                store.get(keys)
+                fresh = init_rows(1, keys, 0, w, 0.1)
+                store.put(keys, fresh)
+                store.put(keys, fresh)
             return run
         out["create"] = _fit_op(create, budget)
 

@@ -72,8 +72,9 @@ def _store_time(system: System, model: DLRM, rows: float, table_rows: int, width
         return (r.time("dense_get", rows, rows * stored, call=False)
                 + r.time("dense_put", rows, rows * stored, call=False))
     new = 0.0
-    if model.step is not None:   # the shard's share of the step's never-seen keys
-        new = expected_new(table_rows, model.alpha, global_ids, model.step) / shards
+    if model.step is not None:   # the shard's share of the step's never-seen keys, read, created and written
+        new = expected_new(table_rows, model.alpha, global_ids, model.step) / shards   # by "create", not by
+        rows = max(0.0, rows - new)                                                      # get/put below
     # (the one-id step creates no row: creating pays its call's fixed cost in every step that has new keys)
     create = r.time("create", new, new * stored, call=False) + min(1.0, new) * r.ops["create"][0]
     if model.dram_budget_mb is None:
@@ -81,8 +82,10 @@ def _store_time(system: System, model: DLRM, rows: float, table_rows: int, width
                 + r.time("keyed_put", rows, rows * stored, call=False) + create)
     cache_rows = max(1, int(model.dram_budget_mb * 2 ** 20) // (4 * stored))
     hit = hit_rate(table_rows, model.alpha, cache_rows, shards, model.cache_policy, ids_per_step=int(global_ids))
-    miss = max(0.0, rows * (1.0 - hit) - new)   # a read from the SSD engine evicts a row, dirty once trained:
-    return (r.time("cached_get", rows, rows * stored, call=False)      # written back
+    # Every miss (new keys too: the cache asks the SSD engine first) reads the engine and evicts a row, dirty
+    # once trained, so written back.  (New keys' creation is priced as in the keyed store.)
+    miss = max(new, (rows + new) * (1.0 - hit))
+    return (r.time("cached_get", rows, rows * stored, call=False)
             + r.time("cached_put", rows, rows * stored, call=False) + create
             + r.time("ssd_get", miss, miss * stored) + r.time("ssd_put", miss, miss * stored))
 
