@@ -189,7 +189,8 @@ def predict_dlrm(system: System, devices: int, model: DLRM, lay: Layout, batch: 
         breakdown = {"embedding": m * 3 * stream_time(dev, lookups * d * 4),
                      "all_to_all": m * (2 * net.all_to_all_time(system, local * T * d * 4, n, 1) if n > 1 else 0.0)}
         notes.append("tables: bandwidth model (bytes moved at memory bandwidth; no [table] rates calibrated)")
-    breakdown.update({"mlp": m * mlp, "dense_kernels": m * dense_host, "dp_communication": exposed_ar, "optimizer": optimizer})
+    breakdown.update({"mlp": m * mlp, "dense_kernels": m * dense_host, "dp_communication": exposed_ar,
+                      "optimizer": optimizer})
     state = sum(r * _state_floats(model, dd) for r, dd in model.tables)
     tables_bytes = (4 * model.embedding_params + 4 * state) / n
     if model.dram_budget_mb is not None:
