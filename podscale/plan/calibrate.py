@@ -496,7 +496,7 @@ def calibrate(out: str | None = None, quick: bool = False, ranks: int = 2, log=p
     data["nvme_bw"] = measure_swap_disk(swap_dir, quick)
     path = Path(out) if out else local_system_path()
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(system_toml(data, ranks, quick) + table_toml(measure_table_rates(quick, ranks, swap_dir)))
+    path.write_text(system_toml(data, ranks, quick) + table_toml(measure_table_rates_concurrently(quick, ranks, swap_dir)))
     alpha, bw = fit_ring(data["allreduce"], ranks)
     wait = sync_wait(data)
     log(f"matmul: best {max(f for *_, f in data['matmul']) / 1e9:.1f} GFLOP/s per rank "
@@ -803,6 +803,33 @@ def measure_table_rates(quick: bool = False, ranks: int = 2, folder: str | None 
     return out
 
 
+def _table_worker(barrier, queue, quick: bool, ranks: int, folder: str | None) -> None:
+    barrier.wait()                       # start together: the ranks share the cores while they measure
+    try:
+        queue.put(measure_table_rates(quick, ranks, folder))
+    except Exception as e:  # (reported by the parent, one line)
+        queue.put(f"{type(e).__name__}: {e}")
+
+
+def measure_table_rates_concurrently(quick: bool = False, ranks: int = 2, folder: str | None = None) -> dict:
+    """:func:`measure_table_rates` in ``ranks`` processes at the same time, as `podscale train` runs its ranks
+    (they share cores, caches and memory bandwidth, like the rest of calibration's measurements); each
+    coefficient is the mean over the ranks."""
+    import multiprocessing as mp
+    ctx = mp.get_context("spawn")
+    barrier, queue = ctx.Barrier(ranks), ctx.Queue()
+    procs = [ctx.Process(target=_table_worker, args=(barrier, queue, quick, ranks, folder)) for _ in range(ranks)]
+    for p in procs:
+        p.start()
+    results = [queue.get(timeout=600) for _ in procs]
+    for p in procs:
+        p.join()
+    bad = [r for r in results if isinstance(r, str)]
+    if bad:
+        raise RuntimeError(f"table microbenchmark failed: {bad[0]}")
+    return {op: [sum(r[op][i] for r in results) / ranks for i in range(3)] for op in results[0]}
+
+
 def _tiny_table_step(tables: int, sharding: str):
     """A forward and backward of a one-rank :class:`ShardedEmbeddingBags` of ``tables`` tables (dim 16),
     one id in each of 2 bags, every row existing: what a table step costs whatever its size (row-wise:
@@ -829,7 +856,8 @@ def table_toml(rates: dict) -> str:
     return f'''
 [table]
 # Host cost of a sharded table's operations, measured on synthetic keys and rows by `podscale plan
-# calibrate` with one rank's torch threads: seconds = call + items * per_item + floats * per_float.
+# calibrate` in each of the ranks at once (one rank's torch threads each, the mean over ranks):
+# seconds = call + items * per_item + floats * per_float.
 # [call_s, per_item_s, per_float_s]
 {lines}
 '''
@@ -843,7 +871,7 @@ def calibrate_table(path: str | None = None, quick: bool = False, ranks: int = 2
     if not p.is_file():
         raise ValueError(f"no system file at {p}: run `podscale plan calibrate` first")
     start = time.perf_counter()
-    rates = measure_table_rates(quick, ranks)
+    rates = measure_table_rates_concurrently(quick, ranks)
     text = re.sub(r"\n\[table\]\n.*?(?=\n\[|\Z)", "", p.read_text(), flags=re.S)
     tmp = p.with_suffix(".tmp")
     tmp.write_text(text.rstrip("\n") + "\n" + table_toml(rates))
