@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from podscale.plan import predict
-from podscale.plan.calibrate import measure_table_rates, table_toml
-from podscale.plan.hardware import TABLE_OPS, TableRates, load_system, system_from_dict
+from podscale.plan.calibrate import calibrate_table
+from podscale.plan.hardware import TABLE_OPS, TableRates, load_system, load_system_file
 from podscale.plan.models import DLRM, ModelError, model_from_dict
 from podscale.table.data import zipf_ranks
 from podscale.table.estimate import expected_distinct, expected_new
@@ -126,15 +126,18 @@ def test_bad_dlrm_record_is_one_line(kw, words):
 
 
 def test_calibrate_table_quick_path_round_trips(tmp_path):
-    rates = measure_table_rates(quick=True, folder=str(tmp_path))
-    assert set(rates) == set(TABLE_OPS)
-    assert all(len(v) == 3 and min(v) >= 0 and sum(v) > 0 for v in rates.values())
+    """`plan calibrate --table-only --quick`: the ranks measure at once and the [table] section of the
+    system file is replaced (a stale one is dropped), then read back as the system's TableRates."""
+    path = tmp_path / "local.toml"
+    stale = "\n".join(f"{op} = [1, 1, 1]" for op in TABLE_OPS)
+    path.write_text('name = "local"\ntopology = "host"\n[device]\npeak_tflops = 1\nmemory_gib = 1\n'
+                    'memory_bw_gbps = 1\n[table]\n' + stale + '\n[intra_node]\nbandwidth_gbps = 1\n'
+                    '[inter_node]\nbandwidth_gbps = 1\n')
+    calibrate_table(str(path), quick=True, log=lambda *_: None)
+    text = path.read_text()
+    assert text.count("[table]") == 1 and "[1, 1, 1]" not in text and "[intra_node]" in text
+    rates = load_system_file(path).table
+    assert set(rates.ops) == set(TABLE_OPS)
+    assert all(len(v) == 3 and min(v) >= 0 and sum(v) > 0 for v in rates.ops.values())
     # more rows cost more: the keyed store's read of 4096 rows over that of 256
-    r = TableRates({k: tuple(v) for k, v in rates.items()})
-    assert r.time("keyed_get", 4096, 4096 * 34) > r.time("keyed_get", 256, 256 * 34)
-    import tomllib
-    parsed = tomllib.loads(table_toml(rates))
-    data = {"name": "x", "device": {"peak_tflops": 1, "memory_gib": 1, "memory_bw_gbps": 1},
-            "topology": "host", "intra_node": {"bandwidth_gbps": 1}, "inter_node": {"bandwidth_gbps": 1},
-            "table": parsed["table"]}
-    assert system_from_dict(data).table.ops["dedup"] == pytest.approx(tuple(rates["dedup"]), rel=1e-3)
+    assert rates.time("keyed_get", 4096, 4096 * 34) > rates.time("keyed_get", 256, 256 * 34)

@@ -660,6 +660,7 @@ nvme_gbps = 5
 # Sharded tables: the host cost of each operation a table step runs (the DLRM cost model's [table] rates)
 
 TABLE_SIZES = (256, 4096)        # keys (or ids) per call
+QUICK_TABLE_SIZES = (64, 1024)
 TABLE_WIDTHS = (18, 130)         # floats per stored row: dim 16 / 128 + row-wise Adagrad's state + last use
 
 
@@ -702,7 +703,8 @@ def measure_table_rates(quick: bool = False, ranks: int = 2, folder: str | None 
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // ranks))
     budget = 0.01 if quick else 0.05
     rng = np.random.default_rng(0)
-    big = 4 * max(TABLE_SIZES) if quick else 64 * max(TABLE_SIZES)   # keys per store: a shard's index, not
+    sizes = QUICK_TABLE_SIZES if quick else TABLE_SIZES
+    big = 4 * max(sizes) if quick else 64 * max(sizes)   # keys per store: a shard's index, not
     # one that stays in the CPU's caches (its per-key cost grows with the size)
     all_keys = torch.from_numpy(rng.choice(1 << 40, size=big, replace=False).astype(np.int64))
 
@@ -732,10 +734,10 @@ def measure_table_rates(quick: bool = False, ranks: int = 2, folder: str | None 
 
     out = {}
     try:
-        ids = torch.from_numpy(rng.zipf(1.05, size=16 * max(TABLE_SIZES)).astype(np.int64))
-        out["dedup"] = _fit_op(lambda n, w: (lambda: Dedup.of(ids[:n])), budget, widths=(0,))
-        out["keyed_get"] = _fit_op(lambda n, w: reader(filled(MemoryRowStore(w), w), n), budget)
-        out["keyed_put"] = _fit_op(lambda n, w: writer(filled(MemoryRowStore(w), w), n, w), budget)
+        ids = torch.from_numpy(rng.zipf(1.05, size=16 * max(sizes)).astype(np.int64))
+        out["dedup"] = _fit_op(lambda n, w: (lambda: Dedup.of(ids[:n])), budget, sizes, widths=(0,))
+        out["keyed_get"] = _fit_op(lambda n, w: reader(filled(MemoryRowStore(w), w), n), budget, sizes)
+        out["keyed_put"] = _fit_op(lambda n, w: writer(filled(MemoryRowStore(w), w), n, w), budget, sizes)
 
         def create(n, w):  # new keys as a step meets them: a read that misses, their initial rows (hashed per
             from podscale.table.hashing import init_rows   # key and column), the insert, the update's write
@@ -749,15 +751,15 @@ def measure_table_rates(quick: bool = False, ranks: int = 2, folder: str | None 
                 store.put(keys, fresh)
                 store.put(keys, fresh)
             return run
-        out["create"] = _fit_op(create, budget)
+        out["create"] = _fit_op(create, budget, sizes)
 
         def dense(w):
             return DenseRowStore(big, w, lambda k: torch.zeros(len(k), w))
         dense_keys = torch.arange(big)
         all_keys_saved = all_keys
         all_keys = dense_keys                # the dense store's keys are its slots
-        out["dense_get"] = _fit_op(lambda n, w: reader(dense(w), n), budget)
-        out["dense_put"] = _fit_op(lambda n, w: writer(dense(w), n, w), budget)
+        out["dense_get"] = _fit_op(lambda n, w: reader(dense(w), n), budget, sizes)
+        out["dense_put"] = _fit_op(lambda n, w: writer(dense(w), n, w), budget, sizes)
         all_keys = all_keys_saved
         with tempfile.TemporaryDirectory(dir=folder) as tmp:
             made = [0]
@@ -773,28 +775,28 @@ def measure_table_rates(quick: bool = False, ranks: int = 2, folder: str | None 
                 for a in range(0, big, 8192):   # every row cached: only the cache's own work is timed
                     store.get(all_keys[a: a + 8192])
                 return store
-            out["cached_get"] = _fit_op(lambda n, w: reader(cached(w), n), budget)
-            out["cached_put"] = _fit_op(lambda n, w: writer(cached(w), n, w), budget)
-            out["ssd_get"] = _fit_op(lambda n, w: reader(log_store(w), n), budget)
-            out["ssd_put"] = _fit_op(lambda n, w: writer(log_store(w), n, w), budget)
+            out["cached_get"] = _fit_op(lambda n, w: reader(cached(w), n), budget, sizes)
+            out["cached_put"] = _fit_op(lambda n, w: writer(cached(w), n, w), budget, sizes)
+            out["ssd_get"] = _fit_op(lambda n, w: reader(log_store(w), n), budget, sizes)
+            out["ssd_put"] = _fit_op(lambda n, w: writer(log_store(w), n, w), budget, sizes)
 
         def pool(n, w):
             table = torch.randn(max(1, n // 2), w - 2)
             inv = torch.from_numpy(rng.integers(0, len(table), size=n))
             offsets = torch.arange(0, n, 16)
             return lambda: F.embedding_bag(inv, table, offsets, mode="sum")
-        out["pool"] = _fit_op(pool, budget)
+        out["pool"] = _fit_op(pool, budget, sizes)
         adagrad = RowWiseAdagrad(0.05)
 
         def update(n, w):
             rows, g = torch.rand(n, w), torch.randn(n, w - 2)
             return lambda: adagrad.update(rows[:, : w - 2], rows[:, w - 2: w - 1], g, 1)
-        out["update"] = _fit_op(update, budget)
+        out["update"] = _fit_op(update, budget, sizes)
 
         def copy(n, w):
             rows, idx = torch.randn(2 * n, w), torch.from_numpy(rng.integers(0, 2 * n, size=n))
             return lambda: rows.index_select(0, idx)
-        out["copy"] = _fit_op(copy, budget)
+        out["copy"] = _fit_op(copy, budget, sizes)
         out["step_row"] = _fit_op(lambda n, w: _tiny_table_step(n, "row"), budget, sizes=(1, 4), widths=(0,))
         out["step_pooled"] = _fit_op(lambda n, w: _tiny_table_step(n, "table"), budget, sizes=(1, 4),
                                      widths=(0,))
