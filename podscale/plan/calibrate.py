@@ -592,7 +592,7 @@ def calibrate(out: str | None = None, quick: bool = False, ranks: int = 2, log=p
     data["nvme_bw"] = measure_swap_disk(swap_dir, quick)
     path = Path(out) if out else local_system_path()
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(system_toml(data, ranks, quick))
+    path.write_text(system_toml(data, ranks, quick) + table_toml(measure_table_rates_concurrently(quick, ranks, swap_dir)))
     alpha, bw = fit_ring(data["allreduce"], ranks)
     wait = sync_wait(data)
     log(f"matmul: best {max(f for *_, f in data['matmul']) / 1e9:.1f} GFLOP/s per rank "
@@ -750,3 +750,229 @@ nvme_gbps = 5
     log(f"{gpus} x {name}: GEMM model e_mm {e_mm:.2f}, k0 {k0:g} (mean |log error| {err:.3f} over "
         f"{len(samples)} shapes); best GEMM {best_rate / 1e12:.0f} TFLOP/s; copy {mem_bw / GB:.0f} GB/s")
     return path
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Sharded tables: the host cost of each operation a table step runs (the DLRM cost model's [table] rates)
+
+TABLE_SIZES = (256, 4096)        # keys (or ids) per call
+QUICK_TABLE_SIZES = (64, 1024)
+TABLE_WIDTHS = (18, 130)         # floats per stored row: dim 16 / 128 + row-wise Adagrad's state + last use
+
+
+def _fit_op(make, budget: float, sizes=TABLE_SIZES, widths=TABLE_WIDTHS) -> list:
+    """[call_s, per_item_s, per_float_s] of an operation: non-negative least squares of
+    ``t = call + n * per_item + n * w * per_float`` over calls of ``n`` items of ``w`` floats
+    (``make(n, w)`` returns the call to time; ``widths=(0,)`` for operations on ids alone)."""
+    import numpy as np
+    from scipy.optimize import nnls
+    rows, ts = [], []
+    for n in sizes:
+        for w in widths:
+            ts.append(_timeit(make(n, w), budget))
+            rows.append([1.0, n, n * w])
+    a, t = np.array(rows), np.array(ts)
+    scale = a.max(axis=0)
+    scale[scale == 0] = 1.0
+    coef = nnls(a / scale / t[:, None], np.ones(len(t)))[0] / scale   # relative error: small calls count
+    return [float(c) for c in coef]
+
+
+def measure_table_rates(quick: bool = False, ranks: int = 2, folder: str | None = None) -> dict:
+    """Time, on synthetic keys and rows, the operations of a sharded table's step (podscale/table/embedding.py)
+    with the torch threads one of ``ranks`` training processes gets: deduplication (:class:`Dedup`), a
+    shard's store read and write -- the keyed in-memory store (key-index search and gather), the dense
+    store (the key is the slot), the DRAM cache of the SSD tier (all hits) and the SSD engine itself (the
+    log store's read and write of rows not cached) --, bag pooling (``embedding_bag``, also the backward's
+    row gradients), row-wise Adagrad's update and a row copy (``index_select``: the reply's gather, the
+    gradient sums).  Returns ``{op: [call_s, per_item_s, per_float_s]}`` (:class:`~.hardware.TableRates`)."""
+    import numpy as np
+    import torch
+    import torch.nn.functional as F
+    from podscale.storage.dense import DenseRowStore
+    from podscale.storage.log import LogRowStore
+    from podscale.storage.rows import CachedRowStore, MemoryRowStore
+    from podscale.table.embedding import Dedup
+    from podscale.table.optim import RowWiseAdagrad
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // ranks))
+    budget = 0.01 if quick else 0.05
+    rng = np.random.default_rng(0)
+    sizes = QUICK_TABLE_SIZES if quick else TABLE_SIZES
+    big = 4 * max(sizes) if quick else 64 * max(sizes)   # keys per store: a shard's index, not
+    # one that stays in the CPU's caches (its per-key cost grows with the size)
+    all_keys = torch.from_numpy(rng.choice(1 << 40, size=big, replace=False).astype(np.int64))
+
+    def key_sets(n):  # two sets, used in turn: a store remembers the slots of its last read
+        return [all_keys[torch.from_numpy(rng.choice(big, size=n, replace=False))] for _ in range(2)]
+
+    def filled(store, w):
+        for a in range(0, big, 8192):
+            store.put(all_keys[a: a + 8192], torch.randn(len(all_keys[a: a + 8192]), w))
+        return store
+
+    def reader(store, n):
+        sets, i = key_sets(n), [0]
+
+        def run():
+            i[0] ^= 1
+            store.get(sets[i[0]])
+        return run
+
+    def writer(store, n, w):
+        keys, rows = key_sets(n)[0], torch.randn(n, w)
+        store.get(keys)                      # a step writes back the keys it read
+
+        def run():
+            store.put(keys, rows)
+        return run
+
+    out = {}
+    try:
+        ids = torch.from_numpy(rng.zipf(1.05, size=16 * max(sizes)).astype(np.int64))
+        out["dedup"] = _fit_op(lambda n, w: (lambda: Dedup.of(ids[:n])), budget, sizes, widths=(0,))
+        out["keyed_get"] = _fit_op(lambda n, w: reader(filled(MemoryRowStore(w), w), n), budget, sizes)
+        out["keyed_put"] = _fit_op(lambda n, w: writer(filled(MemoryRowStore(w), w), n, w), budget, sizes)
+
+        def create(n, w):  # new keys as a step meets them: a read that misses, their initial rows (hashed per
+            from podscale.table.hashing import init_rows   # key and column), the insert, the update's write
+            store, made = MemoryRowStore(w), [0]
+
+            def run():
+                made[0] += 1
+                keys = torch.arange(made[0] * n, (made[0] + 1) * n) * 7919
+                store.get(keys)
+                fresh = init_rows(1, keys, 0, w, 0.1)
+                store.put(keys, fresh)
+                store.put(keys, fresh)
+            return run
+        out["create"] = _fit_op(create, budget, sizes)
+
+        def dense(w):
+            return DenseRowStore(big, w, lambda k: torch.zeros(len(k), w))
+        dense_keys = torch.arange(big)
+        all_keys_saved = all_keys
+        all_keys = dense_keys                # the dense store's keys are its slots
+        out["dense_get"] = _fit_op(lambda n, w: reader(dense(w), n), budget, sizes)
+        out["dense_put"] = _fit_op(lambda n, w: writer(dense(w), n, w), budget, sizes)
+        all_keys = all_keys_saved
+        with tempfile.TemporaryDirectory(dir=folder) as tmp:
+            made = [0]
+
+            def log_store(w):
+                made[0] += 1
+                return filled(LogRowStore(Path(tmp) / f"s{made[0]}", w), w)
+
+            def cached(w):
+                made[0] += 1
+                store = CachedRowStore(LogRowStore(Path(tmp) / f"s{made[0]}", w), 4 * w * (big + 1024), "lru")
+                filled(store, w)
+                for a in range(0, big, 8192):   # every row cached: only the cache's own work is timed
+                    store.get(all_keys[a: a + 8192])
+                return store
+            out["cached_get"] = _fit_op(lambda n, w: reader(cached(w), n), budget, sizes)
+            out["cached_put"] = _fit_op(lambda n, w: writer(cached(w), n, w), budget, sizes)
+            out["ssd_get"] = _fit_op(lambda n, w: reader(log_store(w), n), budget, sizes)
+            out["ssd_put"] = _fit_op(lambda n, w: writer(log_store(w), n, w), budget, sizes)
+
+        def pool(n, w):
+            table = torch.randn(max(1, n // 2), w - 2)
+            inv = torch.from_numpy(rng.integers(0, len(table), size=n))
+            offsets = torch.arange(0, n, 16)
+            return lambda: F.embedding_bag(inv, table, offsets, mode="sum")
+        out["pool"] = _fit_op(pool, budget, sizes)
+        adagrad = RowWiseAdagrad(0.05)
+
+        def update(n, w):
+            rows, g = torch.rand(n, w), torch.randn(n, w - 2)
+            return lambda: adagrad.update(rows[:, : w - 2], rows[:, w - 2: w - 1], g, 1)
+        out["update"] = _fit_op(update, budget, sizes)
+
+        def copy(n, w):
+            rows, idx = torch.randn(2 * n, w), torch.from_numpy(rng.integers(0, 2 * n, size=n))
+            return lambda: rows.index_select(0, idx)
+        out["copy"] = _fit_op(copy, budget, sizes)
+        out["step_row"] = _fit_op(lambda n, w: _tiny_table_step(n, "row"), budget, sizes=(1, 4), widths=(0,))
+        out["step_pooled"] = _fit_op(lambda n, w: _tiny_table_step(n, "table"), budget, sizes=(1, 4),
+                                     widths=(0,))
+    finally:
+        torch.set_num_threads(threads)
+    return out
+
+
+def _table_worker(barrier, queue, quick: bool, ranks: int, folder: str | None) -> None:
+    barrier.wait()                       # start together: the ranks share the cores while they measure
+    try:
+        queue.put(measure_table_rates(quick, ranks, folder))
+    except Exception as e:  # (reported by the parent, one line)
+        queue.put(f"{type(e).__name__}: {e}")
+
+
+def measure_table_rates_concurrently(quick: bool = False, ranks: int = 2, folder: str | None = None) -> dict:
+    """:func:`measure_table_rates` in ``ranks`` processes at the same time, as `podscale train` runs its ranks
+    (they share cores, caches and memory bandwidth, like the rest of calibration's measurements); each
+    coefficient is the mean over the ranks."""
+    import multiprocessing as mp
+    ctx = mp.get_context("spawn")
+    barrier, queue = ctx.Barrier(ranks), ctx.Queue()
+    procs = [ctx.Process(target=_table_worker, args=(barrier, queue, quick, ranks, folder)) for _ in range(ranks)]
+    for p in procs:
+        p.start()
+    results = [queue.get(timeout=600) for _ in procs]
+    for p in procs:
+        p.join()
+    bad = [r for r in results if isinstance(r, str)]
+    if bad:
+        raise RuntimeError(f"table microbenchmark failed: {bad[0]}")
+    return {op: [sum(r[op][i] for r in results) / ranks for i in range(3)] for op in results[0]}
+
+
+def _tiny_table_step(tables: int, sharding: str):
+    """A forward and backward of a one-rank :class:`ShardedEmbeddingBags` of ``tables`` tables (dim 16),
+    one id in each of 2 bags, every row existing: what a table step costs whatever its size (row-wise:
+    keyed stores through the row exchange; table-wise: dense stores through the pooled exchange)."""
+    import torch
+    from podscale.runtime.mesh import Mesh
+    from podscale.table import RowWiseAdagrad, ShardedEmbeddingBags, TableSpec
+    dense = sharding != "row"
+    specs = [TableSpec(f"t{i}", 16, "sum", sharding, num_keys=64 if dense else None,
+                       storage="dense" if dense else "keyed") for i in range(tables)]
+    emb = ShardedEmbeddingBags(specs, Mesh.build(dp=1), RowWiseAdagrad(0.05), seed=1)
+    feats = {s.name: (torch.tensor([3, 5]), torch.tensor([0, 1])) for s in specs}
+
+    def run():
+        out = emb(feats)
+        sum(v.sum() for v in out.values()).backward()
+    run()                                # creates the rows
+    return run
+
+
+def table_toml(rates: dict) -> str:
+    """The ``[table]`` section of a system file (:class:`~.hardware.TableRates`)."""
+    lines = "\n".join(f"{op} = [{', '.join(f'{x:.4g}' for x in v)}]" for op, v in rates.items())
+    return f'''
+[table]
+# Host cost of a sharded table's operations, measured on synthetic keys and rows by `podscale plan
+# calibrate` in each of the ranks at once (one rank's torch threads each, the mean over ranks):
+# seconds = call + items * per_item + floats * per_float.
+# [call_s, per_item_s, per_float_s]
+{lines}
+'''
+
+
+def calibrate_table(path: str | None = None, quick: bool = False, ranks: int = 2, log=print) -> Path:
+    """Measure the table rates alone and write them into an existing system file (default the ``local``
+    one), replacing its ``[table]`` section: ``podscale plan calibrate --table-only``."""
+    import re
+    p = Path(path) if path else local_system_path()
+    if not p.is_file():
+        raise ValueError(f"no system file at {p}: run `podscale plan calibrate` first")
+    start = time.perf_counter()
+    rates = measure_table_rates_concurrently(quick, ranks)
+    text = re.sub(r"\n\[table\]\n.*?(?=\n\[|\Z)", "", p.read_text(), flags=re.S)
+    tmp = p.with_suffix(".tmp")
+    tmp.write_text(text.rstrip("\n") + "\n" + table_toml(rates))
+    os.replace(tmp, p)
+    log(f"table rates ({len(rates)} operations) written to {p} in {time.perf_counter() - start:.1f} s")
+    return p

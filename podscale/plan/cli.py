@@ -4,7 +4,7 @@ list systems and models.
     podscale plan --model gpt-175b --system dgx-a100-superpod --devices 1024 --batch 1536
     podscale plan predict --system NAME --devices N --batch B --model JSON --layout JSON --json
     podscale plan validate
-    podscale plan calibrate [--out PATH] [--quick] [--swap-dir FOLDER]
+    podscale plan calibrate [--out PATH] [--quick] [--swap-dir FOLDER] [--table-only]
     podscale plan systems | podscale plan models
 
 Errors print one line ``podscale: error: ...`` on stderr and exit with status 2.
@@ -193,8 +193,10 @@ def cmd_validate(args) -> int:
 
 
 def cmd_calibrate(args) -> int:
-    from .calibrate import calibrate, calibrate_gpu
-    if args.gpu:
+    from .calibrate import calibrate, calibrate_gpu, calibrate_table
+    if args.table_only:
+        path = calibrate_table(args.out, quick=args.quick, ranks=args.ranks, log=print)
+    elif args.gpu:
         path = calibrate_gpu(out=args.out, log=print)
     else:
         path = calibrate(out=args.out, quick=args.quick, ranks=args.ranks, log=print, swap_dir=args.swap_dir)
@@ -268,6 +270,8 @@ def add_plan_parser(subparsers) -> None:
                                                        "(e_mm, k0) to measured GEMMs")
     p.add_argument("--swap-dir", help="a folder on the disk for NVMe offload, whose bandwidth becomes the local "
                                       "system's nvme_gbps (default: the temporary directory's disk)")
+    p.add_argument("--table-only", action="store_true", help="measure only the sharded-table rates (seconds) and "
+                                                              "write them into the existing system file")
     p.set_defaults(plan_func=_guarded(cmd_calibrate))
 
     p = sub.add_parser("systems", help="list the hardware catalog")

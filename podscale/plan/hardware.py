@@ -81,6 +81,35 @@ class Device:
     l2_bw: float = 0.0
 
 
+TABLE_OPS = ("dedup", "keyed_get", "keyed_put", "create", "dense_get", "dense_put", "cached_get", "cached_put",
+             "ssd_get", "ssd_put", "pool", "update", "copy", "step_row", "step_pooled")
+
+
+@dataclass(frozen=True)
+class TableRates:
+    """Measured host cost of the operations a sharded embedding table runs per step (``[table]`` of a
+    calibrated ``local`` system, :func:`podscale.plan.calibrate.measure_table_rates`): each op costs
+    ``call + items * per_item + floats * per_float`` seconds (a call's fixed host cost, a per-key cost such
+    as a key-index search, a per-float cost of moving row data).  ``step_row`` / ``step_pooled``: a whole
+    table step (forward and backward) of one id on one rank, items = tables: the host cost a step pays
+    per table and per step whatever its size (Python bookkeeping, and every operation's call once)."""
+
+    ops: dict = field(default_factory=dict)   # name -> (call_s, per_item_s, per_float_s)
+
+    def time(self, op: str, items: float, floats: float = 0.0, call: bool = True) -> float:
+        """Seconds of one call on ``items`` (``call=False``: without its fixed cost, which a step pays in
+        its ``step_*`` cost)."""
+        fixed, per_item, per_float = self.ops[op]
+        return (fixed * call + items * per_item + floats * per_float) if items > 0 else 0.0
+
+    @classmethod
+    def from_dict(cls, data: dict, source: str = "") -> "TableRates":
+        missing = [op for op in TABLE_OPS if op not in data]
+        if missing:
+            raise CatalogError(f"{source}: [table] lacks {', '.join(missing)}: rerun `podscale plan calibrate`")
+        return cls({op: tuple(float(x) for x in data[op]) for op in TABLE_OPS})
+
+
 @dataclass(frozen=True)
 class Link:
     """One class of link as seen by one device: bandwidth per direction, achievable fraction, latency."""
@@ -130,6 +159,9 @@ class System:
     extra: dict = field(default_factory=dict)
     # Published results this description was checked against (plan validate); () -> unvalidated.
     validated: tuple = ()
+    # Measured host cost of a sharded table's operations (calibrated CPU systems only); None: the DLRM cost
+    # model prices tables by bytes moved at memory bandwidth.
+    table: TableRates | None = None
 
     @property
     def device_is_host(self) -> bool:
@@ -213,6 +245,7 @@ def system_from_dict(data: dict, source: str = "") -> System:
             stream=_link(data["stream"], "io_gbps") if "stream" in data else None,
             source=source, extra={k: v for k, v in data.items() if k == "calibration"},
             validated=tuple(str(x) for x in validated),
+            table=TableRates.from_dict(data["table"], source) if "table" in data else None,
         )
     except KeyError as e:
         raise CatalogError(f"system file {source or '<dict>'} lacks key {e.args[0]!r}") from None

@@ -80,9 +80,43 @@ class DLRM:
     tables: tuple                 # ((rows, dim), ...)
     bottom_mlp: tuple             # layer widths, first = number of dense features
     top_mlp: tuple                # layer widths after the interaction, last = 1
-    lookups_per_table: int = 1    # pooling factor (ids per sample per table)
+    lookups_per_table: float = 1  # pooling factor (mean ids per sample per table)
     name: str = "dlrm"
     kind: str = "dlrm"
+    # How podscale's tables run it (podscale/table, [model] of kind "dlrm"): the tables' sharding, their
+    # store (keyed: int64 keys through a key index; dense: the key is the slot), the DRAM budget per table
+    # shard over an SSD tier (None: every row in DRAM), its cache policy, the Zipf exponent of the ids
+    # (how many a step's deduplication leaves and how many the cache holds) and the sparse optimizer.
+    sharding: str = "row"
+    storage: str = "keyed"
+    dram_budget_mb: float | None = None
+    cache_policy: str = "lru"
+    alpha: float = 1.05
+    sparse_optimizer: str = "adagrad"
+    # The training step the prediction is for: a keyed store creates a row for each id no earlier step
+    # drew, and under Zipf ids such keys keep arriving for many steps.  None: steady state (every key seen).
+    step: int | None = None
+
+    def __post_init__(self):
+        checks = [
+            (self.sharding in ("row", "table", "column"), f"sharding '{self.sharding}' must be row, table or column"),
+            (self.storage in ("keyed", "dense"), f"storage '{self.storage}' must be keyed or dense"),
+            (self.storage == "keyed" or self.sharding != "row",
+             "storage 'dense' needs table- or column-wise sharding: set sharding or storage='keyed'"),
+            (self.dram_budget_mb is None or (self.dram_budget_mb > 0 and self.storage == "keyed"),
+             f"dram_budget_mb={self.dram_budget_mb} must be positive, with storage='keyed' (or None: all in DRAM)"),
+            (self.cache_policy in ("lru", "lfu"), f"cache_policy '{self.cache_policy}' must be lru or lfu"),
+            (self.alpha > 0, f"alpha={self.alpha} (Zipf exponent of the ids) must be positive"),
+            (self.lookups_per_table >= 1, f"lookups_per_table={self.lookups_per_table} must be >= 1"),
+            (self.sparse_optimizer in ("adagrad", "sgd", "adam"),
+             f"sparse_optimizer '{self.sparse_optimizer}' must be adagrad, sgd or adam"),
+            (self.step is None or self.step >= 1, f"step={self.step} must be >= 1 (or None: steady state)"),
+            (len(self.tables) > 0 and all(r >= 1 and d >= 1 for r, d in self.tables),
+             "tables must be a non-empty list of (rows, dim) with positive rows and dim"),
+        ]
+        for ok, msg in checks:
+            if not ok:
+                raise ModelError(f"DLRM {self.name}: {msg}")
 
     @property
     def embedding_params(self) -> int:

@@ -43,6 +43,36 @@ def zipf_cdf(k: np.ndarray | float, n: int, alpha: float) -> np.ndarray:
     return ((k + 1.0) ** e - 1.0) / ((n + 1.0) ** e - 1.0)
 
 
+def _step_demand(n: int, alpha: float, draws: int | None, buckets: int = 4096, split: int = 0):
+    """Ranks ``[0, n)`` cut into log-spaced buckets (one edge at ``split``): the edges, ids per bucket and
+    each id's chance ``q`` to be drawn at least once in ``draws`` Zipf(``alpha``) draws,
+    ``q_i = 1 - (1 - p_i)^draws`` (``q_i = p_i`` per draw without ``draws``)."""
+    edges = np.unique(np.concatenate([[0, split, n], np.round(np.geomspace(1, n, buckets)).astype(np.int64)]))
+    count = np.diff(edges).astype(np.float64)
+    p = np.diff(zipf_cdf(edges, n, alpha)) / count       # per-id probability within each bucket
+    q = p if draws is None else -np.expm1(draws * np.log1p(-np.minimum(p, 1 - 1e-15)))
+    return edges, count, q
+
+
+def expected_distinct(n: int, alpha: float, draws: float, buckets: int = 4096) -> float:
+    """Expected number of distinct ids in ``draws`` Zipf(``alpha``) draws over ``n`` keys: ``sum_i q_i``
+    with ``q_i`` as in :func:`hit_rate` -- what a step's deduplication leaves of its ids, so the rows a
+    table looks up, exchanges and updates."""
+    if draws <= 0:
+        return 0.0
+    _, count, q = _step_demand(n, alpha, draws, buckets)
+    return float(min(draws, (count * q).sum()))
+
+
+def expected_new(n: int, alpha: float, draws: float, step: int, buckets: int = 4096) -> float:
+    """Expected ids of step ``step`` (1-based, ``draws`` Zipf draws a step) that no earlier step drew:
+    ``sum_i q_i (1 - q_i)^(step - 1)`` -- the keys a keyed store creates rows for in that step."""
+    if draws <= 0 or step < 1:
+        return 0.0
+    _, count, q = _step_demand(n, alpha, draws, buckets)
+    return float((count * q * np.exp((step - 1) * np.log1p(-np.minimum(q, 1 - 1e-15)))).sum())
+
+
 def hit_rate(n: int, alpha: float, cache_rows: int, shards: int = 1, policy: str = "lfu",
              ids_per_step: int | None = None, buckets: int = 4096) -> float:
     """Expected share of the rows a step needs that its shard's DRAM cache (``cache_rows`` rows, ``policy``)
@@ -56,12 +86,7 @@ def hit_rate(n: int, alpha: float, cache_rows: int, shards: int = 1, policy: str
     k = cache_rows * shards
     if k >= n:
         return 1.0
-    edges = np.unique(np.concatenate([[0, k, n], np.round(np.geomspace(1, n, buckets)).astype(np.int64)]))
-    cdf = zipf_cdf(edges, n, alpha)
-    mass = np.diff(cdf)
-    count = np.diff(edges).astype(np.float64)
-    p = mass / count                                     # per-id probability within each bucket
-    q = p if ids_per_step is None else -np.expm1(ids_per_step * np.log1p(-np.minimum(p, 1 - 1e-15)))
+    edges, count, q = _step_demand(n, alpha, ids_per_step, buckets, k)
     demand = count * q                                   # expected requests per step from each bucket
     if policy == "lfu":
         return float(demand[edges[:-1] < k].sum() / demand.sum())
