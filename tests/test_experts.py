@@ -7,6 +7,7 @@ Multi-process runs are fp64 end to end (the GPT's fp32 cast of the loss is swapp
 rounding differences between layouts (~1e-16) cannot flip a routing decision: routing counts are compared
 exactly, losses and gradients to 1e-9 relative (measured: within ~1e-13).
 """
+import itertools
 import math
 
 import pytest
@@ -295,8 +296,8 @@ NO_HANG = [("one_expert", 1, False), ("one_expert", 2, False), ("no_remote", 2, 
 
 def test_lopsided_routing_finishes_with_the_right_gradients():
     results = launch(W.no_hang_worker, (NO_HANG,), nproc=2)
-    for i, (case, top_k, dropless) in enumerate(NO_HANG):
-        label = f"{case} top_k={top_k} dropless={dropless}"
+    for i, ((case, top_k, dropless), regroup_below) in enumerate(itertools.product(NO_HANG, W.REGROUP_BELOW)):
+        label = f"{case} top_k={top_k} dropless={dropless} MIN_SEGMENT_ROWS={regroup_below}"
         ref = W.build_layer(top_k, dropless)
         losses, ys, xs = [], [], []
         for rank in (0, 1):

@@ -93,7 +93,7 @@ class Routing:
     is whether the choice asked for a slot at all (random routing can skip a second choice);
     ``wanted & ~keep`` are the choices dropped for capacity.  ``order`` lists the kept choices (as
     ``n * k + j``) sorted by expert, then group, then priority: the dispatch order of the fast path;
-    ``counts[e]`` is how many of them expert e gets.
+    ``counts[e]`` is how many of them expert e gets, ``demand[e]`` how many choices asked it for a slot.
     """
 
     expert: torch.Tensor
@@ -106,6 +106,23 @@ class Routing:
     capacity: int | None
     groups: int
     group_size: int
+    demand: torch.Tensor
+
+
+def _top_choices(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """The indices (..., k) of the k largest scores in descending order, ties to the lowest expert id.
+
+    ``k`` passes of ``argmax`` (each best masked out for the next): on the CPU one argmax over (S, E)
+    costs a fraction of ``topk`` (whose tie order is unspecified; at E = 64, k = 2 ``topk`` takes twice
+    as long as two argmax passes)."""
+    best = scores.argmax(-1, keepdim=True)
+    if k == 1:
+        return best
+    picks, rest = [best], scores.clone()
+    for _ in range(k - 1):
+        rest.scatter_(-1, picks[-1], float("-inf"))
+        picks.append(rest.argmax(-1, keepdim=True))
+    return torch.cat(picks, -1)
 
 
 def route(logits: torch.Tensor, top_k: int, capacity: int | None, second_uniform: torch.Tensor | None = None,
@@ -134,32 +151,44 @@ def route(logits: torch.Tensor, top_k: int, capacity: int | None, second_uniform
     scores = probs.detach()
     if selection_bias is not None:
         scores = scores + selection_bias.to(scores.dtype)
-    choice = torch.topk(scores, k, dim=-1).indices                            # (G, S, k)
+    choice = _top_choices(scores, k)                                            # (G, S, k)
     gates = probs.gather(-1, choice)
     weight = gates if k == 1 else gates / gates.sum(-1, keepdim=True).clamp_min(torch.finfo(gates.dtype).tiny)
     wanted = torch.ones_like(choice, dtype=torch.bool)
-    if second_uniform is not None and k == 2:
+    skips = second_uniform is not None and k == 2
+    if skips:
         wanted[..., 1] = second_uniform.to(weight.dtype) < 2 * weight[..., 1].detach()
-    # choices in priority order inside each group: (g, j, s), named by their token-major id n * k + j
-    ids = torch.arange(N * k, device=dev).view(G, S, k).transpose(1, 2).reshape(-1)
-    group = torch.arange(G, device=dev).repeat_interleave(k * S)
-    key = choice.transpose(1, 2).reshape(-1) * G + group
-    key = torch.where(wanted.transpose(1, 2).reshape(-1), key, E * G)          # skipped choices sort last
+    # choices in priority order inside each group, (g, j, s), keyed by (expert, group)
+    key = choice.transpose(1, 2) * G
+    if G > 1:
+        key = key + torch.arange(G, device=dev).view(G, 1, 1)
+    key = key.reshape(-1)
+    if skips:
+        key = key.masked_fill(~wanted.transpose(1, 2).reshape(-1), E * G)       # skipped choices sort last
     sorted_key, perm = torch.sort(key, stable=True)
     seg_count = torch.bincount(key, minlength=E * G + 1)
-    seg_start = torch.cumsum(seg_count, 0) - seg_count
-    slot = torch.arange(N * k, device=dev) - seg_start[sorted_key]
-    kept_sorted = sorted_key < E * G
+    seg_start = torch.cumsum(seg_count, 0).sub_(seg_count)
+    slot = torch.arange(N * k, device=dev).sub_(seg_start[sorted_key])
+    kept_sorted = sorted_key < E * G if skips else None
     if capacity is not None:
-        kept_sorted &= slot < capacity
-    sorted_ids = ids[perm]
-    keep = torch.zeros(N * k, dtype=torch.bool, device=dev).index_put_((sorted_ids,), kept_sorted)
-    position = torch.full((N * k,), -1, dtype=torch.int64, device=dev)
-    position = position.index_put_((sorted_ids,), torch.where(kept_sorted, slot, -1))
-    per_segment = seg_count[:E * G] if capacity is None else seg_count[:E * G].clamp(max=capacity)
+        within = slot < capacity
+        kept_sorted = within if kept_sorted is None else kept_sorted & within
+    # the priority-ordered choices' token-major ids n * k + j (for k = 1 the order is token order)
+    sorted_ids = perm if k == 1 else \
+        torch.arange(N * k, device=dev).view(G, S, k).transpose(1, 2).reshape(-1)[perm]
+    if kept_sorted is not None:
+        slot.masked_fill_(~kept_sorted, -1)
+    # perm is a permutation, so the scatter writes every entry
+    position = torch.empty_like(slot).scatter_(0, sorted_ids, slot)
+    keep = position >= 0
+    demand = seg_count[:E * G]
+    supplied = demand if capacity is None else demand.clamp(max=capacity)
+    if G != 1:
+        demand, supplied = demand.view(E, G).sum(1), supplied.view(E, G).sum(1)
     r = Routing(expert=choice.reshape(N, k), weight=weight.reshape(N, k), keep=keep.view(N, k),
-                wanted=wanted.reshape(N, k), position=position.view(N, k), order=sorted_ids[kept_sorted],
-                counts=per_segment.view(E, G).sum(1), capacity=capacity, groups=G, group_size=S)
+                wanted=wanted.reshape(N, k), position=position.view(N, k),
+                order=sorted_ids if kept_sorted is None else sorted_ids[kept_sorted],
+                counts=supplied, capacity=capacity, groups=G, group_size=S, demand=demand)
     return r, probs
 
 
@@ -170,8 +199,10 @@ def load_balancing_loss(probs: torch.Tensor, first_choice: torch.Tensor) -> torc
     G, S, E = probs.shape
     if G == 0:
         return probs.sum()
-    offset = torch.arange(G, device=probs.device).repeat_interleave(S) * E
-    f = torch.bincount(first_choice.reshape(-1) + offset, minlength=G * E).view(G, E).to(probs.dtype) / S
+    cell = first_choice.reshape(G, S)
+    if G > 1:
+        cell = cell + torch.arange(0, G * E, E, device=probs.device).view(G, 1)
+    f = torch.bincount(cell.reshape(-1), minlength=G * E).view(G, E).to(probs.dtype) / S
     P = probs.mean(1)                                                          # (G, E)
     return E * (f * P).sum(-1).mean()
 
@@ -204,10 +235,7 @@ class MoEStats:
 
     @classmethod
     def of(cls, routing: Routing, experts: int, aux: torch.Tensor, z: torch.Tensor) -> "MoEStats":
-        e = routing.expert.reshape(-1)
-        wanted = torch.bincount(e[routing.wanted.reshape(-1)], minlength=experts)
-        kept = routing.counts
-        return cls(tokens=torch.tensor(routing.expert.shape[0]), wanted=wanted, kept=kept,
+        return cls(tokens=torch.tensor(routing.expert.shape[0]), wanted=routing.demand, kept=routing.counts,
                    aux_loss=aux.detach().float(), z_loss=z.detach().float())
 
     def __add__(self, other: "MoEStats") -> "MoEStats":

@@ -408,6 +408,28 @@ def _gather_positions(x: torch.Tensor, mesh) -> torch.Tensor:
     return torch.cat(list(parts.unbind(0)), dim=1)
 
 
+#: below this many rows per (source rank, local expert) segment on average, the rows an ep rank receives
+#: are regrouped expert-major before its experts run: two row gathers buy one matmul per expert instead of
+#: ep smaller ones, which pays when the segments are short (many experts); with long segments the matmuls
+#: run at full rate on the segments as they arrive and the gathers are pure overhead
+MIN_SEGMENT_ROWS = 64
+
+
+class _PermuteRows(torch.autograd.Function):
+    """``x.index_select(0, perm)`` whose backward is the gather by the ``inverse`` permutation (a
+    permutation's adjoint), where ``index_select``'s own backward zero-fills and scatter-adds."""
+
+    @staticmethod
+    def forward(ctx, x, perm, inverse):
+        ctx.save_for_backward(inverse)
+        return x.index_select(0, perm)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (inverse,) = ctx.saved_tensors
+        return grad.index_select(0, inverse), None, None
+
+
 def _segments(starts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     """Concatenated ``arange(start, start + length)`` for each pair (no Python loop)."""
     total = int(lengths.sum())
@@ -574,14 +596,22 @@ class MoELayer(nn.Module):
         outputs over ep, same order."""
         handle.wait()
         in_splits, out_splits = send.sum(1).tolist(), recv.sum(1).tolist()
-        # 2. the rows, arriving grouped by source rank then local expert; regrouped expert-major (one
-        # gather), so each local expert runs one matmul pair on one contiguous segment
+        # 2. the rows, arriving grouped by source rank then local expert
         got = _AllToAll.apply(x, self.mesh, out_splits, in_splits)
-        flat_recv = recv.reshape(-1)
-        starts = (torch.cumsum(flat_recv, 0) - flat_recv).view(self.ep, -1)
-        perm = _segments(starts.t().reshape(-1), recv.t().reshape(-1))
-        y = self.experts(got.index_select(0, perm), list(enumerate(recv.sum(0).tolist())))
-        y = y.index_select(0, torch.argsort(perm))
+        El = self.experts.num_local
+        if sum(out_splits) >= MIN_SEGMENT_ROWS * self.ep * El:
+            # long segments: each local expert runs on its ep segments where they arrived (the grouped
+            # feed-forward takes several segments per expert), no regrouping
+            y = self.experts(got, [(j, n) for src in recv.tolist() for j, n in enumerate(src)])
+        else:
+            # short segments: regrouped expert-major (one gather) so each expert's matmuls run on one
+            # contiguous segment, and back after
+            flat_recv = recv.reshape(-1)
+            starts = (torch.cumsum(flat_recv, 0) - flat_recv).view(self.ep, -1)
+            perm = _segments(starts.t().reshape(-1), recv.t().reshape(-1))
+            inverse = torch.empty_like(perm).scatter_(0, perm, torch.arange(perm.numel(), device=perm.device))
+            y = self.experts(_PermuteRows.apply(got, perm, inverse), list(enumerate(recv.sum(0).tolist())))
+            y = _PermuteRows.apply(y, inverse, perm)
         # 3. the outputs go home
         return _AllToAll.apply(y, self.mesh, in_splits, out_splits)
 
