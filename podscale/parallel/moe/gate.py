@@ -110,18 +110,19 @@ class Routing:
 
 
 def _top_choices(scores: torch.Tensor, k: int) -> torch.Tensor:
-    """The indices (..., k) of the k largest scores in descending order, ties to the lowest expert id.
+    """(..., k): the indices of the k largest scores over the last dim, in descending order, ties to the
+    lowest expert id.
 
-    ``k`` passes of ``argmax`` (each best masked out for the next): on the CPU one argmax over (S, E)
-    costs a fraction of ``topk`` (whose tie order is unspecified; at E = 64, k = 2 ``topk`` takes twice
-    as long as two argmax passes)."""
-    best = scores.argmax(-1, keepdim=True)
+    ``k`` passes of ``max`` (each best masked out for the next; ``max`` returns the first maximal index):
+    ``topk``'s tie order is unspecified, and on the CPU at E = 64, k = 2 it takes about twice as long as
+    two passes (torch 2.13)."""
+    best = scores.max(-1, keepdim=True).indices
     if k == 1:
         return best
     picks, rest = [best], scores.clone()
     for _ in range(k - 1):
         rest.scatter_(-1, picks[-1], float("-inf"))
-        picks.append(rest.argmax(-1, keepdim=True))
+        picks.append(rest.max(-1, keepdim=True).indices)
     return torch.cat(picks, -1)
 
 
@@ -147,6 +148,9 @@ def route(logits: torch.Tensor, top_k: int, capacity: int | None, second_uniform
     """
     G, S, E = logits.shape
     k, N, dev = top_k, G * S, logits.device
+    # token-major (every token's E values in one row): a row's softmax is the same whatever N and the
+    # token's place (a softmax over the tokens of an (E, N) layout vectorises across tokens, and the tail
+    # of a vector loop rounds differently, which would let a layout flip a near-tie)
     probs = torch.softmax(logits, dim=-1)
     scores = probs.detach()
     if selection_bias is not None:
@@ -159,7 +163,7 @@ def route(logits: torch.Tensor, top_k: int, capacity: int | None, second_uniform
     if skips:
         wanted[..., 1] = second_uniform.to(weight.dtype) < 2 * weight[..., 1].detach()
     # choices in priority order inside each group, (g, j, s), keyed by (expert, group)
-    key = choice.transpose(1, 2) * G
+    key = choice.transpose(1, 2) * G                                            # (G, k, S)
     if G > 1:
         key = key + torch.arange(G, device=dev).view(G, 1, 1)
     key = key.reshape(-1)
