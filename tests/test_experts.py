@@ -135,6 +135,15 @@ def test_everyone_to_one_expert_keeps_exactly_the_capacity(S, E, k, cf):
     assert int((~r.keep).sum()) == k * S - k * min(S, C)
 
 
+def test_tied_scores_choose_the_lowest_expert_ids_in_order():
+    # exact ties: all equal, two tied leaders, and a tie for second place behind a clear first
+    logits = torch.tensor([[[0.0, 0.0, 0.0, 0.0], [0.0, 3.0, 0.0, 3.0], [5.0, 1.0, 1.0, 0.0]]])
+    r1, _ = route(logits, 1, None)
+    assert r1.expert[:, 0].tolist() == [0, 1, 0]
+    r3, _ = route(logits, 3, None)
+    assert r3.expert.tolist() == [[0, 1, 2], [1, 3, 0], [0, 1, 2]]
+
+
 def test_first_choices_take_slots_before_second_choices():
     # even tokens: first choice expert 1, second expert 0; odd tokens: first choice 0, second 1.
     S, E = 8, 4
