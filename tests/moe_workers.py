@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from podscale.models.gpt_moe import GPTMoE, GPTMoEConfig
 from podscale.parallel.moe import MoELayer, grad_norm, reduce_gradients
+from podscale.parallel.moe import layer as moe_layer
 from podscale.runtime.mesh import Mesh
 from podscale.runtime.process import init_process
 from podscale.train.data import ShardedLoader, load_tokens, split_tokens
@@ -145,19 +146,27 @@ def layer_loss(layer: MoELayer, x: torch.Tensor):
     return (y * c).sum() + out.loss, y, out
 
 
+#: ``MIN_SEGMENT_ROWS`` values the no-hang worker runs every case with: always regroup, never regroup
+REGROUP_BELOW = (10**9, 0)
+
+
 def no_hang_worker(cases: list[tuple[str, int, bool]]) -> list[dict]:
     info = init_process(timeout_s=120)
     torch.set_num_threads(1)
     mesh = Mesh.build(info.device, ep=2)
-    out = []
+    out, default = [], moe_layer.MIN_SEGMENT_ROWS
     for case, top_k, dropless in cases:
-        layer = build_layer(top_k, dropless, mesh)
-        x = layer_inputs(case, info.rank)
-        loss, y, o = layer_loss(layer, x)
-        loss.backward()
-        reduce_gradients(layer, mesh)
-        out.append({"y": y.detach(), "x_grad": x.grad, "first": layer.experts.first, "kept": o.stats.kept,
-                    "grads": {n: p.grad.clone() for n, p in layer.named_parameters()},
-                    "calls": {k: v["calls"] for k, v in mesh.stats.snapshot().items()}})
-        mesh.stats.reset()
+        # both ways of running the received rows: regrouped expert-major, and where they arrived
+        for min_segment_rows in REGROUP_BELOW:
+            moe_layer.MIN_SEGMENT_ROWS = min_segment_rows
+            layer = build_layer(top_k, dropless, mesh)
+            x = layer_inputs(case, info.rank)
+            loss, y, o = layer_loss(layer, x)
+            loss.backward()
+            reduce_gradients(layer, mesh)
+            out.append({"y": y.detach(), "x_grad": x.grad, "first": layer.experts.first, "kept": o.stats.kept,
+                        "grads": {n: p.grad.clone() for n, p in layer.named_parameters()},
+                        "calls": {k: v["calls"] for k, v in mesh.stats.snapshot().items()}})
+            mesh.stats.reset()
+    moe_layer.MIN_SEGMENT_ROWS = default
     return out

@@ -7,6 +7,7 @@ Multi-process runs are fp64 end to end (the GPT's fp32 cast of the loss is swapp
 rounding differences between layouts (~1e-16) cannot flip a routing decision: routing counts are compared
 exactly, losses and gradients to 1e-9 relative (measured: within ~1e-13).
 """
+import itertools
 import math
 
 import pytest
@@ -132,6 +133,15 @@ def test_everyone_to_one_expert_keeps_exactly_the_capacity(S, E, k, cf):
     if k == 2:
         assert kept[1] == min(S, C)                   # expert 1 has its own C slots for second choices
     assert int((~r.keep).sum()) == k * S - k * min(S, C)
+
+
+def test_tied_scores_choose_the_lowest_expert_ids_in_order():
+    # exact ties: all equal, two tied leaders, and a tie for second place behind a clear first
+    logits = torch.tensor([[[0.0, 0.0, 0.0, 0.0], [0.0, 3.0, 0.0, 3.0], [5.0, 1.0, 1.0, 0.0]]])
+    r1, _ = route(logits, 1, None)
+    assert r1.expert[:, 0].tolist() == [0, 1, 0]
+    r3, _ = route(logits, 3, None)
+    assert r3.expert.tolist() == [[0, 1, 2], [1, 3, 0], [0, 1, 2]]
 
 
 def test_first_choices_take_slots_before_second_choices():
@@ -295,8 +305,8 @@ NO_HANG = [("one_expert", 1, False), ("one_expert", 2, False), ("no_remote", 2, 
 
 def test_lopsided_routing_finishes_with_the_right_gradients():
     results = launch(W.no_hang_worker, (NO_HANG,), nproc=2)
-    for i, (case, top_k, dropless) in enumerate(NO_HANG):
-        label = f"{case} top_k={top_k} dropless={dropless}"
+    for i, ((case, top_k, dropless), regroup_below) in enumerate(itertools.product(NO_HANG, W.REGROUP_BELOW)):
+        label = f"{case} top_k={top_k} dropless={dropless} MIN_SEGMENT_ROWS={regroup_below}"
         ref = W.build_layer(top_k, dropless)
         losses, ys, xs = [], [], []
         for rank in (0, 1):

@@ -93,7 +93,7 @@ class Routing:
     is whether the choice asked for a slot at all (random routing can skip a second choice);
     ``wanted & ~keep`` are the choices dropped for capacity.  ``order`` lists the kept choices (as
     ``n * k + j``) sorted by expert, then group, then priority: the dispatch order of the fast path;
-    ``counts[e]`` is how many of them expert e gets.
+    ``counts[e]`` is how many of them expert e gets, ``demand[e]`` how many choices asked it for a slot.
     """
 
     expert: torch.Tensor
@@ -106,6 +106,24 @@ class Routing:
     capacity: int | None
     groups: int
     group_size: int
+    demand: torch.Tensor
+
+
+def _top_choices(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """(..., k): the indices of the k largest scores over the last dim, in descending order, ties to the
+    lowest expert id.
+
+    ``k`` passes of ``max`` (each best masked out for the next; ``max`` returns the first maximal index):
+    ``topk``'s tie order is unspecified, and on the CPU at E = 64, k = 2 it takes about twice as long as
+    two passes (torch 2.13)."""
+    best = scores.max(-1, keepdim=True).indices
+    if k == 1:
+        return best
+    picks, rest = [best], scores.clone()
+    for _ in range(k - 1):
+        rest.scatter_(-1, picks[-1], float("-inf"))
+        picks.append(rest.max(-1, keepdim=True).indices)
+    return torch.cat(picks, -1)
 
 
 def route(logits: torch.Tensor, top_k: int, capacity: int | None, second_uniform: torch.Tensor | None = None,
@@ -130,36 +148,51 @@ def route(logits: torch.Tensor, top_k: int, capacity: int | None, second_uniform
     """
     G, S, E = logits.shape
     k, N, dev = top_k, G * S, logits.device
+    # token-major (every token's E values in one row): a row's softmax is the same whatever N and the
+    # token's place (a softmax over the tokens of an (E, N) layout vectorises across tokens, and the tail
+    # of a vector loop rounds differently, which would let a layout flip a near-tie)
     probs = torch.softmax(logits, dim=-1)
     scores = probs.detach()
     if selection_bias is not None:
         scores = scores + selection_bias.to(scores.dtype)
-    choice = torch.topk(scores, k, dim=-1).indices                            # (G, S, k)
+    choice = _top_choices(scores, k)                                            # (G, S, k)
     gates = probs.gather(-1, choice)
     weight = gates if k == 1 else gates / gates.sum(-1, keepdim=True).clamp_min(torch.finfo(gates.dtype).tiny)
     wanted = torch.ones_like(choice, dtype=torch.bool)
-    if second_uniform is not None and k == 2:
+    skips = second_uniform is not None and k == 2
+    if skips:
         wanted[..., 1] = second_uniform.to(weight.dtype) < 2 * weight[..., 1].detach()
-    # choices in priority order inside each group: (g, j, s), named by their token-major id n * k + j
-    ids = torch.arange(N * k, device=dev).view(G, S, k).transpose(1, 2).reshape(-1)
-    group = torch.arange(G, device=dev).repeat_interleave(k * S)
-    key = choice.transpose(1, 2).reshape(-1) * G + group
-    key = torch.where(wanted.transpose(1, 2).reshape(-1), key, E * G)          # skipped choices sort last
+    # choices in priority order inside each group, (g, j, s), keyed by (expert, group)
+    key = choice.transpose(1, 2) * G                                            # (G, k, S)
+    if G > 1:
+        key = key + torch.arange(G, device=dev).view(G, 1, 1)
+    key = key.reshape(-1)
+    if skips:
+        key = key.masked_fill(~wanted.transpose(1, 2).reshape(-1), E * G)       # skipped choices sort last
     sorted_key, perm = torch.sort(key, stable=True)
     seg_count = torch.bincount(key, minlength=E * G + 1)
-    seg_start = torch.cumsum(seg_count, 0) - seg_count
-    slot = torch.arange(N * k, device=dev) - seg_start[sorted_key]
-    kept_sorted = sorted_key < E * G
+    seg_start = torch.cumsum(seg_count, 0).sub_(seg_count)
+    slot = torch.arange(N * k, device=dev).sub_(seg_start[sorted_key])
+    kept_sorted = sorted_key < E * G if skips else None
     if capacity is not None:
-        kept_sorted &= slot < capacity
-    sorted_ids = ids[perm]
-    keep = torch.zeros(N * k, dtype=torch.bool, device=dev).index_put_((sorted_ids,), kept_sorted)
-    position = torch.full((N * k,), -1, dtype=torch.int64, device=dev)
-    position = position.index_put_((sorted_ids,), torch.where(kept_sorted, slot, -1))
-    per_segment = seg_count[:E * G] if capacity is None else seg_count[:E * G].clamp(max=capacity)
+        within = slot < capacity
+        kept_sorted = within if kept_sorted is None else kept_sorted & within
+    # the priority-ordered choices' token-major ids n * k + j (for k = 1 the order is token order)
+    sorted_ids = perm if k == 1 else \
+        torch.arange(N * k, device=dev).view(G, S, k).transpose(1, 2).reshape(-1)[perm]
+    if kept_sorted is not None:
+        slot.masked_fill_(~kept_sorted, -1)
+    # perm is a permutation, so the scatter writes every entry
+    position = torch.empty_like(slot).scatter_(0, sorted_ids, slot)
+    keep = position >= 0
+    demand = seg_count[:E * G]
+    supplied = demand if capacity is None else demand.clamp(max=capacity)
+    if G != 1:
+        demand, supplied = demand.view(E, G).sum(1), supplied.view(E, G).sum(1)
     r = Routing(expert=choice.reshape(N, k), weight=weight.reshape(N, k), keep=keep.view(N, k),
-                wanted=wanted.reshape(N, k), position=position.view(N, k), order=sorted_ids[kept_sorted],
-                counts=per_segment.view(E, G).sum(1), capacity=capacity, groups=G, group_size=S)
+                wanted=wanted.reshape(N, k), position=position.view(N, k),
+                order=sorted_ids if kept_sorted is None else sorted_ids[kept_sorted],
+                counts=supplied, capacity=capacity, groups=G, group_size=S, demand=demand)
     return r, probs
 
 
@@ -170,8 +203,10 @@ def load_balancing_loss(probs: torch.Tensor, first_choice: torch.Tensor) -> torc
     G, S, E = probs.shape
     if G == 0:
         return probs.sum()
-    offset = torch.arange(G, device=probs.device).repeat_interleave(S) * E
-    f = torch.bincount(first_choice.reshape(-1) + offset, minlength=G * E).view(G, E).to(probs.dtype) / S
+    cell = first_choice.reshape(G, S)
+    if G > 1:
+        cell = cell + torch.arange(0, G * E, E, device=probs.device).view(G, 1)
+    f = torch.bincount(cell.reshape(-1), minlength=G * E).view(G, E).to(probs.dtype) / S
     P = probs.mean(1)                                                          # (G, E)
     return E * (f * P).sum(-1).mean()
 
@@ -204,10 +239,7 @@ class MoEStats:
 
     @classmethod
     def of(cls, routing: Routing, experts: int, aux: torch.Tensor, z: torch.Tensor) -> "MoEStats":
-        e = routing.expert.reshape(-1)
-        wanted = torch.bincount(e[routing.wanted.reshape(-1)], minlength=experts)
-        kept = routing.counts
-        return cls(tokens=torch.tensor(routing.expert.shape[0]), wanted=wanted, kept=kept,
+        return cls(tokens=torch.tensor(routing.expert.shape[0]), wanted=routing.demand, kept=routing.counts,
                    aux_loss=aux.detach().float(), z_loss=z.detach().float())
 
     def __add__(self, other: "MoEStats") -> "MoEStats":

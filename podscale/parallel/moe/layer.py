@@ -152,6 +152,23 @@ _GELU_C = math.sqrt(2.0 / math.pi)
 _GELU_A = 0.044715
 
 
+_TWO_C: dict = {}
+
+
+def _two_c(like: torch.Tensor) -> torch.Tensor:
+    """The 0-dim constant ``2c`` in ``like``'s dtype and device, made once (a ``torch.tensor`` call per
+    tile costs as much as a small element-wise pass)."""
+    key = (like.dtype, like.device)
+    if key not in _TWO_C:
+        _TWO_C[key] = torch.tensor(2 * _GELU_C, dtype=like.dtype, device=like.device)
+    return _TWO_C[key]
+
+
+def _cast(ws, dt):
+    """The weights in the compute dtype, converted once per call rather than once per matmul."""
+    return ws if all(w.dtype == dt for w in ws) else tuple(w.to(dt) for w in ws)
+
+
 def _gelu_and_derivative(h: torch.Tensor, act: torch.Tensor, deriv: torch.Tensor, tmp: torch.Tensor) -> None:
     """The tanh GELU of ``h`` into ``act`` and its derivative into ``deriv`` (``tmp``: scratch of h's shape;
     ``h`` is left unchanged), from one transcendental per element.
@@ -162,11 +179,12 @@ def _gelu_and_derivative(h: torch.Tensor, act: torch.Tensor, deriv: torch.Tensor
     evaluate the tanh (and, on this CPU build, run at ~3.3 ns an element each against ~0.3-0.7 for one
     plain element-wise op); here the forward computes ``s`` once, the activation and the derivative from
     it in nine in-place passes over cache-resident tiles, and the backward is one multiplication."""
+    two_c = _two_c(h)
     torch.mul(h, h, out=tmp)                                          # h^2
-    torch.add(torch.tensor(2 * _GELU_C, dtype=h.dtype), tmp, alpha=2 * _GELU_C * _GELU_A, out=deriv)
+    torch.add(two_c, tmp, alpha=2 * _GELU_C * _GELU_A, out=deriv)
     deriv.mul_(h).sigmoid_()                                          # s = sigmoid(2u)
     torch.mul(h, deriv, out=act)                                      # gelu = h s
-    torch.add(torch.tensor(2 * _GELU_C, dtype=h.dtype), tmp, alpha=6 * _GELU_C * _GELU_A, out=tmp)
+    torch.add(two_c, tmp, alpha=6 * _GELU_C * _GELU_A, out=tmp)
     tmp.mul_(h)                                                       # r = h (2c + 6ca h^2)
     torch.addcmul(tmp, tmp, deriv, value=-1.0, out=tmp)               # r (1 - s)
     torch.addcmul(deriv, tmp, deriv, out=deriv)                       # s + s r (1 - s)
@@ -211,9 +229,10 @@ class _GroupedFFN(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, segments, El, bias, *weights):
+        dt = x.dtype
+        params, weights = weights, _cast(weights, dt)
         w_fc, w_proj = weights[:El], weights[El:2 * El]
         b_fc, b_proj = (weights[2 * El:3 * El], weights[3 * El:]) if bias else (None, None)
-        dt = x.dtype
         wide = dt if dt in (torch.float32, torch.float64) else torch.float32
         M, H, D = x.shape[0], w_fc[0].shape[1], w_proj[0].shape[1]
         saved = x.new_empty(2, M, H)
@@ -236,9 +255,9 @@ class _GroupedFFN(torch.autograd.Function):
             pre = pre_buf[:n]
             for j, pa, pb in pieces:
                 if bias:
-                    torch.addmm(b_fc[j].to(dt), x[pa:pb], w_fc[j].to(dt), out=pre[pa - a:pb - a])
+                    torch.addmm(b_fc[j], x[pa:pb], w_fc[j], out=pre[pa - a:pb - a])
                 else:
-                    torch.mm(x[pa:pb], w_fc[j].to(dt), out=pre[pa - a:pb - a])
+                    torch.mm(x[pa:pb], w_fc[j], out=pre[pa - a:pb - a])
             if wide == dt:
                 _gelu_and_derivative(pre, act[a:b], deriv[a:b], tmp_buf[:n])
             else:
@@ -248,11 +267,11 @@ class _GroupedFFN(torch.autograd.Function):
                 deriv[a:b].copy_(g_der)
             for j, pa, pb in pieces:
                 if bias:
-                    torch.addmm(b_proj[j].to(dt), act[pa:pb], w_proj[j].to(dt), out=out[pa:pb])
+                    torch.addmm(b_proj[j], act[pa:pb], w_proj[j], out=out[pa:pb])
                 else:
-                    torch.mm(act[pa:pb], w_proj[j].to(dt), out=out[pa:pb])
+                    torch.mm(act[pa:pb], w_proj[j], out=out[pa:pb])
         ctx.bounds, ctx.El, ctx.bias, ctx.consumed = bounds, El, bias, False
-        ctx.save_for_backward(x, act, deriv, *w_fc, *w_proj)
+        ctx.save_for_backward(x, act, deriv, *params[:2 * El])
         return out
 
     @staticmethod
@@ -263,9 +282,10 @@ class _GroupedFFN(torch.autograd.Function):
                                "run the forward again instead")
         ctx.consumed = True
         El = ctx.El
-        x, act, deriv, *ws = ctx.saved_tensors
-        w_fc, w_proj = ws[:El], ws[El:]
+        x, act, deriv, *params = ctx.saved_tensors
         dt = x.dtype
+        ws = _cast(params, dt)
+        w_fc, w_proj = ws[:El], ws[El:]
         grad = grad.contiguous()
         # 1. per tile, while it is in cache: d act = grad w_proj^T, times the saved GELU derivative, written
         # over that derivative (read once, never needed again), which becomes d pre
@@ -273,28 +293,33 @@ class _GroupedFFN(torch.autograd.Function):
         for a, b, pieces in _tiles(ctx.bounds):
             g_act = gh_buf[:b - a]
             for j, pa, pb in pieces:
-                torch.mm(grad[pa:pb], w_proj[j].to(dt).t(), out=g_act[pa - a:pb - a])
+                torch.mm(grad[pa:pb], w_proj[j].t(), out=g_act[pa - a:pb - a])
             torch.mul(g_act, deriv[a:b], out=deriv[a:b])
         d_pre = deriv
         # 2. per expert segment, one matmul each over all its rows (the long reduction dimension the
         # weight-gradient matmuls want): d x, d w_fc, d w_proj, the bias gradients
         g_x = torch.empty_like(x)
-        grads = {"w_fc": [None] * El, "w_proj": [None] * El, "b_fc": [None] * El, "b_proj": [None] * El}
+        g_fc, g_proj, gb_fc, gb_proj = [None] * El, [None] * El, [None] * El, [None] * El
         for j, a, b in ctx.bounds:
-            torch.mm(d_pre[a:b], w_fc[j].to(dt).t(), out=g_x[a:b])
-            for name, inp, g in (("w_fc", x, d_pre), ("w_proj", act, grad)):
-                grads[name][j] = torch.mm(inp[a:b].t(), g[a:b]) if grads[name][j] is None \
-                    else grads[name][j].addmm_(inp[a:b].t(), g[a:b])
-            for name, g in (("b_fc", d_pre), ("b_proj", grad)):
-                grads[name][j] = g[a:b].sum(0) if grads[name][j] is None else grads[name][j].add_(g[a:b].sum(0))
+            xs, ds, acts, gs = x[a:b], d_pre[a:b], act[a:b], grad[a:b]
+            torch.mm(ds, w_fc[j].t(), out=g_x[a:b])
+            if g_fc[j] is None:
+                g_fc[j], g_proj[j] = torch.mm(xs.t(), ds), torch.mm(acts.t(), gs)
+                if ctx.bias:
+                    gb_fc[j], gb_proj[j] = ds.sum(0), gs.sum(0)
+            else:
+                g_fc[j].addmm_(xs.t(), ds)
+                g_proj[j].addmm_(acts.t(), gs)
+                if ctx.bias:
+                    gb_fc[j].add_(ds.sum(0))
+                    gb_proj[j].add_(gs.sum(0))
         # an expert without rows gets a zero gradient, never a missing one
-        out = [grads[n][j] if grads[n][j] is not None else torch.zeros_like(w, dtype=dt)
-               for n, ws_ in (("w_fc", w_fc), ("w_proj", w_proj)) for j, w in enumerate(ws_)]
-        out = [g.to(w.dtype) for g, w in zip(out, list(w_fc) + list(w_proj))]
+        H, D = act.shape[1], grad.shape[1]
+        out = [g if g is not None else x.new_zeros(w.shape) for g, w in zip(g_fc + g_proj, ws)]
         if ctx.bias:
-            out += [(grads[n][j] if grads[n][j] is not None else x.new_zeros(shape)).to(w.dtype)
-                    for n, shape, ws_ in (("b_fc", act.shape[1], w_fc), ("b_proj", grad.shape[1], w_proj))
-                    for j, w in enumerate(ws_)]
+            out += [g if g is not None else x.new_zeros(n) for gs_, n in ((gb_fc, H), (gb_proj, D)) for g in gs_]
+        if any(p.dtype != dt for p in params):   # back to the parameters' dtype (biases: the weights')
+            out = [g.to(w.dtype) for g, w in zip(out, list(params) + list(params) if ctx.bias else params)]
         return (g_x, None, None, None, *out)
 
 
@@ -406,6 +431,28 @@ def _gather_positions(x: torch.Tensor, mesh) -> torch.Tensor:
     parts = torch.empty((n,) + tuple(x.shape), dtype=x.dtype, device=x.device)
     comm.all_gather(parts.view(-1), x.contiguous().view(-1), mesh, "tp")
     return torch.cat(list(parts.unbind(0)), dim=1)
+
+
+#: below this many rows per (source rank, local expert) segment on average, the rows an ep rank receives
+#: are regrouped expert-major before its experts run: two row gathers buy one matmul per expert instead of
+#: ep smaller ones, which pays when the segments are short (many experts); with long segments the matmuls
+#: run at full rate on the segments as they arrive and the gathers are pure overhead
+MIN_SEGMENT_ROWS = 64
+
+
+class _PermuteRows(torch.autograd.Function):
+    """``x.index_select(0, perm)`` whose backward is the gather by the ``inverse`` permutation (a
+    permutation's adjoint), where ``index_select``'s own backward zero-fills and scatter-adds."""
+
+    @staticmethod
+    def forward(ctx, x, perm, inverse):
+        ctx.save_for_backward(inverse)
+        return x.index_select(0, perm)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (inverse,) = ctx.saved_tensors
+        return grad.index_select(0, inverse), None, None
 
 
 def _segments(starts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
@@ -574,14 +621,22 @@ class MoELayer(nn.Module):
         outputs over ep, same order."""
         handle.wait()
         in_splits, out_splits = send.sum(1).tolist(), recv.sum(1).tolist()
-        # 2. the rows, arriving grouped by source rank then local expert; regrouped expert-major (one
-        # gather), so each local expert runs one matmul pair on one contiguous segment
+        # 2. the rows, arriving grouped by source rank then local expert
         got = _AllToAll.apply(x, self.mesh, out_splits, in_splits)
-        flat_recv = recv.reshape(-1)
-        starts = (torch.cumsum(flat_recv, 0) - flat_recv).view(self.ep, -1)
-        perm = _segments(starts.t().reshape(-1), recv.t().reshape(-1))
-        y = self.experts(got.index_select(0, perm), list(enumerate(recv.sum(0).tolist())))
-        y = y.index_select(0, torch.argsort(perm))
+        El = self.experts.num_local
+        if sum(out_splits) >= MIN_SEGMENT_ROWS * self.ep * El:
+            # long segments: each local expert runs on its ep segments where they arrived (the grouped
+            # feed-forward takes several segments per expert), no regrouping
+            y = self.experts(got, [(j, n) for src in recv.tolist() for j, n in enumerate(src)])
+        else:
+            # short segments: regrouped expert-major (one gather) so each expert's matmuls run on one
+            # contiguous segment, and back after
+            flat_recv = recv.reshape(-1)
+            starts = (torch.cumsum(flat_recv, 0) - flat_recv).view(self.ep, -1)
+            perm = _segments(starts.t().reshape(-1), recv.t().reshape(-1))
+            inverse = torch.empty_like(perm).scatter_(0, perm, torch.arange(perm.numel(), device=perm.device))
+            y = self.experts(_PermuteRows.apply(got, perm, inverse), list(enumerate(recv.sum(0).tolist())))
+            y = _PermuteRows.apply(y, inverse, perm)
         # 3. the outputs go home
         return _AllToAll.apply(y, self.mesh, in_splits, out_splits)
 
