@@ -504,6 +504,19 @@ class RocksRowStore(DiskRowStore):
         self._db.close()
 
 
+def _in_sorted(sorted_keys: np.ndarray, keys: np.ndarray) -> np.ndarray:
+    """Mask of ``keys`` found in the sorted array ``sorted_keys`` (a binary search each: ``np.isin`` sorts
+    both arrays again at every call, the hot path's largest cost after the key index)."""
+    at = np.searchsorted(sorted_keys, keys)
+    return sorted_keys[np.minimum(at, len(sorted_keys) - 1)] == keys
+
+
+def _positions_in_sorted(sorted_keys: np.ndarray, keys: np.ndarray) -> np.ndarray:
+    """Positions in the sorted array ``sorted_keys`` of those ``keys`` it holds."""
+    at = np.searchsorted(sorted_keys, keys)
+    return at[sorted_keys[np.minimum(at, len(sorted_keys) - 1)] == keys]
+
+
 _IO_POOL: ThreadPoolExecutor | None = None
 _IO_POOL_LOCK = threading.Lock()
 
@@ -616,7 +629,7 @@ class CachedRowStore(RowStore):
             found = torch.from_numpy(hit.copy())
             miss = np.flatnonzero(~hit)
             rows[torch.from_numpy(miss).to(self.device)] = 0.0
-            mi = miss[~np.isin(kn[miss], self._absent)] if len(self._absent) else miss
+            mi = miss[~_in_sorted(self._absent, kn[miss])] if len(self._absent) else miss
             self._hold = hs
             if len(mi):
                 mk = kn[mi]
@@ -648,7 +661,7 @@ class CachedRowStore(RowStore):
             if self._pending is not None:
                 self._written.append(kn.copy())
             if len(self._absent):
-                self._absent = self._absent[~np.isin(self._absent, kn)]
+                self._absent = np.delete(self._absent, _positions_in_sorted(self._absent, kn))
             self._forget_failed(kn)
             self._tick += 1
             self._insert(kn, rows, dirty=np.ones(len(kn), dtype=bool), protect=self._hold)

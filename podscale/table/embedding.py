@@ -269,6 +269,16 @@ class _BagPool(torch.autograd.Function):
         return ctx.ids.rows_grad(g, offsets, ctx.mode), None, None, None
 
 
+def _distinct(keys: torch.Tensor) -> torch.Tensor:
+    """The distinct ``keys``, sorted: one numpy sort and a neighbour compare (torch.unique is several times
+    slower on the CPU, and numpy 2.4's plain ``np.unique`` some fifty times)."""
+    srt = np.sort(keys.numpy())
+    keep = np.empty(len(srt), dtype=bool)
+    keep[:1] = True
+    np.not_equal(srt[1:], srt[:-1], out=keep[1:])
+    return torch.from_numpy(srt[keep])
+
+
 @dataclass
 class Dedup:
     """Distinct ids of a batch by one sort: ``keys`` (sorted), each id's position ``inv`` in them, the
@@ -959,7 +969,7 @@ class ShardedEmbeddingBags(nn.Module, ShardedTable):
         marks = self._changed[key]
         marks.append(keys.clone())
         if len(marks) > 64:  # keep the record compact: one sorted tensor of distinct keys
-            self._changed[key] = [torch.unique(torch.cat(marks))]
+            self._changed[key] = [_distinct(torch.cat(marks))]
 
     def key_owner(self, keys: torch.Tensor) -> torch.Tensor:
         """Local: the rank (in the table group) that row-wise sharding places each key on -- the table's
@@ -976,7 +986,7 @@ class ShardedEmbeddingBags(nn.Module, ShardedTable):
         key = (sh.table, sh.index)
         empty = torch.zeros(0, dtype=torch.int64)
         ch, de = self._changed[key], self._deleted[key]
-        return (torch.unique(torch.cat(ch)) if ch else empty), (torch.unique(torch.cat(de)) if de else empty)
+        return (_distinct(torch.cat(ch)) if ch else empty), (_distinct(torch.cat(de)) if de else empty)
 
     def mark_saved(self) -> None:
         """Local: a checkpoint holds every row as it is now; start recording changes afresh."""
