@@ -348,15 +348,11 @@ class DLRMModelSection(_Section):
     def check_model(self) -> None:
         """The SSD folder must be writable and the generated data needs no file."""
         if self.ssd_path is not None:
-            path = Path(os.path.expanduser(self.ssd_path))
-            try:
-                path.mkdir(parents=True, exist_ok=True)
-                probe = path / ".podscale-write-probe"
-                probe.write_bytes(b"")
-                probe.unlink()
-            except OSError as err:
-                raise ConfigError(f"model.ssd_path '{self.ssd_path}' is not writable ({err.strerror}): point "
-                                  "it at a folder on a writable disk") from None
+            from podscale.storage.rows import unwritable_reason
+            reason = unwritable_reason(Path(os.path.expanduser(self.ssd_path)))
+            if reason is not None:
+                raise ConfigError(f"model.ssd_path '{self.ssd_path}' is not writable ({reason}): point "
+                                  "it at a folder on a writable disk")
 
     def check_layout(self, cfg: "Config") -> None:
         """The tables update on every backward: one micro-batch per step, no fp16 loss scaling."""

@@ -356,16 +356,24 @@ class MemoryRowStore(RowStore):
         self._slab.zero_()
 
 
-def ensure_writable_dir(path: Path) -> None:
-    """Create ``path`` and check that a file can be written in it; StorageError (one line) if not."""
+def unwritable_reason(path: Path) -> str | None:
+    """Create ``path`` and write and remove a probe file in it: None if that works, else the OS's reason."""
     try:
         path.mkdir(parents=True, exist_ok=True)
         probe = path / ".podscale-write-probe"
         probe.write_bytes(b"")
         probe.unlink()
     except OSError as e:
-        raise StorageError(f"SSD tier path {path} is not writable ({e.strerror}): "
-                           "set the table's ssd_path to a writable directory") from None
+        return e.strerror or str(e)
+    return None
+
+
+def ensure_writable_dir(path: Path) -> None:
+    """Create ``path`` and check that a file can be written in it; StorageError (one line) if not."""
+    reason = unwritable_reason(path)
+    if reason is not None:
+        raise StorageError(f"SSD tier path {path} is not writable ({reason}): "
+                           "set the table's ssd_path to a writable directory")
 
 
 def _key_bytes(keys: torch.Tensor) -> list[bytes]:
