@@ -5,7 +5,7 @@ runs them, so they share cores, caches and memory bandwidth), each with cores/ra
   - matmul FLOP/s by shape (float32, torch on CPU): squares and transformer-like rectangles, each in the
     three forms a linear layer runs (forward addmm with the transposed weight, input and weight gradients),
     outputs allocated as autograd allocates them; the grid is measured in GEMM_PASSES whole passes and each
-    shape keeps its fastest (a slow spell of a shared machine hits neighbouring shapes of one pass);
+    shape keeps its median pass (a slow spell of a shared machine hits neighbouring shapes of one pass);
   - fused causal attention (scaled_dot_product_attention) forward and backward by sequence and head size:
     on a CPU it runs far below the matmul rate, so it is measured, not derived from GEMMs;
   - memory bandwidth: a large tensor copy (bytes read + written per second) per rank, and the rate of
@@ -38,6 +38,7 @@ import json
 import os
 import platform
 import socket
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -51,8 +52,10 @@ GRID_M = (64, 256, 1024, 4096)
 # (here 4 MiB: a 1024 x 1024 fp32 weight), and a log-space interpolation across a 4x step (512 -> 2048)
 # put that cliff in the wrong place for the widths in between (a 640-wide model's 640 x 2560 weights).
 GRID_NK = (32, 128, 256, 512, 1024, 2048)
-# Passes over the whole grid; each shape keeps its fastest pass (:func:`gemm_table_from_passes`).
+# Passes over the whole grid; each shape keeps its median pass (:func:`gemm_table_from_passes`).
 GEMM_PASSES = 3
+# Interleaved rounds of the overlapped-all-reduce measurement (:func:`overlap_exposed`).
+OVERLAP_ROUNDS = 5
 QUICK_M, QUICK_NK = (256, 2048), (128, 1024)
 ALLREDUCE_BYTES = (1 << 12, 1 << 14, 1 << 16, 1 << 18, 1 << 20, 1 << 22, 1 << 24)
 SYNC_BYTES = 1 << 19          # a tensor-parallel activation on a CPU: 8 x 128 tokens x 128 wide, float32
@@ -145,16 +148,18 @@ def _worker(rank: int, ranks: int, port: int, quick: bool, out_path: str) -> Non
 
 def gemm_table_from_passes(shapes, passes) -> list:
     """[m, n, k, FLOP/s] rows from ``passes`` (lists of seconds, one per shape, in ``shapes``' order): each
-    shape's fastest pass. The grid is measured in whole passes rather than shape by shape with more
+    shape's median pass. The grid is measured in whole passes rather than shape by shape with more
     repetitions because what slows a measurement on a shared machine (another process, the other rank's
     gloo thread, a frequency change) lasts longer than one shape's few milliseconds: within one pass it hits
     a run of neighbouring shapes, which a log-space interpolation then passes on to every GEMM near them
     (one pass gave 78 GFLOP/s at (256, 128, 128) and 110 at (1024, 128, 128), which priced the GEMMs of two
-    micro-batches of 4 sequences at 1.4x those of one of 8; measured again, the two come out alike, about
-    150). A spell that hits one pass is unlikely to hit the same shapes in the next, and other work only
-    ever slows a measurement down, so the minimum over passes estimates the uncontended time (as
-    :func:`low_percentile` does within one)."""
-    return [[m, n, k, 2.0 * m * n * k / min(p[i] for p in passes)] for i, (m, n, k) in enumerate(shapes)]
+    micro-batches of 4 sequences at 1.4x those of one of 8; measured again, the two come out alike). A spell
+    that hits one pass is out-voted by the others. The median, not the fastest pass: the trainer's GEMMs
+    run beside the other rank's and its gloo thread and do not get the best pass (with the fastest of three
+    passes, the table priced a 640-wide layer's twelve GEMMs at 0.87 of their time on two ranks in the
+    trainer's order and forms, ``bench/plan_gemm_sequence.py``)."""
+    return [[m, n, k, 2.0 * m * n * k / statistics.median(p[i] for p in passes)]
+            for i, (m, n, k) in enumerate(shapes)]
 
 
 def _linear_gemm_seconds(torch, m: int, n: int, k: int, budget: float) -> float:
@@ -383,6 +388,9 @@ def _sync_wait(dist, torch, reps: int) -> dict:
     over = run(overlapped)
     # A bucket-sized all-reduce (a data-parallel gradient bucket, a ZeRO-3 gather) under matmuls that take
     # longer than it: what the overlapped pair costs beyond the matmuls, as a fraction of the all-reduce.
+    # The fraction is a difference of two times over a third, so a slow spell in any one of them moves it
+    # (two calibrations of one idle machine gave 1.29 and 0.29): the three are measured in OVERLAP_ROUNDS
+    # interleaved rounds and the planner takes the median round's fraction.
     big = torch.ones(BUCKET_BYTES // 4)
     big_alone = run(lambda: dist.all_reduce(big))
     n_mm = max(1, int(2 * big_alone / max(mm, 1e-6)) + 1)
@@ -395,11 +403,13 @@ def _sync_wait(dist, torch, reps: int) -> dict:
         handle = dist.all_reduce(big, async_op=True)
         mms()
         handle.wait()
-    mms_s = run(mms)
-    big_over = run(big_overlapped)
+    rounds = []
+    for _ in range(OVERLAP_ROUNDS):
+        rounds.append([run(lambda: dist.all_reduce(big)), run(mms), run(big_overlapped)])
+    ba, ms_, bo = (statistics.median(r[i] for r in rounds) for i in range(3))
     return {"bytes": SYNC_BYTES, "pair_s": pair, "mm_s": mm, "allreduce_s": alone, "overlapped_s": over,
-            "bucket_bytes": BUCKET_BYTES, "bucket_allreduce_s": big_alone, "bucket_mm_s": mms_s,
-            "bucket_overlapped_s": big_over}
+            "bucket_bytes": BUCKET_BYTES, "bucket_allreduce_s": ba, "bucket_mm_s": ms_,
+            "bucket_overlapped_s": bo, "bucket_rounds": rounds}
 
 
 def overlap_penalty(data: dict) -> float:
@@ -416,7 +426,8 @@ def overlap_exposed(data: dict) -> float:
     s = data.get("sync")
     if not s or "bucket_overlapped_s" not in s:
         return 0.0
-    return max(0.0, (s["bucket_overlapped_s"] - s["bucket_mm_s"]) / s["bucket_allreduce_s"])
+    rounds = s.get("bucket_rounds") or [[s["bucket_allreduce_s"], s["bucket_mm_s"], s["bucket_overlapped_s"]]]
+    return max(0.0, statistics.median((over - mms) / alone for alone, mms, over in rounds))
 
 
 def sync_wait(data: dict) -> float:
