@@ -273,10 +273,15 @@ def _distinct(keys: torch.Tensor) -> torch.Tensor:
     """The distinct ``keys``, sorted: one numpy sort and a neighbour compare (torch.unique is several times
     slower on the CPU, and numpy 2.4's plain ``np.unique`` some fifty times)."""
     srt = np.sort(keys.numpy())
-    keep = np.empty(len(srt), dtype=bool)
-    keep[:1] = True
-    np.not_equal(srt[1:], srt[:-1], out=keep[1:])
-    return torch.from_numpy(srt[keep])
+    return torch.from_numpy(srt[_run_starts(srt)])
+
+
+def _run_starts(srt: np.ndarray) -> np.ndarray:
+    """Mask of each run's first element in the sorted array ``srt`` (its distinct values' first places)."""
+    first = np.empty(len(srt), dtype=bool)
+    first[:1] = True
+    np.not_equal(srt[1:], srt[:-1], out=first[1:])
+    return first
 
 
 @dataclass
@@ -294,9 +299,7 @@ class Dedup:
         v = ids.numpy()
         perm = np.argsort(v)  # numpy's introsort: a few times faster here than torch.unique on the CPU
         srt = v[perm]
-        first = np.empty(len(srt), dtype=bool)
-        first[:1] = True
-        np.not_equal(srt[1:], srt[:-1], out=first[1:])
+        first = _run_starts(srt)
         inv = np.empty(len(srt), dtype=np.int64)
         inv[perm] = np.cumsum(first) - 1
         return Dedup(torch.from_numpy(srt[first]), torch.from_numpy(inv), torch.from_numpy(perm),
