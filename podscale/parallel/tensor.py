@@ -573,6 +573,29 @@ def sync_sequence_parallel_grads(params, mesh) -> None:
         offset += g.numel()
 
 
+NORM_ROW = 4096      # elements per fp32 partial norm in :func:`sum_of_squares`
+
+
+def sum_of_squares(g: torch.Tensor) -> torch.Tensor:
+    """The fp64 sum of squares of ``g``, without an fp64 copy of it. An fp32 (or 16-bit) gradient is cut
+    into rows of NORM_ROW elements whose norms are taken in fp32 (relative error ~1e-7, the size of the
+    fp32 result's own rounding) and summed in fp64. ``g.double().pow(2).sum()`` allocated two copies of
+    every gradient: on a CPU their first-touch page faults cost 1.1 s of a 3 s tp = 2 step of a 12 x 640
+    GPT, more than its attention; ``vector_norm(g, dtype=float64)`` still casts a whole copy."""
+    if g.dtype == torch.float64:
+        return torch.linalg.vector_norm(g).square()
+    # the sum does not depend on the order: read a transposed gradient (autograd's weight gradient of
+    # a linear layer) through its contiguous transpose
+    flat = (g.t() if g.dim() == 2 and not g.is_contiguous() and g.t().is_contiguous() else g).reshape(-1)
+    whole = flat.numel() - flat.numel() % NORM_ROW
+    total = torch.zeros((), dtype=torch.float64, device=g.device)
+    if whole:
+        total += torch.linalg.vector_norm(flat[:whole].view(-1, NORM_ROW).float(), dim=1).double().square().sum()
+    if whole < flat.numel():
+        total += torch.linalg.vector_norm(flat[whole:].float()).double().square()
+    return total
+
+
 def global_grad_norm(pieces, mesh, dp_sharded: bool = False) -> torch.Tensor:
     """The L2 norm of the gradient of the whole (unsharded, single-copy) model.
 
@@ -595,7 +618,7 @@ def global_grad_norm(pieces, mesh, dp_sharded: bool = False) -> torch.Tensor:
             continue
         seen.add(id(p))
         kind = 2 if t.expert_parallel else 0 if t.tensor_parallel else 1
-        sq[kind] += g.double().pow(2).sum().to(dev)
+        sq[kind] += sum_of_squares(g).to(dev)
         if g.dtype == torch.float64:
             out_dtype = torch.float64
     if dp_sharded:
