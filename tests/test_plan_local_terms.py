@@ -122,7 +122,8 @@ def test_podscale_trainer_pays_its_gradient_accumulation_and_scaling_passes():
 def test_zero_1_and_2_wait_for_the_parameter_all_gather_after_the_step():
     """ZeRO-1/2 reduce-scatter the gradients under the backward, but all-gather the updated parameters after
     the optimizer step, which the next forward waits for: that half of the traffic is exposed even where the
-    backward hides the reduction (a GPU), so it orders ZeRO-0 ahead of ZeRO-1/2 when the rest is equal."""
+    backward hides the reduction (a GPU), so it orders ZeRO-0 ahead of ZeRO-1/2 when the rest is equal. ZeRO-2
+    also pays a reduce-scatter for every micro-batch (ZeRO-1 accumulates and reduces once)."""
     from podscale.plan import network as net
     gpu = load_system("dgx-a100-80g")
     model = GPT(layers=8, hidden=1024, heads=16, seq=1024, vocab=32000)
@@ -130,7 +131,15 @@ def test_zero_1_and_2_wait_for_the_parameter_all_gather_after_the_step():
             for z in (0, 1, 2)}
     grad_bytes = 2 * (model.params)           # 16-bit gradients of the whole model, one stage
     gather = net.all_gather_time(gpu, grad_bytes, 8, 1)
-    assert comm[1] == comm[2] > comm[0]
+    assert comm[2] > comm[1] > comm[0]
     # ZeRO-0 waits for its last bucket's all-reduce (1/layers of it), ZeRO-1/2 for the last bucket's
     # reduce-scatter plus the whole all-gather: the difference is the all-gather less its last-bucket share
     assert comm[1] - comm[0] == pytest.approx(gather * (1 - 1 / model.layers), rel=1e-6)
+    # ZeRO-2 reduce-scatters every micro-batch's gradients (no full gradient buffer to accumulate in): with
+    # m = 64 / (8 x 4) = 2 it waits for a second last bucket
+    rs = net.reduce_scatter_time(gpu, grad_bytes, 8, 1)
+    assert comm[2] - comm[1] == pytest.approx(rs / model.layers, rel=1e-6)
+    # one micro-batch a step: one reduction, as ZeRO-1; a pipeline accumulates locally and reduces once
+    one = {z: predict(gpu, 8, model, Layout(dp=8, microbatch=8, zero_stage=z), 64).time_breakdown_s[
+        "dp_communication"] for z in (1, 2)}
+    assert one[1] == one[2]

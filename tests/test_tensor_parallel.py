@@ -76,3 +76,25 @@ def test_parallel_layers_match_full_layers():
         for label, diff in results[r].items():
             assert diff < 1e-6, f"rank {r} {label}: {diff}"
     print(results[0])
+
+
+def test_sum_of_squares_is_the_fp64_sum_without_a_copy():
+    """The gradient norm's sum of squares (tensor/pipeline strategies): the fp64 sum of squares of fp64,
+    fp32 (contiguous, a linear layer's transposed weight gradient, lengths that are not a multiple of the
+    row) and 16-bit gradients, to the precision of the gradient's own dtype."""
+    import torch
+
+    from podscale.parallel.tensor import NORM_ROW, sum_of_squares
+    torch.manual_seed(0)
+    cases = [(torch.randn(40, 30, dtype=torch.float64), 1e-14),
+             (torch.randn(3 * NORM_ROW + 17) * 1e-3, 1e-6),
+             (torch.randn(2 * NORM_ROW, 5).t(), 1e-6),          # transposed: read through its transpose
+             (torch.randn(7, 11)[:, ::2], 1e-6),                 # non-contiguous, not a plain transpose
+             (torch.randn(NORM_ROW - 1), 1e-6),
+             (torch.randn(5, NORM_ROW + 3).half(), 1e-3)]
+    for g, tol in cases:
+        want = g.double().pow(2).sum()
+        got = sum_of_squares(g)
+        assert got.dtype == torch.float64
+        assert abs(got - want) <= tol * want, (g.shape, g.dtype, float(got), float(want))
+    assert float(sum_of_squares(torch.zeros(0))) == 0.0

@@ -356,10 +356,14 @@ def predict_gpt(system: System, devices: int, model: GPT, lay: Layout, batch: in
             dp_red += rs
     if p > 1:   # tied input/output embedding gradients between first and last stage
         dp_red += net.all_reduce_time(system, 2 * model.vocab * h / t, 2, (p - 1) * stride_pp)
+    # ZeRO-2 keeps no full gradient buffer: every micro-batch's gradients are reduce-scattered under that
+    # micro-batch's backward and added into the shard (Rajbhandari et al. 2020, Sec. 5.2; DeepSpeed's stage 2,
+    # podscale's ZeroStrategy), m reductions a step; a pipeline accumulates locally and reduces once.
+    reductions = m if lay.zero_stage == 2 and p == 1 and dpe > 1 else 1
     window = comp_bwd if lay.overlap_grad_reduce else 0.0
     last_bucket = dp_red / max(n_slow, 1)
-    dp_exposed = (max(overlapped_exposed(dev, dp_red, window), last_bucket) if lay.overlap_grad_reduce
-                  else dp_red) + zero3_gather + param_gather
+    dp_exposed = reductions * (max(overlapped_exposed(dev, dp_red, window), last_bucket)
+                               if lay.overlap_grad_reduce else dp_red) + zero3_gather + param_gather
 
     shard = 1 if lay.zero_stage == 0 else dpe
     local_params = (stage_dense + stage_expert) / shard
