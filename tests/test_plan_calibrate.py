@@ -132,3 +132,20 @@ def test_calibrate_gpu_without_cuda_is_one_line(capsys):
     assert main(["plan", "calibrate", "--gpu"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("podscale: error: ") and "CUDA" in err and err.count("\n") == 1
+
+
+def test_the_wait_and_the_overlap_penalty_are_the_median_rounds():
+    """The wait between kernels and the overlap penalty are differences of times measured apart: each is
+    taken in interleaved rounds and the median round's difference counts, so one round that a slow spell hit
+    (here the third: a 9 ms pair, a 20 ms overlapped pair) moves neither."""
+    rounds = [[2.0e-3, 0.4e-3, 3.0e-3, 2.5e-3],     # [mm, all-reduce, pair, overlapped]
+              [2.1e-3, 0.4e-3, 3.2e-3, 2.9e-3],
+              [2.0e-3, 0.5e-3, 9.0e-3, 20e-3],
+              [2.0e-3, 0.4e-3, 2.2e-3, 2.0e-3],      # faster than its parts: a negative difference
+              [1.9e-3, 0.4e-3, 2.9e-3, 2.4e-3]]
+    data = {"sync": {"bytes": 1 << 19, "pair_s": 3.0e-3, "mm_s": 2.0e-3, "allreduce_s": 0.4e-3,
+                     "overlapped_s": 2.5e-3, "sync_rounds": rounds}}
+    assert sync_wait(data) == pytest.approx(0.6e-3)           # round differences 0.6, 0.7, 6.5, -0.2, 0.6 ms
+    assert overlap_penalty(data) == pytest.approx(0.5e-3)     # 0.5, 0.8, 18, 0, 0.5 ms
+    data["sync"]["sync_rounds"] = [[2.0e-3, 0.4e-3, 2.2e-3, 1.9e-3]] * 3
+    assert sync_wait(data) == 0.0 and overlap_penalty(data) == 0.0

@@ -360,7 +360,10 @@ def sharded_bandwidth(data: dict, name: str, ranks: int) -> float:
 def _sync_wait(dist, torch, reps: int) -> dict:
     """Median seconds per iteration of (multiply; all-reduce SYNC_BYTES), of the multiply alone, and of the
     all-reduce alone back to back: the first minus the other two is what a collective between kernels
-    waits for the other ranks (the same fixed number of collectives on every rank)."""
+    waits for the other ranks (the same fixed number of collectives on every rank). Like the bucket's
+    exposed fraction below, these are differences of times measured apart, so they are measured in
+    OVERLAP_ROUNDS interleaved rounds and the planner takes the median round's difference (measured in one
+    block each, two calibrations of one idle machine gave a wait of 1,086 us and of 0 us)."""
     a, b = torch.randn(SYNC_GEMM, SYNC_GEMM), torch.randn(SYNC_GEMM, SYNC_GEMM)
     c, buf = torch.empty(SYNC_GEMM, SYNC_GEMM), torch.ones(SYNC_BYTES // 4)
 
@@ -382,10 +385,9 @@ def _sync_wait(dist, torch, reps: int) -> dict:
         torch.mm(a, b, out=c)
         handle.wait()
 
-    mm = run(lambda: torch.mm(a, b, out=c))
-    alone = run(lambda: dist.all_reduce(buf))
-    pair = run(both)
-    over = run(overlapped)
+    sync_rounds = [[run(lambda: torch.mm(a, b, out=c)), run(lambda: dist.all_reduce(buf)), run(both),
+                    run(overlapped)] for _ in range(OVERLAP_ROUNDS)]
+    mm, alone, pair, over = (statistics.median(r[i] for r in sync_rounds) for i in range(4))
     # A bucket-sized all-reduce (a data-parallel gradient bucket, a ZeRO-3 gather) under matmuls that take
     # longer than it: what the overlapped pair costs beyond the matmuls, as a fraction of the all-reduce.
     # The fraction is a difference of two times over a third, so a slow spell in any one of them moves it
@@ -408,16 +410,24 @@ def _sync_wait(dist, torch, reps: int) -> dict:
         rounds.append([run(lambda: dist.all_reduce(big)), run(mms), run(big_overlapped)])
     ba, ms_, bo = (statistics.median(r[i] for r in rounds) for i in range(3))
     return {"bytes": SYNC_BYTES, "pair_s": pair, "mm_s": mm, "allreduce_s": alone, "overlapped_s": over,
+            "sync_rounds": sync_rounds,
             "bucket_bytes": BUCKET_BYTES, "bucket_allreduce_s": ba, "bucket_mm_s": ms_,
             "bucket_overlapped_s": bo, "bucket_rounds": rounds}
 
 
+def _sync_rounds(s: dict) -> list:
+    """[mm, all-reduce, pair, overlapped] seconds of each interleaved round (one round for files calibrated
+    before the rounds were kept)."""
+    return s.get("sync_rounds") or [[s["mm_s"], s["allreduce_s"], s["pair_s"], s.get("overlapped_s", 0.0)]]
+
+
 def overlap_penalty(data: dict) -> float:
-    """Seconds an all-reduce overlapped with a matmul costs beyond the longer of the two (>= 0)."""
+    """Seconds an all-reduce overlapped with a matmul costs beyond the longer of the two (>= 0; the median
+    round's)."""
     s = data.get("sync")
     if not s or "overlapped_s" not in s:
         return 0.0
-    return max(0.0, s["overlapped_s"] - max(s["mm_s"], s["allreduce_s"]))
+    return max(0.0, statistics.median(over - max(mm, ar) for mm, ar, _, over in _sync_rounds(s)))
 
 
 def overlap_exposed(data: dict) -> float:
@@ -433,7 +443,7 @@ def overlap_exposed(data: dict) -> float:
 def sync_wait(data: dict) -> float:
     """Seconds a collective issued between compute kernels waits beyond its back-to-back time (>= 0)."""
     s = data.get("sync")
-    return max(0.0, s["pair_s"] - s["mm_s"] - s["allreduce_s"]) if s else 0.0
+    return max(0.0, statistics.median(pair - mm - ar for mm, ar, pair, _ in _sync_rounds(s))) if s else 0.0
 
 
 def fit_ring(samples, ranks: int) -> tuple[float, float]:
