@@ -164,3 +164,15 @@ def test_zero_1_and_2_pay_the_reduce_scatter_and_the_all_gather_each_at_its_own_
         a = predict(base, 2, MODEL, lay, 16).time_breakdown_s["dp_communication"]
         b = predict(slow_ag, 2, MODEL, lay, 16).time_breakdown_s["dp_communication"]
         assert b - a == pytest.approx(extra, rel=1e-6)
+
+
+def test_gemm_operands_are_cycled_out_of_the_cores_cache():
+    """Each calibrated GEMM shape reads its operands from the next of enough copies to fill COLD_BYTES, as a
+    training step's GEMMs find theirs written by other kernels since their last use; a shape whose operands
+    alone fill it uses one set."""
+    from podscale.plan.calibrate import COLD_BYTES, gemm_operand_sets
+    for m, n, k in [(64, 32, 32), (1024, 384, 128), (256, 2048, 2048), (4096, 2048, 2048)]:
+        sets = gemm_operand_sets(m, n, k)
+        one = 4 * (2 * m * k + 2 * n * k + n)
+        assert sets * one >= COLD_BYTES and (sets == 1 or (sets - 1) * one < COLD_BYTES)
+    assert gemm_operand_sets(4096, 2048, 2048) == 1

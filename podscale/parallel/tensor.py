@@ -577,11 +577,12 @@ NORM_ROW = 4096      # elements per fp32 partial norm in :func:`sum_of_squares`
 
 
 def sum_of_squares(g: torch.Tensor) -> torch.Tensor:
-    """The fp64 sum of squares of ``g``, without an fp64 copy of it. An fp32 (or 16-bit) gradient is cut
-    into rows of NORM_ROW elements whose norms are taken in fp32 (relative error ~1e-7, the size of the
-    fp32 result's own rounding) and summed in fp64. ``g.double().pow(2).sum()`` allocated two copies of
-    every gradient: on a CPU their first-touch page faults cost 1.1 s of a 3 s tp = 2 step of a 12 x 640
-    GPT, more than its attention; ``vector_norm(g, dtype=float64)`` still casts a whole copy."""
+    """The fp64 sum of squares of ``g``, without an fp64 copy of it. An fp32 gradient is cut into rows of
+    NORM_ROW elements whose norms are taken in fp32 (relative error ~1e-7, the size of the fp32 result's
+    own rounding) and summed in fp64; a 16-bit one goes through one fp32 copy. ``g.double().pow(2).sum()``
+    allocated two fp64 copies of every gradient every step, whose first-touch page faults cost a CPU more
+    than the step's attention (BENCHMARKS.md, the planner against local runs); ``vector_norm(g,
+    dtype=float64)`` still casts a whole copy."""
     if g.dtype == torch.float64:
         return torch.linalg.vector_norm(g).square()
     # the sum does not depend on the order: read a transposed gradient (autograd's weight gradient of

@@ -4,7 +4,8 @@ What is measured, with ``ranks`` worker processes running *at the same time* (as
 runs them, so they share cores, caches and memory bandwidth), each with cores/ranks torch threads:
   - matmul FLOP/s by shape (float32, torch on CPU): squares and transformer-like rectangles, each in the
     three forms a linear layer runs (forward addmm with the transposed weight, input and weight gradients),
-    outputs allocated as autograd allocates them; the grid is measured in GEMM_PASSES whole passes and each
+    outputs allocated as autograd allocates them, operands cycled through COLD_BYTES of copies (a step's GEMMs
+    find theirs outside the core's L2); the grid is measured in GEMM_PASSES whole passes and each
     shape keeps its median pass (a slow spell of a shared machine hits neighbouring shapes of one pass);
   - fused causal attention (scaled_dot_product_attention) forward and backward by sequence and head size:
     on a CPU it runs far below the matmul rate, so it is measured, not derived from GEMMs;
@@ -34,6 +35,7 @@ The rendezvous store listens on 127.0.0.1 only and gloo is pinned to the loopbac
 from __future__ import annotations
 
 import datetime as _dt
+import itertools
 import json
 import os
 import platform
@@ -162,16 +164,40 @@ def gemm_table_from_passes(shapes, passes) -> list:
             for i, (m, n, k) in enumerate(shapes)]
 
 
+# Bytes of operands each GEMM shape cycles through: in a training step a GEMM's operands were written by other
+# kernels since their last use (the rest of the layer, the other layers) and come from the shared L3 or
+# memory, not from the core's L2 (0.5-2 MiB a core); one set reused back to back stays in L2. Measured on
+# this CPU with one thread: a 128-wide layer's GEMMs (1024 x 384 x 128 ... 512 x 128 x 1024) ran 5-12 % slower
+# cycling 24 sets than reusing one, and a profiled step of a 4 x 128 GPT on 2 ranks ran its GEMMs 11 % over
+# the table of hot operands; a 640-wide layer's (whose operands outgrow L2 anyway) run alike either way.
+COLD_BYTES = 8 << 20
+
+
+def gemm_operand_sets(m: int, n: int, k: int) -> int:
+    """How many operand sets of an (m x k) @ (k x n) linear layer's three forms add up to COLD_BYTES (at
+    least one)."""
+    set_bytes = 4 * (2 * m * k + 2 * n * k + n)
+    return max(1, -(-COLD_BYTES // set_bytes))
+
+
 def _linear_gemm_seconds(torch, m: int, n: int, k: int, budget: float) -> float:
     """Mean seconds of an (m x k) @ (k x n) product in the three forms a linear layer runs it (torch's
     nn.Linear and its autograd): the forward's addmm with a bias and the transposed weight, the input
     gradient's plain product, the weight gradient's product with a transposed first operand; each
-    allocates its output, as autograd does. A product of two contiguous operands into a preallocated
-    output, the simplest thing to time, runs 5-20 % faster on a CPU than these."""
-    x, w, bias = torch.randn(m, k), torch.randn(n, k), torch.randn(n)
-    b, xt = torch.randn(k, n), torch.randn(k, m)
-    forms = (lambda: torch.addmm(bias, x, w.t()), lambda: torch.mm(x, b), lambda: torch.mm(xt.t(), b))
-    return sum(_timeit(f, budget / len(forms), min_reps=3) for f in forms) / len(forms)
+    allocates its output, as autograd does, and reads its operands from the next of
+    :func:`gemm_operand_sets` sets, as a training step's GEMMs find theirs outside the core's cache. A product
+    of two contiguous operands into a preallocated output, the simplest thing to time, runs 5-20 % faster on
+    a CPU than these."""
+    sets = [(torch.randn(m, k), torch.randn(n, k), torch.randn(n), torch.randn(k, n), torch.randn(k, m))
+            for _ in range(gemm_operand_sets(m, n, k))]
+    forms = (lambda x, w, bias, b, xt: torch.addmm(bias, x, w.t()),
+             lambda x, w, bias, b, xt: torch.mm(x, b),
+             lambda x, w, bias, b, xt: torch.mm(xt.t(), b))
+
+    def cycling(form):
+        turn = itertools.count()
+        return lambda: form(*sets[next(turn) % len(sets)])
+    return sum(_timeit(cycling(f), budget / len(forms), min_reps=3) for f in forms) / len(forms)
 
 
 ATTENTION_SEQ = (64, 128, 256, 512)
