@@ -16,6 +16,8 @@ import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..cache import cache_dir
+
 GiB = 1024**3
 GB = 1e9
 
@@ -25,11 +27,6 @@ TOPOLOGIES = ("switch", "fat-tree", "torus", "weight-streaming", "host")
 
 class CatalogError(ValueError):
     """A system name or file that cannot be used; the message says how to fix it."""
-
-
-def cache_dir() -> Path:
-    """Where calibration results and user systems live: ``$PODSCALE_CACHE`` or ``~/.cache/podscale``."""
-    return Path(os.environ.get("PODSCALE_CACHE", Path.home() / ".cache" / "podscale"))
 
 
 @dataclass(frozen=True)

@@ -14,12 +14,9 @@ from pathlib import Path
 
 import torch
 
+from podscale.cache import cache_dir
+
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def cache_dir() -> Path:
-    """Where measurements are cached: ``$PODSCALE_CACHE`` or ``~/.cache/podscale``."""
-    return Path(os.environ.get("PODSCALE_CACHE", Path.home() / ".cache" / "podscale"))
 
 
 def _device_key(device: torch.device, dtype: str) -> str:
