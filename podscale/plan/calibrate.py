@@ -442,8 +442,8 @@ def _sync_wait(dist, torch, reps: int) -> dict:
 
 
 def _sync_rounds(s: dict) -> list:
-    """[mm, all-reduce, pair, overlapped] seconds of each interleaved round (one round for files calibrated
-    before the rounds were kept)."""
+    """[mm, all-reduce, pair, overlapped] seconds of each interleaved round (one round where only the single
+    times are given)."""
     return s.get("sync_rounds") or [[s["mm_s"], s["allreduce_s"], s["pair_s"], s.get("overlapped_s", 0.0)]]
 
 

@@ -177,6 +177,13 @@ def _layer_times_uncached(system: System, model: GPT, lay: Layout, moe: bool) ->
             "tp_bwd": _tp_backward(lay, tp_ar, wgrad, dev)}
 
 
+def reduces_every_micro_batch(lay: Layout) -> bool:
+    """ZeRO-2/3 without a pipeline keep no full gradient buffer: every micro-batch's gradients are
+    reduce-scattered under its backward and added into the shard (Rajbhandari et al. 2020, Sec. 5.2;
+    DeepSpeed's stage 2; podscale's ZeroStrategy). A pipeline accumulates locally and reduces once a step."""
+    return lay.zero_stage >= 2 and lay.pp == 1
+
+
 def gradient_bookkeeping_bytes(lay: Layout, m: int) -> float:
     """Bytes per parameter of the rank's stage that podscale's strategies move per step to accumulate the
     ``m`` micro-batches' gradients and scale them for the reduction, beyond the norm/clip/zero passes
@@ -192,7 +199,7 @@ def gradient_bookkeeping_bytes(lay: Layout, m: int) -> float:
         return GRAD_ACCUMULATE_BYTES * m + GRAD_SCALE_BYTES
     if lay.zero_stage == 1:
         return GRAD_ACCUMULATE_BYTES * m + GRAD_SCALE_BYTES + 4        # + zeroing the full buffer
-    if lay.pp > 1:
+    if not reduces_every_micro_batch(lay):
         return GRAD_ACCUMULATE_BYTES * (m - 1) + GRAD_SCALE_BYTES
     return GRAD_SCALE_BYTES * m
 
@@ -349,17 +356,15 @@ def predict_gpt(system: System, devices: int, model: GPT, lay: Layout, batch: in
         units = n_slow + 1
         rs = units * net.reduce_scatter_time(system, grad_bytes / units, dpe, dp_stride)
         per_mb = (gathers * units * net.all_gather_time(system, grad_bytes / units, dpe, dp_stride)
-                  + (rs if p == 1 else 0.0))
+                  + (rs if reduces_every_micro_batch(lay) else 0.0))
         zero3_gather = m * overlapped_exposed(dev, per_mb, comp_fwd + comp_bwd + comp_rec)
         dp_red -= net.all_reduce_time(system, grad_bytes, dpe, dp_stride)   # replaced by the above
-        if p > 1:
+        if not reduces_every_micro_batch(lay):
             dp_red += rs
     if p > 1:   # tied input/output embedding gradients between first and last stage
         dp_red += net.all_reduce_time(system, 2 * model.vocab * h / t, 2, (p - 1) * stride_pp)
-    # ZeRO-2 keeps no full gradient buffer: every micro-batch's gradients are reduce-scattered under that
-    # micro-batch's backward and added into the shard (Rajbhandari et al. 2020, Sec. 5.2; DeepSpeed's stage 2,
-    # podscale's ZeroStrategy), m reductions a step; a pipeline accumulates locally and reduces once.
-    reductions = m if lay.zero_stage == 2 and p == 1 and dpe > 1 else 1
+    # ZeRO-2's reduce-scatter, m a step (ZeRO-3 pays its per-micro-batch one among its gathers above)
+    reductions = m if lay.zero_stage == 2 and reduces_every_micro_batch(lay) and dpe > 1 else 1
     window = comp_bwd if lay.overlap_grad_reduce else 0.0
     last_bucket = dp_red / max(n_slow, 1)
     dp_exposed = reductions * (max(overlapped_exposed(dev, dp_red, window), last_bucket)
