@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from podscale.sortunique import unique
+
 
 class GraphError(ValueError):
     """A graph, a partitioning or a sampling setting that cannot work (one line, with the fix)."""
@@ -108,7 +110,7 @@ def from_edges(src, dst, num_nodes: int, *, features=None, labels=None, splits=N
         keep = src != dst
         src, dst = src[keep], dst[keep]
     if dedupe and len(src):
-        key = np.unique(dst * num_nodes + src)
+        key = unique(dst * num_nodes + src)
         dst, src = key // num_nodes, key % num_nodes
     indptr, indices = compress(dst, src, num_nodes)
     g = Graph(num_nodes, indptr, indices,

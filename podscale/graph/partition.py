@@ -40,6 +40,7 @@ from pathlib import Path
 import numpy as np
 
 from podscale.graph.core import Graph, GraphError, compress
+from podscale.sortunique import unique
 
 FORMAT = "podscale-graph-partitions/1"
 METHODS = ("metis", "random")
@@ -68,7 +69,7 @@ def _undirected(g: Graph) -> tuple[np.ndarray, np.ndarray]:
     src, dst = g.edges()
     a, b = np.concatenate([src, dst]), np.concatenate([dst, src])
     keep = a != b
-    key = np.unique(a[keep] * g.num_nodes + b[keep])
+    key = unique(a[keep] * g.num_nodes + b[keep])
     return compress(key // g.num_nodes, key % g.num_nodes, g.num_nodes)
 
 
@@ -281,7 +282,7 @@ def report(g: Graph, part: np.ndarray, k: int) -> dict:
     nodes, summed over partitions) and balance per constraint."""
     src, dst = g.edges()
     cut = part[src] != part[dst]
-    halo = len(np.unique(part[dst[cut]] * g.num_nodes + src[cut]))
+    halo = len(unique(part[dst[cut]] * g.num_nodes + src[cut]))
     b = balance(part, constraint_weights(g), k)
     return {"edge_cut": float(cut.mean()) if len(cut) else 0.0, "halo_nodes": int(halo),
             "halo_share": halo / g.num_nodes, "balance": dict(zip(CONSTRAINTS, (round(float(x), 4) for x in b)))}
@@ -325,7 +326,7 @@ def write_partitions(g: Graph, part: np.ndarray, out: str | Path, method: str = 
             for name, idx in g.splits.items():
                 mine = idx[part[idx] == p]
                 local[name] = np.sort(new_id[mine] - offsets[p])
-            _save_npz(tmp / f"part-{p}.npz", indptr=indptr, indices=indices, halo=np.unique(indices[outside]),
+            _save_npz(tmp / f"part-{p}.npz", indptr=indptr, indices=indices, halo=unique(indices[outside]),
                       features=g.features[own] if g.features is not None else np.zeros((len(own), 0), np.float32),
                       labels=g.labels[own] if g.labels is not None else np.full(len(own), -1, np.int64),
                       orig_id=own, **local)

@@ -25,6 +25,7 @@ import torch
 
 from podscale.graph.core import GraphError
 from podscale.runtime import comm
+from podscale.sortunique import unique
 
 ALL = -1  # a fan-out that takes every neighbour (exact evaluation)
 
@@ -125,7 +126,7 @@ def make_block(dst: np.ndarray, counts: np.ndarray, nbrs: np.ndarray) -> Block:
     ``dst`` followed by the other neighbours in increasing id order; one sort of ``dst`` and ``nbrs``
     together relabels both."""
     nd = len(dst)
-    uniq, inv = np.unique(np.concatenate([dst, nbrs]), return_inverse=True)
+    uniq, inv = unique(np.concatenate([dst, nbrs]), return_inverse=True)
     inv = inv.reshape(-1)
     extra = np.ones(len(uniq), dtype=bool)  # ids met only among the neighbours
     extra[inv[:nd]] = False

@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from podscale.graph.partition import Partition
+from podscale.sortunique import unique
 from podscale.storage.rows import MemoryRowStore
 from podscale.table.embedding import ShardedEmbeddingBags, TableSpec, scale_grad
 from podscale.table.hashing import init_rows, name_seed
@@ -85,7 +86,7 @@ class FeatureStore:
         if self.cache is not None and len(miss):
             room = self.cache_rows - len(self.cache)
             if room > 0:
-                u, first = np.unique(miss.numpy(), return_index=True)
+                u, first = unique(miss.numpy(), return_index=True)
                 keep = first[:room]
                 self.cache.put(miss[keep], torch.nn.functional.pad(got[keep], (0, max(1, self.dim) - self.dim)))
         return out

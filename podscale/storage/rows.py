@@ -42,6 +42,7 @@ import numpy as np
 import torch
 
 from podscale.runtime.errors import InputError
+from podscale.sortunique import unique
 
 
 class StorageError(InputError):
@@ -209,7 +210,7 @@ class KeyIndex:
         while len(act):
             p = pos[act]
             free = self._st[p] != self._USED
-            cand, first = np.unique(p[free], return_index=True)  # one claimant per free position
+            cand, first = unique(p[free], return_index=True)  # one claimant per free position
             won = act[free][first]
             self._filled += int((self._st[cand] == self._EMPTY).sum())
             self._k[cand], self._v[cand], self._st[cand] = keys[won], slots[won], self._USED

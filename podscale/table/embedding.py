@@ -53,13 +53,13 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from podscale.runtime import comm
 from podscale.runtime.errors import InputError
+from podscale.sortunique import argsort_unique, unique
 from podscale.storage.dense import DenseRowStore
 from podscale.storage import SSD_ENGINES
 from podscale.storage.rows import CachedRowStore, MemoryRowStore, RowStore, StorageError, TierStats
@@ -270,18 +270,8 @@ class _BagPool(torch.autograd.Function):
 
 
 def _distinct(keys: torch.Tensor) -> torch.Tensor:
-    """The distinct ``keys``, sorted: one numpy sort and a neighbour compare (torch.unique is several times
-    slower on the CPU, and numpy 2.4's plain ``np.unique`` some fifty times)."""
-    srt = np.sort(keys.numpy())
-    return torch.from_numpy(srt[_run_starts(srt)])
-
-
-def _run_starts(srt: np.ndarray) -> np.ndarray:
-    """Mask of each run's first element in the sorted array ``srt`` (its distinct values' first places)."""
-    first = np.empty(len(srt), dtype=bool)
-    first[:1] = True
-    np.not_equal(srt[1:], srt[:-1], out=first[1:])
-    return first
+    """The distinct ``keys``, sorted (:func:`podscale.sortunique.unique`: one sort)."""
+    return torch.from_numpy(unique(keys.numpy()))
 
 
 @dataclass
@@ -296,14 +286,8 @@ class Dedup:
 
     @staticmethod
     def of(ids: torch.Tensor) -> "Dedup":
-        v = ids.numpy()
-        perm = np.argsort(v)  # numpy's introsort: a few times faster here than torch.unique on the CPU
-        srt = v[perm]
-        first = _run_starts(srt)
-        inv = np.empty(len(srt), dtype=np.int64)
-        inv[perm] = np.cumsum(first) - 1
-        return Dedup(torch.from_numpy(srt[first]), torch.from_numpy(inv), torch.from_numpy(perm),
-                     torch.from_numpy(np.flatnonzero(first)))
+        # numpy's introsort (podscale.sortunique): a few times faster here than torch.unique on the CPU
+        return Dedup(*(torch.from_numpy(x) for x in argsort_unique(ids.numpy())))
 
     def counts(self) -> torch.Tensor:
         return torch.diff(self.starts, append=self.starts.new_tensor([len(self.inv)]))

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from podscale.sortunique import unique
 from podscale.storage import SSD_ENGINES
 from podscale.storage.rows import CachedRowStore, MemoryRowStore
 
@@ -47,7 +48,7 @@ def _step_demand(n: int, alpha: float, draws: int | None, buckets: int = 4096, s
     """Ranks ``[0, n)`` cut into log-spaced buckets (one edge at ``split``): the edges, ids per bucket and
     each id's chance ``q`` to be drawn at least once in ``draws`` Zipf(``alpha``) draws,
     ``q_i = 1 - (1 - p_i)^draws`` (``q_i = p_i`` per draw without ``draws``)."""
-    edges = np.unique(np.concatenate([[0, split, n], np.round(np.geomspace(1, n, buckets)).astype(np.int64)]))
+    edges = unique(np.concatenate([[0, split, n], np.round(np.geomspace(1, n, buckets)).astype(np.int64)]))
     count = np.diff(edges).astype(np.float64)
     p = np.diff(zipf_cdf(edges, n, alpha)) / count       # per-id probability within each bucket
     q = p if draws is None else -np.expm1(draws * np.log1p(-np.minimum(p, 1 - 1e-15)))

@@ -60,7 +60,7 @@ import torch.nn.functional as F
 from podscale.parallel.moe.gate import MoEStats, Router, Routing, expert_capacity, load_balancing_loss, \
     route, routing_uniform, router_z_loss
 from podscale.parallel.param_tags import tag
-from podscale.parallel.tensor import GatherBatchFromTP, ReduceFromTP, SplitBatchToTP
+from podscale.parallel.tensor import GatherBatchFromTP, ReduceFromTP, SplitBatchToTP, global_grad_norm
 from podscale.runtime import comm, hostmem
 
 
@@ -357,14 +357,9 @@ def reduce_gradients(model: nn.Module, mesh) -> None:
 
 def grad_norm(model: nn.Module, mesh) -> torch.Tensor:
     """The global L2 norm of the whole model's (reduced) gradient, the same on every rank: dense gradients
-    are replicated, so they count once; each ep rank holds other experts, so their squares are summed over
-    ep (the dp replicas of an expert hold the same reduced gradient and are not summed)."""
-    def sq(params):
-        gs = [p.grad.float().square().sum() for p in params if p.grad is not None]
-        return torch.stack(gs).sum() if gs else torch.zeros((), device=mesh.device)
-    experts = sq(expert_parameters(model)).reshape(1)
-    comm.all_reduce(experts, mesh, "ep")
-    return (sq(dense_parameters(model)) + experts[0]).sqrt()
+    are replicated, so they count once; each ep rank holds other experts (tagged ``expert_parallel``), so
+    their squares are summed over ep. The trunk's rule, :func:`~podscale.parallel.tensor.global_grad_norm`."""
+    return global_grad_norm([(p, p.grad) for p in model.parameters()], mesh)
 
 
 # ---------------------------------------------------------------------------------------------------
