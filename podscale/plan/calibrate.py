@@ -15,12 +15,14 @@ runs them, so they share cores, caches and memory bandwidth), each with cores/ra
     cache), and the host cost per kernel of the same layer run at a size where its kernels do no work;
   - gloo all-reduce time by message size over ``ranks`` processes; a least-squares fit of the ring
     model t(S) = 2(n-1) alpha + 2(n-1)/n * S / B (Thakur et al. 2005) gives latency alpha and bandwidth B;
-  - the wait of a collective issued *between compute kernels*, as the trainer issues its tensor-parallel
+  - the cost of a collective issued *between compute kernels*, as the trainer issues its tensor-parallel
     all-reduces (several per layer): each rank multiplies, then all ranks all-reduce a tensor-parallel-sized
-    message. The ranks reach the collective at different moments (scheduling, their gloo threads and other
-    processes competing for the same cores) and each waits for the last one; back-to-back timings after a
-    barrier never see that wait. Its excess over t(S) is added to the latency the planner uses
-    (``sync_wait_us`` below), so every collective of a step pays it; and the same all-reduce issued
+    message. The ranks reach the collective at different moments and each waits for the last one; and on
+    gloo a collective's time is two-valued (:func:`expected_time`: its thread hand-offs now and then wait for
+    a scheduler tick), so a step with tens of collectives pays their *mean*, which low percentiles of
+    back-to-back timings after a barrier never see. The mean pair less the mean multiply, beyond the ring
+    model's t(S), is added to the latency the planner uses (``sync_wait_us`` below), so every collective of
+    a step pays it; and the same all-reduce issued
     asynchronously under a matmul, as the tensor-parallel backward overlaps the input gradient's
     all-reduce with the weight gradient: what it costs beyond the longer of the two is the device's
     ``overlap_penalty_us`` (the collective's thread competes with the compute threads for the cores);
@@ -58,6 +60,8 @@ GRID_NK = (32, 128, 256, 512, 1024, 2048)
 GEMM_PASSES = 3
 # Interleaved rounds of the overlapped-all-reduce measurement (:func:`overlap_exposed`).
 OVERLAP_ROUNDS = 5
+# Iterations per round of the collective-between-kernels timings (pooled over the rounds: 300 samples).
+SYNC_REPS = 60
 QUICK_M, QUICK_NK = (256, 2048), (128, 1024)
 ALLREDUCE_BYTES = (1 << 12, 1 << 14, 1 << 16, 1 << 18, 1 << 20, 1 << 22, 1 << 24)
 SYNC_BYTES = 1 << 19          # a tensor-parallel activation on a CPU: 8 x 128 tokens x 128 wide, float32
@@ -136,7 +140,7 @@ def _worker(rank: int, ranks: int, port: int, quick: bool, out_path: str) -> Non
             times.append(time.perf_counter() - t0)
         ar.append([nbytes, low_percentile(times)])
     sharded = _sharded_collectives(torch, ranks, SHARDED_BYTES[::2] if quick else SHARDED_BYTES, quick)
-    sync = _sync_wait(dist, torch, 10 if quick else 30)
+    sync = _sync_wait(dist, torch, 10 if quick else SYNC_REPS)
     if rank == 0:
         with open(out_path, "w") as f:
             json.dump({"matmul": table, "attention": attention, "memory_bw": mem_bw, "elementwise_bw": elementwise_bw,
@@ -383,24 +387,41 @@ def sharded_bandwidth(data: dict, name: str, ranks: int) -> float:
     return max((ranks - 1) / ranks * s / max(t - (ranks - 1) * alpha, 1e-9) for s, t in large)
 
 
+def expected_time(times) -> float:
+    """The mean of repeated timings of a collective, the slowest 2 % left out (a stall of another process).
+    Not a low percentile: on gloo a collective's time is two-valued. Its hand-offs between the caller, the
+    process group's worker thread and the transport's I/O thread now and then wait for a scheduler tick: on
+    the 2-core VM a 64 KiB-4 MiB all-reduce took 0.3-0.7 ms in most calls and about 4 ms in 20-50 % of
+    them (a plain TCP ping-pong of the same size over the same loopback: 0.16 ms, no such mode). A step with
+    tens of collectives pays their mean; a low percentile or a median sees one mode or the other, which is
+    how two calibrations of one idle machine measured a wait of 1,086 and of 0 us."""
+    ordered = sorted(times)
+    kept = ordered[:max(1, len(ordered) - len(ordered) // 50)]
+    return sum(kept) / len(kept)
+
+
 def _sync_wait(dist, torch, reps: int) -> dict:
-    """Median seconds per iteration of (multiply; all-reduce SYNC_BYTES), of the multiply alone, and of the
-    all-reduce alone back to back: the first minus the other two is what a collective between kernels
-    waits for the other ranks (the same fixed number of collectives on every rank). Like the bucket's
-    exposed fraction below, these are differences of times measured apart, so they are measured in
-    OVERLAP_ROUNDS interleaved rounds and the planner takes the median round's difference (measured in one
-    block each, two calibrations of one idle machine gave a wait of 1,086 us and of 0 us)."""
+    """Expected seconds (:func:`expected_time`) per iteration of (multiply; all-reduce SYNC_BYTES), of the
+    multiply alone, of the all-reduce alone back to back, and of the all-reduce issued asynchronously under
+    the multiply (the same fixed number of collectives on every rank). The pair less the multiply is what a
+    collective between kernels costs; beyond the ring model's time (fitted to low percentiles of
+    back-to-back collectives: the transfer) it is the wait the planner adds to every collective
+    (:func:`sync_wait`). The four are timed in OVERLAP_ROUNDS interleaved rounds of ``reps`` iterations each
+    and pooled, so a slow spell of the machine falls on all of them."""
     a, b = torch.randn(SYNC_GEMM, SYNC_GEMM), torch.randn(SYNC_GEMM, SYNC_GEMM)
     c, buf = torch.empty(SYNC_GEMM, SYNC_GEMM), torch.ones(SYNC_BYTES // 4)
 
-    def run(body) -> float:
+    def timings(body, n: int = reps) -> list:
         times = []
         dist.barrier()
-        for _ in range(reps):
+        for _ in range(n):
             t0 = time.perf_counter()
             body()
             times.append(time.perf_counter() - t0)
-        return sorted(times)[len(times) // 2]
+        return times
+
+    def run(body) -> float:
+        return sorted(timings(body))[reps // 2]
 
     def both():
         torch.mm(a, b, out=c)
@@ -411,9 +432,13 @@ def _sync_wait(dist, torch, reps: int) -> dict:
         torch.mm(a, b, out=c)
         handle.wait()
 
-    sync_rounds = [[run(lambda: torch.mm(a, b, out=c)), run(lambda: dist.all_reduce(buf)), run(both),
-                    run(overlapped)] for _ in range(OVERLAP_ROUNDS)]
-    mm, alone, pair, over = (statistics.median(r[i] for r in sync_rounds) for i in range(4))
+    pooled = {"mm": [], "allreduce": [], "pair": [], "overlapped": []}
+    bodies = {"mm": lambda: torch.mm(a, b, out=c), "allreduce": lambda: dist.all_reduce(buf), "pair": both,
+              "overlapped": overlapped}
+    for _ in range(OVERLAP_ROUNDS):
+        for key, body in bodies.items():
+            pooled[key] += timings(body)
+    mm, alone, pair, over = (expected_time(pooled[k]) for k in ("mm", "allreduce", "pair", "overlapped"))
     # A bucket-sized all-reduce (a data-parallel gradient bucket, a ZeRO-3 gather) under matmuls that take
     # longer than it: what the overlapped pair costs beyond the matmuls, as a fraction of the all-reduce.
     # The fraction is a difference of two times over a third, so a slow spell in any one of them moves it
@@ -436,24 +461,18 @@ def _sync_wait(dist, torch, reps: int) -> dict:
         rounds.append([run(lambda: dist.all_reduce(big)), run(mms), run(big_overlapped)])
     ba, ms_, bo = (statistics.median(r[i] for r in rounds) for i in range(3))
     return {"bytes": SYNC_BYTES, "pair_s": pair, "mm_s": mm, "allreduce_s": alone, "overlapped_s": over,
-            "sync_rounds": sync_rounds,
+            "samples": len(pooled["pair"]),
             "bucket_bytes": BUCKET_BYTES, "bucket_allreduce_s": ba, "bucket_mm_s": ms_,
             "bucket_overlapped_s": bo, "bucket_rounds": rounds}
 
 
-def _sync_rounds(s: dict) -> list:
-    """[mm, all-reduce, pair, overlapped] seconds of each interleaved round (one round where only the single
-    times are given)."""
-    return s.get("sync_rounds") or [[s["mm_s"], s["allreduce_s"], s["pair_s"], s.get("overlapped_s", 0.0)]]
-
-
 def overlap_penalty(data: dict) -> float:
-    """Seconds an all-reduce overlapped with a matmul costs beyond the longer of the two (>= 0; the median
-    round's)."""
+    """Seconds an all-reduce overlapped with a matmul costs beyond the longer of the two, the all-reduce
+    taken at what it costs between kernels (the pair less the matmul); >= 0."""
     s = data.get("sync")
     if not s or "overlapped_s" not in s:
         return 0.0
-    return max(0.0, statistics.median(over - max(mm, ar) for mm, ar, _, over in _sync_rounds(s)))
+    return max(0.0, s["overlapped_s"] - max(s["mm_s"], s["pair_s"] - s["mm_s"]))
 
 
 def overlap_exposed(data: dict) -> float:
@@ -466,10 +485,15 @@ def overlap_exposed(data: dict) -> float:
     return max(0.0, statistics.median((over - mms) / alone for alone, mms, over in rounds))
 
 
-def sync_wait(data: dict) -> float:
-    """Seconds a collective issued between compute kernels waits beyond its back-to-back time (>= 0)."""
+def sync_wait(data: dict, ranks: int) -> float:
+    """Seconds a collective issued between compute kernels costs beyond the ring model's time for its size,
+    fitted to the back-to-back samples (>= 0): the expected pair less the expected matmul, less t(S)."""
     s = data.get("sync")
-    return max(0.0, statistics.median(pair - mm - ar for mm, ar, pair, _ in _sync_rounds(s))) if s else 0.0
+    if not s:
+        return 0.0
+    alpha, bw = fit_ring(data["allreduce"], ranks)
+    ring = 2 * (ranks - 1) * alpha + 2 * (ranks - 1) / ranks * s["bytes"] / bw
+    return max(0.0, s["pair_s"] - s["mm_s"] - ring)
 
 
 def fit_ring(samples, ranks: int) -> tuple[float, float]:
@@ -538,7 +562,7 @@ def _rate_line(key: str, value, what: str) -> str:
 def system_toml(data: dict, ranks: int, quick: bool) -> str:
     """Render the measured numbers in the catalog's TOML schema; one 'device' is one rank."""
     alpha0, bw = fit_ring(data["allreduce"], ranks)
-    wait = sync_wait(data)
+    wait = sync_wait(data, ranks)
     alpha = alpha0 + wait / (2 * (ranks - 1))         # t(S) pays 2(n-1) latencies: spread the wait over them
     peak = max(f for *_, f in data["matmul"])
     cores = os.cpu_count() or 1
@@ -641,7 +665,7 @@ def calibrate(out: str | None = None, quick: bool = False, ranks: int = 2, log=p
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(system_toml(data, ranks, quick) + table_toml(measure_table_rates_concurrently(quick, ranks, swap_dir)))
     alpha, bw = fit_ring(data["allreduce"], ranks)
-    wait = sync_wait(data)
+    wait = sync_wait(data, ranks)
     log(f"matmul: best {max(f for *_, f in data['matmul']) / 1e9:.1f} GFLOP/s per rank "
         f"({len(data['matmul'])} shapes); memory copy {data['memory_bw'] / GB:.2f} GB/s, element-wise "
         f"{data['elementwise_bw'] / GB:.2f} GB/s per rank; kernel {data['kernel_overhead'] * 1e6:.1f} us; "
