@@ -20,13 +20,13 @@ from podscale.plan.search import candidate_layouts
 MODEL = GPT(layers=4, hidden=256, heads=8, seq=128, vocab=256)
 
 
-def _local(attention=(), **sync) -> object:
+def _local(attention=(), first_touch_bw=0.0, **sync) -> object:
     """A calibrated-CPU system from synthetic measurements (ring all-reduce 50 us + 2 GB/s)."""
     alpha, bw, n = 50e-6, 2e9, 2
     samples = [(s, 2 * (n - 1) * alpha + 2 * (n - 1) / n * s / bw) for s in (1 << 12, 1 << 16, 1 << 20, 1 << 24)]
     data = {"matmul": [[64, 64, 64, 1e10], [1024, 1024, 1024, 1e11]], "memory_bw": 1e10, "elementwise_bw": 4e9,
             "kernel_overhead": 5e-6, "allreduce": samples, "threads": 1, "nvme_bw": 1e9,
-            "optimizer_bw": 8e9, "grad_pass_bw": 6e9, "attention": list(attention),
+            "optimizer_bw": 8e9, "grad_pass_bw": 6e9, "attention": list(attention), "first_touch_bw": first_touch_bw,
             "sync": {"bytes": 1 << 19, "pair_s": 1.4e-3, "mm_s": 1.0e-3, "allreduce_s": 0.4e-3,
                      "overlapped_s": 1.0e-3, **sync}}
     return system_from_dict(tomllib.loads(system_toml(data, n, quick=True)))
@@ -143,3 +143,22 @@ def test_zero_1_and_2_wait_for_the_parameter_all_gather_after_the_step():
     one = {z: predict(gpu, 8, model, Layout(dp=8, microbatch=8, zero_stage=z), 64).time_breakdown_s[
         "dp_communication"] for z in (1, 2)}
     assert one[1] == one[2]
+
+
+def test_zero3_on_a_cpu_faults_its_working_set_in_again_every_step():
+    """ZeRO-3 on a CPU trims its heap at the end of every step (ZeroStrategy, hostmem.trim_heap), so the next
+    step's activations and gathered blocks land in pages the OS faults in again: priced at the calibrated
+    first-touch rate, for stage 3 only, and not at all where the rate was not measured."""
+    measured, unmeasured = _local(first_touch_bw=2e9), _local()
+    assert measured.device.first_touch_bw == pytest.approx(2e9)
+    z3 = predict(measured, 2, MODEL, Layout(dp=2, microbatch=4, zero_stage=3), 16)
+    mem = z3.memory_breakdown_bytes
+    want = (mem["activations"] + mem["logits"] + mem["zero3_gathered"]) / 2e9
+    assert want > 0 and z3.time_breakdown_s["first_touch"] == pytest.approx(want)
+    assert z3.step_time_s == pytest.approx(sum(z3.time_breakdown_s.values()))
+    plain = predict(unmeasured, 2, MODEL, Layout(dp=2, microbatch=4, zero_stage=3), 16)
+    assert "first_touch" not in plain.time_breakdown_s
+    assert z3.step_time_s - plain.step_time_s == pytest.approx(want)
+    for stage in (0, 1, 2):
+        assert "first_touch" not in predict(measured, 2, MODEL, Layout(dp=2, microbatch=4, zero_stage=stage),
+                                            16).time_breakdown_s

@@ -440,6 +440,13 @@ def predict_gpt(system: System, devices: int, model: GPT, lay: Layout, batch: in
         if sum(mem.values()) > total_mem:
             memory, states, total_mem = mem, st, sum(mem.values())
 
+    # ZeRO-3 on a CPU gives its heap back to the OS at the end of every step (ZeroStrategy calls
+    # hostmem.trim_heap: what keeps its peak RSS at FSDP2's), so each step writes its activations and gathered
+    # blocks into pages the OS faults in again, at the calibrated first-touch rate.
+    if lay.zero_stage == 3 and system.device_is_host and dev.first_touch_bw:
+        refault = (memory["activations"] + memory["logits"] + memory["zero3_gathered"]) / dev.first_touch_bw
+        breakdown["first_touch"] = components["first_touch"] = refault
+        step += refault
     tokens = batch * s
     model_flops, extra = _flops(model, lay, tokens)
     notes = []

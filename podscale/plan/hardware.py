@@ -62,6 +62,10 @@ class Device:
     # clipping, zeroing; GRAD_PASS_BYTES_* per parameter); 0 -> memory_bw * memory_efficiency.
     optimizer_bw: float = 0.0
     grad_pass_bw: float = 0.0
+    # Measured (local only): bytes/s of filling memory whose pages went back to the OS. ZeRO-3 on a CPU trims
+    # its heap every step (podscale's ZeroStrategy), so each step faults its working set in again; 0: not
+    # priced (GPUs: the caching allocator keeps its memory).
+    first_touch_bw: float = 0.0
     # Measured matmul throughput by shape (local calibration only): tuples (m, n, k, flop/s).
     matmul_table: tuple = ()
     # Measured fused causal attention (torch's scaled_dot_product_attention) by shape (local calibration
@@ -216,6 +220,7 @@ def system_from_dict(data: dict, source: str = "") -> System:
             overlap_exposed=float(dev.get("overlap_exposed", 0.0)),
             optimizer_bw=float(dev.get("optimizer_gbps", 0.0)) * GB,
             grad_pass_bw=float(dev.get("grad_pass_gbps", 0.0)) * GB,
+            first_touch_bw=float(dev.get("first_touch_gbps", 0.0)) * GB,
             matmul_table=table,
             attention_table=tuple(tuple(float(x) for x in row) for row in dev.get("attention_table", ())),
             sm_count=int(dev.get("sm_count", 0)),
