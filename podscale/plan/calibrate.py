@@ -354,7 +354,7 @@ def _first_touch(torch, budget: float) -> float:
     the 12 x 640 GPT's ZeRO-3 step: 30,000-47,000 page faults a step with the trim, 1,800-4,800 without,
     2.85 against 2.68 s."""
     from podscale.runtime import hostmem
-    hostmem.set_mmap_threshold(32 << 20)
+    hostmem.set_mmap_threshold(hostmem.DEFAULT_MMAP_THRESHOLD)
     src = torch.ones(FIRST_TOUCH_BYTES // 4)
     buf = torch.empty_like(src)
 
@@ -443,10 +443,10 @@ def _sync_wait(dist, torch, reps: int) -> dict:
     a, b = torch.randn(SYNC_GEMM, SYNC_GEMM), torch.randn(SYNC_GEMM, SYNC_GEMM)
     c, buf = torch.empty(SYNC_GEMM, SYNC_GEMM), torch.ones(SYNC_BYTES // 4)
 
-    def timings(body, n: int = reps) -> list:
+    def timings(body) -> list:
         times = []
         dist.barrier()
-        for _ in range(n):
+        for _ in range(reps):
             t0 = time.perf_counter()
             body()
             times.append(time.perf_counter() - t0)
@@ -493,7 +493,6 @@ def _sync_wait(dist, torch, reps: int) -> dict:
         rounds.append([run(lambda: dist.all_reduce(big)), run(mms), run(big_overlapped)])
     ba, ms_, bo = (statistics.median(r[i] for r in rounds) for i in range(3))
     return {"bytes": SYNC_BYTES, "pair_s": pair, "mm_s": mm, "allreduce_s": alone, "overlapped_s": over,
-            "samples": len(pooled["pair"]),
             "bucket_bytes": BUCKET_BYTES, "bucket_allreduce_s": ba, "bucket_mm_s": ms_,
             "bucket_overlapped_s": bo, "bucket_rounds": rounds}
 

@@ -21,6 +21,8 @@ import ctypes.util
 import os
 
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # <malloc.h>
+# ZeRO-3's mmap threshold on a CPU unless zero.host_mmap_threshold_mb says otherwise: glibc's cap on 64-bit
+DEFAULT_MMAP_THRESHOLD = 32 << 20
 
 _applied: int | None = None
 _mallopt = None

@@ -206,7 +206,7 @@ class ZeroStrategy(LocalMicroBatches, DataParallelStrategy):
             # machine): 32 MiB 0.76-0.80 s/step at 1375-1436 MiB peak RSS; half a block (14 MB, every
             # gather faulted in) 1.0-1.1 s at 1055-1079 MiB; glibc's dynamic default 0.66-0.75 s at
             # 1674-1791 MiB (FSDP2: 0.98-1.05 s at 1618-1780 MiB).
-            nbytes = 32 << 20 if mb is None else int(mb * 2**20)
+            nbytes = hostmem.DEFAULT_MMAP_THRESHOLD if mb is None else int(mb * 2**20)
             if nbytes > 0:
                 self._huge = hostmem.set_mmap_threshold(nbytes)
         self.param_init = param_init
