@@ -41,10 +41,14 @@ def _tokens():
     return tokens
 
 
-def train_gpt_moe(modes: list[str], steps: int, dp: int, ep: int, mesh: Mesh | None = None) -> list[dict]:
+def train_gpt_moe(modes: list[str], steps: int, dp: int, ep: int, mesh: Mesh | None = None,
+                  min_segment_rows: int | None = None) -> list[dict]:
     """Train with SGD at ``LR``; for each mode: losses (global mean) and gradient norms per step, routing
     counts per step and layer (summed over the mesh), gradients after step 1 and parameters after the last
-    step (by name: experts are named by global id)."""
+    step (by name: experts are named by global id).  ``min_segment_rows``: the exchange's
+    ``MIN_SEGMENT_ROWS`` for this run (0: own rows always overlapped with the exchange; a huge value: never)."""
+    if min_segment_rows is not None:
+        moe_layer.MIN_SEGMENT_ROWS = min_segment_rows
     if mesh is None:
         info = init_process()
         torch.set_num_threads(1)
@@ -146,19 +150,19 @@ def layer_loss(layer: MoELayer, x: torch.Tensor):
     return (y * c).sum() + out.loss, y, out
 
 
-#: ``MIN_SEGMENT_ROWS`` values the no-hang worker runs every case with: always regroup, never regroup
-REGROUP_BELOW = (10**9, 0)
+#: ``MIN_SEGMENT_ROWS`` of ep ranks 0 and 1 in the no-hang runs: both keep their own rows out of the
+#: exchange (and overlap them with it), neither does, and each its own way (a rank's choice is its own)
+OVERLAP = ((0, 0), (10**9, 10**9), (0, 10**9))
 
 
 def no_hang_worker(cases: list[tuple[str, int, bool]]) -> list[dict]:
     info = init_process(timeout_s=120)
     torch.set_num_threads(1)
     mesh = Mesh.build(info.device, ep=2)
-    out, default = [], moe_layer.MIN_SEGMENT_ROWS
+    out = []
     for case, top_k, dropless in cases:
-        # both ways of running the received rows: regrouped expert-major, and where they arrived
-        for min_segment_rows in REGROUP_BELOW:
-            moe_layer.MIN_SEGMENT_ROWS = min_segment_rows
+        for rows in OVERLAP:
+            moe_layer.MIN_SEGMENT_ROWS = rows[info.rank]
             layer = build_layer(top_k, dropless, mesh)
             x = layer_inputs(case, info.rank)
             loss, y, o = layer_loss(layer, x)
@@ -168,5 +172,4 @@ def no_hang_worker(cases: list[tuple[str, int, bool]]) -> list[dict]:
                         "grads": {n: p.grad.clone() for n, p in layer.named_parameters()},
                         "calls": {k: v["calls"] for k, v in mesh.stats.snapshot().items()}})
             mesh.stats.reset()
-    moe_layer.MIN_SEGMENT_ROWS = default
     return out

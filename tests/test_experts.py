@@ -274,9 +274,12 @@ def _close(a: torch.Tensor, b: torch.Tensor, rel: float, what: str):
     assert float((a - b).abs().max()) <= rel * scale, f"{what}: {float((a - b).abs().max())} vs scale {scale}"
 
 
-@pytest.mark.parametrize("dp,ep", [(1, 2), (2, 2), (1, 4)])
-def test_expert_parallel_matches_single_process(dp, ep, single_process):
-    results = launch(W.train_gpt_moe, (list(W.MODES), STEPS, dp, ep), nproc=dp * ep)
+# min_segment_rows 0: every rank keeps its own rows out of the exchange and runs them while it is in flight
+# (at ep = 4 the middle ranks' own rows sit between remote ones, and three sources are regrouped); 10**9:
+# own rows travel with the rest, two sources regrouped
+@pytest.mark.parametrize("dp,ep,min_segment_rows", [(1, 2, 0), (2, 2, 10**9), (1, 4, 0)])
+def test_expert_parallel_matches_single_process(dp, ep, min_segment_rows, single_process):
+    results = launch(W.train_gpt_moe, (list(W.MODES), STEPS, dp, ep, None, min_segment_rows), nproc=dp * ep)
     for i, mode in enumerate(W.MODES):
         ref = single_process[mode]
         for rank, res in results.items():
@@ -305,8 +308,8 @@ NO_HANG = [("one_expert", 1, False), ("one_expert", 2, False), ("no_remote", 2, 
 
 def test_lopsided_routing_finishes_with_the_right_gradients():
     results = launch(W.no_hang_worker, (NO_HANG,), nproc=2)
-    for i, ((case, top_k, dropless), regroup_below) in enumerate(itertools.product(NO_HANG, W.REGROUP_BELOW)):
-        label = f"{case} top_k={top_k} dropless={dropless} MIN_SEGMENT_ROWS={regroup_below}"
+    for i, ((case, top_k, dropless), rows) in enumerate(itertools.product(NO_HANG, W.OVERLAP)):
+        label = f"{case} top_k={top_k} dropless={dropless} MIN_SEGMENT_ROWS of the ranks {rows}"
         ref = W.build_layer(top_k, dropless)
         losses, ys, xs = [], [], []
         for rank in (0, 1):

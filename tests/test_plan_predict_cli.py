@@ -138,7 +138,7 @@ def test_systems_models_and_search_commands(capsys, tmp_path):
 
 def test_other_models_and_systems_predict():
     from podscale.plan import predict
-    moe = predict("dgx-a100-80g", 64, "moe-1.3b-64e", {"tp": 1, "pp": 1, "dp": 8, "ep": 8, "microbatch": 4}, 512)
+    moe = predict("dgx-a100-80g", 64, "moe-1.3b-64e", {"tp": 1, "pp": 1, "dp": 8, "ep": 8, "microbatch": 1}, 512)
     assert moe.time_breakdown_s["ep_communication"] > 0
     dlrm = predict("dgx-a100-80g", 8, "dlrm-mlperf", {"tp": 1, "pp": 1, "dp": 8, "microbatch": 8192}, 65536)
     assert dlrm.fits and dlrm.time_breakdown_s["all_to_all"] > 0
@@ -147,3 +147,27 @@ def test_other_models_and_systems_predict():
     assert tpu.step_time_s > 0 and tpu.time_breakdown_s["tp_communication"] > 0
     cs2 = predict("cerebras-cs2", 4, "gpt-1.3b", {"tp": 1, "pp": 1, "dp": 4, "microbatch": 2}, 256)
     assert cs2.fits and cs2.time_breakdown_s["tp_communication"] == 0
+
+
+def test_the_moe_exchange_is_priced_less_the_own_rows_it_overlaps(monkeypatch):
+    """An expert-parallel MoE layer runs a rank's own rows (1/ep of its experts' work, in two halves) while
+    each of its all-to-alls is in flight, when the rows per (source rank, expert) segment reach the layer's
+    MIN_SEGMENT_ROWS; below it, or with the rule switched off, every exchange is exposed."""
+    from podscale.plan import gpt_cost, predict
+    lay = {"tp": 1, "pp": 1, "dp": 8, "ep": 8, "microbatch": 1}
+
+    def ep_comm():
+        gpt_cost._LAYER_CACHE.clear()
+        return predict("dgx-a100-80g", 64, "moe-1.3b-64e", lay, 512).time_breakdown_s["ep_communication"]
+
+    overlapped = ep_comm()                       # 2048 tokens x top-2 / 64 experts = 64 rows a segment
+    monkeypatch.setattr(gpt_cost, "MIN_SEGMENT_ROWS", 65)
+    exposed = ep_comm()
+    assert 0 < overlapped < exposed
+    # recomputation repeats the forward's two exchanges, not the backward's
+    lay["recompute"] = "full"
+    assert ep_comm() == pytest.approx(exposed * 3 / 2, rel=1e-12)
+    monkeypatch.setattr(gpt_cost, "MIN_SEGMENT_ROWS", 64)
+    assert overlapped < ep_comm() < exposed * 3 / 2
+    lay.update(ep=1, dp=64)
+    assert ep_comm() == 0

@@ -56,6 +56,7 @@ from .memory import (activation_bytes_per_layer, pipeline_inflight_layers, preci
 from .models import GPT
 from .prediction import Prediction
 from .stages import pipeline_chunks, pipeline_rank_layers
+from podscale.parallel.moe.layer import MIN_SEGMENT_ROWS
 
 ADAM_BYTES_PER_PARAM = 30      # fp32 master r/w, m r/w, v r/w, grad read, fp16 param write
 CROSS_ENTROPY_BYTES = 36       # per logit, fwd + bwd: fp16 -> fp32 cast, max, exp, sum, grad
@@ -125,12 +126,18 @@ def _layer_times_uncached(system: System, model: GPT, lay: Layout, moe: bool) ->
     e = dev.dtype_bytes
     gemms = [linear_time(dev, tokens, 3 * h / t, h, bytes_per_element=e),      # QKV
              linear_time(dev, tokens, h, h / t, bytes_per_element=e)]          # attention output
+    hide = (0.0, 0.0)       # expert work each all-to-all of a forward / backward runs behind
     if moe:
         local_experts = model.experts / lay.ep
         m_exp = tokens * scale * lay.ep / model.experts      # tokens each local expert receives
-        gemms.append(linear_time(dev, m_exp, f / t, h, batch=local_experts, bytes_per_element=e))
-        gemms.append(linear_time(dev, m_exp, h, f / t, batch=local_experts, bytes_per_element=e))
+        experts = [linear_time(dev, m_exp, f / t, h, batch=local_experts, bytes_per_element=e),
+                   linear_time(dev, m_exp, h, f / t, batch=local_experts, bytes_per_element=e)]
+        gemms += experts
         gemms.append(linear_time(dev, tokens, model.experts, h, bytes_per_element=e))   # router
+        if lay.ep > 1 and tokens * model.top_k / model.experts >= MIN_SEGMENT_ROWS:
+            # the layer runs a rank's own rows (1/ep of its experts' work) in two halves while the two
+            # exchanges of each pass are in flight (podscale.parallel.moe.layer._ExpertParallelFFN)
+            hide = tuple(sum(x[i] for x in experts) / (2 * lay.ep) for i in (0, 1))
     else:
         gemms.append(linear_time(dev, tokens, f / t, h, bytes_per_element=e))
         gemms.append(linear_time(dev, tokens, h, f / t, bytes_per_element=e))
@@ -173,6 +180,7 @@ def _layer_times_uncached(system: System, model: GPT, lay: Layout, moe: bool) ->
                 (FUSED_ATTN_BWD_OVER_FWD if lay.fused_attention else BWD_OVER_FWD) * (attn + ew_attn))
     return {"gemm": dense, "gemm_bwd": dense_bwd, "attn": attn + ew_attn, "attn_bwd": attn_bwd, "ew": ew,
             "tp_ar": tp_ar, "a2a": a2a,
+            "a2a_exposed": (max(0.0, a2a - hide[0]), max(0.0, a2a - hide[1])),
             "kernels": KERNELS_PER_LAYER * dev.kernel_overhead,
             "tp_bwd": _tp_backward(lay, tp_ar, wgrad, dev)}
 
@@ -278,8 +286,10 @@ def predict_gpt(system: System, devices: int, model: GPT, lay: Layout, batch: in
     per_pass = _tp_collectives_per_pass(lay)
     n_fwd = per_pass * (2 if lay.recompute == "full" else 1)   # forward passes' (incl. recompute's) collectives
     tp_comm = n_fwd * per_layer("tp_ar") + per_layer("tp_bwd")
-    passes = 3 if lay.recompute == "full" else 2
-    ep_comm = 2 * passes * moe_frac * moe_t["a2a"]           # dispatch and combine in every pass
+    # dispatch and combine in every forward (twice with full recompute) and backward, each less the own
+    # rows' expert work it overlaps
+    exposed_fwd, exposed_bwd = moe_t["a2a_exposed"]
+    ep_comm = 2 * moe_frac * ((2 if lay.recompute == "full" else 1) * exposed_fwd + exposed_bwd)
     # Last stage: vocabulary projection and cross-entropy (Megatron places them there).
     logits_elems = b * s * V / t
     head_gemm = 3 * gemm_time(dev, b * s, V / t, h, bytes_per_element=dev.dtype_bytes)

@@ -19,6 +19,8 @@ Expert parallelism (GShard section 3): with ``mesh.sizes["ep"] = n`` rank ``i`` 
 experts ``[i * E/n, (i+1) * E/n)``.  Each forward exchanges first the per-expert token counts
 (``all_to_all_single`` of n·E/n integers), then the tokens (``all_to_all_single`` with those split sizes), runs
 its experts, and sends the outputs back the same way; the backward runs the two token exchanges in reverse.
+A rank's own rows (those for its own experts) stay out of the exchanges and run while they are in flight
+(:class:`_ExpertParallelFFN`), unless the experts' segments are short (:data:`MIN_SEGMENT_ROWS`).
 Every rank issues exactly these three collectives per layer and forward and two per backward, in the same
 order, whatever the routing: an empty split (no token for an expert, a rank or every remote rank) is still a
 collective that every rank enters.
@@ -127,6 +129,11 @@ class Experts(nn.ModuleDict):
         missing one).  Returns the experts' outputs, row for row."""
         return _GroupedFFN.apply(x, segments, self.num_local, self.bias, *self._weights())
 
+    def forward_exchanged(self, flat: torch.Tensor, exchange: "_Exchange") -> torch.Tensor:
+        """Expert parallelism: the rows of ``flat`` that ``exchange`` names (sorted by global expert) through their experts,
+        wherever those live on the ep group, per ``exchange``'s counts (:class:`_ExpertParallelFFN`)."""
+        return _ExpertParallelFFN.apply(flat, exchange, self.num_local, self.bias, *self._weights())
+
     def forward_padded(self, x: torch.Tensor) -> torch.Tensor:
         """(El, R, d) -> (El, R, d): every expert on its own R rows (the reference's batched form)."""
         ex = list(self.values())
@@ -210,117 +217,154 @@ def _tiles(bounds):
         yield pieces[0][1], pieces[-1][2], pieces
 
 
+def _bounds(segments, start: int = 0) -> list[tuple[int, int, int]]:
+    """Segments ``(local expert, rows)`` laid end to end from row ``start`` -> the non-empty ones as
+    ``(local expert, first row, end row)``."""
+    out = []
+    for j, n in segments:
+        if n:
+            out.append((j, start, start + n))
+        start += n
+    return out
+
+
+def _ffn_forward(x: torch.Tensor, bounds, weights, El: int, bias: bool, out: torch.Tensor):
+    """The grouped feed-forward on the rows ``bounds`` of ``x`` (every row of ``x`` in some bound), outputs
+    into ``out`` (``x``'s rows); returns ``(act, deriv)``, what the backward needs beside ``x``.
+
+    The buffer in tiles of :data:`ROW_TILE` rows (:func:`_tiles`); per tile, every expert piece's first
+    matmul (bias folded in: ``addmm``), the GELU *and its derivative* over the whole tile from one sigmoid
+    (:func:`_gelu_and_derivative`), every piece's second matmul, while the tile is in cache.  The saved
+    activation and derivative are as many bytes as autograd keeps for two linears and a GELU (input,
+    pre-activation, activation), but the backward evaluates no transcendental.  Low-precision inputs run
+    the GELU in fp32 (as PyTorch's own kernel does internally)."""
+    dt = x.dtype
+    w_fc, w_proj = weights[:El], weights[El:2 * El]
+    b_fc, b_proj = (weights[2 * El:3 * El], weights[3 * El:]) if bias else (None, None)
+    wide = dt if dt in (torch.float32, torch.float64) else torch.float32
+    M, H = x.shape[0], w_fc[0].shape[1]
+    saved = x.new_empty(2, M, H)
+    if saved.device.type == "cpu":
+        # fresh pages every step (glibc returns large freed blocks to the OS): one fault per 2 MiB
+        # instead of one per 4 KiB on first touch
+        hostmem.advise_huge_pages(saved)
+    act, deriv = saved.unbind(0)
+    # one tile's pre-activation and scratch, reused (they stay in cache)
+    T = min(ROW_TILE, M)
+    pre_buf, tmp_buf = x.new_empty(T, H), x.new_empty(T, H, dtype=wide)
+    for a, b, pieces in _tiles(bounds):
+        n = b - a
+        pre = pre_buf[:n]
+        for j, pa, pb in pieces:
+            if bias:
+                torch.addmm(b_fc[j], x[pa:pb], w_fc[j], out=pre[pa - a:pb - a])
+            else:
+                torch.mm(x[pa:pb], w_fc[j], out=pre[pa - a:pb - a])
+        if wide == dt:
+            _gelu_and_derivative(pre, act[a:b], deriv[a:b], tmp_buf[:n])
+        else:
+            h, g_act, g_der = pre.to(wide), torch.empty_like(tmp_buf[:n]), torch.empty_like(tmp_buf[:n])
+            _gelu_and_derivative(h, g_act, g_der, tmp_buf[:n])
+            act[a:b].copy_(g_act)
+            deriv[a:b].copy_(g_der)
+        for j, pa, pb in pieces:
+            if bias:
+                torch.addmm(b_proj[j], act[pa:pb], w_proj[j], out=out[pa:pb])
+            else:
+                torch.mm(act[pa:pb], w_proj[j], out=out[pa:pb])
+    return act, deriv
+
+
+class _WeightGrads:
+    """The experts' weight and bias gradients, summed over every piece of rows the backward visits (an
+    expert's rows may come in several pieces: segments from several ranks, the parts of an overlapped
+    exchange)."""
+
+    def __init__(self, El: int, bias: bool):
+        self.El, self.bias = El, bias
+        self.fc, self.proj, self.b_fc, self.b_proj = [None] * El, [None] * El, [None] * El, [None] * El
+
+    def add(self, j: int, x: torch.Tensor, d_pre: torch.Tensor, act: torch.Tensor, grad: torch.Tensor) -> None:
+        if self.fc[j] is None:
+            self.fc[j], self.proj[j] = torch.mm(x.t(), d_pre), torch.mm(act.t(), grad)
+            if self.bias:
+                self.b_fc[j], self.b_proj[j] = d_pre.sum(0), grad.sum(0)
+        else:
+            self.fc[j].addmm_(x.t(), d_pre)
+            self.proj[j].addmm_(act.t(), grad)
+            if self.bias:
+                self.b_fc[j].add_(d_pre.sum(0))
+                self.b_proj[j].add_(grad.sum(0))
+
+    def result(self, params, like: torch.Tensor) -> list[torch.Tensor]:
+        """The gradients in ``params``' order and dtype (w_fc..., w_proj..., then b_fc..., b_proj...); an
+        expert without rows gets a zero gradient, never a missing one."""
+        weights = params[:2 * self.El]
+        out = [g if g is not None else like.new_zeros(w.shape) for g, w in zip(self.fc + self.proj, weights)]
+        if self.bias:
+            out += [g if g is not None else like.new_zeros(b.shape)
+                    for g, b in zip(self.b_fc + self.b_proj, params[2 * self.El:])]
+        return [g if g.dtype == p.dtype else g.to(p.dtype) for g, p in zip(out, params)]
+
+
+def _ffn_backward(grad: torch.Tensor, x: torch.Tensor, act: torch.Tensor, deriv: torch.Tensor, bounds,
+                  weights, El: int, acc: _WeightGrads, g_x: torch.Tensor) -> None:
+    """The backward of :func:`_ffn_forward` on one buffer: ``d x`` into ``g_x``, weight gradients added to
+    ``acc``.
+
+    Per tile, ``d act = grad w_proj^T`` into a reused cache-resident buffer, multiplied by the derivative
+    and written over it (it is read once), so the saved buffer becomes ``d pre`` with no new allocation;
+    then per expert segment one matmul each for ``d x``, ``d w_fc``, ``d w_proj`` over all the segment's
+    rows (the weight gradients want the long reduction dimension), and the bias sums."""
+    w_fc, w_proj = weights[:El], weights[El:2 * El]
+    gh_buf = x.new_empty(min(ROW_TILE, x.shape[0]), act.shape[1])
+    for a, b, pieces in _tiles(bounds):
+        g_act = gh_buf[:b - a]
+        for j, pa, pb in pieces:
+            torch.mm(grad[pa:pb], w_proj[j].t(), out=g_act[pa - a:pb - a])
+        torch.mul(g_act, deriv[a:b], out=deriv[a:b])
+    d_pre = deriv
+    for j, a, b in bounds:
+        torch.mm(d_pre[a:b], w_fc[j].t(), out=g_x[a:b])
+        acc.add(j, x[a:b], d_pre[a:b], act[a:b], grad[a:b])
+
+
+def _once(ctx) -> None:
+    """Refuse a second backward through one forward: the first turned its saved GELU derivative into the
+    pre-activation's gradient in place."""
+    if ctx.consumed:
+        raise RuntimeError("the experts' backward ran twice on one forward (retain_graph=True): it "
+                           "turns its saved GELU derivative into the pre-activation's gradient in place; "
+                           "run the forward again instead")
+    ctx.consumed = True
+
+
 class _GroupedFFN(torch.autograd.Function):
     """Every expert's ``gelu(x w_fc + b_fc) w_proj + b_proj`` on its rows of one buffer (the segments of
-    :meth:`Experts.forward`), forward and backward written out, no per-expert autograd nodes.
-
-    Forward: the buffer in tiles of :data:`ROW_TILE` rows (:func:`_tiles`); per tile, every expert piece's
-    first matmul (bias folded in: ``addmm``), the GELU *and its derivative* over the whole tile from one
-    sigmoid (:func:`_gelu_and_derivative`), every piece's second matmul, while the tile is in cache.  It
-    saves the input, the activation and the derivative: as many bytes as autograd keeps for two linears
-    and a GELU (input, pre-activation, activation), but the backward evaluates no transcendental.
-
-    Backward: per tile, ``d act = grad w_proj^T`` into a reused cache-resident buffer, multiplied by the
-    derivative and written over it (it is read once), so the saved buffer becomes ``d pre`` with no new
-    allocation; then per expert segment one matmul each for ``d x``, ``d w_fc``, ``d w_proj`` over all the
-    segment's rows (the weight gradients want the long reduction dimension), and the bias sums.  Because of
-    that in-place write a second backward through the same forward (``retain_graph=True``) is refused.
-    Low-precision inputs run the GELU in fp32 (as PyTorch's own kernel does internally)."""
+    :meth:`Experts.forward`), forward (:func:`_ffn_forward`) and backward (:func:`_ffn_backward`) written
+    out, no per-expert autograd nodes.  It saves the input, the activation and the derivative; because
+    the backward turns the derivative into ``d pre`` in place, a second backward through the same forward
+    (``retain_graph=True``) is refused."""
 
     @staticmethod
-    def forward(ctx, x, segments, El, bias, *weights):
-        dt = x.dtype
-        params, weights = weights, _cast(weights, dt)
-        w_fc, w_proj = weights[:El], weights[El:2 * El]
-        b_fc, b_proj = (weights[2 * El:3 * El], weights[3 * El:]) if bias else (None, None)
-        wide = dt if dt in (torch.float32, torch.float64) else torch.float32
-        M, H, D = x.shape[0], w_fc[0].shape[1], w_proj[0].shape[1]
-        saved = x.new_empty(2, M, H)
-        if saved.device.type == "cpu":
-            # fresh pages every step (glibc returns large freed blocks to the OS): one fault per 2 MiB
-            # instead of one per 4 KiB on first touch
-            hostmem.advise_huge_pages(saved)
-        act, deriv = saved.unbind(0)
-        out = x.new_empty(M, D)
-        # one tile's pre-activation and scratch, reused (they stay in cache)
-        T = min(ROW_TILE, M)
-        pre_buf, tmp_buf = x.new_empty(T, H), x.new_empty(T, H, dtype=wide)
-        bounds, start = [], 0
-        for j, n in segments:
-            if n:
-                bounds.append((j, start, start + n))
-            start += n
-        for a, b, pieces in _tiles(bounds):
-            n = b - a
-            pre = pre_buf[:n]
-            for j, pa, pb in pieces:
-                if bias:
-                    torch.addmm(b_fc[j], x[pa:pb], w_fc[j], out=pre[pa - a:pb - a])
-                else:
-                    torch.mm(x[pa:pb], w_fc[j], out=pre[pa - a:pb - a])
-            if wide == dt:
-                _gelu_and_derivative(pre, act[a:b], deriv[a:b], tmp_buf[:n])
-            else:
-                h, g_act, g_der = pre.to(wide), torch.empty_like(tmp_buf[:n]), torch.empty_like(tmp_buf[:n])
-                _gelu_and_derivative(h, g_act, g_der, tmp_buf[:n])
-                act[a:b].copy_(g_act)
-                deriv[a:b].copy_(g_der)
-            for j, pa, pb in pieces:
-                if bias:
-                    torch.addmm(b_proj[j], act[pa:pb], w_proj[j], out=out[pa:pb])
-                else:
-                    torch.mm(act[pa:pb], w_proj[j], out=out[pa:pb])
+    def forward(ctx, x, segments, El, bias, *params):
+        weights = _cast(params, x.dtype)
+        bounds = _bounds(segments)
+        out = x.new_empty(x.shape[0], weights[El].shape[1])
+        act, deriv = _ffn_forward(x, bounds, weights, El, bias, out)
         ctx.bounds, ctx.El, ctx.bias, ctx.consumed = bounds, El, bias, False
-        ctx.save_for_backward(x, act, deriv, *params[:2 * El])
+        ctx.save_for_backward(x, act, deriv, *params)
         return out
 
     @staticmethod
     def backward(ctx, grad):
-        if ctx.consumed:
-            raise RuntimeError("the experts' backward ran twice on one forward (retain_graph=True): it "
-                               "turns its saved GELU derivative into the pre-activation's gradient in place; "
-                               "run the forward again instead")
-        ctx.consumed = True
-        El = ctx.El
+        _once(ctx)
         x, act, deriv, *params = ctx.saved_tensors
-        dt = x.dtype
-        ws = _cast(params, dt)
-        w_fc, w_proj = ws[:El], ws[El:]
-        grad = grad.contiguous()
-        # 1. per tile, while it is in cache: d act = grad w_proj^T, times the saved GELU derivative, written
-        # over that derivative (read once, never needed again), which becomes d pre
-        gh_buf = x.new_empty(min(ROW_TILE, x.shape[0]), act.shape[1])
-        for a, b, pieces in _tiles(ctx.bounds):
-            g_act = gh_buf[:b - a]
-            for j, pa, pb in pieces:
-                torch.mm(grad[pa:pb], w_proj[j].t(), out=g_act[pa - a:pb - a])
-            torch.mul(g_act, deriv[a:b], out=deriv[a:b])
-        d_pre = deriv
-        # 2. per expert segment, one matmul each over all its rows (the long reduction dimension the
-        # weight-gradient matmuls want): d x, d w_fc, d w_proj, the bias gradients
+        weights = _cast(params[:2 * ctx.El], x.dtype)
+        acc = _WeightGrads(ctx.El, ctx.bias)
         g_x = torch.empty_like(x)
-        g_fc, g_proj, gb_fc, gb_proj = [None] * El, [None] * El, [None] * El, [None] * El
-        for j, a, b in ctx.bounds:
-            xs, ds, acts, gs = x[a:b], d_pre[a:b], act[a:b], grad[a:b]
-            torch.mm(ds, w_fc[j].t(), out=g_x[a:b])
-            if g_fc[j] is None:
-                g_fc[j], g_proj[j] = torch.mm(xs.t(), ds), torch.mm(acts.t(), gs)
-                if ctx.bias:
-                    gb_fc[j], gb_proj[j] = ds.sum(0), gs.sum(0)
-            else:
-                g_fc[j].addmm_(xs.t(), ds)
-                g_proj[j].addmm_(acts.t(), gs)
-                if ctx.bias:
-                    gb_fc[j].add_(ds.sum(0))
-                    gb_proj[j].add_(gs.sum(0))
-        # an expert without rows gets a zero gradient, never a missing one
-        H, D = act.shape[1], grad.shape[1]
-        out = [g if g is not None else x.new_zeros(w.shape) for g, w in zip(g_fc + g_proj, ws)]
-        if ctx.bias:
-            out += [g if g is not None else x.new_zeros(n) for gs_, n in ((gb_fc, H), (gb_proj, D)) for g in gs_]
-        if any(p.dtype != dt for p in params):   # back to the parameters' dtype (biases: the weights')
-            out = [g.to(w.dtype) for g, w in zip(out, list(params) + list(params) if ctx.bias else params)]
-        return (g_x, None, None, None, *out)
+        _ffn_backward(grad.contiguous(), x, act, deriv, ctx.bounds, weights, ctx.El, acc, g_x)
+        return (g_x, None, None, None, *acc.result(params, x))
 
 
 def expert_parameters(model: nn.Module) -> list[nn.Parameter]:
@@ -366,21 +410,168 @@ def grad_norm(model: nn.Module, mesh) -> torch.Tensor:
 # the exchange
 
 
-class _AllToAll(torch.autograd.Function):
-    """Rows of ``x`` exchanged over ep with split sizes; the backward sends the gradients back."""
+#: below this many rows per (source rank, local expert) segment on average, a rank's own rows go through the
+#: exchange with the others' and all of them are regrouped expert-major before its experts run, so that each
+#: expert runs one matmul pair on one segment: with short segments (many experts) a weight-gradient matmul
+#: costs about its output's size whatever its rows, so cutting an expert's rows into parts costs nearly a
+#: matmul a part.  At or above it the own rows stay out of the exchange and run while it is in flight
+#: (:class:`_ExpertParallelFFN`).  The planner applies the same rule (BENCHMARKS.md: the ablation)
+MIN_SEGMENT_ROWS = 64
+
+
+class _Exchange:
+    """One MoE layer's expert-parallel exchange, fixed by the row counts: ``send[r][j]`` rows of this rank go
+    to rank ``r``'s local expert ``j``, ``recv[r][j]`` rows come from rank ``r`` for my local expert ``j``.
+
+    The rows sorted by global expert are sorted by destination rank.  When the segments are long (see
+    :data:`MIN_SEGMENT_ROWS`) rows ``[first, first + local)``, this rank's own, never enter the all-to-all
+    (its own split is 0 both ways) and run in two parts, A (``[0, half)``) and B, so that each of the four
+    exchanges of a layer has expert work to hide behind (see :class:`_ExpertParallelFFN`); otherwise
+    ``local`` is 0 and the own rows travel with the rest.  Received rows arrive grouped by source rank, then
+    local expert; with more than one source they are regrouped expert-major (one gather, and back), so
+    that each expert runs one matmul per part on one contiguous segment, as Megatron-core's dispatcher
+    sorts its received chunks by expert.  A rank's choice is its own: the splits two ranks exchange are
+    the same either way."""
+
+    def __init__(self, mesh, send: list[list[int]], recv: torch.Tensor, pending, token: torch.Tensor):
+        """``recv``: filled by the count exchange ``pending``."""
+        self.mesh = mesh
+        me, ep, El = mesh.local_rank("ep"), len(send), len(send[0])
+        pending.wait()
+        recv = recv.tolist()
+        out_rows, in_rows = [sum(s) for s in send], [sum(r) for r in recv]
+        overlap = sum(in_rows) >= MIN_SEGMENT_ROWS * ep * El
+        self.total = sum(out_rows)
+        self.first, self.local = (sum(out_rows[:me]), out_rows[me]) if overlap else (0, 0)
+        #: rows per rank of what I send (and get back), and of what I receive (and send back)
+        self.send_splits = [0 if r == me and overlap else n for r, n in enumerate(out_rows)]
+        self.recv_splits = [0 if r == me and overlap else n for r, n in enumerate(in_rows)]
+        self.token_local, self.token_remote = token[self.first:self.first + self.local], self.others(token)
+        self.half = self.local // 2
+        self.part_a, self.part_b = _split_bounds(_bounds(enumerate(send[me])), self.half) if overlap else ([], [])
+        sources = [src for r, src in enumerate(recv) if r != me or not overlap]
+        self.perm = self.inverse = None
+        if len(sources) > 1:
+            counts = torch.tensor(sources, dtype=torch.long)
+            flat = counts.reshape(-1)
+            starts = (torch.cumsum(flat, 0) - flat).view_as(counts)
+            self.perm = _segments(starts.t().reshape(-1), counts.t().reshape(-1)).to(token.device)
+            self.inverse = torch.empty_like(self.perm).scatter_(
+                0, self.perm, torch.arange(self.perm.numel(), device=token.device))
+            self.remote = _bounds(enumerate(counts.sum(0).tolist()))
+        else:
+            self.remote = _bounds(enumerate(sources[0]) if sources else [])
+
+    def others(self, t: torch.Tensor) -> torch.Tensor:
+        """The rows of ``t`` (all ``total`` rows in sorted order) that go to other ranks, contiguous (a view
+        when the own rows come first or last, as always with ep = 2)."""
+        end = self.first + self.local
+        if self.first and end < self.total:
+            return torch.cat((t[:self.first], t[end:]))
+        return t[:self.first] if self.first else t[end:]
+
+    def place(self, rows: torch.Tensor, arrive):
+        """Receive the rows that come back from other ranks into ``rows`` (all ``total`` rows in sorted
+        order): ``arrive(buffer)`` starts the exchange into ``buffer`` and returns its handle; returns a
+        ``finish()`` that waits and moves the rows into place (a view of ``rows`` when the own rows come
+        first or last, as always with ep = 2, so nothing is copied)."""
+        end = self.first + self.local
+        if not self.first or end == self.total:
+            handle = arrive(rows[end:] if not self.first else rows[:self.first])
+            return handle.wait
+        buf = rows.new_empty((self.total - self.local,) + tuple(rows.shape[1:]))
+        handle = arrive(buf)
+
+        def finish():
+            handle.wait()
+            rows[:self.first].copy_(buf[:self.first])
+            rows[end:].copy_(buf[self.first:])
+        return finish
+
+
+def _split_bounds(bounds, h: int):
+    """``bounds`` cut at row ``h``: (the parts before h, the parts from h on, counted from h)."""
+    before, after = [], []
+    for j, a, b in bounds:
+        if a < h:
+            before.append((j, a, min(b, h)))
+        if b > h:
+            after.append((j, max(a, h) - h, b - h))
+    return before, after
+
+
+class _ExpertParallelFFN(torch.autograd.Function):
+    """The rows of ``flat`` (this rank's tokens) that the :class:`_Exchange` names, sorted by global expert
+    -> the experts' outputs, row for row, with the rows for other ranks' experts exchanged over ep and the exchanges
+    overlapped with this rank's own rows (the all-to-all runs on the communication backend's threads or
+    stream while the expert matmuls run; Tutel, Hwang et al. 2023, and FasterMoE, He et al. 2022, pipeline
+    the exchange with expert compute the same way)::
+
+        forward:   send rows ──────────┐          return outputs ──────┐
+                   experts on own A ───┴─ experts on received ─ own B ──┴─
+        backward:  send output grads ──┐          return input grads ──┐
+                   own B backward ─────┴─ received backward ── own A ──┴─
+
+    Every rank issues the same two all-to-alls per forward and per backward in the same order whatever
+    the routing (empty splits included).  The weight gradients of an expert are summed over its parts;
+    the input gradient is scattered onto ``flat`` (``index_add``: a token picked twice gets both)."""
 
     @staticmethod
-    def forward(ctx, x, mesh, out_splits, in_splits):
-        ctx.mesh, ctx.out_splits, ctx.in_splits = mesh, out_splits, in_splits
-        out = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
-        comm.all_to_all(out, x.contiguous(), mesh, "ep", out_splits, in_splits)
-        return out
+    def forward(ctx, flat, ex: _Exchange, El, bias, *params):
+        weights = _cast(params, flat.dtype)
+        D = weights[El].shape[1]
+        send = flat.index_select(0, ex.token_remote)
+        got = flat.new_empty((sum(ex.recv_splits), flat.shape[1]))
+        pending = comm.all_to_all(got, send, ex.mesh, "ep", ex.recv_splits, ex.send_splits, async_op=True)
+        del send
+        x_own = flat.index_select(0, ex.token_local)
+        rows = flat.new_empty(ex.total, D)
+        own = rows[ex.first:ex.first + ex.local]
+        a = _ffn_forward(x_own[:ex.half], ex.part_a, weights, El, bias, own[:ex.half])
+        pending.wait()
+        x_got = got if ex.perm is None else got.index_select(0, ex.perm)
+        del got
+        y_got = flat.new_empty(x_got.shape[0], D)
+        r = _ffn_forward(x_got, ex.remote, weights, El, bias, y_got)
+        if ex.perm is not None:
+            y_got = y_got.index_select(0, ex.inverse)
+        finish = ex.place(rows, lambda buf: comm.all_to_all(buf, y_got, ex.mesh, "ep", ex.send_splits,
+                                                            ex.recv_splits, async_op=True))
+        b = _ffn_forward(x_own[ex.half:], ex.part_b, weights, El, bias, own[ex.half:])
+        finish()
+        ctx.ex, ctx.El, ctx.bias, ctx.consumed, ctx.n = ex, El, bias, False, flat.shape[0]
+        ctx.save_for_backward(x_own, x_got, *a, *r, *b, *params)
+        return rows
 
     @staticmethod
     def backward(ctx, grad):
-        gx = grad.new_empty((sum(ctx.in_splits),) + tuple(grad.shape[1:]))
-        comm.all_to_all(gx, grad.contiguous(), ctx.mesh, "ep", ctx.in_splits, ctx.out_splits)
-        return gx, None, None, None
+        _once(ctx)
+        ex, El = ctx.ex, ctx.El
+        x_own, x_got, a_act, a_der, r_act, r_der, b_act, b_der, *params = ctx.saved_tensors
+        weights = _cast(params[:2 * El], x_own.dtype)
+        grad = grad.contiguous()
+        acc = _WeightGrads(El, ctx.bias)
+        end = ex.first + ex.local
+        g_got = grad.new_empty(x_got.shape[0], grad.shape[1])
+        pending = comm.all_to_all(g_got, ex.others(grad), ex.mesh, "ep", ex.recv_splits, ex.send_splits,
+                                  async_op=True)
+        g_own_out, g_own = grad[ex.first:end], torch.empty_like(x_own)
+        h = ex.half
+        _ffn_backward(g_own_out[h:], x_own[h:], b_act, b_der, ex.part_b, weights, El, acc, g_own[h:])
+        pending.wait()
+        if ex.perm is not None:
+            g_got = g_got.index_select(0, ex.perm)
+        g_x_got = torch.empty_like(x_got)
+        _ffn_backward(g_got, x_got, r_act, r_der, ex.remote, weights, El, acc, g_x_got)
+        if ex.perm is not None:
+            g_x_got = g_x_got.index_select(0, ex.inverse)
+        g_back = g_x_got.new_empty(ex.total - ex.local, x_got.shape[1])
+        pending = comm.all_to_all(g_back, g_x_got, ex.mesh, "ep", ex.send_splits, ex.recv_splits, async_op=True)
+        _ffn_backward(g_own_out[:h], x_own[:h], a_act, a_der, ex.part_a, weights, El, acc, g_own[:h])
+        g_flat = g_own.new_zeros(ctx.n, g_own.shape[1]).index_add_(0, ex.token_local, g_own)
+        pending.wait()
+        g_flat.index_add_(0, ex.token_remote, g_back)
+        return (g_flat, None, None, None, *acc.result(params, x_own))
 
 
 def _tp_all_to_all(x: torch.Tensor, mesh, split_dim: int, cat_dim: int) -> torch.Tensor:
@@ -426,28 +617,6 @@ def _gather_positions(x: torch.Tensor, mesh) -> torch.Tensor:
     parts = torch.empty((n,) + tuple(x.shape), dtype=x.dtype, device=x.device)
     comm.all_gather(parts.view(-1), x.contiguous().view(-1), mesh, "tp")
     return torch.cat(list(parts.unbind(0)), dim=1)
-
-
-#: below this many rows per (source rank, local expert) segment on average, the rows an ep rank receives
-#: are regrouped expert-major before its experts run: two row gathers buy one matmul per expert instead of
-#: ep smaller ones, which pays when the segments are short (many experts); with long segments the matmuls
-#: run at full rate on the segments as they arrive and the gathers are pure overhead
-MIN_SEGMENT_ROWS = 64
-
-
-class _PermuteRows(torch.autograd.Function):
-    """``x.index_select(0, perm)`` whose backward is the gather by the ``inverse`` permutation (a
-    permutation's adjoint), where ``index_select``'s own backward zero-fills and scatter-adds."""
-
-    @staticmethod
-    def forward(ctx, x, perm, inverse):
-        ctx.save_for_backward(inverse)
-        return x.index_select(0, perm)
-
-    @staticmethod
-    def backward(ctx, grad):
-        (inverse,) = ctx.saved_tensors
-        return grad.index_select(0, inverse), None, None
 
 
 def _segments(starts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
@@ -596,44 +765,18 @@ class MoELayer(nn.Module):
             # index_select (not ``flat[token]``): its backward is an index_add, not a sorting index_put
             rows = self.experts(flat.index_select(0, token), list(enumerate(r.counts.tolist())))
         else:
-            counts = self._exchange_counts(r.counts)           # in flight while the rows are gathered
-            rows = self._run_experts(flat.index_select(0, token), *counts)   # (M, d), same order
+            rows = self.experts.forward_exchanged(flat, self._exchange(r.counts, token))
         w = r.weight.reshape(-1).index_select(0, r.order).to(rows.dtype)
         y = rows.new_zeros(N, rows.shape[1]).index_add_(0, token, rows * w.unsqueeze(1))
         return y.view(x.shape), out
 
-    def _exchange_counts(self, counts: torch.Tensor):
-        """Start step 1 of the exchange: how many rows each rank sends each of my experts (an
-        asynchronous ``all_to_all_single`` of ep x E/ep integers).  Returns (what I send, what I will
-        receive, the handle)."""
+    def _exchange(self, counts: torch.Tensor, token: torch.Tensor) -> "_Exchange":
+        """Step 1 of the exchange: how many rows each rank sends each of my experts (an
+        ``all_to_all_single`` of ep x E/ep integers), entered by every rank whatever the routing."""
         send = counts.view(self.ep, self.experts.num_local)
         recv = torch.empty_like(send)
         handle = comm.all_to_all(recv.view(-1), send.reshape(-1).contiguous(), self.mesh, "ep", async_op=True)
-        return send, recv, handle
-
-    def _run_experts(self, x: torch.Tensor, send: torch.Tensor, recv: torch.Tensor, handle) -> torch.Tensor:
-        """Rows sorted by global expert and what :meth:`_exchange_counts` returned -> the experts'
-        outputs over ep, same order."""
-        handle.wait()
-        in_splits, out_splits = send.sum(1).tolist(), recv.sum(1).tolist()
-        # 2. the rows, arriving grouped by source rank then local expert
-        got = _AllToAll.apply(x, self.mesh, out_splits, in_splits)
-        El = self.experts.num_local
-        if sum(out_splits) >= MIN_SEGMENT_ROWS * self.ep * El:
-            # long segments: each local expert runs on its ep segments where they arrived (the grouped
-            # feed-forward takes several segments per expert), no regrouping
-            y = self.experts(got, [(j, n) for src in recv.tolist() for j, n in enumerate(src)])
-        else:
-            # short segments: regrouped expert-major (one gather) so each expert's matmuls run on one
-            # contiguous segment, and back after
-            flat_recv = recv.reshape(-1)
-            starts = (torch.cumsum(flat_recv, 0) - flat_recv).view(self.ep, -1)
-            perm = _segments(starts.t().reshape(-1), recv.t().reshape(-1))
-            inverse = torch.empty_like(perm).scatter_(0, perm, torch.arange(perm.numel(), device=perm.device))
-            y = self.experts(_PermuteRows.apply(got, perm, inverse), list(enumerate(recv.sum(0).tolist())))
-            y = _PermuteRows.apply(y, inverse, perm)
-        # 3. the outputs go home
-        return _AllToAll.apply(y, self.mesh, in_splits, out_splits)
+        return _Exchange(self.mesh, send.tolist(), recv, handle, token)
 
     # the reference -------------------------------------------------------------------------------------
     def forward_reference(self, x: torch.Tensor, keys: torch.Tensor | None = None
