@@ -15,6 +15,7 @@ top-2 renormalises the gate values after dropping where GShard normalises before
 
     python bench/moe.py [--quick] [--d-model 128] [--d-hidden 512] [--capacity-factor 1.25] [--rounds 5]
                         [--row-tile N]   # podscale's expert row tile (an ablation; default: the library's)
+                        [--min-segment-rows N]   # podscale's overlap rule (an ablation; 1000000000: never)
                         [--keep-heap]    # freed memory stays resident (no page faults on new activations)
 """
 from __future__ import annotations
@@ -111,6 +112,8 @@ def _worker(args) -> list[dict]:
     dev = info.device
     if args.row_tile:
         moe_layer.ROW_TILE = args.row_tile
+    if args.min_segment_rows is not None:
+        moe_layer.MIN_SEGMENT_ROWS = args.min_segment_rows
     rows = []
     for E, S, k in itertools.product(args.experts, args.tokens, args.top_k):
         torch.manual_seed(1)
@@ -186,6 +189,9 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--row-tile", type=int, default=None,
                     help="rows per tile of podscale's expert feed-forward (default: the library's ROW_TILE; "
                          "a huge value gives one matmul per expert segment, the layout before tiling)")
+    ap.add_argument("--min-segment-rows", type=int, default=None,
+                    help="podscale's MIN_SEGMENT_ROWS (default: the library's): 0 keeps every rank's own rows out "
+                         "of the exchange and runs them while it is in flight, 1000000000 never does")
     ap.add_argument("--keep-heap", action="store_true",
                     help="glibc: serve every allocation from the heap and never trim it (both layers; takes "
                          "page faults on freshly allocated activations out of the times)")
