@@ -15,7 +15,7 @@ top-2 renormalises the gate values after dropping where GShard normalises before
 
     python bench/moe.py [--quick] [--d-model 128] [--d-hidden 512] [--capacity-factor 1.25] [--rounds 5]
                         [--row-tile N]   # podscale's expert row tile (an ablation; default: the library's)
-                        [--min-segment-rows N]   # podscale's overlap rule (an ablation; 1000000000: never)
+                        [--ablate-overlap]   # also podscale with its own rows never overlapped with the exchange
                         [--keep-heap]    # freed memory stays resident (no page faults on new activations)
 """
 from __future__ import annotations
@@ -94,6 +94,16 @@ def _fwd_bwd(fn, params, x, g, device) -> tuple[float, float, torch.Tensor, int]
 _M_MMAP_MAX = -4
 
 
+def _without_overlap(layer: MoELayer, x: torch.Tensor) -> torch.Tensor:
+    """The layer with its own rows sent through the exchange and regrouped (the rule decides in the forward)."""
+    rule = moe_layer.MIN_SEGMENT_ROWS
+    moe_layer.MIN_SEGMENT_ROWS = 10**9
+    try:
+        return layer(x)[0]
+    finally:
+        moe_layer.MIN_SEGMENT_ROWS = rule
+
+
 def _worker(args) -> list[dict]:
     logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
     if args.keep_heap:
@@ -112,8 +122,6 @@ def _worker(args) -> list[dict]:
     dev = info.device
     if args.row_tile:
         moe_layer.ROW_TILE = args.row_tile
-    if args.min_segment_rows is not None:
-        moe_layer.MIN_SEGMENT_ROWS = args.min_segment_rows
     rows = []
     for E, S, k in itertools.product(args.experts, args.tokens, args.top_k):
         torch.manual_seed(1)
@@ -137,13 +145,17 @@ def _worker(args) -> list[dict]:
         gy = torch.randn(1, S, args.d_model, generator=g).to(dev)
         runs = {"podscale": (lambda t: ours(t)[0], list(ours.parameters())),
                 "deepspeed": (lambda t: theirs(t)[0], list(theirs.parameters()))}
+        if args.ablate_overlap:
+            runs["podscale-no-overlap"] = (lambda t: _without_overlap(ours, t), list(ours.parameters()))
         times = {n: [] for n in runs}
         cpus = {n: [] for n in runs}
         outs, mems = {}, {}
         for r in range(args.rounds + 1):
             ours.zero_grad(set_to_none=True)
             theirs.zero_grad(set_to_none=True)
-            for name, (fn, params) in (runs.items() if r % 2 == 0 else reversed(list(runs.items()))):
+            names = list(runs)
+            for name in names[r % len(names):] + names[:r % len(names)]:   # each goes first in turn
+                fn, params = runs[name]
                 dt, cpu, y, mem = _fwd_bwd(fn, params, x, gy, dev)
                 if r > 0:  # round 0 warms up
                     times[name].append(dt)
@@ -165,12 +177,15 @@ def _worker(args) -> list[dict]:
                "deepspeed_mem_mb": mems["deepspeed"] / 2**20, "max_out_diff": float(diff[0]),
                "uncontested_share": float(diff[1]),
                "cpu_ratio": statistics.median(cpus["podscale"]) / statistics.median(cpus["deepspeed"])}
+        if args.ablate_overlap:
+            row["no_overlap_ratio"] = statistics.median(times["podscale-no-overlap"]) / t_ds
         rows.append(row)
         if info.rank == 0:
             print(f"E={E:3d} S={S:5d} k={k}  podscale {row['podscale_ms']:8.1f} ms  "
                   f"deepspeed {row['deepspeed_ms']:8.1f} ms  ratio {row['ratio']:.2f} (CPU time {row['cpu_ratio']:.2f})  "
                   f"mem {row['podscale_mem_mb']:.1f} / {row['deepspeed_mem_mb']:.1f} MB  "
-                  f"max|dy| {row['max_out_diff']:.1e} (on {100 * row['uncontested_share']:.0f}% of tokens)", flush=True)
+                  f"max|dy| {row['max_out_diff']:.1e} (on {100 * row['uncontested_share']:.0f}% of tokens)"
+                  + (f"  no-overlap ratio {row['no_overlap_ratio']:.2f}" if args.ablate_overlap else ""), flush=True)
     return rows
 
 
@@ -189,9 +204,9 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--row-tile", type=int, default=None,
                     help="rows per tile of podscale's expert feed-forward (default: the library's ROW_TILE; "
                          "a huge value gives one matmul per expert segment, the layout before tiling)")
-    ap.add_argument("--min-segment-rows", type=int, default=None,
-                    help="podscale's MIN_SEGMENT_ROWS (default: the library's): 0 keeps every rank's own rows out "
-                         "of the exchange and runs them while it is in flight, 1000000000 never does")
+    ap.add_argument("--ablate-overlap", action="store_true",
+                    help="a third contestant in the same rounds: podscale with every rank's own rows sent through "
+                         "the exchange and regrouped (MIN_SEGMENT_ROWS huge), never run while it is in flight")
     ap.add_argument("--keep-heap", action="store_true",
                     help="glibc: serve every allocation from the heap and never trim it (both layers; takes "
                          "page faults on freshly allocated activations out of the times)")
@@ -205,6 +220,11 @@ def main(argv=None) -> list[dict]:
           f"CPU-time ratio: worst {max(r['cpu_ratio'] for r in rows):.2f}, median "
           f"{statistics.median(r['cpu_ratio'] for r in rows):.2f}; largest output difference "
           f"{max(r['max_out_diff'] for r in rows):.1e}")
+    if args.ablate_overlap:
+        better = sum(r["ratio"] < r["no_overlap_ratio"] for r in rows)
+        print(f"without the overlap: worst {max(r['no_overlap_ratio'] for r in rows):.2f}, median "
+              f"{statistics.median(r['no_overlap_ratio'] for r in rows):.2f}; the library's rule faster at "
+              f"{better} of {len(rows)} points")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
