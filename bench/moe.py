@@ -4,7 +4,8 @@ Both layers get the same weights (router, and every expert's two linear layers),
 same capacity (DeepSpeed: ``min_capacity=0``, no noisy gate, no random token selection, no sampling of the
 second expert; podscale: ``random_routing=False``; all local tokens of a rank form one group, as in
 DeepSpeed).  For experts 4 to 64, tokens per rank 1k to 8k and top-1 / top-2, each point times forward +
-backward of ``sum(y * g)`` for both in alternating rounds (machine noise hits both alike) and prints the
+backward of ``sum(y * g)`` (the input wants its gradient, as a hidden state inside a model does;
+``--no-input-grad``: it does not, and both layers skip sending the input gradients back) for both in alternating rounds (machine noise hits both alike) and prints the
 median time ratio (podscale / DeepSpeed; below 1 is faster; the slowest rank's wall time), the same ratio
 of CPU time (process CPU time summed over the ranks: on a shared, loaded machine it moves far less than
 wall time, which counts the time other programs hold the cores), the activation memory each keeps for the
@@ -141,7 +142,7 @@ def _worker(args) -> list[dict]:
         theirs.set_deepspeed_parallelism()
         _copy_weights(ours, theirs)
         g = torch.Generator().manual_seed(100 + info.rank)
-        x = torch.randn(1, S, args.d_model, generator=g).to(dev)
+        x = torch.randn(1, S, args.d_model, generator=g).to(dev).requires_grad_(not args.no_input_grad)
         gy = torch.randn(1, S, args.d_model, generator=g).to(dev)
         runs = {"podscale": (lambda t: ours(t)[0], list(ours.parameters())),
                 "deepspeed": (lambda t: theirs(t)[0], list(theirs.parameters()))}
@@ -153,6 +154,7 @@ def _worker(args) -> list[dict]:
         for r in range(args.rounds + 1):
             ours.zero_grad(set_to_none=True)
             theirs.zero_grad(set_to_none=True)
+            x.grad = None
             names = list(runs)
             for name in names[r % len(names):] + names[:r % len(names)]:   # each goes first in turn
                 fn, params = runs[name]
@@ -204,6 +206,8 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--row-tile", type=int, default=None,
                     help="rows per tile of podscale's expert feed-forward (default: the library's ROW_TILE; "
                          "a huge value gives one matmul per expert segment, the layout before tiling)")
+    ap.add_argument("--no-input-grad", action="store_true",
+                    help="the input wants no gradient (both layers then skip the backward's return exchange)")
     ap.add_argument("--ablate-overlap", action="store_true",
                     help="a third contestant in the same rounds: podscale with every rank's own rows sent through "
                          "the exchange and regrouped (MIN_SEGMENT_ROWS huge), never run while it is in flight")

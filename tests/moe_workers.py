@@ -172,4 +172,13 @@ def no_hang_worker(cases: list[tuple[str, int, bool]]) -> list[dict]:
                         "grads": {n: p.grad.clone() for n, p in layer.named_parameters()},
                         "calls": {k: v["calls"] for k, v in mesh.stats.snapshot().items()}})
             mesh.stats.reset()
+            # the same with an input that wants no gradient: the backward returns none over the exchange
+            layer.zero_grad(set_to_none=True)
+            y, o = layer(layer_inputs(case, info.rank))
+            c = torch.linspace(-1, 1, D, dtype=torch.float64)
+            ((y * c).sum() + o.loss).backward()
+            reduce_gradients(layer, mesh)
+            out[-1]["no_input_grad"] = {"grads": {n: p.grad.clone() for n, p in layer.named_parameters()},
+                                        "calls": mesh.stats.snapshot()["ep/all_to_all"]["calls"]}
+            mesh.stats.reset()
     return out

@@ -21,9 +21,10 @@ experts ``[i * E/n, (i+1) * E/n)``.  Each forward exchanges first the per-expert
 its experts, and sends the outputs back the same way; the backward runs the two token exchanges in reverse.
 A rank's own rows (those for its own experts) stay out of the exchanges and run while they are in flight
 (:class:`_ExpertParallelFFN`), unless the experts' segments are short (:data:`MIN_SEGMENT_ROWS`).
-Every rank issues exactly these three collectives per layer and forward and two per backward, in the same
-order, whatever the routing: an empty split (no token for an expert, a rank or every remote rank) is still a
-collective that every rank enters.
+Every rank issues exactly these three collectives per layer and forward and two per backward (one when the
+layer's input wants no gradient: the input gradients are not sent back), in the same order, whatever the
+routing: an empty split (no token for an expert, a rank or every remote rank) is still a collective that
+every rank enters.
 
 Gradients (see :func:`reduce_gradients`): the loss is the mean over all dp·ep ranks of their local losses.
 A dense parameter is replicated on every rank, so its gradient is averaged over dp×ep.  An expert's
@@ -130,9 +131,20 @@ class Experts(nn.ModuleDict):
         return _GroupedFFN.apply(x, segments, self.num_local, self.bias, *self._weights())
 
     def forward_exchanged(self, flat: torch.Tensor, exchange: "_Exchange") -> torch.Tensor:
-        """Expert parallelism: the rows of ``flat`` that ``exchange`` names (sorted by global expert) through their experts,
-        wherever those live on the ep group, per ``exchange``'s counts (:class:`_ExpertParallelFFN`)."""
-        return _ExpertParallelFFN.apply(flat, exchange, self.num_local, self.bias, *self._weights())
+        """Expert parallelism: the rows of ``flat`` that ``exchange`` names (sorted by global expert) through
+        their experts, wherever those live on the ep group: with this rank's own rows run while the
+        exchanges are in flight (:class:`_ExpertParallelFFN`), or, when the experts' segments are short
+        (:data:`MIN_SEGMENT_ROWS`), every row exchanged and regrouped expert-major."""
+        if exchange.overlap:
+            return _ExpertParallelFFN.apply(flat, exchange, self.num_local, self.bias, *self._weights())
+        x = _AllToAll.apply(flat.index_select(0, exchange.token_remote), exchange.mesh, exchange.recv_splits,
+                            exchange.send_splits)
+        if exchange.perm is not None:
+            x = _PermuteRows.apply(x, exchange.perm, exchange.inverse)
+        y = self(x, [(j, b - a) for j, a, b in exchange.remote])
+        if exchange.perm is not None:
+            y = _PermuteRows.apply(y, exchange.inverse, exchange.perm)
+        return _AllToAll.apply(y, exchange.mesh, exchange.send_splits, exchange.recv_splits)
 
     def forward_padded(self, x: torch.Tensor) -> torch.Tensor:
         """(El, R, d) -> (El, R, d): every expert on its own R rows (the reference's batched form)."""
@@ -308,9 +320,9 @@ class _WeightGrads:
 
 
 def _ffn_backward(grad: torch.Tensor, x: torch.Tensor, act: torch.Tensor, deriv: torch.Tensor, bounds,
-                  weights, El: int, acc: _WeightGrads, g_x: torch.Tensor) -> None:
-    """The backward of :func:`_ffn_forward` on one buffer: ``d x`` into ``g_x``, weight gradients added to
-    ``acc``.
+                  weights, El: int, acc: _WeightGrads, g_x: torch.Tensor | None) -> None:
+    """The backward of :func:`_ffn_forward` on one buffer: ``d x`` into ``g_x`` (None: the input wants no
+    gradient, skip it), weight gradients added to ``acc``.
 
     Per tile, ``d act = grad w_proj^T`` into a reused cache-resident buffer, multiplied by the derivative
     and written over it (it is read once), so the saved buffer becomes ``d pre`` with no new allocation;
@@ -325,7 +337,8 @@ def _ffn_backward(grad: torch.Tensor, x: torch.Tensor, act: torch.Tensor, deriv:
         torch.mul(g_act, deriv[a:b], out=deriv[a:b])
     d_pre = deriv
     for j, a, b in bounds:
-        torch.mm(d_pre[a:b], w_fc[j].t(), out=g_x[a:b])
+        if g_x is not None:
+            torch.mm(d_pre[a:b], w_fc[j].t(), out=g_x[a:b])
         acc.add(j, x[a:b], d_pre[a:b], act[a:b], grad[a:b])
 
 
@@ -362,7 +375,7 @@ class _GroupedFFN(torch.autograd.Function):
         x, act, deriv, *params = ctx.saved_tensors
         weights = _cast(params[:2 * ctx.El], x.dtype)
         acc = _WeightGrads(ctx.El, ctx.bias)
-        g_x = torch.empty_like(x)
+        g_x = torch.empty_like(x) if ctx.needs_input_grad[0] else None
         _ffn_backward(grad.contiguous(), x, act, deriv, ctx.bounds, weights, ctx.El, acc, g_x)
         return (g_x, None, None, None, *acc.result(params, x))
 
@@ -427,7 +440,7 @@ class _Exchange:
     :data:`MIN_SEGMENT_ROWS`) rows ``[first, first + local)``, this rank's own, never enter the all-to-all
     (its own split is 0 both ways) and run in two parts, A (``[0, half)``) and B, so that each of the four
     exchanges of a layer has expert work to hide behind (see :class:`_ExpertParallelFFN`); otherwise
-    ``local`` is 0 and the own rows travel with the rest.  Received rows arrive grouped by source rank, then
+    ``local`` is 0 and the own rows travel with the rest (:meth:`Experts.forward_exchanged`).  Received rows arrive grouped by source rank, then
     local expert; with more than one source they are regrouped expert-major (one gather, and back), so
     that each expert runs one matmul per part on one contiguous segment, as Megatron-core's dispatcher
     sorts its received chunks by expert.  A rank's choice is its own: the splits two ranks exchange are
@@ -440,7 +453,7 @@ class _Exchange:
         pending.wait()
         recv = recv.tolist()
         out_rows, in_rows = [sum(s) for s in send], [sum(r) for r in recv]
-        overlap = sum(in_rows) >= MIN_SEGMENT_ROWS * ep * El
+        self.overlap = overlap = sum(in_rows) >= MIN_SEGMENT_ROWS * ep * El
         self.total = sum(out_rows)
         self.first, self.local = (sum(out_rows[:me]), out_rows[me]) if overlap else (0, 0)
         #: rows per rank of what I send (and get back), and of what I receive (and send back)
@@ -489,6 +502,38 @@ class _Exchange:
         return finish
 
 
+class _AllToAll(torch.autograd.Function):
+    """Rows of ``x`` exchanged over ep with split sizes; the backward sends the gradients back."""
+
+    @staticmethod
+    def forward(ctx, x, mesh, out_splits, in_splits):
+        ctx.mesh, ctx.out_splits, ctx.in_splits = mesh, out_splits, in_splits
+        out = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
+        comm.all_to_all(out, x.contiguous(), mesh, "ep", out_splits, in_splits)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        gx = grad.new_empty((sum(ctx.in_splits),) + tuple(grad.shape[1:]))
+        comm.all_to_all(gx, grad.contiguous(), ctx.mesh, "ep", ctx.in_splits, ctx.out_splits)
+        return gx, None, None, None
+
+
+class _PermuteRows(torch.autograd.Function):
+    """``x.index_select(0, perm)`` whose backward is the gather by the ``inverse`` permutation (a
+    permutation's adjoint), where ``index_select``'s own backward zero-fills and scatter-adds."""
+
+    @staticmethod
+    def forward(ctx, x, perm, inverse):
+        ctx.save_for_backward(inverse)
+        return x.index_select(0, perm)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (inverse,) = ctx.saved_tensors
+        return grad.index_select(0, inverse), None, None
+
+
 def _split_bounds(bounds, h: int):
     """``bounds`` cut at row ``h``: (the parts before h, the parts from h on, counted from h)."""
     before, after = [], []
@@ -513,7 +558,8 @@ class _ExpertParallelFFN(torch.autograd.Function):
                    own B backward ─────┴─ received backward ── own A ──┴─
 
     Every rank issues the same two all-to-alls per forward and per backward in the same order whatever
-    the routing (empty splits included).  The weight gradients of an expert are summed over its parts;
+    the routing (empty splits included); the backward's second, which returns the input gradients, only
+    when the input wants them.  The weight gradients of an expert are summed over its parts;
     the input gradient is scattered onto ``flat`` (``index_add``: a token picked twice gets both)."""
 
     @staticmethod
@@ -555,14 +601,22 @@ class _ExpertParallelFFN(torch.autograd.Function):
         g_got = grad.new_empty(x_got.shape[0], grad.shape[1])
         pending = comm.all_to_all(g_got, ex.others(grad), ex.mesh, "ep", ex.recv_splits, ex.send_splits,
                                   async_op=True)
-        g_own_out, g_own = grad[ex.first:end], torch.empty_like(x_own)
+        # the input's gradient (the own rows' here, the others' computed on their experts' ranks and sent
+        # back) only when it wants one: every rank's input does or none's does, so all skip the second
+        # exchange together
+        want = ctx.needs_input_grad[0]
+        g_own_out, g_own = grad[ex.first:end], torch.empty_like(x_own) if want else None
         h = ex.half
-        _ffn_backward(g_own_out[h:], x_own[h:], b_act, b_der, ex.part_b, weights, El, acc, g_own[h:])
+        _ffn_backward(g_own_out[h:], x_own[h:], b_act, b_der, ex.part_b, weights, El, acc,
+                      g_own[h:] if want else None)
         pending.wait()
         if ex.perm is not None:
             g_got = g_got.index_select(0, ex.perm)
-        g_x_got = torch.empty_like(x_got)
+        g_x_got = torch.empty_like(x_got) if want else None
         _ffn_backward(g_got, x_got, r_act, r_der, ex.remote, weights, El, acc, g_x_got)
+        if not want:
+            _ffn_backward(g_own_out[:h], x_own[:h], a_act, a_der, ex.part_a, weights, El, acc, None)
+            return (None, None, None, None, *acc.result(params, x_own))
         if ex.perm is not None:
             g_x_got = g_x_got.index_select(0, ex.inverse)
         g_back = g_x_got.new_empty(ex.total - ex.local, x_got.shape[1])
