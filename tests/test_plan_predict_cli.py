@@ -160,6 +160,7 @@ def test_the_moe_exchange_is_priced_less_the_own_rows_it_overlaps(monkeypatch):
         gpt_cost._LAYER_CACHE.clear()
         return predict("dgx-a100-80g", 64, "moe-1.3b-64e", lay, 512).time_breakdown_s["ep_communication"]
 
+    monkeypatch.setattr(gpt_cost, "MIN_SEGMENT_ROWS", 64)   # the rule at its edge, whatever its default
     overlapped = ep_comm()                       # 2048 tokens x top-2 / 64 experts = 64 rows a segment
     monkeypatch.setattr(gpt_cost, "MIN_SEGMENT_ROWS", 65)
     exposed = ep_comm()

@@ -428,8 +428,10 @@ def grad_norm(model: nn.Module, mesh) -> torch.Tensor:
 #: expert runs one matmul pair on one segment: with short segments (many experts) a weight-gradient matmul
 #: costs about its output's size whatever its rows, so cutting an expert's rows into parts costs nearly a
 #: matmul a part.  At or above it the own rows stay out of the exchange and run while it is in flight
-#: (:class:`_ExpertParallelFFN`).  The planner applies the same rule (BENCHMARKS.md: the ablation)
-MIN_SEGMENT_ROWS = 64
+#: (:class:`_ExpertParallelFFN`).  Between the 64-row segments, where the split lost on every point measured,
+#: and the 128-row ones, where it broke even or won; the planner applies the same rule (BENCHMARKS.md: the
+#: ablation)
+MIN_SEGMENT_ROWS = 96
 
 
 class _Exchange:
