@@ -153,6 +153,7 @@ def test_the_moe_exchange_is_priced_less_the_own_rows_it_overlaps(monkeypatch):
     """An expert-parallel MoE layer runs a rank's own rows (1/ep of its experts' work, in two halves) while
     each of its all-to-alls is in flight, when the rows per (source rank, expert) segment reach the layer's
     MIN_SEGMENT_ROWS; below it, or with the rule switched off, every exchange is exposed."""
+    from podscale.parallel.moe import layer as moe_layer
     from podscale.plan import gpt_cost, predict
     lay = {"tp": 1, "pp": 1, "dp": 8, "ep": 8, "microbatch": 1}
 
@@ -160,15 +161,15 @@ def test_the_moe_exchange_is_priced_less_the_own_rows_it_overlaps(monkeypatch):
         gpt_cost._LAYER_CACHE.clear()
         return predict("dgx-a100-80g", 64, "moe-1.3b-64e", lay, 512).time_breakdown_s["ep_communication"]
 
-    monkeypatch.setattr(gpt_cost, "MIN_SEGMENT_ROWS", 64)   # the rule at its edge, whatever its default
+    monkeypatch.setattr(moe_layer, "MIN_SEGMENT_ROWS", 64)   # the rule at its edge, whatever its default
     overlapped = ep_comm()                       # 2048 tokens x top-2 / 64 experts = 64 rows a segment
-    monkeypatch.setattr(gpt_cost, "MIN_SEGMENT_ROWS", 65)
+    monkeypatch.setattr(moe_layer, "MIN_SEGMENT_ROWS", 65)
     exposed = ep_comm()
     assert 0 < overlapped < exposed
     # recomputation repeats the forward's two exchanges, not the backward's
     lay["recompute"] = "full"
     assert ep_comm() == pytest.approx(exposed * 3 / 2, rel=1e-12)
-    monkeypatch.setattr(gpt_cost, "MIN_SEGMENT_ROWS", 64)
+    monkeypatch.setattr(moe_layer, "MIN_SEGMENT_ROWS", 64)
     assert overlapped < ep_comm() < exposed * 3 / 2
     lay.update(ep=1, dp=64)
     assert ep_comm() == 0

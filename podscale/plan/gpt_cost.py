@@ -56,7 +56,7 @@ from .memory import (activation_bytes_per_layer, pipeline_inflight_layers, preci
 from .models import GPT
 from .prediction import Prediction
 from .stages import pipeline_chunks, pipeline_rank_layers
-from podscale.parallel.moe.layer import MIN_SEGMENT_ROWS
+from podscale.parallel.moe.layer import overlaps_exchange
 
 ADAM_BYTES_PER_PARAM = 30      # fp32 master r/w, m r/w, v r/w, grad read, fp16 param write
 CROSS_ENTROPY_BYTES = 36       # per logit, fwd + bwd: fp16 -> fp32 cast, max, exp, sum, grad
@@ -134,7 +134,8 @@ def _layer_times_uncached(system: System, model: GPT, lay: Layout, moe: bool) ->
                    linear_time(dev, m_exp, h, f / t, batch=local_experts, bytes_per_element=e)]
         gemms += experts
         gemms.append(linear_time(dev, tokens, model.experts, h, bytes_per_element=e))   # router
-        if lay.ep > 1 and tokens * model.top_k / model.experts >= MIN_SEGMENT_ROWS:
+        # a rank receives about tokens x top_k rows in ep x E/ep segments
+        if lay.ep > 1 and overlaps_exchange(tokens * model.top_k, model.experts):
             # the layer runs a rank's own rows (1/ep of its experts' work) in two halves while the two
             # exchanges of each pass are in flight (podscale.parallel.moe.layer._ExpertParallelFFN)
             hide = tuple(sum(x[i] for x in experts) / (2 * lay.ep) for i in (0, 1))

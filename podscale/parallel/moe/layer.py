@@ -141,7 +141,7 @@ class Experts(nn.ModuleDict):
                             exchange.send_splits)
         if exchange.perm is not None:
             x = _PermuteRows.apply(x, exchange.perm, exchange.inverse)
-        y = self(x, [(j, b - a) for j, a, b in exchange.remote])
+        y = self(x, exchange.remote_segments)
         if exchange.perm is not None:
             y = _PermuteRows.apply(y, exchange.inverse, exchange.perm)
         return _AllToAll.apply(y, exchange.mesh, exchange.send_splits, exchange.recv_splits)
@@ -434,6 +434,13 @@ def grad_norm(model: nn.Module, mesh) -> torch.Tensor:
 MIN_SEGMENT_ROWS = 96
 
 
+def overlaps_exchange(rows_received: float, segments: float) -> bool:
+    """Whether a rank receiving ``rows_received`` rows in ``segments`` (source rank, local expert) segments
+    keeps its own rows out of the exchange and runs them while it is in flight (:data:`MIN_SEGMENT_ROWS`):
+    the layer's rule, which the planner prices too."""
+    return rows_received >= MIN_SEGMENT_ROWS * segments
+
+
 class _Exchange:
     """One MoE layer's expert-parallel exchange, fixed by the row counts: ``send[r][j]`` rows of this rank go
     to rank ``r``'s local expert ``j``, ``recv[r][j]`` rows come from rank ``r`` for my local expert ``j``.
@@ -455,7 +462,7 @@ class _Exchange:
         pending.wait()
         recv = recv.tolist()
         out_rows, in_rows = [sum(s) for s in send], [sum(r) for r in recv]
-        self.overlap = overlap = sum(in_rows) >= MIN_SEGMENT_ROWS * ep * El
+        self.overlap = overlap = overlaps_exchange(sum(in_rows), ep * El)
         self.total = sum(out_rows)
         self.first, self.local = (sum(out_rows[:me]), out_rows[me]) if overlap else (0, 0)
         #: rows per rank of what I send (and get back), and of what I receive (and send back)
@@ -473,9 +480,11 @@ class _Exchange:
             self.perm = _segments(starts.t().reshape(-1), counts.t().reshape(-1)).to(token.device)
             self.inverse = torch.empty_like(self.perm).scatter_(
                 0, self.perm, torch.arange(self.perm.numel(), device=token.device))
-            self.remote = _bounds(enumerate(counts.sum(0).tolist()))
+            #: the received rows' (local expert, rows) segments, expert-major after the regrouping
+            self.remote_segments = list(enumerate(counts.sum(0).tolist()))
         else:
-            self.remote = _bounds(enumerate(sources[0]) if sources else [])
+            self.remote_segments = list(enumerate(sources[0])) if sources else []
+        self.remote = _bounds(self.remote_segments)
 
     def others(self, t: torch.Tensor) -> torch.Tensor:
         """The rows of ``t`` (all ``total`` rows in sorted order) that go to other ranks, contiguous (a view
