@@ -13,6 +13,10 @@
    prediction (``podscale plan predict``, one dgx-h100 GPU: the H200 has the H100's arithmetic) over the
    measured step.
 4. the AdamW step over 100M fp32 parameters: ``bench/adam.py --device cuda``.
+5. the MoE layer (:func:`moe`): its fast path against GShard's einsum reference on the GPU, the two expert
+   kernels' forward + backward times there (the accelerators' ``SegmentKernel``, the default, against the
+   CPU's ``CacheTiledKernel``), and ``bench/moe.py --nproc 1`` (podscale against DeepSpeed's MoE at ep = 1;
+   skipped with a note where deepspeed does not import).
 
 One GPU only: NCCL refuses two ranks on one device, so dp > 1 is not exercised here (the CPU suite covers
 it with gloo).  Writes ``gpu_check.json`` and prints a table at the end.
@@ -350,6 +354,55 @@ def _profile_worker(data: str, out: str, device: str, big: dict) -> dict:
     return result
 
 
+def moe() -> dict:
+    """The MoE layer on the device: (a) the fast path (the device's kernel) equals the einsum reference,
+    outputs and gradients, fp32 with TF32 off, top-1 / top-2 / dropless; (b) ``bench/moe.py --kernels``: the
+    two expert kernels side by side on the same layer, fp32 and bf16 (d_model 1024, expert width 4096 on a
+    GPU); (c) ``bench/moe.py --nproc 1``: podscale beside DeepSpeed's MoE at ep = 1, where deepspeed is
+    installed."""
+    import importlib.util
+
+    import torch
+
+    from podscale.parallel.moe import MoELayer
+
+    dev = torch.device(DEVICE)
+    if dev.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = False
+    result: dict = {"reference": []}
+    for mode in ({"top_k": 1}, {"top_k": 2}, {"top_k": 2, "dropless": True}):
+        torch.manual_seed(0)
+        layer = MoELayer(64, 128, 8, capacity_factor=1.0, **mode).to(dev)
+        with torch.no_grad():
+            layer.router.weight.normal_(0.0, 0.3)
+        x = torch.randn(4, 256, 64, device=dev)
+        grads = []
+        for ref in (False, True):
+            layer.zero_grad(set_to_none=True)
+            xi = x.clone().requires_grad_(True)
+            y, out = (layer.forward_reference if ref else layer)(xi)
+            (y.square().sum() + out.loss).backward()
+            grads.append([y.detach(), xi.grad] + [p.grad for p in layer.parameters()])
+        err = max(float((a - b).abs().max() / b.abs().max().clamp_min(1e-30)) for a, b in zip(*grads))
+        result["reference"].append({**mode, "max_rel_diff": err, "ok": err < 1e-4})
+    big = ["--d-model", "1024", "--d-hidden", "4096", "--experts", "8", "64", "--tokens", "4096", "16384"]
+    small = ["--experts", "8", "--tokens", "512", "--top-k", "2"]
+    kernels = [sys.executable, "bench/moe.py", "--kernels", "--device", DEVICE, "--dtype", "fp32", "bf16",
+               "--rounds", "5", "--json", str(RUNS / "moe_kernels.json")] + (big if dev.type == "cuda" else small)
+    RUNS.mkdir(parents=True, exist_ok=True)
+    r = subprocess.run(kernels, capture_output=True, text=True, cwd=ROOT)
+    result["kernels"] = (json.loads((RUNS / "moe_kernels.json").read_text()) if r.returncode == 0
+                         else {"error": (r.stdout + r.stderr)[-1500:]})
+    if importlib.util.find_spec("deepspeed") is None:
+        result["bench_moe"] = "skipped: deepspeed is not installed (bench/moe.py compares against it)"
+    else:
+        cmd = [sys.executable, "bench/moe.py", "--nproc", "1", "--rounds", "5"] + (
+            big[:4] + ["--tokens", "4096", "16384"] if dev.type == "cuda" else ["--quick"])
+        r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+        result["bench_moe"] = (r.stdout + r.stderr)[-4000:]
+    return result
+
+
 def adam() -> str:
     n = "100e6" if DEVICE == "cuda" else "1e6"
     r = subprocess.run([sys.executable, "bench/adam.py", "--device", DEVICE, "--params", n, "--repeat", "20"],
@@ -361,7 +414,8 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--data", required=True, help="Tiny Shakespeare (or any text) file")
     ap.add_argument("--out", required=True)
-    ap.add_argument("--skip", default="", help="comma-separated parts to skip: correctness,memory,throughput,adam")
+    ap.add_argument("--skip", default="",
+                    help="comma-separated parts to skip: adam,correctness,memory,throughput,profile,moe")
     ap.add_argument("--dry-cpu", action="store_true", help="run everything on the CPU with a small model")
     ap.add_argument("--only", default="", help="comma-separated case names of correctness and throughput")
     args = ap.parse_args(argv)
@@ -382,7 +436,7 @@ def main(argv=None) -> None:
     print(json.dumps(report), flush=True)
     for part, fn in [("adam", lambda: adam()), ("correctness", lambda: correctness(out, args.data)),
                      ("memory", lambda: memory(out, args.data)), ("throughput", lambda: throughput(out, args.data)),
-                     ("profile", lambda: profile(out, args.data))]:
+                     ("profile", lambda: profile(out, args.data)), ("moe", moe)]:
         if part in skip:
             continue
         t0 = time.perf_counter()
@@ -394,6 +448,14 @@ def main(argv=None) -> None:
         (out / "gpu_check.json").write_text(json.dumps(report, indent=1))
     print("\n==== summary")
     print(report.get("adam", ""))
+    moe_report = report.get("moe") or {}
+    kernel_rows = moe_report.get("kernels", [])
+    for row in moe_report.get("reference", []) + (kernel_rows if isinstance(kernel_rows, list) else [kernel_rows]):
+        print("moe", json.dumps({k: (float(f"{v:.4g}") if isinstance(v, float) else v) for k, v in row.items()}))
+    if "bench_moe" in moe_report:
+        print("moe bench:", moe_report["bench_moe"][-1500:])
+    if "error" in moe_report:
+        print("moe error:", moe_report["error"])
     for line in (report.get("profile") or {}).get("podscale", []) + (report.get("profile") or {}).get("plain", []):
         print("profile", line[:320])
     for part in ("correctness", "memory", "throughput"):

@@ -17,9 +17,13 @@ design: DeepSpeed's top-1 without random token selection keeps an arbitrary C of
 top-2 renormalises the gate values after dropping where GShard normalises before).
 
     python bench/moe.py [--quick] [--d-model 128] [--d-hidden 512] [--capacity-factor 1.25] [--rounds 5]
-                        [--row-tile N]   # podscale's expert row tile (an ablation; default: the library's)
+                        [--kernel auto|tiled|segment]   # podscale's expert kernel (default: the device's)
+                        [--row-tile N]   # the CPU kernel's row tile (an ablation; default: the library's)
                         [--ablate-overlap]   # also podscale with its own rows never overlapped with the exchange
                         [--keep-heap]    # freed memory stays resident (no page faults on new activations)
+    python bench/moe.py --kernels [--device cpu|cuda] [--dtype fp32 bf16] [--threads N] ...
+                        # one process, ep = 1: the two expert kernels on the same layer and input, in
+                        # alternating rounds; fwd + bwd median of each and their ratio (no DeepSpeed)
 """
 from __future__ import annotations
 
@@ -37,6 +41,7 @@ import torch.nn as nn
 
 from podscale.parallel.moe import MoELayer
 from podscale.parallel.moe import layer as moe_layer
+from podscale.parallel.moe.kernels import CacheTiledKernel, SegmentKernel
 from podscale.runtime import hostmem
 from podscale.runtime.launcher import launch
 from podscale.runtime.mesh import Mesh
@@ -127,13 +132,16 @@ def _worker(args) -> list[dict]:
     deepspeed.init_distributed(dist_backend=dist.get_backend())
     mesh = Mesh.build(info.device, ep=info.world_size)
     dev = info.device
-    if args.row_tile:
-        moe_layer.ROW_TILE = args.row_tile
+    kernel = None  # the device's
+    if args.kernel == "segment":
+        kernel = SegmentKernel()
+    elif args.kernel == "tiled" or args.row_tile:
+        kernel = CacheTiledKernel(args.row_tile or CacheTiledKernel.ROW_TILE)
     rows = []
     for E, S, k in itertools.product(args.experts, args.tokens, args.top_k):
         torch.manual_seed(1)
         ours = MoELayer(args.d_model, args.d_hidden, E, top_k=k, capacity_factor=args.capacity_factor,
-                        random_routing=False, mesh=mesh).to(dev)
+                        random_routing=False, mesh=mesh, kernel=kernel).to(dev)
         with torch.no_grad():  # a router with some preference, so routing is uneven as in training
             ours.router.weight.normal_(0.0, args.router_std)
             for name, p in ours.experts.named_parameters():
@@ -204,6 +212,51 @@ def _worker(args) -> list[dict]:
     return rows
 
 
+def kernel_ablation(args) -> list[dict]:
+    """The CPU's and the accelerators' expert kernels (:mod:`podscale.parallel.moe.kernels`) on the same
+    MoE layer (same weights, routing and input) in one process at ep = 1, taking turns to go first each
+    round; the median forward + backward time of each, per point and dtype."""
+    dev = torch.device(args.device)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    rows = []
+    for (E, S, k), dt in itertools.product(itertools.product(args.experts, args.tokens, args.top_k), args.dtype):
+        dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dt]
+        layers = {}
+        for name, kernel in (("tiled", CacheTiledKernel(args.row_tile or CacheTiledKernel.ROW_TILE)),
+                             ("segment", SegmentKernel())):
+            torch.manual_seed(1)
+            layer = MoELayer(args.d_model, args.d_hidden, E, top_k=k, capacity_factor=args.capacity_factor,
+                             random_routing=False, kernel=kernel)
+            with torch.no_grad():
+                layer.router.weight.normal_(0.0, args.router_std)
+            layers[name] = layer.to(dev, dtype)
+        x = torch.randn(1, S, args.d_model, generator=torch.Generator().manual_seed(100)).to(dev, dtype)
+        x.requires_grad_(True)
+        times = {name: [] for name in layers}
+        for r in range(args.rounds + 2):
+            for name in (list(layers) if r % 2 else list(layers)[::-1]):
+                layer = layers[name]
+                layer.zero_grad(set_to_none=True)
+                x.grad = None
+                if dev.type == "cuda":
+                    torch.cuda.synchronize(dev)
+                t0 = time.perf_counter()
+                y, _ = layer(x)
+                y.float().square().sum().backward()
+                if dev.type == "cuda":
+                    torch.cuda.synchronize(dev)
+                if r >= 2:  # two warm-up rounds
+                    times[name].append(time.perf_counter() - t0)
+        row = {"experts": E, "tokens": S, "top_k": k, "dtype": dt,
+               **{f"{name}_ms": 1e3 * statistics.median(t) for name, t in times.items()}}
+        row["segment_over_tiled"] = row["segment_ms"] / row["tiled_ms"]
+        rows.append(row)
+        print(f"E={E:3d} S={S:5d} k={k} {dt}  tiled {row['tiled_ms']:8.2f} ms  segment {row['segment_ms']:8.2f} ms  "
+              f"segment / tiled {row['segment_over_tiled']:.2f}", flush=True)
+    return rows
+
+
 def main(argv=None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="experts 4 and 64, 1k and 4k tokens, 3 rounds")
@@ -216,8 +269,10 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--experts", type=int, nargs="+", default=[4, 8, 16, 32, 64])
     ap.add_argument("--tokens", type=int, nargs="+", default=[1024, 2048, 4096, 8192])
     ap.add_argument("--top-k", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--kernel", choices=["auto", "tiled", "segment"], default="auto",
+                    help="podscale's expert kernel: the device's (CPU: tiled; GPU: segment), or either on any device")
     ap.add_argument("--row-tile", type=int, default=None,
-                    help="rows per tile of podscale's expert feed-forward (default: the library's ROW_TILE; "
+                    help="rows per tile of the CPU kernel (implies --kernel tiled; default: its ROW_TILE; "
                          "a huge value gives one matmul per expert segment, the layout before tiling)")
     ap.add_argument("--no-input-grad", action="store_true",
                     help="the input wants no gradient (both layers then skip the backward's return exchange)")
@@ -227,10 +282,21 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--keep-heap", action="store_true",
                     help="glibc: serve every allocation from the heap and never trim it (both layers; takes "
                          "page faults on freshly allocated activations out of the times)")
+    ap.add_argument("--kernels", action="store_true",
+                    help="instead: the two expert kernels side by side in one process (ep = 1, no DeepSpeed)")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="with --kernels")
+    ap.add_argument("--dtype", nargs="+", choices=["fp32", "bf16"], default=["fp32"], help="with --kernels")
+    ap.add_argument("--threads", type=int, default=None, help="with --kernels: torch's CPU threads")
     ap.add_argument("--json", help="write the rows here")
     args = ap.parse_args(argv)
     if args.quick:
         args.experts, args.tokens, args.rounds = [4, 64], [1024, 4096], 3
+    if args.kernels:
+        rows = kernel_ablation(args)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(rows, f, indent=1)
+        return rows
     rows = launch(_worker, (args,), nproc=args.nproc)[0]
     worst = max(r["ratio"] for r in rows)
     print(f"ratio (podscale / DeepSpeed): worst {worst:.2f}, median {statistics.median(r['ratio'] for r in rows):.2f}; "

@@ -7,6 +7,8 @@ lopsided in a known way.
 """
 from __future__ import annotations
 
+import itertools
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -14,6 +16,7 @@ import torch.nn.functional as F
 from podscale.models.gpt_moe import GPTMoE, GPTMoEConfig
 from podscale.parallel.moe import MoELayer, grad_norm, reduce_gradients
 from podscale.parallel.moe import layer as moe_layer
+from podscale.parallel.moe.kernels import CacheTiledKernel, SegmentKernel
 from podscale.runtime.mesh import Mesh
 from podscale.runtime.process import init_process
 from podscale.train.data import ShardedLoader, load_tokens, split_tokens
@@ -121,7 +124,7 @@ def layer_inputs(case: str, rank: int) -> torch.Tensor:
     return x
 
 
-def build_layer(top_k: int, dropless: bool, mesh=None) -> MoELayer:
+def build_layer(top_k: int, dropless: bool, mesh=None, kernel=None) -> MoELayer:
     """The layer with the same weights in every layout: one process builds all experts, a rank of an
     ep layout copies its experts' slices."""
     torch.manual_seed(5)
@@ -133,7 +136,7 @@ def build_layer(top_k: int, dropless: bool, mesh=None) -> MoELayer:
     if mesh is None:
         return full
     layer = MoELayer(D, 16, E, top_k=top_k, capacity_factor=1.0, dropless=dropless, mesh=mesh,
-                     aux_loss_coef=0.1, z_loss_coef=0.01).double()
+                     aux_loss_coef=0.1, z_loss_coef=0.01, kernel=kernel).double()
     with torch.no_grad():
         layer.router.weight.copy_(full.router.weight)
         for name, p in layer.experts.named_parameters():   # names carry the global expert id
@@ -154,6 +157,10 @@ def layer_loss(layer: MoELayer, x: torch.Tensor):
 #: exchange (and overlap them with it), neither does, and each its own way (a rank's choice is its own)
 OVERLAP = ((0, 0), (10**9, 10**9), (0, 10**9))
 
+#: the expert kernels the no-hang runs use: the CPU's (tiles of 3 rows, so segments span several) and the
+#: accelerators' (run here on the CPU)
+KERNELS = {"tiled": CacheTiledKernel(row_tile=3), "segment": SegmentKernel()}
+
 
 def no_hang_worker(cases: list[tuple[str, int, bool]]) -> list[dict]:
     info = init_process(timeout_s=120)
@@ -161,9 +168,9 @@ def no_hang_worker(cases: list[tuple[str, int, bool]]) -> list[dict]:
     mesh = Mesh.build(info.device, ep=2)
     out = []
     for case, top_k, dropless in cases:
-        for rows in OVERLAP:
+        for rows, kernel in itertools.product(OVERLAP, KERNELS.values()):
             moe_layer.MIN_SEGMENT_ROWS = rows[info.rank]
-            layer = build_layer(top_k, dropless, mesh)
+            layer = build_layer(top_k, dropless, mesh, kernel)
             x = layer_inputs(case, info.rank)
             loss, y, o = layer_loss(layer, x)
             loss.backward()

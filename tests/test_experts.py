@@ -16,6 +16,7 @@ import torch
 import moe_workers as W
 from podscale.models.gpt_moe import GPTMoE, GPTMoEConfig
 from podscale.parallel.moe import layer as moe_layer
+from podscale.parallel.moe.kernels import CacheTiledKernel, SegmentKernel
 from podscale.parallel.moe import MoELayer, expert_capacity, route, routing_uniform, sequence_token_keys
 from podscale.parallel.param_tags import tags
 from podscale.runtime.launcher import launch
@@ -30,18 +31,21 @@ def _grads(layer, x, keys=None, reference=False):
     return y.detach(), x.grad, {n: p.grad.clone() for n, p in layer.named_parameters()}, out
 
 
-@pytest.mark.parametrize("row_tile", [None, 5])
+KERNELS = {"cpu-default": None, "tiled-5": CacheTiledKernel(row_tile=5), "segment": SegmentKernel()}
+
+
+@pytest.mark.parametrize("kernel", list(KERNELS))
 @pytest.mark.parametrize("top_k,dropless,random_routing,training", [
     (1, False, False, True), (2, False, True, True), (2, False, False, False), (2, True, False, True),
     (1, True, False, True), (3, False, False, True)])
-def test_fast_path_equals_einsum_reference(top_k, dropless, random_routing, training, row_tile, monkeypatch):
-    """``row_tile``: the grouped feed-forward's row tile (None: the default, larger than every segment here;
-    5: every segment split into several tiles, the last partial)."""
-    if row_tile is not None:
-        monkeypatch.setattr(moe_layer, "ROW_TILE", row_tile)
+def test_fast_path_equals_einsum_reference(top_k, dropless, random_routing, training, kernel):
+    """``kernel``: the experts' kernel (the CPU's default, whose 256-row tile is larger than every segment
+    here; the CPU's with 5-row tiles, every segment split into several tiles, the last partial; the
+    accelerators', run on the CPU)."""
     torch.manual_seed(0)
     layer = MoELayer(16, 24, 6, top_k=top_k, capacity_factor=0.8, eval_capacity_factor=1.1, dropless=dropless,
-                     random_routing=random_routing, z_loss_coef=0.01).double().train(training)
+                     random_routing=random_routing, z_loss_coef=0.01,
+                     kernel=KERNELS[kernel]).double().train(training)
     with torch.no_grad():
         layer.router.weight.normal_(0.0, 0.5)
         for name, p in layer.experts.named_parameters():
@@ -63,14 +67,16 @@ def test_fast_path_equals_einsum_reference(top_k, dropless, random_routing, trai
     assert gp["router.weight"].abs().sum() > 0  # the gate values carry the router's gradient
 
 
+@pytest.mark.parametrize("kernel", ["tiled-7", "segment"])
 @pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-12), (torch.float32, 2e-5)])
-def test_grouped_experts_equal_the_autograd_experts_over_the_whole_gelu_range(dtype, tol, monkeypatch):
-    """The grouped feed-forward (GELU and its derivative from one sigmoid, tiles packing several experts'
-    rows, the weight gradients per segment) against the experts run by autograd with PyTorch's GELU, on
-    pre-activations from -20 to 20 (both tails of the sigmoid) and with an expert that gets no rows."""
-    monkeypatch.setattr(moe_layer, "ROW_TILE", 7)
+def test_grouped_experts_equal_the_autograd_experts_over_the_whole_gelu_range(dtype, tol, kernel):
+    """The grouped feed-forward against the experts run by autograd with PyTorch's GELU, on pre-activations
+    from -20 to 20 (both tails of the sigmoid) and with an expert that gets no rows: the CPU kernel (GELU
+    and its derivative from one sigmoid, 7-row tiles packing several experts' rows, the weight gradients
+    per segment) and the accelerators' (PyTorch's fused GELU over the buffer, its backward in place)."""
     torch.manual_seed(3)
-    experts = moe_layer.Experts(6, 10, 4).to(dtype)
+    experts = moe_layer.Experts(6, 10, 4, kernel=CacheTiledKernel(row_tile=7) if kernel == "tiled-7"
+                                else SegmentKernel()).to(dtype)
     with torch.no_grad():
         for p in experts.parameters():
             p.normal_(0.0, 3.0)
@@ -96,9 +102,10 @@ def test_grouped_experts_equal_the_autograd_experts_over_the_whole_gelu_range(dt
     assert all(float(p.grad.abs().sum()) == 0 for p in experts["2"].parameters())
 
 
-def test_grouped_experts_in_bfloat16_follow_fp32_and_refuse_a_second_backward():
+@pytest.mark.parametrize("kernel", [CacheTiledKernel, SegmentKernel])
+def test_grouped_experts_in_bfloat16_follow_fp32_and_refuse_a_second_backward(kernel):
     torch.manual_seed(4)
-    experts = moe_layer.Experts(8, 16, 2)
+    experts = moe_layer.Experts(8, 16, 2, kernel=kernel())
     x = torch.randn(12, 8)
     out = {}
     for dt in (torch.float32, torch.bfloat16):
@@ -308,8 +315,8 @@ NO_HANG = [("one_expert", 1, False), ("one_expert", 2, False), ("no_remote", 2, 
 
 def test_lopsided_routing_finishes_with_the_right_gradients():
     results = launch(W.no_hang_worker, (NO_HANG,), nproc=2)
-    for i, ((case, top_k, dropless), rows) in enumerate(itertools.product(NO_HANG, W.OVERLAP)):
-        label = f"{case} top_k={top_k} dropless={dropless} MIN_SEGMENT_ROWS of the ranks {rows}"
+    for i, ((case, top_k, dropless), rows, kernel) in enumerate(itertools.product(NO_HANG, W.OVERLAP, W.KERNELS)):
+        label = f"{case} top_k={top_k} dropless={dropless} MIN_SEGMENT_ROWS of the ranks {rows}, {kernel} kernel"
         ref = W.build_layer(top_k, dropless)
         losses, ys, xs = [], [], []
         for rank in (0, 1):

@@ -11,9 +11,9 @@ the same function:
 * :meth:`MoELayer.forward` — the training path: the kept (token, expert) choices are sorted by expert,
   (one stable sort, which also hands out the capacity slots), their tokens gathered into one (M, d) buffer
   in expert order, each expert runs one matmul pair on its contiguous rows (a grouped feed-forward with a
-  hand-written backward), and the rows, scaled by their gate values, are added back onto their tokens
-  (``index_add``).  Nothing of size S·E·C (or S·E) exists; the work is proportional to the choices
-  actually dispatched.
+  hand-written backward, run by the device's :class:`~podscale.parallel.moe.kernels.ExpertKernel`), and
+  the rows, scaled by their gate values, are added back onto their tokens (``index_add``).  Nothing of
+  size S·E·C (or S·E) exists; the work is proportional to the choices actually dispatched.
 
 Expert parallelism (GShard section 3): with ``mesh.sizes["ep"] = n`` rank ``i`` of the ep group holds the
 experts ``[i * E/n, (i+1) * E/n)``.  Each forward exchanges first the per-expert token counts
@@ -53,7 +53,6 @@ on two counts: it would broadcast rank 0's experts over ep and average different
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -64,7 +63,8 @@ from podscale.parallel.moe.gate import MoEStats, Router, Routing, expert_capacit
     route, routing_uniform, router_z_loss
 from podscale.parallel.param_tags import tag
 from podscale.parallel.tensor import GatherBatchFromTP, ReduceFromTP, SplitBatchToTP, global_grad_norm
-from podscale.runtime import comm, hostmem
+from podscale.parallel.moe.kernels import ExpertKernel, WeightGrads, cast_weights, kernel_for, segment_bounds
+from podscale.runtime import comm
 
 
 def check_moe_args(experts: int, top_k: int, capacity_factor: float, eval_capacity_factor: float,
@@ -108,14 +108,20 @@ class Expert(nn.Module):
 class Experts(nn.ModuleDict):
     """This rank's experts ``[first, first + num_local)`` of ``num_experts``, keyed by *global* expert id
     (parameter names ``experts.<id>.w_fc``, ...), so a model's parameter names are the same at every ep
-    size and checkpoints are keyed by global expert id with no translation."""
+    size and checkpoints are keyed by global expert id with no translation.
+
+    ``kernel``: how the experts run on their rows (:mod:`podscale.parallel.moe.kernels`); None picks the
+    kernel for the input's device at each call (:func:`~podscale.parallel.moe.kernels.kernel_for`)."""
 
     def __init__(self, d_model: int, d_hidden: int, num_experts: int, ep_size: int = 1, ep_rank: int = 0,
-                 bias: bool = True):
+                 bias: bool = True, kernel: ExpertKernel | None = None):
         local = num_experts // ep_size
         super().__init__({str(ep_rank * local + j): Expert(d_model, d_hidden, bias) for j in range(local)})
         self.num_experts, self.num_local, self.first = num_experts, local, ep_rank * local
-        self.bias = bias
+        self.bias, self.kernel = bias, kernel
+
+    def _kernel(self, x: torch.Tensor) -> ExpertKernel:
+        return self.kernel if self.kernel is not None else kernel_for(x.device)
 
     def _weights(self):
         ex = list(self.values())
@@ -128,7 +134,7 @@ class Experts(nn.ModuleDict):
         """Rows of ``x`` in consecutive segments, ``segments[i] = (local expert, rows)`` (a local expert may
         own several segments; zero rows allowed: an expert without rows gets a zero gradient, never a
         missing one).  Returns the experts' outputs, row for row."""
-        return _GroupedFFN.apply(x, segments, self.num_local, self.bias, *self._weights())
+        return _GroupedFFN.apply(x, segments, self._kernel(x), self.num_local, self.bias, *self._weights())
 
     def forward_exchanged(self, flat: torch.Tensor, exchange: "_Exchange") -> torch.Tensor:
         """Expert parallelism: the rows of ``flat`` that ``exchange`` names (sorted by global expert) through
@@ -136,7 +142,8 @@ class Experts(nn.ModuleDict):
         exchanges are in flight (:class:`_ExpertParallelFFN`), or, when the experts' segments are short
         (:data:`MIN_SEGMENT_ROWS`), every row exchanged and regrouped expert-major."""
         if exchange.overlap:
-            return _ExpertParallelFFN.apply(flat, exchange, self.num_local, self.bias, *self._weights())
+            return _ExpertParallelFFN.apply(flat, exchange, self._kernel(flat), self.num_local, self.bias,
+                                            *self._weights())
         x = _AllToAll.apply(flat.index_select(0, exchange.token_remote), exchange.mesh, exchange.recv_splits,
                             exchange.send_splits)
         if exchange.perm is not None:
@@ -159,225 +166,42 @@ class Experts(nn.ModuleDict):
         return y
 
 
-#: rows processed together by the grouped feed-forward: a tile's pre-activation, activation and GELU
-#: derivative (rows x hidden floats each, 512 KiB at 256 x 512) stay in the L2 cache across the first
-#: matmul, the GELU's element-wise passes and the second matmul (in the backward: between ``d act``'s
-#: matmul and its product with the derivative), so the nine element-wise passes do not go out to memory.
-#: Ablation (one process, CPU time, fwd+bwd of 4096 rows, d 128, hidden 512): tiles of 128/256/512 rows
-#: 0.89-1.11x DeepSpeed's looped experts on the same rows, untiled (one tile per segment) 1.12-1.32x
-ROW_TILE = 256
-
-_GELU_C = math.sqrt(2.0 / math.pi)
-_GELU_A = 0.044715
-
-
-_TWO_C: dict = {}
-
-
-def _two_c(like: torch.Tensor) -> torch.Tensor:
-    """The 0-dim constant ``2c`` in ``like``'s dtype and device, made once (a ``torch.tensor`` call per
-    tile costs as much as a small element-wise pass)."""
-    key = (like.dtype, like.device)
-    if key not in _TWO_C:
-        _TWO_C[key] = torch.tensor(2 * _GELU_C, dtype=like.dtype, device=like.device)
-    return _TWO_C[key]
-
-
-def _cast(ws, dt):
-    """The weights in the compute dtype, converted once per call rather than once per matmul."""
-    return ws if all(w.dtype == dt for w in ws) else tuple(w.to(dt) for w in ws)
-
-
-def _gelu_and_derivative(h: torch.Tensor, act: torch.Tensor, deriv: torch.Tensor, tmp: torch.Tensor) -> None:
-    """The tanh GELU of ``h`` into ``act`` and its derivative into ``deriv`` (``tmp``: scratch of h's shape;
-    ``h`` is left unchanged), from one transcendental per element.
-
-    ``gelu(h) = 0.5 h (1 + tanh(u)) = h s`` with ``u = c (h + a h^3)``, ``c = sqrt(2/pi)``, ``a = 0.044715``
-    (Hendrycks & Gimpel 2016) and ``s = sigmoid(2u)``, since ``0.5 (1 + tanh(u)) = sigmoid(2u)``; its
-    derivative is ``s + h s (1 - s) (2c + 6ca h^2)``.  PyTorch's ``gelu`` and ``gelu_backward`` each
-    evaluate the tanh (and, on this CPU build, run at ~3.3 ns an element each against ~0.3-0.7 for one
-    plain element-wise op); here the forward computes ``s`` once, the activation and the derivative from
-    it in nine in-place passes over cache-resident tiles, and the backward is one multiplication."""
-    two_c = _two_c(h)
-    torch.mul(h, h, out=tmp)                                          # h^2
-    torch.add(two_c, tmp, alpha=2 * _GELU_C * _GELU_A, out=deriv)
-    deriv.mul_(h).sigmoid_()                                          # s = sigmoid(2u)
-    torch.mul(h, deriv, out=act)                                      # gelu = h s
-    torch.add(two_c, tmp, alpha=6 * _GELU_C * _GELU_A, out=tmp)
-    tmp.mul_(h)                                                       # r = h (2c + 6ca h^2)
-    torch.addcmul(tmp, tmp, deriv, value=-1.0, out=tmp)               # r (1 - s)
-    torch.addcmul(deriv, tmp, deriv, out=deriv)                       # s + s r (1 - s)
-
-
-def _tiles(bounds):
-    """The row buffer in tiles of at most :data:`ROW_TILE` rows: ``(first row, end row, pieces)`` with
-    ``pieces`` the ``(local expert, first row, end row)`` parts of the segments ``bounds`` inside the tile.
-    A segment longer than a tile is cut into full tiles (its remainder may share the next tile); shorter
-    segments are packed whole into shared tiles, never cut, so with many small segments (many experts)
-    the element-wise GELU passes run once per tile rather than once per expert, while every expert still
-    runs one matmul per piece of its rows."""
-    pieces = []
-    for j, a, b in bounds:
-        if pieces and b - pieces[0][1] > ROW_TILE:            # does not fit the open tile: close it
-            yield pieces[0][1], pieces[-1][2], pieces
-            pieces = []
-        while b - a > ROW_TILE:
-            yield a, a + ROW_TILE, [(j, a, a + ROW_TILE)]
-            a += ROW_TILE
-        pieces.append((j, a, b))
-    if pieces:
-        yield pieces[0][1], pieces[-1][2], pieces
-
-
-def _bounds(segments, start: int = 0) -> list[tuple[int, int, int]]:
-    """Segments ``(local expert, rows)`` laid end to end from row ``start`` -> the non-empty ones as
-    ``(local expert, first row, end row)``."""
-    out = []
-    for j, n in segments:
-        if n:
-            out.append((j, start, start + n))
-        start += n
-    return out
-
-
-def _ffn_forward(x: torch.Tensor, bounds, weights, El: int, bias: bool, out: torch.Tensor):
-    """The grouped feed-forward on the rows ``bounds`` of ``x`` (every row of ``x`` in some bound), outputs
-    into ``out`` (``x``'s rows); returns ``(act, deriv)``, what the backward needs beside ``x``.
-
-    The buffer in tiles of :data:`ROW_TILE` rows (:func:`_tiles`); per tile, every expert piece's first
-    matmul (bias folded in: ``addmm``), the GELU *and its derivative* over the whole tile from one sigmoid
-    (:func:`_gelu_and_derivative`), every piece's second matmul, while the tile is in cache.  The saved
-    activation and derivative are as many bytes as autograd keeps for two linears and a GELU (input,
-    pre-activation, activation), but the backward evaluates no transcendental.  Low-precision inputs run
-    the GELU in fp32 (as PyTorch's own kernel does internally)."""
-    dt = x.dtype
-    w_fc, w_proj = weights[:El], weights[El:2 * El]
-    b_fc, b_proj = (weights[2 * El:3 * El], weights[3 * El:]) if bias else (None, None)
-    wide = dt if dt in (torch.float32, torch.float64) else torch.float32
-    M, H = x.shape[0], w_fc[0].shape[1]
-    saved = x.new_empty(2, M, H)
-    if saved.device.type == "cpu":
-        # fresh pages every step (glibc returns large freed blocks to the OS): one fault per 2 MiB
-        # instead of one per 4 KiB on first touch
-        hostmem.advise_huge_pages(saved)
-    act, deriv = saved.unbind(0)
-    # one tile's pre-activation and scratch, reused (they stay in cache)
-    T = min(ROW_TILE, M)
-    pre_buf, tmp_buf = x.new_empty(T, H), x.new_empty(T, H, dtype=wide)
-    for a, b, pieces in _tiles(bounds):
-        n = b - a
-        pre = pre_buf[:n]
-        for j, pa, pb in pieces:
-            if bias:
-                torch.addmm(b_fc[j], x[pa:pb], w_fc[j], out=pre[pa - a:pb - a])
-            else:
-                torch.mm(x[pa:pb], w_fc[j], out=pre[pa - a:pb - a])
-        if wide == dt:
-            _gelu_and_derivative(pre, act[a:b], deriv[a:b], tmp_buf[:n])
-        else:
-            h, g_act, g_der = pre.to(wide), torch.empty_like(tmp_buf[:n]), torch.empty_like(tmp_buf[:n])
-            _gelu_and_derivative(h, g_act, g_der, tmp_buf[:n])
-            act[a:b].copy_(g_act)
-            deriv[a:b].copy_(g_der)
-        for j, pa, pb in pieces:
-            if bias:
-                torch.addmm(b_proj[j], act[pa:pb], w_proj[j], out=out[pa:pb])
-            else:
-                torch.mm(act[pa:pb], w_proj[j], out=out[pa:pb])
-    return act, deriv
-
-
-class _WeightGrads:
-    """The experts' weight and bias gradients, summed over every piece of rows the backward visits (an
-    expert's rows may come in several pieces: segments from several ranks, the parts of an overlapped
-    exchange)."""
-
-    def __init__(self, El: int, bias: bool):
-        self.El, self.bias = El, bias
-        self.fc, self.proj, self.b_fc, self.b_proj = [None] * El, [None] * El, [None] * El, [None] * El
-
-    def add(self, j: int, x: torch.Tensor, d_pre: torch.Tensor, act: torch.Tensor, grad: torch.Tensor) -> None:
-        if self.fc[j] is None:
-            self.fc[j], self.proj[j] = torch.mm(x.t(), d_pre), torch.mm(act.t(), grad)
-            if self.bias:
-                self.b_fc[j], self.b_proj[j] = d_pre.sum(0), grad.sum(0)
-        else:
-            self.fc[j].addmm_(x.t(), d_pre)
-            self.proj[j].addmm_(act.t(), grad)
-            if self.bias:
-                self.b_fc[j].add_(d_pre.sum(0))
-                self.b_proj[j].add_(grad.sum(0))
-
-    def result(self, params, like: torch.Tensor) -> list[torch.Tensor]:
-        """The gradients in ``params``' order and dtype (w_fc..., w_proj..., then b_fc..., b_proj...); an
-        expert without rows gets a zero gradient, never a missing one."""
-        weights = params[:2 * self.El]
-        out = [g if g is not None else like.new_zeros(w.shape) for g, w in zip(self.fc + self.proj, weights)]
-        if self.bias:
-            out += [g if g is not None else like.new_zeros(b.shape)
-                    for g, b in zip(self.b_fc + self.b_proj, params[2 * self.El:])]
-        return [g if g.dtype == p.dtype else g.to(p.dtype) for g, p in zip(out, params)]
-
-
-def _ffn_backward(grad: torch.Tensor, x: torch.Tensor, act: torch.Tensor, deriv: torch.Tensor, bounds,
-                  weights, El: int, acc: _WeightGrads, g_x: torch.Tensor | None) -> None:
-    """The backward of :func:`_ffn_forward` on one buffer: ``d x`` into ``g_x`` (None: the input wants no
-    gradient, skip it), weight gradients added to ``acc``.
-
-    Per tile, ``d act = grad w_proj^T`` into a reused cache-resident buffer, multiplied by the derivative
-    and written over it (it is read once), so the saved buffer becomes ``d pre`` with no new allocation;
-    then per expert segment one matmul each for ``d x``, ``d w_fc``, ``d w_proj`` over all the segment's
-    rows (the weight gradients want the long reduction dimension), and the bias sums."""
-    w_fc, w_proj = weights[:El], weights[El:2 * El]
-    gh_buf = x.new_empty(min(ROW_TILE, x.shape[0]), act.shape[1])
-    for a, b, pieces in _tiles(bounds):
-        g_act = gh_buf[:b - a]
-        for j, pa, pb in pieces:
-            torch.mm(grad[pa:pb], w_proj[j].t(), out=g_act[pa - a:pb - a])
-        torch.mul(g_act, deriv[a:b], out=deriv[a:b])
-    d_pre = deriv
-    for j, a, b in bounds:
-        if g_x is not None:
-            torch.mm(d_pre[a:b], w_fc[j].t(), out=g_x[a:b])
-        acc.add(j, x[a:b], d_pre[a:b], act[a:b], grad[a:b])
-
-
 def _once(ctx) -> None:
-    """Refuse a second backward through one forward: the first turned its saved GELU derivative into the
-    pre-activation's gradient in place."""
+    """Refuse a second backward through one forward: the first overwrote the kernel's saved tensors with
+    gradients in place (:meth:`~podscale.parallel.moe.kernels.ExpertKernel.backward`)."""
     if ctx.consumed:
         raise RuntimeError("the experts' backward ran twice on one forward (retain_graph=True): it "
-                           "turns its saved GELU derivative into the pre-activation's gradient in place; "
+                           "overwrites its saved activations with gradients in place; "
                            "run the forward again instead")
     ctx.consumed = True
 
 
 class _GroupedFFN(torch.autograd.Function):
     """Every expert's ``gelu(x w_fc + b_fc) w_proj + b_proj`` on its rows of one buffer (the segments of
-    :meth:`Experts.forward`), forward (:func:`_ffn_forward`) and backward (:func:`_ffn_backward`) written
-    out, no per-expert autograd nodes.  It saves the input, the activation and the derivative; because
-    the backward turns the derivative into ``d pre`` in place, a second backward through the same forward
-    (``retain_graph=True``) is refused."""
+    :meth:`Experts.forward`), forward and backward written out by an
+    :class:`~podscale.parallel.moe.kernels.ExpertKernel`, no per-expert autograd nodes.  It saves the input
+    and the kernel's two tensors; because the backward overwrites those in place, a second backward through
+    the same forward (``retain_graph=True``) is refused."""
 
     @staticmethod
-    def forward(ctx, x, segments, El, bias, *params):
-        weights = _cast(params, x.dtype)
-        bounds = _bounds(segments)
+    def forward(ctx, x, segments, kernel, El, bias, *params):
+        weights = cast_weights(params, x.dtype)
+        bounds = segment_bounds(segments)
         out = x.new_empty(x.shape[0], weights[El].shape[1])
-        act, deriv = _ffn_forward(x, bounds, weights, El, bias, out)
-        ctx.bounds, ctx.El, ctx.bias, ctx.consumed = bounds, El, bias, False
-        ctx.save_for_backward(x, act, deriv, *params)
+        saved = kernel.forward(x, bounds, weights, El, bias, out)
+        ctx.bounds, ctx.kernel, ctx.El, ctx.bias, ctx.consumed = bounds, kernel, El, bias, False
+        ctx.save_for_backward(x, *saved, *params)
         return out
 
     @staticmethod
     def backward(ctx, grad):
         _once(ctx)
-        x, act, deriv, *params = ctx.saved_tensors
-        weights = _cast(params[:2 * ctx.El], x.dtype)
-        acc = _WeightGrads(ctx.El, ctx.bias)
+        x, s1, s2, *params = ctx.saved_tensors
+        weights = cast_weights(params[:2 * ctx.El], x.dtype)
+        acc = WeightGrads(ctx.El, ctx.bias)
         g_x = torch.empty_like(x) if ctx.needs_input_grad[0] else None
-        _ffn_backward(grad.contiguous(), x, act, deriv, ctx.bounds, weights, ctx.El, acc, g_x)
-        return (g_x, None, None, None, *acc.result(params, x))
+        ctx.kernel.backward(grad.contiguous(), x, (s1, s2), ctx.bounds, weights, ctx.El, acc, g_x)
+        return (g_x, None, None, None, None, *acc.result(params, x))
 
 
 def expert_parameters(model: nn.Module) -> list[nn.Parameter]:
@@ -470,7 +294,8 @@ class _Exchange:
         self.recv_splits = [0 if r == me and overlap else n for r, n in enumerate(in_rows)]
         self.token_local, self.token_remote = token[self.first:self.first + self.local], self.others(token)
         self.half = self.local // 2
-        self.part_a, self.part_b = _split_bounds(_bounds(enumerate(send[me])), self.half) if overlap else ([], [])
+        self.part_a, self.part_b = (_split_bounds(segment_bounds(enumerate(send[me])), self.half) if overlap
+                                    else ([], []))
         sources = [src for r, src in enumerate(recv) if r != me or not overlap]
         self.perm = self.inverse = None
         if len(sources) > 1:
@@ -484,7 +309,7 @@ class _Exchange:
             self.remote_segments = list(enumerate(counts.sum(0).tolist()))
         else:
             self.remote_segments = list(enumerate(sources[0])) if sources else []
-        self.remote = _bounds(self.remote_segments)
+        self.remote = segment_bounds(self.remote_segments)
 
     def others(self, t: torch.Tensor) -> torch.Tensor:
         """The rows of ``t`` (all ``total`` rows in sorted order) that go to other ranks, contiguous (a view
@@ -574,8 +399,8 @@ class _ExpertParallelFFN(torch.autograd.Function):
     the input gradient is scattered onto ``flat`` (``index_add``: a token picked twice gets both)."""
 
     @staticmethod
-    def forward(ctx, flat, ex: _Exchange, El, bias, *params):
-        weights = _cast(params, flat.dtype)
+    def forward(ctx, flat, ex: _Exchange, kernel, El, bias, *params):
+        weights = cast_weights(params, flat.dtype)
         D = weights[El].shape[1]
         send = flat.index_select(0, ex.token_remote)
         got = flat.new_empty((sum(ex.recv_splits), flat.shape[1]))
@@ -584,30 +409,30 @@ class _ExpertParallelFFN(torch.autograd.Function):
         x_own = flat.index_select(0, ex.token_local)
         rows = flat.new_empty(ex.total, D)
         own = rows[ex.first:ex.first + ex.local]
-        a = _ffn_forward(x_own[:ex.half], ex.part_a, weights, El, bias, own[:ex.half])
+        a = kernel.forward(x_own[:ex.half], ex.part_a, weights, El, bias, own[:ex.half])
         pending.wait()
         x_got = got if ex.perm is None else got.index_select(0, ex.perm)
         del got
         y_got = flat.new_empty(x_got.shape[0], D)
-        r = _ffn_forward(x_got, ex.remote, weights, El, bias, y_got)
+        r = kernel.forward(x_got, ex.remote, weights, El, bias, y_got)
         if ex.perm is not None:
             y_got = y_got.index_select(0, ex.inverse)
         finish = ex.place(rows, lambda buf: comm.all_to_all(buf, y_got, ex.mesh, "ep", ex.send_splits,
                                                             ex.recv_splits, async_op=True))
-        b = _ffn_forward(x_own[ex.half:], ex.part_b, weights, El, bias, own[ex.half:])
+        b = kernel.forward(x_own[ex.half:], ex.part_b, weights, El, bias, own[ex.half:])
         finish()
-        ctx.ex, ctx.El, ctx.bias, ctx.consumed, ctx.n = ex, El, bias, False, flat.shape[0]
+        ctx.ex, ctx.kernel, ctx.El, ctx.bias, ctx.consumed, ctx.n = ex, kernel, El, bias, False, flat.shape[0]
         ctx.save_for_backward(x_own, x_got, *a, *r, *b, *params)
         return rows
 
     @staticmethod
     def backward(ctx, grad):
         _once(ctx)
-        ex, El = ctx.ex, ctx.El
-        x_own, x_got, a_act, a_der, r_act, r_der, b_act, b_der, *params = ctx.saved_tensors
-        weights = _cast(params[:2 * El], x_own.dtype)
+        ex, El, kernel = ctx.ex, ctx.El, ctx.kernel
+        x_own, x_got, a1, a2, r1, r2, b1, b2, *params = ctx.saved_tensors
+        weights = cast_weights(params[:2 * El], x_own.dtype)
         grad = grad.contiguous()
-        acc = _WeightGrads(El, ctx.bias)
+        acc = WeightGrads(El, ctx.bias)
         end = ex.first + ex.local
         g_got = grad.new_empty(x_got.shape[0], grad.shape[1])
         pending = comm.all_to_all(g_got, ex.others(grad), ex.mesh, "ep", ex.recv_splits, ex.send_splits,
@@ -618,25 +443,25 @@ class _ExpertParallelFFN(torch.autograd.Function):
         want = ctx.needs_input_grad[0]
         g_own_out, g_own = grad[ex.first:end], torch.empty_like(x_own) if want else None
         h = ex.half
-        _ffn_backward(g_own_out[h:], x_own[h:], b_act, b_der, ex.part_b, weights, El, acc,
-                      g_own[h:] if want else None)
+        kernel.backward(g_own_out[h:], x_own[h:], (b1, b2), ex.part_b, weights, El, acc,
+                        g_own[h:] if want else None)
         pending.wait()
         if ex.perm is not None:
             g_got = g_got.index_select(0, ex.perm)
         g_x_got = torch.empty_like(x_got) if want else None
-        _ffn_backward(g_got, x_got, r_act, r_der, ex.remote, weights, El, acc, g_x_got)
+        kernel.backward(g_got, x_got, (r1, r2), ex.remote, weights, El, acc, g_x_got)
         if not want:
-            _ffn_backward(g_own_out[:h], x_own[:h], a_act, a_der, ex.part_a, weights, El, acc, None)
-            return (None, None, None, None, *acc.result(params, x_own))
+            kernel.backward(g_own_out[:h], x_own[:h], (a1, a2), ex.part_a, weights, El, acc, None)
+            return (None, None, None, None, None, *acc.result(params, x_own))
         if ex.perm is not None:
             g_x_got = g_x_got.index_select(0, ex.inverse)
         g_back = g_x_got.new_empty(ex.total - ex.local, x_got.shape[1])
         pending = comm.all_to_all(g_back, g_x_got, ex.mesh, "ep", ex.send_splits, ex.recv_splits, async_op=True)
-        _ffn_backward(g_own_out[:h], x_own[:h], a_act, a_der, ex.part_a, weights, El, acc, g_own[:h])
+        kernel.backward(g_own_out[:h], x_own[:h], (a1, a2), ex.part_a, weights, El, acc, g_own[:h])
         g_flat = g_own.new_zeros(ctx.n, g_own.shape[1]).index_add_(0, ex.token_local, g_own)
         pending.wait()
         g_flat.index_add_(0, ex.token_remote, g_back)
-        return (g_flat, None, None, None, *acc.result(params, x_own))
+        return (g_flat, None, None, None, None, *acc.result(params, x_own))
 
 
 def _tp_all_to_all(x: torch.Tensor, mesh, split_dim: int, cat_dim: int) -> torch.Tensor:
@@ -720,14 +545,15 @@ class MoELayer(nn.Module):
     ``bias_balancing``: DeepSeek-V3's auxiliary-loss-free selection bias (update it with
     :meth:`update_balance_bias`); ``seed`` salts the random-routing draws (give each layer its own);
     ``sequence_parallel``: under tp > 1 the layer's input and output hold this rank's ``1/tp`` of the
-    positions (Korthikanti et al. 2022), see :meth:`forward`.
+    positions (Korthikanti et al. 2022), see :meth:`forward`; ``kernel``: how the experts run on their
+    rows (:mod:`podscale.parallel.moe.kernels`; None: the kernel for the input's device).
     """
 
     def __init__(self, d_model: int, d_hidden: int, experts: int, top_k: int = 2, capacity_factor: float = 1.25,
                  eval_capacity_factor: float = 2.0, dropless: bool = False, random_routing: bool = False,
                  aux_loss_coef: float = 1e-2, z_loss_coef: float = 1e-3, bias_balancing: bool = False,
                  bias_update_rate: float = 1e-3, mesh=None, seed: int = 0, bias: bool = True,
-                 sequence_parallel: bool = False):
+                 sequence_parallel: bool = False, kernel: ExpertKernel | None = None):
         super().__init__()
         ep = mesh.sizes["ep"] if mesh is not None else 1
         check_moe_args(experts, top_k, capacity_factor, eval_capacity_factor, ep)
@@ -740,7 +566,7 @@ class MoELayer(nn.Module):
         self.aux_loss_coef, self.z_loss_coef = aux_loss_coef, z_loss_coef
         self.router = Router(d_model, experts, bias_balancing, bias_update_rate)
         ep_rank = mesh.coords()["ep"] if mesh is not None else 0
-        self.experts = Experts(d_model, d_hidden, experts, ep, ep_rank, bias)
+        self.experts = Experts(d_model, d_hidden, experts, ep, ep_rank, bias, kernel)
         if self.tp > 1:
             # each tp rank routes its own share of the samples (see forward): the router's and the experts'
             # gradients are partial over tp and summed there, as a sequence-parallel layer norm's are
