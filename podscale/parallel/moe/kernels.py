@@ -44,6 +44,21 @@ def segment_bounds(segments, start: int = 0) -> list[tuple[int, int, int]]:
     return out
 
 
+def _linear_into(out: torch.Tensor, inp: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> None:
+    """``out = inp w + b`` (``b`` None: no bias) written into ``out``; the bias folded into ``addmm``."""
+    if b is None:
+        torch.mm(inp, w, out=out)
+    else:
+        torch.addmm(b, inp, w, out=out)
+
+
+def _split_weights(weights, El: int, bias: bool):
+    """``(w_fc, w_proj, b_fc, b_proj)``, each a list of El (biases: None without ``bias``)."""
+    none = [None] * El
+    return (weights[:El], weights[El:2 * El], weights[2 * El:3 * El] if bias else none,
+            weights[3 * El:] if bias else none)
+
+
 def cast_weights(ws, dt):
     """The weights in the compute dtype, converted once per call rather than once per matmul."""
     return ws if all(w.dtype == dt for w in ws) else tuple(w.to(dt) for w in ws)
@@ -60,25 +75,21 @@ class WeightGrads:
 
     def add_proj(self, j: int, act: torch.Tensor, grad: torch.Tensor) -> None:
         """Expert ``j``'s second linear: ``d w_proj += act^T grad``, ``d b_proj += sum(grad)``."""
-        if self.proj[j] is None:
-            self.proj[j] = torch.mm(act.t(), grad)
-            if self.bias:
-                self.b_proj[j] = grad.sum(0)
-        else:
-            self.proj[j].addmm_(act.t(), grad)
-            if self.bias:
-                self.b_proj[j].add_(grad.sum(0))
+        self._add(self.proj, self.b_proj, j, act, grad)
 
     def add_fc(self, j: int, x: torch.Tensor, d_pre: torch.Tensor) -> None:
         """Expert ``j``'s first linear: ``d w_fc += x^T d_pre``, ``d b_fc += sum(d_pre)``."""
-        if self.fc[j] is None:
-            self.fc[j] = torch.mm(x.t(), d_pre)
+        self._add(self.fc, self.b_fc, j, x, d_pre)
+
+    def _add(self, w: list, b: list, j: int, inp: torch.Tensor, grad_out: torch.Tensor) -> None:
+        if w[j] is None:
+            w[j] = torch.mm(inp.t(), grad_out)
             if self.bias:
-                self.b_fc[j] = d_pre.sum(0)
+                b[j] = grad_out.sum(0)
         else:
-            self.fc[j].addmm_(x.t(), d_pre)
+            w[j].addmm_(inp.t(), grad_out)
             if self.bias:
-                self.b_fc[j].add_(d_pre.sum(0))
+                b[j].add_(grad_out.sum(0))
 
     def result(self, params, like: torch.Tensor) -> list[torch.Tensor]:
         """The gradients in ``params``' order and dtype (w_fc..., w_proj..., then b_fc..., b_proj...); an
@@ -188,8 +199,7 @@ class CacheTiledKernel:
         second matmul, while the tile is in cache.  Low-precision inputs run the GELU in fp32 (as PyTorch's
         own kernel does internally).  Returns ``(act, deriv)``."""
         dt = x.dtype
-        w_fc, w_proj = weights[:El], weights[El:2 * El]
-        b_fc, b_proj = (weights[2 * El:3 * El], weights[3 * El:]) if bias else (None, None)
+        w_fc, w_proj, b_fc, b_proj = _split_weights(weights, El, bias)
         wide = dt if dt in (torch.float32, torch.float64) else torch.float32
         M, H = x.shape[0], w_fc[0].shape[1]
         saved = x.new_empty(2, M, H)
@@ -205,10 +215,7 @@ class CacheTiledKernel:
             n = b - a
             pre = pre_buf[:n]
             for j, pa, pb in pieces:
-                if bias:
-                    torch.addmm(b_fc[j], x[pa:pb], w_fc[j], out=pre[pa - a:pb - a])
-                else:
-                    torch.mm(x[pa:pb], w_fc[j], out=pre[pa - a:pb - a])
+                _linear_into(pre[pa - a:pb - a], x[pa:pb], w_fc[j], b_fc[j])
             if wide == dt:
                 _gelu_and_derivative(pre, act[a:b], deriv[a:b], tmp_buf[:n])
             else:
@@ -217,10 +224,7 @@ class CacheTiledKernel:
                 act[a:b].copy_(g_act)
                 deriv[a:b].copy_(g_der)
             for j, pa, pb in pieces:
-                if bias:
-                    torch.addmm(b_proj[j], act[pa:pb], w_proj[j], out=out[pa:pb])
-                else:
-                    torch.mm(act[pa:pb], w_proj[j], out=out[pa:pb])
+                _linear_into(out[pa:pb], act[pa:pb], w_proj[j], b_proj[j])
         return act, deriv
 
     def backward(self, grad, x, saved, bounds, weights, El, acc, g_x):
@@ -258,20 +262,13 @@ class SegmentKernel:
     kernels."""
 
     def forward(self, x, bounds, weights, El, bias, out):
-        w_fc, w_proj = weights[:El], weights[El:2 * El]
-        b_fc, b_proj = (weights[2 * El:3 * El], weights[3 * El:]) if bias else (None, None)
+        w_fc, w_proj, b_fc, b_proj = _split_weights(weights, El, bias)
         pre = x.new_empty(x.shape[0], w_fc[0].shape[1])
         for j, a, b in bounds:
-            if bias:
-                torch.addmm(b_fc[j], x[a:b], w_fc[j], out=pre[a:b])
-            else:
-                torch.mm(x[a:b], w_fc[j], out=pre[a:b])
+            _linear_into(pre[a:b], x[a:b], w_fc[j], b_fc[j])
         act = F.gelu(pre, approximate="tanh")
         for j, a, b in bounds:
-            if bias:
-                torch.addmm(b_proj[j], act[a:b], w_proj[j], out=out[a:b])
-            else:
-                torch.mm(act[a:b], w_proj[j], out=out[a:b])
+            _linear_into(out[a:b], act[a:b], w_proj[j], b_proj[j])
         return act, pre
 
     def backward(self, grad, x, saved, bounds, weights, El, acc, g_x):
