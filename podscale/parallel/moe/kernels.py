@@ -10,8 +10,8 @@ they differ in how they meet their device's cost model:
 
 * :class:`CacheTiledKernel` (CPUs): the buffer in tiles of a few hundred rows whose pre-activation,
   activation and GELU derivative stay in the L2 cache between the two matmuls; the GELU and its derivative
-  from one sigmoid in element-wise passes over the tile (a CPU core pays ~3 ns per element for each of
-  PyTorch's ``gelu`` and ``gelu_backward``, which evaluate the tanh, against ~0.3-0.7 for a plain pass).
+  from one sigmoid in element-wise passes over the tile (PyTorch's ``gelu`` and ``gelu_backward`` each
+  evaluate the tanh, several plain passes' worth of work per element on a CPU core).
 * :class:`SegmentKernel` (GPUs and other accelerators): each matmul over the expert's whole segment and the
   GELU and its backward as PyTorch's fused kernels over the whole buffer, one launch each: on a GPU the
   element-wise work is memory-bound and a launch costs microseconds, so tiles (more launches) and nine
@@ -181,9 +181,9 @@ class CacheTiledKernel:
     element-wise passes and the second matmul (in the backward: between ``d act``'s matmul and its product
     with the derivative), so the nine element-wise passes do not go out to memory.
 
-    Ablation (one process, CPU time, fwd+bwd of 4096 rows, d 128, hidden 512): tiles of 128/256/512 rows
-    0.89-1.11x DeepSpeed's looped experts on the same rows, untiled (one tile per segment) 1.12-1.32x.
-    It saves the activation and the derivative (the backward evaluates no transcendental)."""
+    The tile is the default because tiles of 128-512 rows beat one tile per segment on this project's CPU
+    (BENCHMARKS.md, the MoE section, for the ablations).  It saves the activation and the derivative (the
+    backward evaluates no transcendental)."""
 
     #: the default tile (see the ablation above)
     ROW_TILE = 256
