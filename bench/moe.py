@@ -132,11 +132,7 @@ def _worker(args) -> list[dict]:
     deepspeed.init_distributed(dist_backend=dist.get_backend())
     mesh = Mesh.build(info.device, ep=info.world_size)
     dev = info.device
-    kernel = None  # the device's
-    if args.kernel == "segment":
-        kernel = SegmentKernel()
-    elif args.kernel == "tiled" or args.row_tile:
-        kernel = CacheTiledKernel(args.row_tile or CacheTiledKernel.ROW_TILE)
+    kernel = None if args.kernel == "auto" and not args.row_tile else _kernel(args, args.kernel)
     rows = []
     for E, S, k in itertools.product(args.experts, args.tokens, args.top_k):
         torch.manual_seed(1)
@@ -212,6 +208,11 @@ def _worker(args) -> list[dict]:
     return rows
 
 
+def _kernel(args, name: str):
+    """podscale's expert kernel ``name`` ("segment"; otherwise the CPU's, with ``--row-tile`` if given)."""
+    return SegmentKernel() if name == "segment" else CacheTiledKernel(args.row_tile or CacheTiledKernel.ROW_TILE)
+
+
 def kernel_ablation(args) -> list[dict]:
     """The CPU's and the accelerators' expert kernels (:mod:`podscale.parallel.moe.kernels`) on the same
     MoE layer (same weights, routing and input) in one process at ep = 1, taking turns to go first each
@@ -223,11 +224,10 @@ def kernel_ablation(args) -> list[dict]:
     for (E, S, k), dt in itertools.product(itertools.product(args.experts, args.tokens, args.top_k), args.dtype):
         dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dt]
         layers = {}
-        for name, kernel in (("tiled", CacheTiledKernel(args.row_tile or CacheTiledKernel.ROW_TILE)),
-                             ("segment", SegmentKernel())):
+        for name in ("tiled", "segment"):
             torch.manual_seed(1)
             layer = MoELayer(args.d_model, args.d_hidden, E, top_k=k, capacity_factor=args.capacity_factor,
-                             random_routing=False, kernel=kernel)
+                             random_routing=False, kernel=_kernel(args, name))
             with torch.no_grad():
                 layer.router.weight.normal_(0.0, args.router_std)
             layers[name] = layer.to(dev, dtype)
