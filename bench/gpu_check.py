@@ -357,8 +357,8 @@ def _profile_worker(data: str, out: str, device: str, big: dict) -> dict:
 def moe() -> dict:
     """The MoE layer on the device: (a) the fast path (the device's kernel) equals the einsum reference,
     outputs and gradients, fp32 with TF32 off, top-1 / top-2 / dropless; (b) ``bench/moe.py --kernels``: the
-    two expert kernels side by side on the same layer, fp32 and bf16 (d_model 1024, expert width 4096 on a
-    GPU); (c) ``bench/moe.py --nproc 1``: podscale beside DeepSpeed's MoE at ep = 1, where deepspeed is
+    expert kernels side by side on the same layer (the accelerators' as the baseline, the CPU's, and the
+    accelerators' keeping only the pre-activation), fp32 and bf16 (d_model 1024, expert width 4096 on a GPU); (c) ``bench/moe.py --nproc 1``: podscale beside DeepSpeed's MoE at ep = 1, where deepspeed is
     installed."""
     import importlib.util
 
@@ -387,7 +387,8 @@ def moe() -> dict:
         result["reference"].append({**mode, "max_rel_diff": err, "ok": err < 1e-4})
     big = ["--d-model", "1024", "--d-hidden", "4096", "--experts", "8", "64", "--tokens", "4096", "16384"]
     small = ["--experts", "8", "--tokens", "512", "--top-k", "2"]
-    kernels = [sys.executable, "bench/moe.py", "--kernels", "--device", DEVICE, "--dtype", "fp32", "bf16",
+    kernels = [sys.executable, "bench/moe.py", "--kernels", "segment", "tiled", "segment-recompute",
+               "--device", DEVICE, "--dtype", "fp32", "bf16",
                "--rounds", "5", "--json", str(RUNS / "moe_kernels.json")] + (big if dev.type == "cuda" else small)
     RUNS.mkdir(parents=True, exist_ok=True)
     r = subprocess.run(kernels, capture_output=True, text=True, cwd=ROOT)

@@ -21,9 +21,11 @@ top-2 renormalises the gate values after dropping where GShard normalises before
                         [--row-tile N]   # the CPU kernel's row tile (an ablation; default: the library's)
                         [--ablate-overlap]   # also podscale with its own rows never overlapped with the exchange
                         [--keep-heap]    # freed memory stays resident (no page faults on new activations)
-    python bench/moe.py --kernels [--device cpu|cuda] [--dtype fp32 bf16] [--threads N] ...
-                        # one process, ep = 1: the two expert kernels on the same layer and input, in
-                        # alternating rounds; fwd + bwd median of each and their ratio (no DeepSpeed)
+                        [--recompute-activation]   # podscale keeps only the experts' pre-activation
+    python bench/moe.py --kernels [NAME ...] [--device cpu|cuda] [--dtype fp32 bf16] [--threads N] ...
+                        # one process, ep = 1: podscale's expert kernels (tiled, segment, tiled-recompute,
+                        # segment-recompute; default the first two) on the same layer and input, taking
+                        # turns; fwd + bwd median of each and its ratio to the first's (no DeepSpeed)
 """
 from __future__ import annotations
 
@@ -132,7 +134,9 @@ def _worker(args) -> list[dict]:
     deepspeed.init_distributed(dist_backend=dist.get_backend())
     mesh = Mesh.build(info.device, ep=info.world_size)
     dev = info.device
-    kernel = None if args.kernel == "auto" and not args.row_tile else _kernel(args, args.kernel)
+    kernel = (None if args.kernel == "auto" and not (args.row_tile or args.recompute_activation)
+              else _kernel(args, "tiled" if args.kernel == "auto" and dev.type == "cpu" else
+                           "segment" if args.kernel == "auto" else args.kernel))
     rows = []
     for E, S, k in itertools.product(args.experts, args.tokens, args.top_k):
         torch.manual_seed(1)
@@ -208,23 +212,34 @@ def _worker(args) -> list[dict]:
     return rows
 
 
+#: the kernels ``--kernels`` can set side by side (``-recompute``: keeping only the experts' pre-activation)
+KERNEL_NAMES = ("tiled", "segment", "tiled-recompute", "segment-recompute")
+
+
 def _kernel(args, name: str):
-    """podscale's expert kernel ``name`` ("segment"; otherwise the CPU's, with ``--row-tile`` if given)."""
-    return SegmentKernel() if name == "segment" else CacheTiledKernel(args.row_tile or CacheTiledKernel.ROW_TILE)
+    """podscale's expert kernel ``name`` (one of :data:`KERNEL_NAMES`; "auto": the CPU's), the CPU's with
+    ``--row-tile`` if given; ``--recompute-activation`` makes any of them keep only the pre-activation."""
+    base, _, suffix = name.partition("-")
+    recompute = suffix == "recompute" or args.recompute_activation
+    if base == "segment":
+        return SegmentKernel(recompute=recompute)
+    return CacheTiledKernel(args.row_tile or CacheTiledKernel.ROW_TILE, recompute=recompute)
 
 
 def kernel_ablation(args) -> list[dict]:
-    """The CPU's and the accelerators' expert kernels (:mod:`podscale.parallel.moe.kernels`) on the same
-    MoE layer (same weights, routing and input) in one process at ep = 1, taking turns to go first each
-    round; the median forward + backward time of each, per point and dtype."""
+    """podscale's expert kernels (:mod:`podscale.parallel.moe.kernels`; ``--kernels`` names them, the first
+    is the baseline) on the same MoE layer (same weights, routing and input) in one process at ep = 1, taking
+    turns to go first each round; the median forward + backward time of each, per point and dtype, and its
+    ratio to the first's."""
     dev = torch.device(args.device)
     if args.threads:
         torch.set_num_threads(args.threads)
+    names = args.kernels or ["tiled", "segment"]
     rows = []
     for (E, S, k), dt in itertools.product(itertools.product(args.experts, args.tokens, args.top_k), args.dtype):
         dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dt]
         layers = {}
-        for name in ("tiled", "segment"):
+        for name in names:
             torch.manual_seed(1)
             layer = MoELayer(args.d_model, args.d_hidden, E, top_k=k, capacity_factor=args.capacity_factor,
                              random_routing=False, kernel=_kernel(args, name))
@@ -235,7 +250,7 @@ def kernel_ablation(args) -> list[dict]:
         x.requires_grad_(True)
         times = {name: [] for name in layers}
         for r in range(args.rounds + 2):
-            for name in (list(layers) if r % 2 else list(layers)[::-1]):
+            for name in names[r % len(names):] + names[:r % len(names)]:   # each goes first in turn
                 layer = layers[name]
                 layer.zero_grad(set_to_none=True)
                 x.grad = None
@@ -250,10 +265,11 @@ def kernel_ablation(args) -> list[dict]:
                     times[name].append(time.perf_counter() - t0)
         row = {"experts": E, "tokens": S, "top_k": k, "dtype": dt,
                **{f"{name}_ms": 1e3 * statistics.median(t) for name, t in times.items()}}
-        row["segment_over_tiled"] = row["segment_ms"] / row["tiled_ms"]
+        for name in names[1:]:
+            row[f"{name}_over_{names[0]}"] = row[f"{name}_ms"] / row[f"{names[0]}_ms"]
         rows.append(row)
-        print(f"E={E:3d} S={S:5d} k={k} {dt}  tiled {row['tiled_ms']:8.2f} ms  segment {row['segment_ms']:8.2f} ms  "
-              f"segment / tiled {row['segment_over_tiled']:.2f}", flush=True)
+        print(f"E={E:3d} S={S:5d} k={k} {dt}  " + "  ".join(f"{n} {row[f'{n}_ms']:8.2f} ms" for n in names) + "  " +
+              "  ".join(f"{n} / {names[0]} {row[f'{n}_over_{names[0]}']:.2f}" for n in names[1:]), flush=True)
     return rows
 
 
@@ -282,8 +298,12 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--keep-heap", action="store_true",
                     help="glibc: serve every allocation from the heap and never trim it (both layers; takes "
                          "page faults on freshly allocated activations out of the times)")
-    ap.add_argument("--kernels", action="store_true",
-                    help="instead: the two expert kernels side by side in one process (ep = 1, no DeepSpeed)")
+    ap.add_argument("--kernels", nargs="*", choices=KERNEL_NAMES, default=None,
+                    help="instead: podscale's expert kernels side by side in one process (ep = 1, no DeepSpeed); "
+                         "the first named is the baseline (none named: tiled segment)")
+    ap.add_argument("--recompute-activation", action="store_true",
+                    help="podscale's experts keep only their pre-activation and evaluate the GELU again in the "
+                         "backward (model.expert_recompute)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="with --kernels")
     ap.add_argument("--dtype", nargs="+", choices=["fp32", "bf16"], default=["fp32"], help="with --kernels")
     ap.add_argument("--threads", type=int, default=None, help="with --kernels: torch's CPU threads")
@@ -291,7 +311,7 @@ def main(argv=None) -> list[dict]:
     args = ap.parse_args(argv)
     if args.quick:
         args.experts, args.tokens, args.rounds = [4, 64], [1024, 4096], 3
-    if args.kernels:
+    if args.kernels is not None:
         rows = kernel_ablation(args)
         if args.json:
             with open(args.json, "w") as f:

@@ -157,6 +157,9 @@ class GPTMoEModelSection(GPTModelSection):
     z_loss_coef: float = Field(1e-3, ge=0.0, description="weight of the router z-loss (ST-MoE)")
     moe_every: int = Field(2, ge=1, description="an MoE feed-forward in every moe_every-th block")
     expert_hidden: int | None = Field(None, ge=1, description="expert hidden size; default 4 * n_embd")
+    expert_recompute: bool = Field(False, description="keep only the experts' GELU input for the backward and "
+                                   "evaluate the GELU again there: one tokens x top_k x expert_hidden tensor "
+                                   "less per MoE layer (Megatron-core's recompute_modules moe_act)")
 
     @model_validator(mode="after")
     def _moe_args(self):

@@ -158,8 +158,10 @@ def layer_loss(layer: MoELayer, x: torch.Tensor):
 OVERLAP = ((0, 0), (10**9, 10**9), (0, 10**9))
 
 #: the expert kernels the no-hang runs use: the CPU's (tiles of 3 rows, so segments span several) and the
-#: accelerators' (run here on the CPU)
-KERNELS = {"tiled": CacheTiledKernel(row_tile=3), "segment": SegmentKernel()}
+#: accelerators' (run here on the CPU), each also keeping only the pre-activation
+KERNELS = {"tiled": CacheTiledKernel(row_tile=3), "segment": SegmentKernel(),
+           "tiled-recompute": CacheTiledKernel(row_tile=3, recompute=True),
+           "segment-recompute": SegmentKernel(recompute=True)}
 
 
 def no_hang_worker(cases: list[tuple[str, int, bool]]) -> list[dict]:

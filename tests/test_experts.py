@@ -31,7 +31,9 @@ def _grads(layer, x, keys=None, reference=False):
     return y.detach(), x.grad, {n: p.grad.clone() for n, p in layer.named_parameters()}, out
 
 
-KERNELS = {"cpu-default": None, "tiled-5": CacheTiledKernel(row_tile=5), "segment": SegmentKernel()}
+KERNELS = {"cpu-default": None, "tiled-5": CacheTiledKernel(row_tile=5), "segment": SegmentKernel(),
+           "tiled-5-recompute": CacheTiledKernel(row_tile=5, recompute=True),
+           "segment-recompute": SegmentKernel(recompute=True)}
 
 
 @pytest.mark.parametrize("kernel", list(KERNELS))
@@ -41,7 +43,8 @@ KERNELS = {"cpu-default": None, "tiled-5": CacheTiledKernel(row_tile=5), "segmen
 def test_fast_path_equals_einsum_reference(top_k, dropless, random_routing, training, kernel):
     """``kernel``: the experts' kernel (the CPU's default, whose 256-row tile is larger than every segment
     here; the CPU's with 5-row tiles, every segment split into several tiles, the last partial; the
-    accelerators', run on the CPU)."""
+    accelerators', run on the CPU; the last two again keeping only the pre-activation, the GELU evaluated
+    again in the backward)."""
     torch.manual_seed(0)
     layer = MoELayer(16, 24, 6, top_k=top_k, capacity_factor=0.8, eval_capacity_factor=1.1, dropless=dropless,
                      random_routing=random_routing, z_loss_coef=0.01,
@@ -67,16 +70,18 @@ def test_fast_path_equals_einsum_reference(top_k, dropless, random_routing, trai
     assert gp["router.weight"].abs().sum() > 0  # the gate values carry the router's gradient
 
 
+@pytest.mark.parametrize("recompute", [False, True])
 @pytest.mark.parametrize("kernel", ["tiled-7", "segment"])
 @pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-12), (torch.float32, 2e-5)])
-def test_grouped_experts_equal_the_autograd_experts_over_the_whole_gelu_range(dtype, tol, kernel):
+def test_grouped_experts_equal_the_autograd_experts_over_the_whole_gelu_range(dtype, tol, kernel, recompute):
     """The grouped feed-forward against the experts run by autograd with PyTorch's GELU, on pre-activations
     from -20 to 20 (both tails of the sigmoid) and with an expert that gets no rows: the CPU kernel (GELU
     and its derivative from one sigmoid, 7-row tiles packing several experts' rows, the weight gradients
-    per segment) and the accelerators' (PyTorch's fused GELU over the buffer, its backward in place)."""
+    per segment) and the accelerators' (PyTorch's fused GELU over the buffer, its backward in place); each
+    also keeping only the pre-activation (``recompute``)."""
     torch.manual_seed(3)
-    experts = moe_layer.Experts(6, 10, 4, kernel=CacheTiledKernel(row_tile=7) if kernel == "tiled-7"
-                                else SegmentKernel()).to(dtype)
+    experts = moe_layer.Experts(6, 10, 4, kernel=CacheTiledKernel(row_tile=7, recompute=recompute)
+                                if kernel == "tiled-7" else SegmentKernel(recompute=recompute)).to(dtype)
     with torch.no_grad():
         for p in experts.parameters():
             p.normal_(0.0, 3.0)
@@ -102,10 +107,11 @@ def test_grouped_experts_equal_the_autograd_experts_over_the_whole_gelu_range(dt
     assert all(float(p.grad.abs().sum()) == 0 for p in experts["2"].parameters())
 
 
+@pytest.mark.parametrize("recompute", [False, True])
 @pytest.mark.parametrize("kernel", [CacheTiledKernel, SegmentKernel])
-def test_grouped_experts_in_bfloat16_follow_fp32_and_refuse_a_second_backward(kernel):
+def test_grouped_experts_in_bfloat16_follow_fp32_and_refuse_a_second_backward(kernel, recompute):
     torch.manual_seed(4)
-    experts = moe_layer.Experts(8, 16, 2, kernel=kernel())
+    experts = moe_layer.Experts(8, 16, 2, kernel=kernel(recompute=recompute))
     x = torch.randn(12, 8)
     out = {}
     for dt in (torch.float32, torch.bfloat16):
@@ -118,6 +124,56 @@ def test_grouped_experts_in_bfloat16_follow_fp32_and_refuse_a_second_backward(ke
             y.float().square().sum().backward()
     for a, b in zip(out[torch.float32], out[torch.bfloat16]):
         torch.testing.assert_close(b, a, rtol=0.05, atol=0.05 * float(a.abs().max()))
+
+
+@pytest.mark.parametrize("kernel", [CacheTiledKernel, SegmentKernel])
+def test_recomputing_the_expert_activation_keeps_one_rows_by_hidden_tensor_less(kernel):
+    """``recompute_activation`` (``model.expert_recompute``): the layer keeps exactly one (dispatched rows x
+    hidden) tensor less for its backward, and its outputs and gradients are the same."""
+    def run(recompute):
+        torch.manual_seed(6)
+        layer = MoELayer(16, 40, 4, top_k=2, capacity_factor=1.0, kernel=kernel(recompute=recompute)).double()
+        x = torch.randn(3, 24, 16, dtype=torch.float64, requires_grad=True)
+        params = {p.untyped_storage().data_ptr() for p in layer.parameters()}
+        kept = {}
+
+        def pack(t):
+            ptr = t.untyped_storage().data_ptr()
+            if ptr not in params:
+                kept.setdefault(ptr, t.untyped_storage().nbytes())
+            return t
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            y, out = layer(x)
+        (y.square().sum() + out.loss).backward()
+        return sum(kept.values()), int(out.stats.kept.sum()), [y.detach(), x.grad] + [p.grad for p in layer.parameters()]
+
+    (full, rows, ref), (less, rows_again, got) = run(False), run(True)
+    assert rows == rows_again > 0
+    assert full - less == rows * 40 * 8
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+def test_gpt_moe_with_expert_recompute_trains_the_same():
+    """``model.expert_recompute = true`` reaches every MoE layer of the GPT-MoE and changes no number."""
+    from podscale.config import load_config
+    from podscale.tasks.gpt_moe import gpt_moe_config
+    cfgs = [gpt_moe_config(load_config("examples/gpt-moe.toml", [f"model.expert_recompute={v}", "model.n_layer=2"]))
+            for v in ("false", "true")]
+    assert [c.expert_recompute for c in cfgs] == [False, True]
+    results = []
+    for cfg in cfgs:
+        torch.manual_seed(0)
+        model = GPTMoE(cfg)
+        assert all(b.moe.experts.recompute_activation == cfg.expert_recompute
+                   for b in model.modules() if hasattr(b, "moe"))
+        idx = torch.randint(0, cfg.vocab_size, (2, cfg.block_size), generator=torch.Generator().manual_seed(1))
+        out = model(idx, idx)
+        loss = out[1] if isinstance(out, tuple) else out
+        loss.backward()
+        results.append([loss.detach()] + [p.grad.clone() for p in model.parameters() if p.grad is not None])
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
 
 
 def _onehot_logits(first: list[int], second: list[int], E: int) -> torch.Tensor:

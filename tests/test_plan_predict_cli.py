@@ -173,3 +173,27 @@ def test_the_moe_exchange_is_priced_less_the_own_rows_it_overlaps(monkeypatch):
     assert overlapped < ep_comm() < exposed * 3 / 2
     lay.update(ep=1, dp=64)
     assert ep_comm() == 0
+
+
+def test_expert_recompute_keeps_one_gelu_tensor_less_and_prices_the_gelu_again():
+    """``expert_recompute``: every MoE layer keeps only its experts' GELU input (2 bytes x ffn per routed
+    token slot, Korthikanti et al.'s MLP term halved), and its backward pays one more element-wise pass over
+    that tensor; dense layers and every other term are unchanged."""
+    from dataclasses import replace
+
+    from podscale.plan import predict
+    from podscale.plan.memory import activation_bytes_per_layer
+    from podscale.plan.models import get_model
+    base = get_model("moe-1.3b-64e")
+    lay = {"tp": 1, "pp": 1, "dp": 8, "ep": 8, "microbatch": 1}
+    keep, again = (predict("dgx-a100-80g", 64, replace(base, expert_recompute=r), lay, 512) for r in (False, True))
+    kw = dict(seq=base.seq, microbatch=1, hidden=base.hidden, heads=base.heads, ffn=base.ffn,
+              mlp_scale=base.top_k * base.capacity_factor)
+    per_moe_layer = activation_bytes_per_layer(**kw) - activation_bytes_per_layer(gelu_recompute=True, **kw)
+    assert per_moe_layer == 2 * base.ffn * base.seq * base.top_k * base.capacity_factor
+    saved = keep.memory_breakdown_bytes["activations"] - again.memory_breakdown_bytes["activations"]
+    assert saved == pytest.approx(per_moe_layer * base.moe_layers, rel=1e-9)
+    assert again.time_breakdown_s["recompute"] > keep.time_breakdown_s["recompute"] == 0.0
+    assert again.step_time_s > keep.step_time_s
+    for part in ("forward", "backward", "ep_communication"):
+        assert again.time_breakdown_s[part] == keep.time_breakdown_s[part]

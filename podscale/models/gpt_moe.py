@@ -40,6 +40,7 @@ class GPTMoEConfig(GPTConfig):
     bias_balancing: bool = False
     bias_update_rate: float = 1e-3
     expert_hidden: int | None = None   # default 4 * n_embd, the dense MLP's width
+    expert_recompute: bool = False     # keep the experts' pre-activation only; the GELU again in the backward
 
     def is_moe(self, layer: int) -> bool:
         return (layer + 1) % self.moe_every == 0
@@ -61,7 +62,7 @@ class MoEBlock(nn.Module):
                             cfg.eval_capacity_factor, cfg.dropless, cfg.random_routing, cfg.aux_loss_coef,
                             cfg.z_loss_coef, cfg.bias_balancing, cfg.bias_update_rate, mesh=mesh,
                             seed=zlib.crc32(f"moe{layer}".encode()), bias=cfg.bias,
-                            sequence_parallel=sequence_parallel)
+                            sequence_parallel=sequence_parallel, recompute_activation=cfg.expert_recompute)
 
     def forward(self, x: torch.Tensor, keys: torch.Tensor | None):
         x = x + self.attn(self.ln_1(x))

@@ -168,6 +168,10 @@ def _layer_times_uncached(system: System, model: GPT, lay: Layout, moe: bool) ->
     ew = elementwise_time(dev, layer_elementwise_bytes(tokens, h, f * scale, t, lay.sequence_parallel, e),
                           e * tokens * h)
     ew_attn = 0.0 if lay.fused_attention else stream_time(dev, softmax * e / 2)
+    # model.expert_recompute: the experts' GELU evaluated again before their backward (its input read, its
+    # output written: rows x f/t each)
+    gelu_again = (elementwise_time(dev, 2 * e * tokens * scale * f / t, e * tokens * h)
+                  if moe and model.expert_recompute else 0.0)
     act_bytes = e * sbh                                       # one [s, b, h] activation tensor
     tp_ar = net.all_reduce_time(system, act_bytes, t, 1) if t > 1 else 0.0
     a2a = net.all_to_all_time(system, act_bytes * scale, lay.ep, t) if moe and lay.ep > 1 else 0.0
@@ -180,7 +184,7 @@ def _layer_times_uncached(system: System, model: GPT, lay: Layout, moe: bool) ->
     attn_bwd = (attn_bwd_measured if measured_attn else
                 (FUSED_ATTN_BWD_OVER_FWD if lay.fused_attention else BWD_OVER_FWD) * (attn + ew_attn))
     return {"gemm": dense, "gemm_bwd": dense_bwd, "attn": attn + ew_attn, "attn_bwd": attn_bwd, "ew": ew,
-            "tp_ar": tp_ar, "a2a": a2a,
+            "tp_ar": tp_ar, "a2a": a2a, "expert_recompute": gelu_again,
             "a2a_exposed": (max(0.0, a2a - hide[0]), max(0.0, a2a - hide[1])),
             "kernels": KERNELS_PER_LAYER * dev.kernel_overhead,
             "tp_bwd": _tp_backward(lay, tp_ar, wgrad, dev)}
@@ -284,6 +288,9 @@ def predict_gpt(system: System, devices: int, model: GPT, lay: Layout, batch: in
     bwd = per_layer("gemm_bwd") + per_layer("attn_bwd") + BWD_OVER_FWD * (ew + launch)
     # selective recompute re-runs the attention core's forward (fused or not) before its backward
     recompute = {"none": 0.0, "selective": attn, "full": fwd}[lay.recompute]
+    # the experts' GELU evaluated again (model.expert_recompute; a full recompute re-runs it anyway)
+    expert_rec = 0.0 if lay.recompute == "full" else moe_frac * moe_t["expert_recompute"]
+    recompute += expert_rec
     per_pass = _tp_collectives_per_pass(lay)
     n_fwd = per_pass * (2 if lay.recompute == "full" else 1)   # forward passes' (incl. recompute's) collectives
     tp_comm = n_fwd * per_layer("tp_ar") + per_layer("tp_bwd")
@@ -406,7 +413,8 @@ def predict_gpt(system: System, devices: int, model: GPT, lay: Layout, batch: in
     fwd_c = {"gemm": gemm, "attention": attn, "elementwise": ew, "host": launch}
     bwd_c = {"gemm": per_layer("gemm_bwd"), "attention": per_layer("attn_bwd"),
              "elementwise": BWD_OVER_FWD * ew, "host": BWD_OVER_FWD * launch}
-    rec_c = {"none": {}, "selective": {"attention": attn}, "full": fwd_c}[lay.recompute]
+    rec_c = dict({"none": {}, "selective": {"attention": attn}, "full": fwd_c}[lay.recompute])
+    rec_c["elementwise"] = rec_c.get("elementwise", 0.0) + expert_rec
     components = {k: nl * (fwd_c[k] + bwd_c[k] + rec_c.get(k, 0.0)) for k in fwd_c}
     head_m = m if slow_last else 0
     components["gemm"] += head_m * head_gemm
@@ -422,7 +430,8 @@ def predict_gpt(system: System, devices: int, model: GPT, lay: Layout, batch: in
     # a fused attention kernel keeps no s x s tensors for its backward, as selective recompute does
     kept = "selective" if lay.fused_attention and lay.recompute == "none" else lay.recompute
     act_layer = ((1 - moe_frac) * activation_bytes_per_layer(recompute=kept, **act_kw)
-                 + moe_frac * activation_bytes_per_layer(recompute=kept, mlp_scale=mlp_scale, **act_kw))
+                 + moe_frac * activation_bytes_per_layer(recompute=kept, mlp_scale=mlp_scale,
+                                                         gelu_recompute=model.expert_recompute, **act_kw))
     working = 0.0
     if lay.recompute == "full":   # one layer re-materialised during its backward (a fused attention kernel
         # keeps no s x s tensors then either)

@@ -64,16 +64,19 @@ def zero3_gathered_bytes(largest_layer: float, precision: str = "bf16") -> float
 
 def activation_bytes_per_layer(seq: int, microbatch: int, hidden: int, heads: int, tp: int = 1,
                                sequence_parallel: bool = False, recompute: str = "none",
-                               ffn: int | None = None, mlp_scale: float = 1.0) -> float:
+                               ffn: int | None = None, mlp_scale: float = 1.0, gelu_recompute: bool = False) -> float:
     """Activation bytes one transformer layer keeps for its backward pass (Korthikanti et al. 2022,
-    Table 2; module docstring). ``mlp_scale`` is top_k * capacity_factor for an MoE layer."""
+    Table 2; module docstring). ``mlp_scale`` is top_k * capacity_factor for an MoE layer;
+    ``gelu_recompute``: the MLP keeps its GELU's input only (the output is evaluated again in the backward:
+    podscale's ``model.expert_recompute``, Megatron-core's ``recompute_modules = ["moe_act"]``)."""
     s, b, h, a, t = seq, microbatch, hidden, heads, tp
     f = 4 * h if ffn is None else ffn
     sbh = s * b * h
     if recompute == "full":
         return 2 * sbh / (t if sequence_parallel else 1)
     replicated = 10 * sbh                                 # layer-norm inputs, linear inputs, dropout masks
-    sharded = (8 + 4 * f / h * mlp_scale) * sbh           # Q, K, V, attention-out input, MLP GeLU in/out
+    gelu = 2 if gelu_recompute else 4                     # the GeLU's input (and output): 2 bytes x f each
+    sharded = (8 + gelu * f / h * mlp_scale) * sbh        # Q, K, V, attention-out input, MLP GeLU in/out
     attention = 5 * a * s * s * b                         # softmax output, dropout mask and output
     if recompute == "selective":
         attention = 0.0

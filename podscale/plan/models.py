@@ -20,7 +20,8 @@ class ModelError(ValueError):
 @dataclass(frozen=True)
 class GPT:
     """Decoder-only transformer. ``experts > 1`` makes every ``moe_every``-th MLP a GShard MoE layer
-    (Lepikhin et al. 2020) with ``top_k`` routing and ``capacity_factor`` padding."""
+    (Lepikhin et al. 2020) with ``top_k`` routing and ``capacity_factor`` padding; ``expert_recompute``: its
+    experts keep only the GELU's input for the backward and evaluate the GELU again there."""
 
     layers: int
     hidden: int
@@ -32,6 +33,7 @@ class GPT:
     top_k: int = 1
     capacity_factor: float = 1.0
     moe_every: int = 1
+    expert_recompute: bool = False
     name: str = "custom"
     kind: str = "gpt"
 

@@ -18,7 +18,8 @@ they differ in how they meet their device's cost model:
   separate passes (nine trips through memory) would both cost more than they save.
 
 :func:`kernel_for` picks by device; a layer can be given either explicitly.  Both keep two (rows × hidden)
-tensors for the backward, as many bytes as autograd keeps for two linears and a GELU beside the input.
+tensors for the backward, as many bytes as autograd keeps for two linears and a GELU beside the input; built
+with ``recompute`` they keep one, the pre-activation, and evaluate the GELU again in the backward.
 """
 from __future__ import annotations
 
@@ -109,10 +110,11 @@ class ExpertKernel(Protocol):
     ``b_fc`` ..., ``b_proj`` ..., in the compute dtype.  Every row of ``x`` lies in one of ``bounds``."""
 
     def forward(self, x: torch.Tensor, bounds: Bounds, weights, El: int, bias: bool,
-                out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Outputs into ``out`` (``x``'s rows); returns the two tensors the backward needs beside ``x``."""
+                out: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Outputs into ``out`` (``x``'s rows); returns the tensors the backward needs beside ``x`` (as many
+        for every call of one kernel)."""
 
-    def backward(self, grad: torch.Tensor, x: torch.Tensor, saved: tuple[torch.Tensor, torch.Tensor],
+    def backward(self, grad: torch.Tensor, x: torch.Tensor, saved: tuple[torch.Tensor, ...],
                  bounds: Bounds, weights, El: int, acc: WeightGrads, g_x: torch.Tensor | None) -> None:
         """``d x`` into ``g_x`` (None: the input wants no gradient, skip it), the weight gradients added to
         ``acc``.  May overwrite ``saved`` (a second backward through one forward is refused upstream)."""
@@ -175,6 +177,18 @@ def _tiles(bounds: Bounds, tile: int):
         yield pieces[0][1], pieces[-1][2], pieces
 
 
+def _gelu_tile(pre: torch.Tensor, act: torch.Tensor, deriv: torch.Tensor, tmp: torch.Tensor) -> None:
+    """:func:`_gelu_and_derivative` of one tile ``pre`` into ``act`` and ``deriv`` (``pre``'s dtype); a
+    low-precision tile runs it in fp32 (``tmp``: fp32 scratch then), as PyTorch's own kernel does."""
+    if tmp.dtype == pre.dtype:
+        _gelu_and_derivative(pre, act, deriv, tmp)
+        return
+    h, g_act, g_der = pre.to(tmp.dtype), torch.empty_like(tmp), torch.empty_like(tmp)
+    _gelu_and_derivative(h, g_act, g_der, tmp)
+    act.copy_(g_act)
+    deriv.copy_(g_der)
+
+
 class CacheTiledKernel:
     """The CPU kernel: tiles of ``row_tile`` rows whose pre-activation, activation and GELU derivative (rows
     x hidden floats each, 512 KiB at 256 x 512) stay in the L2 cache across the first matmul, the GELU's
@@ -183,70 +197,89 @@ class CacheTiledKernel:
 
     The tile is the default because tiles of 128-512 rows beat one tile per segment on this project's CPU
     (BENCHMARKS.md, the MoE section, for the ablations).  It saves the activation and the derivative (the
-    backward evaluates no transcendental)."""
+    backward evaluates no transcendental); with ``recompute`` it saves the pre-activation alone and the
+    backward re-derives both, tile by tile, from it (Korthikanti et al. 2022's selective recomputation
+    applied to the experts' activation, as Megatron-core's ``recompute_modules = ["moe_act"]``): one
+    rows x hidden tensor less kept per layer for one more GELU evaluation."""
 
     #: the default tile (see the ablation above)
     ROW_TILE = 256
 
-    def __init__(self, row_tile: int = ROW_TILE):
+    def __init__(self, row_tile: int = ROW_TILE, recompute: bool = False):
         if row_tile < 1:
             raise ValueError(f"row_tile={row_tile} must be >= 1")
-        self.row_tile = row_tile
+        self.row_tile, self.recompute = row_tile, recompute
 
     def forward(self, x, bounds, weights, El, bias, out):
         """Per tile: every expert piece's first matmul (bias folded in: ``addmm``), the GELU *and its
         derivative* over the whole tile from one sigmoid (:func:`_gelu_and_derivative`), every piece's
-        second matmul, while the tile is in cache.  Low-precision inputs run the GELU in fp32 (as PyTorch's
-        own kernel does internally).  Returns ``(act, deriv)``."""
-        dt = x.dtype
+        second matmul, while the tile is in cache.  Returns ``(act, deriv)``, or ``(pre,)`` with
+        ``recompute``."""
         w_fc, w_proj, b_fc, b_proj = _split_weights(weights, El, bias)
-        wide = dt if dt in (torch.float32, torch.float64) else torch.float32
+        wide = x.dtype if x.dtype in (torch.float32, torch.float64) else torch.float32
         M, H = x.shape[0], w_fc[0].shape[1]
-        saved = x.new_empty(2, M, H)
+        T = min(self.row_tile, M)
+        saved = x.new_empty(1 if self.recompute else 2, M, H)
         if saved.device.type == "cpu":
             # fresh pages every step (glibc returns large freed blocks to the OS): one fault per 2 MiB
             # instead of one per 4 KiB on first touch
             hostmem.advise_huge_pages(saved)
-        act, deriv = saved.unbind(0)
-        # one tile's pre-activation and scratch, reused (they stay in cache)
-        T = min(self.row_tile, M)
-        pre_buf, tmp_buf = x.new_empty(T, H), x.new_empty(T, H, dtype=wide)
+        tmp_buf = x.new_empty(T, H, dtype=wide)
+        if self.recompute:
+            # the pre-activation is kept; the activation and derivative live one tile at a time
+            (pre_all,), act_buf, deriv_buf = saved.unbind(0), x.new_empty(T, H), x.new_empty(T, H)
+        else:
+            (act_all, deriv_all), pre_buf = saved.unbind(0), x.new_empty(T, H)   # the reverse
         for a, b, pieces in _tiles(bounds, self.row_tile):
             n = b - a
-            pre = pre_buf[:n]
+            if self.recompute:
+                pre, act, deriv = pre_all[a:b], act_buf[:n], deriv_buf[:n]
+            else:
+                pre, act, deriv = pre_buf[:n], act_all[a:b], deriv_all[a:b]
             for j, pa, pb in pieces:
                 _linear_into(pre[pa - a:pb - a], x[pa:pb], w_fc[j], b_fc[j])
-            if wide == dt:
-                _gelu_and_derivative(pre, act[a:b], deriv[a:b], tmp_buf[:n])
-            else:
-                h, g_act, g_der = pre.to(wide), torch.empty_like(tmp_buf[:n]), torch.empty_like(tmp_buf[:n])
-                _gelu_and_derivative(h, g_act, g_der, tmp_buf[:n])
-                act[a:b].copy_(g_act)
-                deriv[a:b].copy_(g_der)
+            _gelu_tile(pre, act, deriv, tmp_buf[:n])
             for j, pa, pb in pieces:
-                _linear_into(out[pa:pb], act[pa:pb], w_proj[j], b_proj[j])
-        return act, deriv
+                _linear_into(out[pa:pb], act[pa - a:pb - a], w_proj[j], b_proj[j])
+        return tuple(saved.unbind(0))
 
     def backward(self, grad, x, saved, bounds, weights, El, acc, g_x):
         """Per tile, ``d act = grad w_proj^T`` into a reused cache-resident buffer, multiplied by the
         derivative and written over it (it is read once), so the saved derivative becomes ``d pre`` with
         no new allocation; then per expert segment one matmul each for ``d x``, ``d w_fc``, ``d w_proj``
         over all the segment's rows (the weight gradients want the long reduction dimension), and the bias
-        sums."""
-        act, deriv = saved
+        sums.  With ``recompute`` each tile's activation and derivative are re-derived from the saved
+        pre-activation first, ``d w_proj`` is taken per tile piece (the activation lives one tile at a time)
+        and ``d pre`` is written over the pre-activation."""
         w_fc, w_proj = weights[:El], weights[El:2 * El]
-        gh_buf = x.new_empty(min(self.row_tile, x.shape[0]), act.shape[1])
+        H = saved[0].shape[1]
+        T = min(self.row_tile, x.shape[0])
+        gh_buf = x.new_empty(T, H)
+        if self.recompute:
+            (d_pre,) = saved
+            wide = x.dtype if x.dtype in (torch.float32, torch.float64) else torch.float32
+            act_buf, deriv_buf, tmp_buf = x.new_empty(T, H), x.new_empty(T, H), x.new_empty(T, H, dtype=wide)
+        else:
+            act, d_pre = saved
         for a, b, pieces in _tiles(bounds, self.row_tile):
-            g_act = gh_buf[:b - a]
+            n = b - a
+            g_act = gh_buf[:n]
             for j, pa, pb in pieces:
                 torch.mm(grad[pa:pb], w_proj[j].t(), out=g_act[pa - a:pb - a])
-            torch.mul(g_act, deriv[a:b], out=deriv[a:b])
-        d_pre = deriv
+            if self.recompute:
+                act_t, deriv = act_buf[:n], deriv_buf[:n]
+                _gelu_tile(d_pre[a:b], act_t, deriv, tmp_buf[:n])
+                for j, pa, pb in pieces:
+                    acc.add_proj(j, act_t[pa - a:pb - a], grad[pa:pb])
+            else:
+                deriv = d_pre[a:b]
+            torch.mul(g_act, deriv, out=d_pre[a:b])
         for j, a, b in bounds:
             if g_x is not None:
                 torch.mm(d_pre[a:b], w_fc[j].t(), out=g_x[a:b])
             acc.add_fc(j, x[a:b], d_pre[a:b])
-            acc.add_proj(j, act[a:b], grad[a:b])
+            if not self.recompute:
+                acc.add_proj(j, act[a:b], grad[a:b])
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -256,10 +289,14 @@ class CacheTiledKernel:
 class SegmentKernel:
     """The accelerator kernel: one matmul per expert segment over all its rows into one buffer, then the
     GELU over the whole buffer as one fused kernel (``F.gelu``); in the backward ``gelu_backward`` over the
-    whole buffer, one kernel.  It saves the activation and the pre-activation; the backward writes ``d act``
-    over the activation (each segment's ``d w_proj`` is taken first) and ``d pre`` over the pre-activation,
-    so it allocates nothing of (rows x hidden).  Low-precision GELUs compute in fp32 inside PyTorch's
-    kernels."""
+    whole buffer, one kernel.  It saves the activation and the pre-activation (with ``recompute`` the
+    pre-activation alone, the activation evaluated again at the start of the backward: one rows x hidden
+    tensor less kept per layer, as Megatron-core's ``recompute_modules = ["moe_act"]``); the backward writes
+    ``d act`` over the activation (each segment's ``d w_proj`` is taken first) and ``d pre`` over the
+    pre-activation.  Low-precision GELUs compute in fp32 inside PyTorch's kernels."""
+
+    def __init__(self, recompute: bool = False):
+        self.recompute = recompute
 
     def forward(self, x, bounds, weights, El, bias, out):
         w_fc, w_proj, b_fc, b_proj = _split_weights(weights, El, bias)
@@ -269,10 +306,14 @@ class SegmentKernel:
         act = F.gelu(pre, approximate="tanh")
         for j, a, b in bounds:
             _linear_into(out[a:b], act[a:b], w_proj[j], b_proj[j])
-        return act, pre
+        return (pre,) if self.recompute else (act, pre)
 
     def backward(self, grad, x, saved, bounds, weights, El, acc, g_x):
-        act, pre = saved
+        if self.recompute:
+            (pre,) = saved
+            act = F.gelu(pre, approximate="tanh")
+        else:
+            act, pre = saved
         w_fc, w_proj = weights[:El], weights[El:2 * El]
         for j, a, b in bounds:
             acc.add_proj(j, act[a:b], grad[a:b])
@@ -284,14 +325,14 @@ class SegmentKernel:
             acc.add_fc(j, x[a:b], d_pre[a:b])
 
 
-_CPU_KERNEL = CacheTiledKernel()
-_ACCELERATOR_KERNEL = SegmentKernel()
+_KERNELS = {(cpu, recompute): CacheTiledKernel(recompute=recompute) if cpu else SegmentKernel(recompute=recompute)
+            for cpu in (True, False) for recompute in (False, True)}
 
 
-def kernel_for(device: torch.device) -> ExpertKernel:
+def kernel_for(device: torch.device, recompute: bool = False) -> ExpertKernel:
     """The kernel for tensors on ``device``: :class:`CacheTiledKernel` on a CPU, :class:`SegmentKernel`
-    elsewhere."""
-    return _CPU_KERNEL if device.type == "cpu" else _ACCELERATOR_KERNEL
+    elsewhere; ``recompute``: the variant that keeps the pre-activation alone for the backward."""
+    return _KERNELS[(device.type == "cpu", recompute)]
 
 
 __all__ = ["ExpertKernel", "CacheTiledKernel", "SegmentKernel", "WeightGrads", "kernel_for", "segment_bounds",

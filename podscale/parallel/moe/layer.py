@@ -111,17 +111,18 @@ class Experts(nn.ModuleDict):
     size and checkpoints are keyed by global expert id with no translation.
 
     ``kernel``: how the experts run on their rows (:mod:`podscale.parallel.moe.kernels`); None picks the
-    kernel for the input's device at each call (:func:`~podscale.parallel.moe.kernels.kernel_for`)."""
+    kernel for the input's device at each call (:func:`~podscale.parallel.moe.kernels.kernel_for`), the
+    variant that recomputes the GELU in the backward when ``recompute_activation``."""
 
     def __init__(self, d_model: int, d_hidden: int, num_experts: int, ep_size: int = 1, ep_rank: int = 0,
-                 bias: bool = True, kernel: ExpertKernel | None = None):
+                 bias: bool = True, kernel: ExpertKernel | None = None, recompute_activation: bool = False):
         local = num_experts // ep_size
         super().__init__({str(ep_rank * local + j): Expert(d_model, d_hidden, bias) for j in range(local)})
         self.num_experts, self.num_local, self.first = num_experts, local, ep_rank * local
-        self.bias, self.kernel = bias, kernel
+        self.bias, self.kernel, self.recompute_activation = bias, kernel, recompute_activation
 
     def _kernel(self, x: torch.Tensor) -> ExpertKernel:
-        return self.kernel if self.kernel is not None else kernel_for(x.device)
+        return self.kernel if self.kernel is not None else kernel_for(x.device, self.recompute_activation)
 
     def _weights(self):
         ex = list(self.values())
@@ -190,17 +191,19 @@ class _GroupedFFN(torch.autograd.Function):
         out = x.new_empty(x.shape[0], weights[El].shape[1])
         saved = kernel.forward(x, bounds, weights, El, bias, out)
         ctx.bounds, ctx.kernel, ctx.El, ctx.bias, ctx.consumed = bounds, kernel, El, bias, False
+        ctx.n_saved = len(saved)
         ctx.save_for_backward(x, *saved, *params)
         return out
 
     @staticmethod
     def backward(ctx, grad):
         _once(ctx)
-        x, s1, s2, *params = ctx.saved_tensors
+        x, *rest = ctx.saved_tensors
+        saved, params = tuple(rest[:ctx.n_saved]), rest[ctx.n_saved:]
         weights = cast_weights(params[:2 * ctx.El], x.dtype)
         acc = WeightGrads(ctx.El, ctx.bias)
         g_x = torch.empty_like(x) if ctx.needs_input_grad[0] else None
-        ctx.kernel.backward(grad.contiguous(), x, (s1, s2), ctx.bounds, weights, ctx.El, acc, g_x)
+        ctx.kernel.backward(grad.contiguous(), x, saved, ctx.bounds, weights, ctx.El, acc, g_x)
         return (g_x, None, None, None, None, *acc.result(params, x))
 
 
@@ -422,6 +425,7 @@ class _ExpertParallelFFN(torch.autograd.Function):
         b = kernel.forward(x_own[ex.half:], ex.part_b, weights, El, bias, own[ex.half:])
         finish()
         ctx.ex, ctx.kernel, ctx.El, ctx.bias, ctx.consumed, ctx.n = ex, kernel, El, bias, False, flat.shape[0]
+        ctx.n_saved = len(a)
         ctx.save_for_backward(x_own, x_got, *a, *r, *b, *params)
         return rows
 
@@ -429,7 +433,10 @@ class _ExpertParallelFFN(torch.autograd.Function):
     def backward(ctx, grad):
         _once(ctx)
         ex, El, kernel = ctx.ex, ctx.El, ctx.kernel
-        x_own, x_got, a1, a2, r1, r2, b1, b2, *params = ctx.saved_tensors
+        x_own, x_got, *rest = ctx.saved_tensors
+        k = ctx.n_saved
+        a_saved, r_saved, b_saved = (tuple(rest[i * k:(i + 1) * k]) for i in range(3))
+        params = rest[3 * k:]
         weights = cast_weights(params[:2 * El], x_own.dtype)
         grad = grad.contiguous()
         acc = WeightGrads(El, ctx.bias)
@@ -443,21 +450,21 @@ class _ExpertParallelFFN(torch.autograd.Function):
         want = ctx.needs_input_grad[0]
         g_own_out, g_own = grad[ex.first:end], torch.empty_like(x_own) if want else None
         h = ex.half
-        kernel.backward(g_own_out[h:], x_own[h:], (b1, b2), ex.part_b, weights, El, acc,
+        kernel.backward(g_own_out[h:], x_own[h:], b_saved, ex.part_b, weights, El, acc,
                         g_own[h:] if want else None)
         pending.wait()
         if ex.perm is not None:
             g_got = g_got.index_select(0, ex.perm)
         g_x_got = torch.empty_like(x_got) if want else None
-        kernel.backward(g_got, x_got, (r1, r2), ex.remote, weights, El, acc, g_x_got)
+        kernel.backward(g_got, x_got, r_saved, ex.remote, weights, El, acc, g_x_got)
         if not want:
-            kernel.backward(g_own_out[:h], x_own[:h], (a1, a2), ex.part_a, weights, El, acc, None)
+            kernel.backward(g_own_out[:h], x_own[:h], a_saved, ex.part_a, weights, El, acc, None)
             return (None, None, None, None, None, *acc.result(params, x_own))
         if ex.perm is not None:
             g_x_got = g_x_got.index_select(0, ex.inverse)
         g_back = g_x_got.new_empty(ex.total - ex.local, x_got.shape[1])
         pending = comm.all_to_all(g_back, g_x_got, ex.mesh, "ep", ex.send_splits, ex.recv_splits, async_op=True)
-        kernel.backward(g_own_out[:h], x_own[:h], (a1, a2), ex.part_a, weights, El, acc, g_own[:h])
+        kernel.backward(g_own_out[:h], x_own[:h], a_saved, ex.part_a, weights, El, acc, g_own[:h])
         g_flat = g_own.new_zeros(ctx.n, g_own.shape[1]).index_add_(0, ex.token_local, g_own)
         pending.wait()
         g_flat.index_add_(0, ex.token_remote, g_back)
@@ -546,14 +553,17 @@ class MoELayer(nn.Module):
     :meth:`update_balance_bias`); ``seed`` salts the random-routing draws (give each layer its own);
     ``sequence_parallel``: under tp > 1 the layer's input and output hold this rank's ``1/tp`` of the
     positions (Korthikanti et al. 2022), see :meth:`forward`; ``kernel``: how the experts run on their
-    rows (:mod:`podscale.parallel.moe.kernels`; None: the kernel for the input's device).
+    rows (:mod:`podscale.parallel.moe.kernels`; None: the kernel for the input's device);
+    ``recompute_activation``: keep only the experts' pre-activation for the backward and evaluate the GELU
+    again there (one rows x hidden tensor less per layer; ignored when ``kernel`` is given).
     """
 
     def __init__(self, d_model: int, d_hidden: int, experts: int, top_k: int = 2, capacity_factor: float = 1.25,
                  eval_capacity_factor: float = 2.0, dropless: bool = False, random_routing: bool = False,
                  aux_loss_coef: float = 1e-2, z_loss_coef: float = 1e-3, bias_balancing: bool = False,
                  bias_update_rate: float = 1e-3, mesh=None, seed: int = 0, bias: bool = True,
-                 sequence_parallel: bool = False, kernel: ExpertKernel | None = None):
+                 sequence_parallel: bool = False, kernel: ExpertKernel | None = None,
+                 recompute_activation: bool = False):
         super().__init__()
         ep = mesh.sizes["ep"] if mesh is not None else 1
         check_moe_args(experts, top_k, capacity_factor, eval_capacity_factor, ep)
@@ -566,7 +576,7 @@ class MoELayer(nn.Module):
         self.aux_loss_coef, self.z_loss_coef = aux_loss_coef, z_loss_coef
         self.router = Router(d_model, experts, bias_balancing, bias_update_rate)
         ep_rank = mesh.coords()["ep"] if mesh is not None else 0
-        self.experts = Experts(d_model, d_hidden, experts, ep, ep_rank, bias, kernel)
+        self.experts = Experts(d_model, d_hidden, experts, ep, ep_rank, bias, kernel, recompute_activation)
         if self.tp > 1:
             # each tp rank routes its own share of the samples (see forward): the router's and the experts'
             # gradients are partial over tp and summed there, as a sequence-parallel layer norm's are
