@@ -358,7 +358,8 @@ def moe() -> dict:
     """The MoE layer on the device: (a) the fast path (the device's kernel) equals the einsum reference,
     outputs and gradients, fp32 with TF32 off, top-1 / top-2 / dropless; (b) ``bench/moe.py --kernels``: the
     expert kernels side by side on the same layer (the accelerators' as the baseline, the CPU's, and the
-    accelerators' keeping only the pre-activation), fp32 and bf16 (d_model 1024, expert width 4096 on a GPU); (c) ``bench/moe.py --nproc 1``: podscale beside DeepSpeed's MoE at ep = 1, where deepspeed is
+    accelerators' keeping only the pre-activation), fp32 and bf16 (d_model 1024, expert width 4096 on a
+    GPU); (c) ``bench/moe.py --nproc 1``: podscale beside DeepSpeed's MoE at ep = 1, where deepspeed is
     installed."""
     import importlib.util
 
@@ -385,7 +386,8 @@ def moe() -> dict:
             grads.append([y.detach(), xi.grad] + [p.grad for p in layer.parameters()])
         err = max(float((a - b).abs().max() / b.abs().max().clamp_min(1e-30)) for a, b in zip(*grads))
         result["reference"].append({**mode, "max_rel_diff": err, "ok": err < 1e-4})
-    big = ["--d-model", "1024", "--d-hidden", "4096", "--experts", "8", "64", "--tokens", "4096", "16384"]
+    dims = ["--d-model", "1024", "--d-hidden", "4096"]
+    big = dims + ["--experts", "8", "64", "--tokens", "4096", "16384"]
     small = ["--experts", "8", "--tokens", "512", "--top-k", "2"]
     kernels = [sys.executable, "bench/moe.py", "--kernels", "segment", "tiled", "segment-recompute",
                "--device", DEVICE, "--dtype", "fp32", "bf16",
@@ -398,7 +400,7 @@ def moe() -> dict:
         result["bench_moe"] = "skipped: deepspeed is not installed (bench/moe.py compares against it)"
     else:
         cmd = [sys.executable, "bench/moe.py", "--nproc", "1", "--rounds", "5"] + (
-            big[:4] + ["--tokens", "4096", "16384"] if dev.type == "cuda" else ["--quick"])
+            dims + ["--tokens", "4096", "16384"] if dev.type == "cuda" else ["--quick"])
         r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
         result["bench_moe"] = (r.stdout + r.stderr)[-4000:]
     return result

@@ -134,14 +134,14 @@ def _worker(args) -> list[dict]:
     deepspeed.init_distributed(dist_backend=dist.get_backend())
     mesh = Mesh.build(info.device, ep=info.world_size)
     dev = info.device
-    kernel = (None if args.kernel == "auto" and not (args.row_tile or args.recompute_activation)
-              else _kernel(args, "tiled" if args.kernel == "auto" and dev.type == "cpu" else
-                           "segment" if args.kernel == "auto" else args.kernel))
+    # "auto": the layer picks the device's kernel itself (with --recompute-activation, its recomputing one)
+    kernel = _kernel(args, args.kernel) if args.kernel != "auto" or args.row_tile else None
     rows = []
     for E, S, k in itertools.product(args.experts, args.tokens, args.top_k):
         torch.manual_seed(1)
         ours = MoELayer(args.d_model, args.d_hidden, E, top_k=k, capacity_factor=args.capacity_factor,
-                        random_routing=False, mesh=mesh, kernel=kernel).to(dev)
+                        random_routing=False, mesh=mesh, kernel=kernel,
+                        recompute_activation=args.recompute_activation).to(dev)
         with torch.no_grad():  # a router with some preference, so routing is uneven as in training
             ours.router.weight.normal_(0.0, args.router_std)
             for name, p in ours.experts.named_parameters():

@@ -177,6 +177,12 @@ def _tiles(bounds: Bounds, tile: int):
         yield pieces[0][1], pieces[-1][2], pieces
 
 
+def _gelu_scratch(x: torch.Tensor, rows: int, hidden: int) -> torch.Tensor:
+    """Scratch for :func:`_gelu_tile`: ``x``'s dtype when it is fp32 or fp64, else fp32."""
+    wide = x.dtype if x.dtype in (torch.float32, torch.float64) else torch.float32
+    return x.new_empty(rows, hidden, dtype=wide)
+
+
 def _gelu_tile(pre: torch.Tensor, act: torch.Tensor, deriv: torch.Tensor, tmp: torch.Tensor) -> None:
     """:func:`_gelu_and_derivative` of one tile ``pre`` into ``act`` and ``deriv`` (``pre``'s dtype); a
     low-precision tile runs it in fp32 (``tmp``: fp32 scratch then), as PyTorch's own kernel does."""
@@ -216,7 +222,6 @@ class CacheTiledKernel:
         second matmul, while the tile is in cache.  Returns ``(act, deriv)``, or ``(pre,)`` with
         ``recompute``."""
         w_fc, w_proj, b_fc, b_proj = _split_weights(weights, El, bias)
-        wide = x.dtype if x.dtype in (torch.float32, torch.float64) else torch.float32
         M, H = x.shape[0], w_fc[0].shape[1]
         T = min(self.row_tile, M)
         saved = x.new_empty(1 if self.recompute else 2, M, H)
@@ -224,7 +229,7 @@ class CacheTiledKernel:
             # fresh pages every step (glibc returns large freed blocks to the OS): one fault per 2 MiB
             # instead of one per 4 KiB on first touch
             hostmem.advise_huge_pages(saved)
-        tmp_buf = x.new_empty(T, H, dtype=wide)
+        tmp_buf = _gelu_scratch(x, T, H)
         if self.recompute:
             # the pre-activation is kept; the activation and derivative live one tile at a time
             (pre_all,), act_buf, deriv_buf = saved.unbind(0), x.new_empty(T, H), x.new_empty(T, H)
@@ -257,8 +262,7 @@ class CacheTiledKernel:
         gh_buf = x.new_empty(T, H)
         if self.recompute:
             (d_pre,) = saved
-            wide = x.dtype if x.dtype in (torch.float32, torch.float64) else torch.float32
-            act_buf, deriv_buf, tmp_buf = x.new_empty(T, H), x.new_empty(T, H), x.new_empty(T, H, dtype=wide)
+            act_buf, deriv_buf, tmp_buf = x.new_empty(T, H), x.new_empty(T, H), _gelu_scratch(x, T, H)
         else:
             act, d_pre = saved
         for a, b, pieces in _tiles(bounds, self.row_tile):
