@@ -7,6 +7,7 @@ lopsided in a known way.
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 
 import torch
@@ -190,4 +191,23 @@ def no_hang_worker(cases: list[tuple[str, int, bool]]) -> list[dict]:
             out[-1]["no_input_grad"] = {"grads": {n: p.grad.clone() for n, p in layer.named_parameters()},
                                         "calls": mesh.stats.snapshot()["ep/all_to_all"]["calls"]}
             mesh.stats.reset()
+    return out
+
+
+def autocast_worker(_) -> dict:
+    """One MoE layer at ep = 2 in fp32 and under bf16 autocast (the fp32 weights of :func:`build_layer`,
+    the ``one_expert`` inputs): outputs, input gradient and the bytes the ep exchanges carried."""
+    info = init_process(timeout_s=120)
+    torch.set_num_threads(1)
+    mesh = Mesh.build(info.device, ep=2)
+    out = {}
+    for name, ctx in (("fp32", contextlib.nullcontext), ("bf16", lambda: torch.autocast("cpu", torch.bfloat16))):
+        layer = build_layer(2, False, mesh).float()
+        x = layer_inputs("one_expert", info.rank).float().requires_grad_(True)
+        with ctx():
+            y, o = layer(x)
+        (y.float() * torch.linspace(-1, 1, D)).sum().backward()
+        out[name] = {"y": y.detach(), "x_grad": x.grad, "w_grad": layer.experts[str(2 * info.rank)].w_fc.grad,
+                     "bytes": mesh.stats.snapshot()["ep/all_to_all"]["bytes"]}
+        mesh.stats.reset()
     return out

@@ -7,6 +7,7 @@ Multi-process runs are fp64 end to end (the GPT's fp32 cast of the loss is swapp
 rounding differences between layouts (~1e-16) cannot flip a routing decision: routing counts are compared
 exactly, losses and gradients to 1e-9 relative (measured: within ~1e-13).
 """
+import contextlib
 import itertools
 import math
 
@@ -124,6 +125,73 @@ def test_grouped_experts_in_bfloat16_follow_fp32_and_refuse_a_second_backward(ke
             y.float().square().sum().backward()
     for a, b in zip(out[torch.float32], out[torch.bfloat16]):
         torch.testing.assert_close(b, a, rtol=0.05, atol=0.05 * float(a.abs().max()))
+
+
+class _DtypeSpy:
+    """An :class:`~podscale.parallel.moe.kernels.ExpertKernel` that records the dtypes it is handed and
+    runs the CPU kernel."""
+
+    def __init__(self):
+        self.inner, self.seen = CacheTiledKernel(), []
+
+    def forward(self, x, bounds, weights, El, bias, out):
+        self.seen.append(("forward", x.dtype, weights[0].dtype, out.dtype))
+        return self.inner.forward(x, bounds, weights, El, bias, out)
+
+    def backward(self, grad, x, saved, bounds, weights, El, acc, g_x):
+        self.seen.append(("backward", grad.dtype, x.dtype, *(t.dtype for t in saved)))
+        self.inner.backward(grad, x, saved, bounds, weights, El, acc, g_x)
+
+
+def test_experts_compute_in_the_autocast_dtype_and_the_router_in_fp32():
+    """Under ``torch.autocast`` (``train.precision = "bf16"``) the experts run in bf16, as ``nn.Linear``
+    experts would: the kernel gets bf16 tokens and weights and keeps bf16 activations, while the router
+    stays fp32 (the same routing as without autocast), the parameters' gradients and the input's gradient
+    stay fp32, and the result follows the fp32 layer to bf16's precision."""
+    torch.manual_seed(3)
+    spy = _DtypeSpy()
+    layer = MoELayer(32, 64, 4, top_k=2, capacity_factor=1.0, kernel=spy)
+    x = torch.randn(2, 24, 32)
+    runs = {}
+    for name, ctx in (("fp32", contextlib.nullcontext), ("bf16", lambda: torch.autocast("cpu", torch.bfloat16))):
+        spy.seen.clear()
+        layer.zero_grad(set_to_none=True)
+        xi = x.clone().requires_grad_(True)
+        with ctx():
+            y, out = layer(xi)
+            loss = y.float().square().sum() + out.loss
+        loss.backward()
+        runs[name] = (y.detach(), xi.grad, {n: p.grad for n, p in layer.named_parameters()}, out, list(spy.seen))
+    y, gx, grads, out, seen = runs["bf16"]
+    y32, gx32, grads32, out32, seen32 = runs["fp32"]
+    assert seen == [("forward",) + (torch.bfloat16,) * 3, ("backward",) + (torch.bfloat16,) * 4]
+    assert seen32 == [("forward",) + (torch.float32,) * 3, ("backward",) + (torch.float32,) * 4]
+    assert torch.equal(out.routing.keep, out32.routing.keep) and torch.equal(out.routing.expert, out32.routing.expert)
+    assert y.dtype == torch.bfloat16 and gx.dtype == torch.float32
+    assert all(g.dtype == torch.float32 for g in grads.values())
+    torch.testing.assert_close(y.float(), y32, rtol=0.02, atol=0.02 * float(y32.abs().max()))
+    torch.testing.assert_close(gx, gx32, rtol=0.03, atol=0.03 * float(gx32.abs().max()))
+    for n, g in grads.items():
+        torch.testing.assert_close(g, grads32[n], rtol=0.03, atol=0.03 * float(grads32[n].abs().max()), msg=n)
+
+
+def test_expert_parallel_under_autocast_exchanges_bf16_rows():
+    """At ep = 2 under bf16 autocast the tokens travel in bf16 (half the exchanged bytes of fp32, beside
+    the count exchange's int64s) and the result is the one-process layer's under the same autocast."""
+    res = launch(W.autocast_worker, (None,), nproc=2)
+    counts = 2 * 2 * 8 // 2                          # ep x local experts int64 counts, (n-1)/n of them sent
+    ref = W.build_layer(2, False).float()
+    for rank in (0, 1):
+        fp32, bf16 = res[rank]["fp32"], res[rank]["bf16"]
+        assert bf16["y"].dtype == torch.bfloat16 and bf16["x_grad"].dtype == torch.float32
+        assert 0 < bf16["bytes"] - counts == (fp32["bytes"] - counts) // 2
+        x = W.layer_inputs("one_expert", rank).float().requires_grad_(True)
+        with torch.autocast("cpu", torch.bfloat16):
+            y, _ = ref(x)
+        (y.float() * torch.linspace(-1, 1, W.D)).sum().backward()
+        torch.testing.assert_close(bf16["y"], y.detach(), rtol=0.01, atol=0.01 * float(y.abs().max()))
+        torch.testing.assert_close(bf16["x_grad"], x.grad, rtol=0.01, atol=0.01 * float(x.grad.abs().max()))
+        torch.testing.assert_close(bf16["y"].float(), fp32["y"], rtol=0.02, atol=0.02 * float(fp32["y"].abs().max()))
 
 
 @pytest.mark.parametrize("kernel", [CacheTiledKernel, SegmentKernel])

@@ -167,6 +167,21 @@ class Experts(nn.ModuleDict):
         return y
 
 
+def expert_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype the experts compute in for tokens ``x``: autocast's 16-bit type when autocast is on for
+    ``x``'s device and would cast ``x`` (floating, not fp64), else ``x``'s own.
+
+    ``nn.Linear`` experts under ``torch.autocast`` run their matmuls in 16 bits; the expert kernels write
+    into preallocated buffers (``mm(..., out=)``), which autocast never casts, so the layer casts the tokens
+    once before the experts (the exchanged rows, the kept activations and the weights' copies then take
+    16 bits too, as in Megatron-core and DeepSpeed under bf16) while the router keeps fp32 (Switch's
+    selective precision).  The parameters and their gradients stay fp32."""
+    dev = x.device.type
+    if x.is_floating_point() and x.dtype != torch.float64 and torch.is_autocast_enabled(dev):
+        return torch.get_autocast_dtype(dev)
+    return x.dtype
+
+
 def _once(ctx) -> None:
     """Refuse a second backward through one forward: the first overwrote the kernel's saved tensors with
     gradients in place (:meth:`~podscale.parallel.moe.kernels.ExpertKernel.backward`)."""
@@ -662,11 +677,12 @@ class MoELayer(nn.Module):
         flat, r, out = self._route(x, keys)
         N, k = r.expert.shape
         token = r.order // k                                   # the kept choices' tokens, sorted by expert
+        inp = flat.to(expert_dtype(flat))                      # the router took the fp32 tokens
         if self.ep == 1:
             # index_select (not ``flat[token]``): its backward is an index_add, not a sorting index_put
-            rows = self.experts(flat.index_select(0, token), list(enumerate(r.counts.tolist())))
+            rows = self.experts(inp.index_select(0, token), list(enumerate(r.counts.tolist())))
         else:
-            rows = self.experts.forward_exchanged(flat, self._exchange(r.counts, token))
+            rows = self.experts.forward_exchanged(inp, self._exchange(r.counts, token))
         w = r.weight.reshape(-1).index_select(0, r.order).to(rows.dtype)
         y = rows.new_zeros(N, rows.shape[1]).index_add_(0, token, rows * w.unsqueeze(1))
         return y.view(x.shape), out
@@ -711,6 +727,6 @@ class MoELayer(nn.Module):
         self.router.update_bias(kept)
 
 
-__all__ = ["MoELayer", "MoEOutput", "Experts", "Expert", "expert_parameters", "dense_parameters",
+__all__ = ["MoELayer", "MoEOutput", "Experts", "Expert", "expert_parameters", "dense_parameters", "expert_dtype",
            "reduce_gradients", "grad_norm",
            "check_moe_args"]
