@@ -13,9 +13,10 @@
    prediction (``podscale plan predict``, one dgx-h100 GPU: the H200 has the H100's arithmetic) over the
    measured step.
 4. the AdamW step over 100M fp32 parameters: ``bench/adam.py --device cuda``.
-5. the MoE layer (:func:`moe`): its fast path against GShard's einsum reference on the GPU, the two expert
-   kernels' forward + backward times there (the accelerators' ``SegmentKernel``, the default, against the
-   CPU's ``CacheTiledKernel``), and ``bench/moe.py --nproc 1`` (podscale against DeepSpeed's MoE at ep = 1;
+5. the MoE layer (:func:`moe`): its fast path against GShard's einsum reference on the GPU, the grouped-GEMM
+   kernel against the per-segment one in bf16, the expert kernels' forward + backward times there
+   (``SegmentKernel``, the default for fp32, against ``GroupedGemmKernel``, the default for bf16 on SM90+,
+   and the CPU's ``CacheTiledKernel``), and ``bench/moe.py --nproc 1`` (podscale against DeepSpeed's MoE at ep = 1;
    skipped with a note where deepspeed does not import).
 
 One GPU only: NCCL refuses two ranks on one device, so dp > 1 is not exercised here (the CPU suite covers
@@ -356,9 +357,10 @@ def _profile_worker(data: str, out: str, device: str, big: dict) -> dict:
 
 def moe() -> dict:
     """The MoE layer on the device: (a) the fast path (the device's kernel) equals the einsum reference,
-    outputs and gradients, fp32 with TF32 off, top-1 / top-2 / dropless; (b) ``bench/moe.py --kernels``: the
-    expert kernels side by side on the same layer (the accelerators' as the baseline, the CPU's, and the
-    accelerators' keeping only the pre-activation), fp32 and bf16 (d_model 1024, expert width 4096 on a
+    outputs and gradients, fp32 with TF32 off, top-1 / top-2 / dropless, and the grouped-GEMM kernel equals
+    the per-segment one in bf16; (b) ``bench/moe.py --kernels``: the expert kernels side by side on the
+    same layer (the per-segment one as the baseline, the grouped GEMM, the CPU's, and the two accelerator
+    kernels keeping only the pre-activation), fp32 and bf16 (d_model 1024, expert width 4096 on a
     GPU); (c) ``bench/moe.py --nproc 1``: podscale beside DeepSpeed's MoE at ep = 1, where deepspeed is
     installed."""
     import importlib.util
@@ -386,10 +388,28 @@ def moe() -> dict:
             grads.append([y.detach(), xi.grad] + [p.grad for p in layer.parameters()])
         err = max(float((a - b).abs().max() / b.abs().max().clamp_min(1e-30)) for a, b in zip(*grads))
         result["reference"].append({**mode, "max_rel_diff": err, "ok": err < 1e-4})
+    # the grouped-GEMM kernel (the default for bf16 on SM90+) against the per-segment one, both in bf16
+    from podscale.parallel.moe.kernels import GroupedGemmKernel, SegmentKernel, kernel_for
+    x = torch.randn(4, 256, 64, device=dev, dtype=torch.bfloat16)
+    grads = []
+    for kernel in (GroupedGemmKernel(), SegmentKernel()):
+        torch.manual_seed(0)
+        layer = MoELayer(64, 128, 8, top_k=2, capacity_factor=1.0, kernel=kernel).to(dev, torch.bfloat16)
+        with torch.no_grad():
+            layer.router.weight.normal_(0.0, 0.3)
+        xi = x.clone().requires_grad_(True)
+        y, out = layer(xi)
+        (y.float().square().sum() + out.loss).backward()
+        grads.append([y.detach(), xi.grad] + [p.grad for p in layer.parameters()])
+    err = max(float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30))
+              for a, b in zip(*grads))
+    result["reference"].append({"kernels": "grouped vs segment, bf16", "max_rel_diff": err, "ok": err < 2e-2,
+                                "default_bf16_kernel": type(kernel_for(dev, torch.bfloat16, 1024, 4096)).__name__})
     dims = ["--d-model", "1024", "--d-hidden", "4096"]
     big = dims + ["--experts", "8", "64", "--tokens", "4096", "16384"]
     small = ["--experts", "8", "--tokens", "512", "--top-k", "2"]
-    kernels = [sys.executable, "bench/moe.py", "--kernels", "segment", "tiled", "segment-recompute",
+    kernels = [sys.executable, "bench/moe.py", "--kernels", "segment", "grouped", "tiled", "segment-recompute",
+               "grouped-recompute",
                "--device", DEVICE, "--dtype", "fp32", "bf16",
                "--rounds", "5", "--json", str(RUNS / "moe_kernels.json")] + (big if dev.type == "cuda" else small)
     RUNS.mkdir(parents=True, exist_ok=True)

@@ -17,14 +17,14 @@ design: DeepSpeed's top-1 without random token selection keeps an arbitrary C of
 top-2 renormalises the gate values after dropping where GShard normalises before).
 
     python bench/moe.py [--quick] [--d-model 128] [--d-hidden 512] [--capacity-factor 1.25] [--rounds 5]
-                        [--kernel auto|tiled|segment]   # podscale's expert kernel (default: the device's)
+                        [--kernel auto|tiled|segment|grouped]   # podscale's expert kernel (default: the device's)
                         [--row-tile N]   # the CPU kernel's row tile (an ablation; default: the library's)
                         [--ablate-overlap]   # also podscale with its own rows never overlapped with the exchange
                         [--keep-heap]    # freed memory stays resident (no page faults on new activations)
                         [--recompute-activation]   # podscale keeps only the experts' pre-activation
     python bench/moe.py --kernels [NAME ...] [--device cpu|cuda] [--dtype fp32 bf16] [--threads N] ...
-                        # one process, ep = 1: podscale's expert kernels (tiled, segment, tiled-recompute,
-                        # segment-recompute; default the first two) on the same layer and input, taking
+                        # one process, ep = 1: podscale's expert kernels (tiled, segment, grouped, and each
+                        # -recompute; default the first two) on the same layer and input, taking
                         # turns; fwd + bwd median of each and its ratio to the first's (no DeepSpeed)
 """
 from __future__ import annotations
@@ -43,7 +43,7 @@ import torch.nn as nn
 
 from podscale.parallel.moe import MoELayer
 from podscale.parallel.moe import layer as moe_layer
-from podscale.parallel.moe.kernels import CacheTiledKernel, SegmentKernel
+from podscale.parallel.moe.kernels import CacheTiledKernel, GroupedGemmKernel, SegmentKernel
 from podscale.runtime import hostmem
 from podscale.runtime.launcher import launch
 from podscale.runtime.mesh import Mesh
@@ -213,7 +213,7 @@ def _worker(args) -> list[dict]:
 
 
 #: the kernels ``--kernels`` can set side by side (``-recompute``: keeping only the experts' pre-activation)
-KERNEL_NAMES = ("tiled", "segment", "tiled-recompute", "segment-recompute")
+KERNEL_NAMES = ("tiled", "segment", "grouped", "tiled-recompute", "segment-recompute", "grouped-recompute")
 
 
 def _kernel(args, name: str):
@@ -223,6 +223,8 @@ def _kernel(args, name: str):
     recompute = suffix == "recompute" or args.recompute_activation
     if base == "segment":
         return SegmentKernel(recompute=recompute)
+    if base == "grouped":
+        return GroupedGemmKernel(recompute=recompute)
     return CacheTiledKernel(args.row_tile or CacheTiledKernel.ROW_TILE, recompute=recompute)
 
 
@@ -285,8 +287,9 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--experts", type=int, nargs="+", default=[4, 8, 16, 32, 64])
     ap.add_argument("--tokens", type=int, nargs="+", default=[1024, 2048, 4096, 8192])
     ap.add_argument("--top-k", type=int, nargs="+", default=[1, 2])
-    ap.add_argument("--kernel", choices=["auto", "tiled", "segment"], default="auto",
-                    help="podscale's expert kernel: the device's (CPU: tiled; GPU: segment), or either on any device")
+    ap.add_argument("--kernel", choices=["auto", "tiled", "segment", "grouped"], default="auto",
+                    help="podscale's expert kernel: the device's (CPU: tiled; GPU: grouped for bf16 on SM90+, "
+                         "else segment), or any of them on any device")
     ap.add_argument("--row-tile", type=int, default=None,
                     help="rows per tile of the CPU kernel (implies --kernel tiled; default: its ROW_TILE; "
                          "a huge value gives one matmul per expert segment, the layout before tiling)")

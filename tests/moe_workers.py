@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from podscale.models.gpt_moe import GPTMoE, GPTMoEConfig
 from podscale.parallel.moe import MoELayer, grad_norm, reduce_gradients
 from podscale.parallel.moe import layer as moe_layer
-from podscale.parallel.moe.kernels import CacheTiledKernel, SegmentKernel
+from podscale.parallel.moe.kernels import CacheTiledKernel, GroupedGemmKernel, SegmentKernel
 from podscale.runtime.mesh import Mesh
 from podscale.runtime.process import init_process
 from podscale.train.data import ShardedLoader, load_tokens, split_tokens
@@ -195,19 +195,26 @@ def no_hang_worker(cases: list[tuple[str, int, bool]]) -> list[dict]:
 
 
 def autocast_worker(_) -> dict:
-    """One MoE layer at ep = 2 in fp32 and under bf16 autocast (the fp32 weights of :func:`build_layer`,
-    the ``one_expert`` inputs): outputs, input gradient and the bytes the ep exchanges carried."""
+    """One MoE layer at ep = 2, fp32 and under bf16 autocast (the fp32 weights of :func:`build_layer`, the
+    ``one_expert`` inputs), with the CPU's kernel and the grouped-GEMM kernel, each with every row
+    exchanged and with the own rows overlapped (``MIN_SEGMENT_ROWS`` 10**9 and 0): outputs, input and
+    expert gradients, and the bytes the ep exchanges carried."""
     info = init_process(timeout_s=120)
     torch.set_num_threads(1)
     mesh = Mesh.build(info.device, ep=2)
     out = {}
-    for name, ctx in (("fp32", contextlib.nullcontext), ("bf16", lambda: torch.autocast("cpu", torch.bfloat16))):
-        layer = build_layer(2, False, mesh).float()
-        x = layer_inputs("one_expert", info.rank).float().requires_grad_(True)
-        with ctx():
-            y, o = layer(x)
-        (y.float() * torch.linspace(-1, 1, D)).sum().backward()
-        out[name] = {"y": y.detach(), "x_grad": x.grad, "w_grad": layer.experts[str(2 * info.rank)].w_fc.grad,
-                     "bytes": mesh.stats.snapshot()["ep/all_to_all"]["bytes"]}
-        mesh.stats.reset()
+    for kernel, rows in itertools.product(("cpu", "grouped"), (10**9, 0)):
+        moe_layer.MIN_SEGMENT_ROWS = rows
+        for name, ctx in (("fp32", contextlib.nullcontext), ("bf16", lambda: torch.autocast("cpu", torch.bfloat16))):
+            layer = build_layer(2, False, mesh, GroupedGemmKernel() if kernel == "grouped" else None).float()
+            x = layer_inputs("one_expert", info.rank).float().requires_grad_(True)
+            with ctx():
+                y, o = layer(x)
+            (y.float() * torch.linspace(-1, 1, D)).sum().backward()
+            reduce_gradients(layer, mesh)
+            out[kernel, rows, name] = {
+                "y": y.detach(), "x_grad": x.grad,
+                "grads": {n: p.grad.clone() for n, p in layer.experts.named_parameters()},
+                "bytes": mesh.stats.snapshot()["ep/all_to_all"]["bytes"]}
+            mesh.stats.reset()
     return out

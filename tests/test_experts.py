@@ -13,11 +13,12 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import moe_workers as W
 from podscale.models.gpt_moe import GPTMoE, GPTMoEConfig
 from podscale.parallel.moe import layer as moe_layer
-from podscale.parallel.moe.kernels import CacheTiledKernel, SegmentKernel
+from podscale.parallel.moe.kernels import CacheTiledKernel, GroupedGemmKernel, SegmentKernel, has_fast_grouped_gemm, kernel_for
 from podscale.parallel.moe import MoELayer, expert_capacity, route, routing_uniform, sequence_token_keys
 from podscale.parallel.param_tags import tags
 from podscale.runtime.launcher import launch
@@ -109,7 +110,61 @@ def test_grouped_experts_equal_the_autograd_experts_over_the_whole_gelu_range(dt
 
 
 @pytest.mark.parametrize("recompute", [False, True])
-@pytest.mark.parametrize("kernel", [CacheTiledKernel, SegmentKernel])
+def test_grouped_gemm_kernel_equals_the_autograd_experts(recompute):
+    """The grouped-GEMM kernel (run here by PyTorch's CPU implementation of ``grouped_mm``, fp32; fp64 is
+    refused by it) against the experts run by autograd, over the GELU's whole range, on segments that
+    repeat an expert, skip one and come out of order, as the overlapped exchange's parts hand them; an
+    expert without rows gets zero gradients."""
+    torch.manual_seed(3)
+    experts = moe_layer.Experts(8, 16, 4, kernel=GroupedGemmKernel(recompute=recompute))
+    with torch.no_grad():
+        for p in experts.parameters():
+            p.normal_(0.0, 3.0)
+    segments = [(1, 4), (0, 3), (2, 0), (1, 5), (3, 2), (0, 0)]
+    rows = sum(n for _, n in segments)
+    x, g = torch.randn(rows, 8), torch.randn(rows, 8)
+    grads = []
+    for fast in (True, False):
+        experts.zero_grad(set_to_none=True)
+        xi = x.clone().requires_grad_(True)
+        if fast:
+            y = experts(xi, segments)
+        else:
+            parts, start = [], 0
+            for j, n in segments:
+                e = experts[str(j)]
+                h = F.gelu(xi[start:start + n] @ e.w_fc + e.b_fc, approximate="tanh")
+                parts.append(h @ e.w_proj + e.b_proj)
+                start += n
+            y = torch.cat(parts)
+        (y * g).sum().backward()
+        grads.append([y.detach(), xi.grad] + [torch.zeros_like(p) if p.grad is None else p.grad
+                                              for p in experts.parameters()])
+    pre = torch.cat([x[:4] @ experts["1"].w_fc, x[4:7] @ experts["0"].w_fc])
+    assert pre.min() < -15 and pre.max() > 15
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, rtol=2e-5, atol=2e-5 * float(b.abs().max()))
+    assert all(float(p.grad.abs().sum()) == 0 for p in experts["2"].parameters())
+
+
+def test_the_grouped_gemm_kernel_is_picked_only_where_it_is_fused():
+    """:func:`kernel_for`: the CPU kernel on a CPU whatever the dtype; the grouped GEMM only for bf16 on a
+    CUDA device of compute capability 9.0+ with 16-byte-aligned widths (checked when a GPU is present)."""
+    cpu = torch.device("cpu")
+    for dt in (torch.float32, torch.bfloat16):
+        assert isinstance(kernel_for(cpu, dt, 1024, 4096), CacheTiledKernel)
+        assert not has_fast_grouped_gemm(cpu, dt, 1024, 4096)
+    assert kernel_for(cpu, torch.float32, 64, 128, recompute=True).recompute
+    if torch.cuda.is_available():
+        gpu = torch.device("cuda")
+        hopper = torch.version.hip is None and torch.cuda.get_device_capability(gpu)[0] >= 9
+        assert isinstance(kernel_for(gpu, torch.bfloat16, 1024, 4096), GroupedGemmKernel if hopper else SegmentKernel)
+        for dt, d, h in ((torch.float32, 1024, 4096), (torch.bfloat16, 1020, 4096), (torch.bfloat16, 1024, 4092)):
+            assert isinstance(kernel_for(gpu, dt, d, h), SegmentKernel)
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+@pytest.mark.parametrize("kernel", [CacheTiledKernel, SegmentKernel, GroupedGemmKernel])
 def test_grouped_experts_in_bfloat16_follow_fp32_and_refuse_a_second_backward(kernel, recompute):
     torch.manual_seed(4)
     experts = moe_layer.Experts(8, 16, 2, kernel=kernel(recompute=recompute))
@@ -175,23 +230,38 @@ def test_experts_compute_in_the_autocast_dtype_and_the_router_in_fp32():
         torch.testing.assert_close(g, grads32[n], rtol=0.03, atol=0.03 * float(grads32[n].abs().max()), msg=n)
 
 
-def test_expert_parallel_under_autocast_exchanges_bf16_rows():
-    """At ep = 2 under bf16 autocast the tokens travel in bf16 (half the exchanged bytes of fp32, beside
-    the count exchange's int64s) and the result is the one-process layer's under the same autocast."""
+def test_expert_parallel_under_autocast_and_with_the_grouped_gemm_kernel():
+    """At ep = 2, with the CPU's kernel and the grouped-GEMM kernel, every row exchanged or the own rows
+    overlapped: in fp32 the one-process layer's outputs and gradients; under bf16 autocast the tokens travel
+    in bf16 (half the exchanged bytes of fp32, beside the count exchange's int64s) and the result is the
+    one-process layer's under the same autocast."""
     res = launch(W.autocast_worker, (None,), nproc=2)
     counts = 2 * 2 * 8 // 2                          # ep x local experts int64 counts, (n-1)/n of them sent
-    ref = W.build_layer(2, False).float()
-    for rank in (0, 1):
-        fp32, bf16 = res[rank]["fp32"], res[rank]["bf16"]
-        assert bf16["y"].dtype == torch.bfloat16 and bf16["x_grad"].dtype == torch.float32
-        assert 0 < bf16["bytes"] - counts == (fp32["bytes"] - counts) // 2
-        x = W.layer_inputs("one_expert", rank).float().requires_grad_(True)
-        with torch.autocast("cpu", torch.bfloat16):
-            y, _ = ref(x)
-        (y.float() * torch.linspace(-1, 1, W.D)).sum().backward()
-        torch.testing.assert_close(bf16["y"], y.detach(), rtol=0.01, atol=0.01 * float(y.abs().max()))
-        torch.testing.assert_close(bf16["x_grad"], x.grad, rtol=0.01, atol=0.01 * float(x.grad.abs().max()))
-        torch.testing.assert_close(bf16["y"].float(), fp32["y"], rtol=0.02, atol=0.02 * float(fp32["y"].abs().max()))
+    for name in ("fp32", "bf16"):
+        ref = W.build_layer(2, False).float()
+        ctx = torch.autocast("cpu", torch.bfloat16) if name == "bf16" else contextlib.nullcontext()
+        xs, ys = [], []
+        for rank in (0, 1):
+            xs.append(W.layer_inputs("one_expert", rank).float().requires_grad_(True))
+            with ctx:
+                y, _ = ref(xs[-1])
+            (y.float() * torch.linspace(-1, 1, W.D)).sum().backward()
+            ys.append(y.detach())
+        tol = 1e-5 if name == "fp32" else 0.01
+        for (kernel, rows, got), rank in itertools.product(res[0], (0, 1)):
+            if got != name:
+                continue
+            ours, label = res[rank][kernel, rows, name], f"{kernel} kernel, MIN_SEGMENT_ROWS {rows}, {name}, rank {rank}"
+            assert ours["y"].dtype == ys[rank].dtype and ours["x_grad"].dtype == torch.float32, label
+            torch.testing.assert_close(ours["y"], ys[rank], rtol=tol, atol=tol * float(ys[rank].abs().max()), msg=label)
+            torch.testing.assert_close(ours["x_grad"], xs[rank].grad, rtol=tol,
+                                       atol=tol * float(xs[rank].grad.abs().max()), msg=label)
+            for n, g in ours["grads"].items():     # summed over the ranks, as the two-rank loss is
+                r = ref.experts.get_parameter(n).grad
+                torch.testing.assert_close(g * 2, r, rtol=tol, atol=tol * float(r.abs().max()), msg=f"{label} {n}")
+            if name == "bf16":
+                fp32 = res[rank][kernel, rows, "fp32"]
+                assert 0 < ours["bytes"] - counts == (fp32["bytes"] - counts) // 2, label
 
 
 @pytest.mark.parametrize("kernel", [CacheTiledKernel, SegmentKernel])

@@ -5,8 +5,8 @@ time, laid out as consecutive segments, one per (local expert, source): ``bounds
 ``(local expert, first row, end row)``.  Every expert computes ``gelu(x w_fc + b_fc) w_proj + b_proj``
 (tanh GELU, Hendrycks & Gimpel 2016) on its segments; the kernel writes the outputs, keeps what its
 backward needs, and in the backward writes the input gradient and adds the weight gradients to a
-:class:`WeightGrads`.  Both kernels run one matmul per expert segment, never a padded or S×E×C tensor;
-they differ in how they meet their device's cost model:
+:class:`WeightGrads`.  Every kernel runs each expert's matmuls on its segments' rows only, never a padded
+or S×E×C tensor; they differ in how they meet their device's cost model:
 
 * :class:`CacheTiledKernel` (CPUs): the buffer in tiles of a few hundred rows whose pre-activation,
   activation and GELU derivative stay in the L2 cache between the two matmuls; the GELU and its derivative
@@ -16,8 +16,11 @@ they differ in how they meet their device's cost model:
   GELU and its backward as PyTorch's fused kernels over the whole buffer, one launch each: on a GPU the
   element-wise work is memory-bound and a launch costs microseconds, so tiles (more launches) and nine
   separate passes (nine trips through memory) would both cost more than they save.
+* :class:`GroupedGemmKernel` (GPUs whose PyTorch has a fused grouped GEMM: bf16 on NVIDIA SM90+): as the
+  segment kernel, with each matmul kind over all the segments in one grouped-GEMM launch instead of one
+  launch per expert.
 
-:func:`kernel_for` picks by device; a layer can be given either explicitly.  Both keep two (rows × hidden)
+:func:`kernel_for` picks by device, dtype and widths; a layer can be given any explicitly.  All keep two (rows × hidden)
 tensors for the backward, as many bytes as autograd keeps for two linears and a GELU beside the input; built
 with ``recompute`` they keep one, the pre-activation, and evaluate the GELU again in the backward.
 """
@@ -82,6 +85,14 @@ class WeightGrads:
         """Expert ``j``'s first linear: ``d w_fc += x^T d_pre``, ``d b_fc += sum(d_pre)``."""
         self._add(self.fc, self.b_fc, j, x, d_pre)
 
+    def put_proj(self, j: int, d_w: torch.Tensor, d_b: torch.Tensor | None) -> None:
+        """Expert ``j``'s second linear's gradients for one piece of rows, computed by the caller."""
+        self._put(self.proj, self.b_proj, j, d_w, d_b)
+
+    def put_fc(self, j: int, d_w: torch.Tensor, d_b: torch.Tensor | None) -> None:
+        """Expert ``j``'s first linear's gradients for one piece of rows, computed by the caller."""
+        self._put(self.fc, self.b_fc, j, d_w, d_b)
+
     def _add(self, w: list, b: list, j: int, inp: torch.Tensor, grad_out: torch.Tensor) -> None:
         if w[j] is None:
             w[j] = torch.mm(inp.t(), grad_out)
@@ -91,6 +102,11 @@ class WeightGrads:
             w[j].addmm_(inp.t(), grad_out)
             if self.bias:
                 b[j].add_(grad_out.sum(0))
+
+    def _put(self, w: list, b: list, j: int, d_w: torch.Tensor, d_b: torch.Tensor | None) -> None:
+        w[j] = d_w if w[j] is None else w[j].add_(d_w)
+        if self.bias:
+            b[j] = d_b if b[j] is None else b[j].add_(d_b)
 
     def result(self, params, like: torch.Tensor) -> list[torch.Tensor]:
         """The gradients in ``params``' order and dtype (w_fc..., w_proj..., then b_fc..., b_proj...); an
@@ -329,15 +345,133 @@ class SegmentKernel:
             acc.add_fc(j, x[a:b], d_pre[a:b])
 
 
-_KERNELS = {(cpu, recompute): CacheTiledKernel(recompute=recompute) if cpu else SegmentKernel(recompute=recompute)
-            for cpu in (True, False) for recompute in (False, True)}
+# ---------------------------------------------------------------------------------------------------
+# GPUs with a grouped GEMM: every expert's matmul in one launch
 
 
-def kernel_for(device: torch.device, recompute: bool = False) -> ExpertKernel:
-    """The kernel for tensors on ``device``: :class:`CacheTiledKernel` on a CPU, :class:`SegmentKernel`
-    elsewhere; ``recompute``: the variant that keeps the pre-activation alone for the backward."""
-    return _KERNELS[(device.type == "cpu", recompute)]
+class _Groups:
+    """The segments of one buffer as grouped-GEMM groups: group ``g`` is segment ``g`` (rows ``[ends[g-1],
+    ends[g])``, expert ``experts[g]``); ``offs`` the int32 group ends on the buffer's device, ``row_group``
+    (built on first use) each row's group, for the per-expert biases and their gradients."""
+
+    def __init__(self, bounds: Bounds, rows: int, device: torch.device):
+        start = 0
+        for _, a, b in bounds:
+            if a != start:
+                raise ValueError(f"expert segments must tile the rows: a segment starts at row {a}, not {start}")
+            start = b
+        if start != rows:
+            raise ValueError(f"expert segments cover {start} rows of {rows}")
+        self.experts = [j for j, _, _ in bounds]
+        self.sizes = [b - a for _, a, b in bounds]
+        self.offs = torch.tensor([b for _, _, b in bounds], dtype=torch.int32, device=device)
+        self.rows, self.device, self._row_group = rows, device, None
+
+    def stack(self, per_expert) -> torch.Tensor:
+        """Each group's expert's tensor, stacked group-major (an expert with several segments repeats)."""
+        return torch.stack([per_expert[j] for j in self.experts])
+
+    def row_group(self) -> torch.Tensor:
+        if self._row_group is None:
+            self._row_group = torch.repeat_interleave(
+                torch.arange(len(self.sizes), device=self.device),
+                torch.tensor(self.sizes, device=self.device), output_size=self.rows)
+        return self._row_group
+
+    def add_bias(self, t: torch.Tensor, per_expert) -> None:
+        """``t[row] += bias of the row's expert``."""
+        t.add_(self.stack(per_expert).index_select(0, self.row_group()))
+
+    def sums(self, t: torch.Tensor) -> torch.Tensor:
+        """(groups, cols): each group's rows of ``t`` summed (the bias gradients)."""
+        return t.new_zeros(len(self.sizes), t.shape[1]).index_add_(0, self.row_group(), t)
 
 
-__all__ = ["ExpertKernel", "CacheTiledKernel", "SegmentKernel", "WeightGrads", "kernel_for", "segment_bounds",
-           "cast_weights"]
+class GroupedGemmKernel:
+    """The grouped-GEMM kernel: each of the four matmul kinds of the experts (``x w_fc``, ``act w_proj``,
+    and in the backward ``d act``, ``d x``) over every expert segment in one ``torch.nn.functional.
+    grouped_mm`` launch (CUTLASS's grouped GEMM on NVIDIA SM90+ in bf16), the weight gradients likewise as
+    one grouped GEMM of the transposed rows per kind (each group reduces over its own rows), and the GELU as
+    :class:`SegmentKernel` runs it.  With many experts the per-segment loop of :class:`SegmentKernel` costs
+    one launch per expert and matmul kind (six per expert and step), which a grouped GEMM replaces with six
+    in all, as torchtitan's MoE (``torch._grouped_mm``) and Megatron-core's ``GroupedMLP`` (cuBLAS / CUTLASS
+    grouped GEMM) do.  The weights are stacked per call in group order (one copy, which the cast to the
+    compute dtype costs anyway under mixed precision).  Outputs and saved tensors as :class:`SegmentKernel`'s.
+
+    PyTorch's grouped GEMM takes fp32, bf16 and fp16 (fp64 is refused); elsewhere than its fast path it runs
+    a loop of matmuls inside one call, so :func:`kernel_for` picks this kernel only where the fast path
+    exists."""
+
+    def __init__(self, recompute: bool = False):
+        self.recompute = recompute
+
+    def forward(self, x, bounds, weights, El, bias, out):
+        w_fc, w_proj, b_fc, b_proj = _split_weights(weights, El, bias)
+        if not bounds:
+            pre = x.new_empty(0, w_fc[0].shape[1])
+            return (pre,) if self.recompute else (pre, pre.clone())
+        groups = _Groups(bounds, x.shape[0], x.device)
+        pre = F.grouped_mm(x, groups.stack(w_fc), offs=groups.offs)
+        if bias:
+            groups.add_bias(pre, b_fc)
+        act = F.gelu(pre, approximate="tanh")
+        y = F.grouped_mm(act, groups.stack(w_proj), offs=groups.offs)
+        if bias:
+            groups.add_bias(y, b_proj)
+        out.copy_(y)
+        return (pre,) if self.recompute else (act, pre)
+
+    def backward(self, grad, x, saved, bounds, weights, El, acc, g_x):
+        if not bounds:
+            return
+        if self.recompute:
+            (pre,) = saved
+            act = F.gelu(pre, approximate="tanh")
+        else:
+            act, pre = saved
+        w_fc, w_proj = weights[:El], weights[El:2 * El]
+        groups = _Groups(bounds, x.shape[0], x.device)
+        d_w_proj = F.grouped_mm(act.t(), grad, offs=groups.offs)                  # (groups, h, d)
+        d_act = F.grouped_mm(grad, groups.stack(w_proj).transpose(1, 2), offs=groups.offs)
+        d_pre = torch.ops.aten.gelu_backward.grad_input(d_act, pre, approximate="tanh", grad_input=pre)
+        del d_act
+        d_w_fc = F.grouped_mm(x.t(), d_pre, offs=groups.offs)                     # (groups, d, h)
+        if g_x is not None:
+            g_x.copy_(F.grouped_mm(d_pre, groups.stack(w_fc).transpose(1, 2), offs=groups.offs))
+        b_proj = groups.sums(grad) if acc.bias else [None] * len(groups.experts)
+        b_fc = groups.sums(d_pre) if acc.bias else [None] * len(groups.experts)
+        for g, j in enumerate(groups.experts):
+            acc.put_proj(j, d_w_proj[g], b_proj[g])
+            acc.put_fc(j, d_w_fc[g], b_fc[g])
+
+
+_KERNELS = {(kind, recompute): cls(recompute=recompute)
+            for kind, cls in (("cpu", CacheTiledKernel), ("segment", SegmentKernel), ("grouped", GroupedGemmKernel))
+            for recompute in (False, True)}
+
+
+def has_fast_grouped_gemm(device: torch.device, dtype: torch.dtype, d_model: int, d_hidden: int) -> bool:
+    """Whether PyTorch's grouped GEMM has its fused kernel for experts of these widths in ``dtype`` on
+    ``device``: bf16 on NVIDIA GPUs of compute capability 9.0 and later (Hopper, Blackwell; CUTLASS), with
+    both widths whole multiples of 16 bytes (its operands' leading dimensions; then every row slice the
+    layer hands a kernel starts 16-byte aligned too).  Elsewhere ``grouped_mm`` runs a loop of matmuls or
+    refuses the strides, and :class:`SegmentKernel` is the better loop."""
+    aligned = all(w * torch.finfo(dtype).bits % 128 == 0 for w in (d_model, d_hidden))
+    return (device.type == "cuda" and dtype == torch.bfloat16 and aligned and torch.version.hip is None
+            and torch.cuda.get_device_capability(device)[0] >= 9)
+
+
+def kernel_for(device: torch.device, dtype: torch.dtype, d_model: int, d_hidden: int,
+               recompute: bool = False) -> ExpertKernel:
+    """The kernel for experts ``d_model -> d_hidden -> d_model`` computing in ``dtype`` on ``device``:
+    :class:`CacheTiledKernel` on a CPU, :class:`GroupedGemmKernel` where PyTorch's grouped GEMM is fused
+    (:func:`has_fast_grouped_gemm`), :class:`SegmentKernel` elsewhere; ``recompute``: the variant that keeps
+    the pre-activation alone for the backward."""
+    if device.type == "cpu":
+        return _KERNELS[("cpu", recompute)]
+    fast = has_fast_grouped_gemm(device, dtype, d_model, d_hidden)
+    return _KERNELS[("grouped" if fast else "segment", recompute)]
+
+
+__all__ = ["ExpertKernel", "CacheTiledKernel", "SegmentKernel", "GroupedGemmKernel", "WeightGrads", "kernel_for",
+           "has_fast_grouped_gemm", "segment_bounds", "cast_weights"]

@@ -111,7 +111,7 @@ class Experts(nn.ModuleDict):
     size and checkpoints are keyed by global expert id with no translation.
 
     ``kernel``: how the experts run on their rows (:mod:`podscale.parallel.moe.kernels`); None picks the
-    kernel for the input's device at each call (:func:`~podscale.parallel.moe.kernels.kernel_for`), the
+    kernel for the input's device and dtype at each call (:func:`~podscale.parallel.moe.kernels.kernel_for`), the
     variant that recomputes the GELU in the backward when ``recompute_activation``."""
 
     def __init__(self, d_model: int, d_hidden: int, num_experts: int, ep_size: int = 1, ep_rank: int = 0,
@@ -119,10 +119,13 @@ class Experts(nn.ModuleDict):
         local = num_experts // ep_size
         super().__init__({str(ep_rank * local + j): Expert(d_model, d_hidden, bias) for j in range(local)})
         self.num_experts, self.num_local, self.first = num_experts, local, ep_rank * local
+        self.d_model, self.d_hidden = d_model, d_hidden
         self.bias, self.kernel, self.recompute_activation = bias, kernel, recompute_activation
 
     def _kernel(self, x: torch.Tensor) -> ExpertKernel:
-        return self.kernel if self.kernel is not None else kernel_for(x.device, self.recompute_activation)
+        if self.kernel is not None:
+            return self.kernel
+        return kernel_for(x.device, x.dtype, self.d_model, self.d_hidden, self.recompute_activation)
 
     def _weights(self):
         ex = list(self.values())
@@ -568,7 +571,7 @@ class MoELayer(nn.Module):
     :meth:`update_balance_bias`); ``seed`` salts the random-routing draws (give each layer its own);
     ``sequence_parallel``: under tp > 1 the layer's input and output hold this rank's ``1/tp`` of the
     positions (Korthikanti et al. 2022), see :meth:`forward`; ``kernel``: how the experts run on their
-    rows (:mod:`podscale.parallel.moe.kernels`; None: the kernel for the input's device);
+    rows (:mod:`podscale.parallel.moe.kernels`; None: the kernel for the input's device and dtype);
     ``recompute_activation``: keep only the experts' pre-activation for the backward and evaluate the GELU
     again there (one rows x hidden tensor less per layer; ignored when ``kernel`` is given).
     """
