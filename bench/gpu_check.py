@@ -15,7 +15,7 @@
 4. the AdamW step over 100M fp32 parameters: ``bench/adam.py --device cuda``.
 5. the MoE layer (:func:`moe`): its fast path against GShard's einsum reference on the GPU, the grouped-GEMM
    kernel against the per-segment one in bf16, the expert kernels' forward + backward times there
-   (``SegmentKernel``, the default for fp32, against ``GroupedGemmKernel``, the default for bf16 on SM90+,
+   (``SegmentKernel``, the default for fp32, against ``GroupedGemmKernel``, the default for bf16 on SM90 and SM100,
    and the CPU's ``CacheTiledKernel``), and ``bench/moe.py --nproc 1`` (podscale against DeepSpeed's MoE at ep = 1;
    skipped with a note where deepspeed does not import).
 
@@ -388,7 +388,7 @@ def moe() -> dict:
             grads.append([y.detach(), xi.grad] + [p.grad for p in layer.parameters()])
         err = max(float((a - b).abs().max() / b.abs().max().clamp_min(1e-30)) for a, b in zip(*grads))
         result["reference"].append({**mode, "max_rel_diff": err, "ok": err < 1e-4})
-    # the grouped-GEMM kernel (the default for bf16 on SM90+) against the per-segment one, both in bf16
+    # the grouped-GEMM kernel (the default for bf16 on SM90 and SM100) against the per-segment one, both in bf16
     from podscale.parallel.moe.kernels import GroupedGemmKernel, SegmentKernel, kernel_for
     x = torch.randn(4, 256, 64, device=dev, dtype=torch.bfloat16)
     grads = []

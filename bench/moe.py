@@ -288,7 +288,7 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--tokens", type=int, nargs="+", default=[1024, 2048, 4096, 8192])
     ap.add_argument("--top-k", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--kernel", choices=["auto", "tiled", "segment", "grouped"], default="auto",
-                    help="podscale's expert kernel: the device's (CPU: tiled; GPU: grouped for bf16 on SM90+, "
+                    help="podscale's expert kernel: the device's (CPU: tiled; GPU: grouped for bf16 on SM90/SM100, "
                          "else segment), or any of them on any device")
     ap.add_argument("--row-tile", type=int, default=None,
                     help="rows per tile of the CPU kernel (implies --kernel tiled; default: its ROW_TILE; "

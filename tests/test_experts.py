@@ -149,7 +149,7 @@ def test_grouped_gemm_kernel_equals_the_autograd_experts(recompute):
 
 def test_the_grouped_gemm_kernel_is_picked_only_where_it_is_fused():
     """:func:`kernel_for`: the CPU kernel on a CPU whatever the dtype; the grouped GEMM only for bf16 on a
-    CUDA device of compute capability 9.0+ with 16-byte-aligned widths (checked when a GPU is present)."""
+    CUDA device of compute capability 9.x or 10.x with 16-byte-aligned widths (checked when a GPU is present)."""
     cpu = torch.device("cpu")
     for dt in (torch.float32, torch.bfloat16):
         assert isinstance(kernel_for(cpu, dt, 1024, 4096), CacheTiledKernel)
@@ -157,7 +157,7 @@ def test_the_grouped_gemm_kernel_is_picked_only_where_it_is_fused():
     assert kernel_for(cpu, torch.float32, 64, 128, recompute=True).recompute
     if torch.cuda.is_available():
         gpu = torch.device("cuda")
-        hopper = torch.version.hip is None and torch.cuda.get_device_capability(gpu)[0] >= 9
+        hopper = torch.version.hip is None and torch.cuda.get_device_capability(gpu)[0] in (9, 10)
         assert isinstance(kernel_for(gpu, torch.bfloat16, 1024, 4096), GroupedGemmKernel if hopper else SegmentKernel)
         for dt, d, h in ((torch.float32, 1024, 4096), (torch.bfloat16, 1020, 4096), (torch.bfloat16, 1024, 4092)):
             assert isinstance(kernel_for(gpu, dt, d, h), SegmentKernel)

@@ -16,7 +16,7 @@ or S×E×C tensor; they differ in how they meet their device's cost model:
   GELU and its backward as PyTorch's fused kernels over the whole buffer, one launch each: on a GPU the
   element-wise work is memory-bound and a launch costs microseconds, so tiles (more launches) and nine
   separate passes (nine trips through memory) would both cost more than they save.
-* :class:`GroupedGemmKernel` (GPUs whose PyTorch has a fused grouped GEMM: bf16 on NVIDIA SM90+): as the
+* :class:`GroupedGemmKernel` (GPUs whose PyTorch has a fused grouped GEMM: bf16 on NVIDIA SM90 and SM100): as the
   segment kernel, with each matmul kind over all the segments in one grouped-GEMM launch instead of one
   launch per expert.
 
@@ -390,7 +390,7 @@ class _Groups:
 class GroupedGemmKernel:
     """The grouped-GEMM kernel: each of the four matmul kinds of the experts (``x w_fc``, ``act w_proj``,
     and in the backward ``d act``, ``d x``) over every expert segment in one ``torch.nn.functional.
-    grouped_mm`` launch (CUTLASS's grouped GEMM on NVIDIA SM90+ in bf16), the weight gradients likewise as
+    grouped_mm`` launch (CUTLASS's grouped GEMM on NVIDIA SM90 / SM100 in bf16), the weight gradients likewise as
     one grouped GEMM of the transposed rows per kind (each group reduces over its own rows), and the GELU as
     :class:`SegmentKernel` runs it.  With many experts the per-segment loop of :class:`SegmentKernel` costs
     one launch per expert and matmul kind (six per expert and step), which a grouped GEMM replaces with six
@@ -452,13 +452,14 @@ _KERNELS = {(kind, recompute): cls(recompute=recompute)
 
 def has_fast_grouped_gemm(device: torch.device, dtype: torch.dtype, d_model: int, d_hidden: int) -> bool:
     """Whether PyTorch's grouped GEMM has its fused kernel for experts of these widths in ``dtype`` on
-    ``device``: bf16 on NVIDIA GPUs of compute capability 9.0 and later (Hopper, Blackwell; CUTLASS), with
+    ``device``: bf16 on NVIDIA GPUs of compute capability 9.x and 10.x (Hopper, datacenter Blackwell; CUTLASS,
+    what PyTorch's ``_grouped_mm_cuda`` takes its fast path on), with
     both widths whole multiples of 16 bytes (its operands' leading dimensions; then every row slice the
     layer hands a kernel starts 16-byte aligned too).  Elsewhere ``grouped_mm`` runs a loop of matmuls or
     refuses the strides, and :class:`SegmentKernel` is the better loop."""
     aligned = all(w * torch.finfo(dtype).bits % 128 == 0 for w in (d_model, d_hidden))
     return (device.type == "cuda" and dtype == torch.bfloat16 and aligned and torch.version.hip is None
-            and torch.cuda.get_device_capability(device)[0] >= 9)
+            and torch.cuda.get_device_capability(device)[0] in (9, 10))
 
 
 def kernel_for(device: torch.device, dtype: torch.dtype, d_model: int, d_hidden: int,
