@@ -18,7 +18,8 @@ import torch.nn.functional as F
 import moe_workers as W
 from podscale.models.gpt_moe import GPTMoE, GPTMoEConfig
 from podscale.parallel.moe import layer as moe_layer
-from podscale.parallel.moe.kernels import CacheTiledKernel, GroupedGemmKernel, SegmentKernel, has_fast_grouped_gemm, kernel_for
+from podscale.parallel.moe.kernels import (CacheTiledKernel, GroupedGemmKernel, SegmentKernel, has_fast_grouped_gemm,
+                                           kernel_for)
 from podscale.parallel.moe import MoELayer, expert_capacity, route, routing_uniform, sequence_token_keys
 from podscale.parallel.param_tags import tags
 from podscale.runtime.launcher import launch
@@ -251,7 +252,8 @@ def test_expert_parallel_under_autocast_and_with_the_grouped_gemm_kernel():
         for (kernel, rows, got), rank in itertools.product(res[0], (0, 1)):
             if got != name:
                 continue
-            ours, label = res[rank][kernel, rows, name], f"{kernel} kernel, MIN_SEGMENT_ROWS {rows}, {name}, rank {rank}"
+            ours = res[rank][kernel, rows, name]
+            label = f"{kernel} kernel, MIN_SEGMENT_ROWS {rows}, {name}, rank {rank}"
             assert ours["y"].dtype == ys[rank].dtype and ours["x_grad"].dtype == torch.float32, label
             torch.testing.assert_close(ours["y"], ys[rank], rtol=tol, atol=tol * float(ys[rank].abs().max()), msg=label)
             torch.testing.assert_close(ours["x_grad"], xs[rank].grad, rtol=tol,

@@ -20,9 +20,10 @@ or S×E×C tensor; they differ in how they meet their device's cost model:
   segment kernel, with each matmul kind over all the segments in one grouped-GEMM launch instead of one
   launch per expert.
 
-:func:`kernel_for` picks by device, dtype and widths; a layer can be given any explicitly.  All keep two (rows × hidden)
-tensors for the backward, as many bytes as autograd keeps for two linears and a GELU beside the input; built
-with ``recompute`` they keep one, the pre-activation, and evaluate the GELU again in the backward.
+:func:`kernel_for` picks by device, dtype and widths; a layer can be given any explicitly.  All keep two
+(rows × hidden) tensors for the backward, as many bytes as autograd keeps for two linears and a GELU beside
+the input; built with ``recompute`` they keep one, the pre-activation, and evaluate the GELU again in the
+backward.
 """
 from __future__ import annotations
 
