@@ -307,6 +307,22 @@ class CacheTiledKernel:
 # GPUs: whole segments, fused element-wise kernels
 
 
+def _kept(act: torch.Tensor, pre: torch.Tensor, recompute: bool) -> tuple[torch.Tensor, ...]:
+    """What the accelerator kernels keep for the backward: the activation and the pre-activation, or with
+    ``recompute`` the pre-activation alone."""
+    return (pre,) if recompute else (act, pre)
+
+
+def _activation_and_pre(saved: tuple[torch.Tensor, ...], recompute: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The inverse of :func:`_kept` at the start of a backward: the activation evaluated again from the
+    pre-activation when only that was kept (PyTorch's fused GELU, one pass)."""
+    if recompute:
+        (pre,) = saved
+        return F.gelu(pre, approximate="tanh"), pre
+    act, pre = saved
+    return act, pre
+
+
 class SegmentKernel:
     """The accelerator kernel: one matmul per expert segment over all its rows into one buffer, then the
     GELU over the whole buffer as one fused kernel (``F.gelu``); in the backward ``gelu_backward`` over the
@@ -327,14 +343,10 @@ class SegmentKernel:
         act = F.gelu(pre, approximate="tanh")
         for j, a, b in bounds:
             _linear_into(out[a:b], act[a:b], w_proj[j], b_proj[j])
-        return (pre,) if self.recompute else (act, pre)
+        return _kept(act, pre, self.recompute)
 
     def backward(self, grad, x, saved, bounds, weights, El, acc, g_x):
-        if self.recompute:
-            (pre,) = saved
-            act = F.gelu(pre, approximate="tanh")
-        else:
-            act, pre = saved
+        act, pre = _activation_and_pre(saved, self.recompute)
         w_fc, w_proj = weights[:El], weights[El:2 * El]
         for j, a, b in bounds:
             acc.add_proj(j, act[a:b], grad[a:b])
@@ -410,7 +422,7 @@ class GroupedGemmKernel:
         w_fc, w_proj, b_fc, b_proj = _split_weights(weights, El, bias)
         if not bounds:
             pre = x.new_empty(0, w_fc[0].shape[1])
-            return (pre,) if self.recompute else (pre, pre.clone())
+            return _kept(pre.clone(), pre, self.recompute)
         groups = _Groups(bounds, x.shape[0], x.device)
         pre = F.grouped_mm(x, groups.stack(w_fc), offs=groups.offs)
         if bias:
@@ -420,16 +432,12 @@ class GroupedGemmKernel:
         if bias:
             groups.add_bias(y, b_proj)
         out.copy_(y)
-        return (pre,) if self.recompute else (act, pre)
+        return _kept(act, pre, self.recompute)
 
     def backward(self, grad, x, saved, bounds, weights, El, acc, g_x):
         if not bounds:
             return
-        if self.recompute:
-            (pre,) = saved
-            act = F.gelu(pre, approximate="tanh")
-        else:
-            act, pre = saved
+        act, pre = _activation_and_pre(saved, self.recompute)
         w_fc, w_proj = weights[:El], weights[El:2 * El]
         groups = _Groups(bounds, x.shape[0], x.device)
         d_w_proj = F.grouped_mm(act.t(), grad, offs=groups.offs)                  # (groups, h, d)
