@@ -43,7 +43,8 @@ import torch.nn as nn
 
 from podscale.parallel.moe import MoELayer
 from podscale.parallel.moe import layer as moe_layer
-from podscale.parallel.moe.kernels import CacheTiledKernel, GroupedGemmKernel, SegmentKernel
+from podscale.parallel.moe import kernels
+from podscale.parallel.moe.kernels import CacheTiledKernel
 from podscale.runtime import hostmem
 from podscale.runtime.launcher import launch
 from podscale.runtime.mesh import Mesh
@@ -135,7 +136,7 @@ def _worker(args) -> list[dict]:
     mesh = Mesh.build(info.device, ep=info.world_size)
     dev = info.device
     # "auto": the layer picks the device's kernel itself (with --recompute-activation, its recomputing one)
-    kernel = _kernel(args, args.kernel) if args.kernel != "auto" or args.row_tile else None
+    kernel = _kernel(args, args.kernel)
     rows = []
     for E, S, k in itertools.product(args.experts, args.tokens, args.top_k):
         torch.manual_seed(1)
@@ -213,19 +214,17 @@ def _worker(args) -> list[dict]:
 
 
 #: the kernels ``--kernels`` can set side by side (``-recompute``: keeping only the experts' pre-activation)
-KERNEL_NAMES = ("tiled", "segment", "grouped", "tiled-recompute", "segment-recompute", "grouped-recompute")
+KERNEL_NAMES = tuple(n + s for n in kernels.KERNEL_NAMES if n != "auto" for s in ("", "-recompute"))
 
 
 def _kernel(args, name: str):
-    """podscale's expert kernel ``name`` (one of :data:`KERNEL_NAMES`; "auto": the CPU's), the CPU's with
+    """podscale's expert kernel ``name`` (one of :data:`KERNEL_NAMES`, or "auto"), the CPU's with
     ``--row-tile`` if given; ``--recompute-activation`` makes any of them keep only the pre-activation."""
     base, _, suffix = name.partition("-")
     recompute = suffix == "recompute" or args.recompute_activation
-    if base == "segment":
-        return SegmentKernel(recompute=recompute)
-    if base == "grouped":
-        return GroupedGemmKernel(recompute=recompute)
-    return CacheTiledKernel(args.row_tile or CacheTiledKernel.ROW_TILE, recompute=recompute)
+    if base in ("tiled", "auto") and args.row_tile:
+        return CacheTiledKernel(args.row_tile, recompute=recompute)
+    return kernels.kernel_named(base, recompute)
 
 
 def kernel_ablation(args) -> list[dict]:
@@ -287,7 +286,7 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--experts", type=int, nargs="+", default=[4, 8, 16, 32, 64])
     ap.add_argument("--tokens", type=int, nargs="+", default=[1024, 2048, 4096, 8192])
     ap.add_argument("--top-k", type=int, nargs="+", default=[1, 2])
-    ap.add_argument("--kernel", choices=["auto", "tiled", "segment", "grouped"], default="auto",
+    ap.add_argument("--kernel", choices=kernels.KERNEL_NAMES, default="auto",
                     help="podscale's expert kernel: the device's (CPU: tiled; GPU: grouped for bf16 on SM90/SM100, "
                          "else segment), or any of them on any device")
     ap.add_argument("--row-tile", type=int, default=None,

@@ -160,6 +160,10 @@ class GPTMoEModelSection(GPTModelSection):
     expert_recompute: bool = Field(False, description="keep only the experts' GELU input for the backward and "
                                    "evaluate the GELU again there: one tokens x top_k x expert_hidden tensor "
                                    "less per MoE layer (Megatron-core's recompute_modules moe_act)")
+    expert_kernel: Literal["auto", "tiled", "segment", "grouped"] = Field(
+        "auto", description="how the experts run: auto picks by device and dtype (CPU: tiled; bf16 on NVIDIA "
+        "SM90/SM100: grouped; other GPUs: segment); tiled: cache-resident row tiles; segment: one matmul per "
+        "expert segment; grouped: one grouped GEMM per matmul kind (Megatron-core's moe_grouped_gemm)")
 
     @model_validator(mode="after")
     def _moe_args(self):
@@ -170,6 +174,12 @@ class GPTMoEModelSection(GPTModelSection):
             if not getattr(self, key) > 0:
                 raise ValueError(f"model.{key}={getattr(self, key)} must be > 0: use e.g. 1.25 (or "
                                  "model.dropless = true for no capacity)")
+        if self.expert_kernel == "grouped":
+            for key, width in (("n_embd", self.n_embd), ("expert_hidden", self.expert_hidden or 4 * self.n_embd)):
+                if width % 8:
+                    raise ValueError(f"model.expert_kernel='grouped' needs model.{key}={width} to be a multiple "
+                                     "of 8 (the grouped GEMM's rows start on 16-byte boundaries): change it or "
+                                     "set model.expert_kernel = 'auto'")
         return self
 
     def task_class(self) -> type:

@@ -294,26 +294,51 @@ def test_recomputing_the_expert_activation_keeps_one_rows_by_hidden_tensor_less(
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
 
 
-def test_gpt_moe_with_expert_recompute_trains_the_same():
-    """``model.expert_recompute = true`` reaches every MoE layer of the GPT-MoE and changes no number."""
+@pytest.mark.parametrize("kernel", ["segment", "grouped", "tiled"])
+def test_gpt_moe_expert_recompute_and_kernel_reach_every_layer_and_train_the_same(kernel):
+    """``model.expert_recompute`` and ``model.expert_kernel`` reach every MoE layer of the GPT-MoE and change
+    no number beyond fp32 rounding (the reference: the example config, auto kernel, no recompute)."""
     from podscale.config import load_config
     from podscale.tasks.gpt_moe import gpt_moe_config
-    cfgs = [gpt_moe_config(load_config("examples/gpt-moe.toml", [f"model.expert_recompute={v}", "model.n_layer=2"]))
-            for v in ("false", "true")]
-    assert [c.expert_recompute for c in cfgs] == [False, True]
+    settings = [("false", "auto"), ("true", "auto"), ("false", kernel), ("true", kernel)]
+    cfgs = [gpt_moe_config(load_config("examples/gpt-moe.toml", [f"model.expert_recompute={r}",
+                                                                  f"model.expert_kernel={k}", "model.n_layer=2"]))
+            for r, k in settings]
+    assert [(c.expert_recompute, c.expert_kernel) for c in cfgs] == [(r == "true", k) for r, k in settings]
+    cls = {"segment": SegmentKernel, "grouped": GroupedGemmKernel, "tiled": CacheTiledKernel}[kernel]
     results = []
     for cfg in cfgs:
         torch.manual_seed(0)
         model = GPTMoE(cfg)
-        assert all(b.moe.experts.recompute_activation == cfg.expert_recompute
-                   for b in model.modules() if hasattr(b, "moe"))
+        layers = [b.moe.experts for b in model.modules() if hasattr(b, "moe")]
+        assert layers and all(e.recompute_activation == cfg.expert_recompute for e in layers)
+        if cfg.expert_kernel == "auto":
+            assert all(e.kernel is None for e in layers)
+        else:
+            assert all(type(e.kernel) is cls and e.kernel.recompute == cfg.expert_recompute for e in layers)
         idx = torch.randint(0, cfg.vocab_size, (2, cfg.block_size), generator=torch.Generator().manual_seed(1))
         out = model(idx, idx)
         loss = out[1] if isinstance(out, tuple) else out
         loss.backward()
         results.append([loss.detach()] + [p.grad.clone() for p in model.parameters() if p.grad is not None])
-    for a, b in zip(*results):
-        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    for other in results[1:]:
+        assert len(other) == len(results[0])
+        for a, b in zip(other, results[0]):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6 * float(b.abs().max()))
+
+
+@pytest.mark.parametrize("overrides,match", [
+    (["model.expert_kernel=grouped", "model.n_embd=36", "model.n_head=4"],
+     r"^model.expert_kernel='grouped' needs model.n_embd=36 to be a multiple of 8 .*set model.expert_kernel = 'auto'$"),
+    (["model.expert_kernel=grouped", "model.expert_hidden=100"], r"^model.expert_kernel='grouped' needs "
+     r"model.expert_hidden=100 to be a multiple of 8"),
+    (["model.expert_kernel=fast"], r"^model.expert_kernel: Input should be 'auto', 'tiled', 'segment' or 'grouped'"),
+])
+def test_a_bad_expert_kernel_is_one_line_naming_the_key(overrides, match):
+    from podscale.config import load_config
+    with pytest.raises(ValueError, match=match) as e:
+        load_config("examples/gpt-moe.toml", overrides)
+    assert "\n" not in str(e.value)
 
 
 def _onehot_logits(first: list[int], second: list[int], E: int) -> torch.Tensor:

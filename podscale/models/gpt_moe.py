@@ -24,6 +24,7 @@ import torch.nn as nn
 
 from podscale.models.gpt import GPT, CausalSelfAttention, GPTConfig
 from podscale.parallel.moe import MoELayer, MoEStats, check_moe_args, sequence_token_keys
+from podscale.parallel.moe.kernels import kernel_named
 
 
 @dataclass
@@ -41,6 +42,7 @@ class GPTMoEConfig(GPTConfig):
     bias_update_rate: float = 1e-3
     expert_hidden: int | None = None   # default 4 * n_embd, the dense MLP's width
     expert_recompute: bool = False     # keep the experts' pre-activation only; the GELU again in the backward
+    expert_kernel: str = "auto"        # podscale.parallel.moe.kernels.KERNEL_NAMES; auto: by device and dtype
 
     def is_moe(self, layer: int) -> bool:
         return (layer + 1) % self.moe_every == 0
@@ -62,7 +64,8 @@ class MoEBlock(nn.Module):
                             cfg.eval_capacity_factor, cfg.dropless, cfg.random_routing, cfg.aux_loss_coef,
                             cfg.z_loss_coef, cfg.bias_balancing, cfg.bias_update_rate, mesh=mesh,
                             seed=zlib.crc32(f"moe{layer}".encode()), bias=cfg.bias,
-                            sequence_parallel=sequence_parallel, recompute_activation=cfg.expert_recompute)
+                            sequence_parallel=sequence_parallel, recompute_activation=cfg.expert_recompute,
+                            kernel=kernel_named(cfg.expert_kernel, cfg.expert_recompute))
 
     def forward(self, x: torch.Tensor, keys: torch.Tensor | None):
         x = x + self.attn(self.ln_1(x))

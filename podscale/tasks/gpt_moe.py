@@ -47,7 +47,7 @@ def gpt_moe_config(cfg) -> GPTMoEConfig:
                         eval_capacity_factor=m.eval_capacity_factor, dropless=m.dropless,
                         random_routing=m.random_routing, aux_loss_coef=m.aux_loss_coef,
                         z_loss_coef=m.z_loss_coef, expert_hidden=m.expert_hidden,
-                        expert_recompute=m.expert_recompute)
+                        expert_recompute=m.expert_recompute, expert_kernel=m.expert_kernel)
 
 
 def _gpt_moe(module: nn.Module) -> GPTMoE:

@@ -483,5 +483,17 @@ def kernel_for(device: torch.device, dtype: torch.dtype, d_model: int, d_hidden:
     return _KERNELS[("grouped" if fast else "segment", recompute)]
 
 
+#: the kernels a config can name (``model.expert_kernel``), "auto" being :func:`kernel_for`'s choice per call
+KERNEL_NAMES = ("auto", "tiled", "segment", "grouped")
+
+
+def kernel_named(name: str, recompute: bool = False) -> ExpertKernel | None:
+    """The kernel a config names (:data:`KERNEL_NAMES`); None for "auto" (the layer asks :func:`kernel_for`
+    at each call)."""
+    if name not in KERNEL_NAMES:
+        raise ValueError(f"expert kernel {name!r} is not one of {', '.join(KERNEL_NAMES)}")
+    return None if name == "auto" else _KERNELS[("cpu" if name == "tiled" else name, recompute)]
+
+
 __all__ = ["ExpertKernel", "CacheTiledKernel", "SegmentKernel", "GroupedGemmKernel", "WeightGrads", "kernel_for",
-           "has_fast_grouped_gemm", "segment_bounds", "cast_weights"]
+           "has_fast_grouped_gemm", "kernel_named", "KERNEL_NAMES", "segment_bounds", "cast_weights"]
