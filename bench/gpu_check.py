@@ -355,14 +355,14 @@ def _profile_worker(data: str, out: str, device: str, big: dict) -> dict:
     return result
 
 
-def moe() -> dict:
+def moe(data: str) -> dict:
     """The MoE layer on the device: (a) the fast path (the device's kernel) equals the einsum reference,
     outputs and gradients, fp32 with TF32 off, top-1 / top-2 / dropless, and the grouped-GEMM kernel equals
     the per-segment one in bf16; (b) ``bench/moe.py --kernels``: the expert kernels side by side on the
     same layer (the per-segment one as the baseline, the grouped GEMM, the CPU's, and the two accelerator
     kernels keeping only the pre-activation), fp32 and bf16 (d_model 1024, expert width 4096 on a
-    GPU); (c) ``bench/moe.py --nproc 1``: podscale beside DeepSpeed's MoE at ep = 1, where deepspeed is
-    installed."""
+    GPU); (c) :func:`moe_training`: a GPT-MoE trained in bf16 with each accelerator kernel; (d)
+    ``bench/moe.py --nproc 1``: podscale beside DeepSpeed's MoE at ep = 1, where deepspeed is installed."""
     import importlib.util
 
     import torch
@@ -416,6 +416,7 @@ def moe() -> dict:
     r = subprocess.run(kernels, capture_output=True, text=True, cwd=ROOT)
     result["kernels"] = (json.loads((RUNS / "moe_kernels.json").read_text()) if r.returncode == 0
                          else {"error": (r.stdout + r.stderr)[-1500:]})
+    result["train"] = moe_training(data)
     if importlib.util.find_spec("deepspeed") is None:
         result["bench_moe"] = "skipped: deepspeed is not installed (bench/moe.py compares against it)"
     else:
@@ -424,6 +425,37 @@ def moe() -> dict:
         r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
         result["bench_moe"] = (r.stdout + r.stderr)[-4000:]
     return result
+
+
+MOE = {"model.kind": "gpt-moe", "model.experts": 8, "model.top_k": 2, "model.moe_every": 2,
+       "model.random_routing": False}
+
+
+def moe_training(data: str) -> list[dict]:
+    """``podscale train`` of a GPT-MoE (BIG's width, at most 8 layers, 8 experts in every other block) in bf16
+    with each accelerator kernel: under autocast the experts compute in bf16, where ``auto`` picks the grouped
+    GEMM on SM90/SM100.
+    Median step time after two warm-up steps, peak memory, and the largest loss difference from ``segment``
+    over the steps (the same data and seed: bf16 rounding only)."""
+    rows, ref = [], None
+    for kernel in ("segment", "auto", "grouped"):
+        settings = dict(BIG, **MOE, **{"data.path": data, "model.expert_kernel": kernel,
+                                       "model.n_layer": min(8, BIG["model.n_layer"])})
+        res = train(RUNS, f"moe-bf16-{kernel}", settings, 12)
+        row = {"case": f"gpt-moe bf16 expert_kernel={kernel}"}
+        if "error" in res:
+            row["error"] = res["error"]
+        else:
+            losses = [r["loss"] for r in res["records"]]
+            row.update(median_step_s=statistics.median(r["step_time_s"] for r in res["records"][2:]),
+                       peak_MiB=max(res["records"][-1]["peak_mem_bytes"]) / 2**20, last_loss=losses[-1])
+            if ref is None:
+                ref = losses
+            else:
+                row["max_loss_diff_vs_segment"] = max(abs(a - b) for a, b in zip(losses, ref))
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
 
 
 def adam() -> str:
@@ -459,7 +491,7 @@ def main(argv=None) -> None:
     print(json.dumps(report), flush=True)
     for part, fn in [("adam", lambda: adam()), ("correctness", lambda: correctness(out, args.data)),
                      ("memory", lambda: memory(out, args.data)), ("throughput", lambda: throughput(out, args.data)),
-                     ("profile", lambda: profile(out, args.data)), ("moe", moe)]:
+                     ("profile", lambda: profile(out, args.data)), ("moe", lambda: moe(args.data))]:
         if part in skip:
             continue
         t0 = time.perf_counter()
@@ -475,6 +507,8 @@ def main(argv=None) -> None:
     kernel_rows = moe_report.get("kernels", [])
     for row in moe_report.get("reference", []) + (kernel_rows if isinstance(kernel_rows, list) else [kernel_rows]):
         print("moe", json.dumps({k: (float(f"{v:.4g}") if isinstance(v, float) else v) for k, v in row.items()}))
+    for row in moe_report.get("train", []) if isinstance(moe_report.get("train"), list) else []:
+        print("moe", json.dumps(row))
     if "bench_moe" in moe_report:
         print("moe bench:", moe_report["bench_moe"][-1500:])
     if "error" in moe_report:
