@@ -160,6 +160,7 @@ class GPTMoEModelSection(GPTModelSection):
     expert_recompute: bool = Field(False, description="keep only the experts' GELU input for the backward and "
                                    "evaluate the GELU again there: one tokens x top_k x expert_hidden tensor "
                                    "less per MoE layer (Megatron-core's recompute_modules moe_act)")
+    # podscale.parallel.moe.kernels.KERNEL_NAMES (a test holds them equal; this module does not import torch)
     expert_kernel: Literal["auto", "tiled", "segment", "grouped"] = Field(
         "auto", description="how the experts run: auto picks by device and dtype (CPU: tiled; bf16 on NVIDIA "
         "SM90/SM100: grouped; other GPUs: segment); tiled: cache-resident row tiles; segment: one matmul per "

@@ -335,7 +335,12 @@ def test_gpt_moe_expert_recompute_and_kernel_reach_every_layer_and_train_the_sam
     (["model.expert_kernel=fast"], r"^model.expert_kernel: Input should be 'auto', 'tiled', 'segment' or 'grouped'"),
 ])
 def test_a_bad_expert_kernel_is_one_line_naming_the_key(overrides, match):
-    from podscale.config import load_config
+    """The config's choices are the kernels' names (config.py stays free of torch, so it lists them)."""
+    import typing
+
+    from podscale.config import GPTMoEModelSection, load_config
+    from podscale.parallel.moe.kernels import KERNEL_NAMES
+    assert typing.get_args(GPTMoEModelSection.model_fields["expert_kernel"].annotation) == KERNEL_NAMES
     with pytest.raises(ValueError, match=match) as e:
         load_config("examples/gpt-moe.toml", overrides)
     assert "\n" not in str(e.value)
