@@ -507,7 +507,7 @@ def main(argv=None) -> None:
     kernel_rows = moe_report.get("kernels", [])
     for row in moe_report.get("reference", []) + (kernel_rows if isinstance(kernel_rows, list) else [kernel_rows]):
         print("moe", json.dumps({k: (float(f"{v:.4g}") if isinstance(v, float) else v) for k, v in row.items()}))
-    for row in moe_report.get("train", []) if isinstance(moe_report.get("train"), list) else []:
+    for row in moe_report.get("train") or []:
         print("moe", json.dumps(row))
     if "bench_moe" in moe_report:
         print("moe bench:", moe_report["bench_moe"][-1500:])

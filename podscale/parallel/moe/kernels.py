@@ -27,6 +27,7 @@ backward.
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Protocol, Sequence
 
@@ -454,18 +455,21 @@ class GroupedGemmKernel:
             acc.put_fc(j, d_w_fc[g], b_fc[g])
 
 
-_KERNELS = {(kind, recompute): cls(recompute=recompute)
-            for kind, cls in (("cpu", CacheTiledKernel), ("segment", SegmentKernel), ("grouped", GroupedGemmKernel))
+#: one stateless instance per (name, recompute)
+_KERNELS = {(name, recompute): cls(recompute=recompute)
+            for name, cls in (("tiled", CacheTiledKernel), ("segment", SegmentKernel), ("grouped", GroupedGemmKernel))
             for recompute in (False, True)}
 
 
+@functools.cache
 def has_fast_grouped_gemm(device: torch.device, dtype: torch.dtype, d_model: int, d_hidden: int) -> bool:
     """Whether PyTorch's grouped GEMM has its fused kernel for experts of these widths in ``dtype`` on
     ``device``: bf16 on NVIDIA GPUs of compute capability 9.x and 10.x (Hopper, datacenter Blackwell; CUTLASS,
     what PyTorch's ``_grouped_mm_cuda`` takes its fast path on), with
     both widths whole multiples of 16 bytes (its operands' leading dimensions; then every row slice the
     layer hands a kernel starts 16-byte aligned too).  Elsewhere ``grouped_mm`` runs a loop of matmuls or
-    refuses the strides, and :class:`SegmentKernel` is the better loop."""
+    refuses the strides, and :class:`SegmentKernel` is the better loop.  Cached: every MoE layer asks at
+    every call."""
     aligned = all(w * torch.finfo(dtype).bits % 128 == 0 for w in (d_model, d_hidden))
     return (device.type == "cuda" and dtype == torch.bfloat16 and aligned and torch.version.hip is None
             and torch.cuda.get_device_capability(device)[0] in (9, 10))
@@ -478,7 +482,7 @@ def kernel_for(device: torch.device, dtype: torch.dtype, d_model: int, d_hidden:
     (:func:`has_fast_grouped_gemm`), :class:`SegmentKernel` elsewhere; ``recompute``: the variant that keeps
     the pre-activation alone for the backward."""
     if device.type == "cpu":
-        return _KERNELS[("cpu", recompute)]
+        return _KERNELS[("tiled", recompute)]
     fast = has_fast_grouped_gemm(device, dtype, d_model, d_hidden)
     return _KERNELS[("grouped" if fast else "segment", recompute)]
 
@@ -492,7 +496,7 @@ def kernel_named(name: str, recompute: bool = False) -> ExpertKernel | None:
     at each call)."""
     if name not in KERNEL_NAMES:
         raise ValueError(f"expert kernel {name!r} is not one of {', '.join(KERNEL_NAMES)}")
-    return None if name == "auto" else _KERNELS[("cpu" if name == "tiled" else name, recompute)]
+    return None if name == "auto" else _KERNELS[(name, recompute)]
 
 
 __all__ = ["ExpertKernel", "CacheTiledKernel", "SegmentKernel", "GroupedGemmKernel", "WeightGrads", "kernel_for",
