@@ -181,6 +181,8 @@ def no_hang_worker(cases: list[tuple[str, int, bool]]) -> list[dict]:
             out.append({"y": y.detach(), "x_grad": x.grad, "first": layer.experts.first, "kept": o.stats.kept,
                         "grads": {n: p.grad.clone() for n, p in layer.named_parameters()},
                         "calls": {k: v["calls"] for k, v in mesh.stats.snapshot().items()}})
+            # the rows this rank's experts ran, and the busiest rank's over the mean (collective)
+            out[-1]["peak"] = (o.stats.peak_rows, o.stats.all_reduce(mesh, "ep").peak_load)
             mesh.stats.reset()
             # the same with an input that wants no gradient: the backward returns none over the exchange
             layer.zero_grad(set_to_none=True)

@@ -423,6 +423,7 @@ def test_aux_and_z_losses():
     s = out.stats.summary()
     assert s["load_min"] == 0.0 and s["load_max"] == 0.5 and s["load_entropy"] == pytest.approx(0.5)
     assert s["dropped_share"] == pytest.approx(4 / 10)   # 2 of 5 first and 2 of 5 second choices
+    assert s["peak_rank_load"] == pytest.approx(6 / 10)  # one rank: its experts ran its kept choices
 
 
 def test_bias_balancing_selects_with_the_bias_and_moves_it_towards_balance():
@@ -572,7 +573,15 @@ def test_lopsided_routing_finishes_with_the_right_gradients():
             assert ours["no_input_grad"]["calls"] == 4, label
             for name, g in ours["no_input_grad"]["grads"].items():
                 torch.testing.assert_close(g, ours["grads"][name], rtol=1e-12, atol=1e-14, msg=f"{label} {name}")
+        # the rows each rank's experts ran (its own and the other's for them), the busiest over the mean
+        # (the ranks' tokens x k over 2; rank 1 of empty_rank routes none but runs rows)
+        rows = [int(kept[2 * r:2 * r + 2].sum()) for r in (0, 1)]
+        tokens = sum(W.layer_inputs(case, r).shape[0] * W.S for r in (0, 1))
+        for rank in (0, 1):
+            assert results[rank][i]["peak"] == (rows[rank], pytest.approx(max(rows) / (tokens * top_k / 2))), label
         if case in ("one_expert", "no_remote"):
             assert kept[2:].sum() == 0          # experts 2 and 3 got nothing on every rank
+            if dropless:
+                assert results[0][i]["peak"][1] == 2.0   # rank 0 ran every choice: twice the mean
         if case == "no_remote":
             assert results[0][i]["kept"][2:].sum() == 0   # rank 0 sent nothing to rank 1's experts

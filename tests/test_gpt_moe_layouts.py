@@ -97,7 +97,7 @@ def test_moe_layout_matches_one_process(runs, single, i, label):
     for rank, res in runs.items():
         ours = res[i]
         zero = job.get("stage", 0) > 0
-        _matches(ours, ref, f"{label} rank {rank}", norm_rel=2e-5 if zero else 1e-9,
+        _matches(ours, ref, f"{label} rank {rank}", norm_rel=2e-5 if zero else 1e-9, ep=job["ep"],
                  param_rel=None if zero else 1e-9)
         if job.get("stage", 0) == 0:
             # a pipeline rank holds one stage's parameters, a tp rank its shards (gathered): every one compared

@@ -41,6 +41,7 @@ def _moe_cfg(**over):
     (dict(model__top_k=5), 2, ["model.top_k=5", "model.experts=4"]),
     (dict(model__capacity_factor=0.0), 2, ["model.capacity_factor=0.0", "> 0"]),
     (dict(model__eval_capacity_factor=-1.0), 2, ["model.eval_capacity_factor", "> 0"]),
+    (dict(model__dropless=True, model__dropless_peak_load=0.5), 2, ["model.dropless_peak_load", "1"]),
     (dict(parallel__ep=3, parallel__nproc=4, model__experts=6), 4, ["parallel.ep=3", "does not divide the 4"]),
     (dict(model__kind="gpt", model__experts=None, parallel__ep=2), 2, ["parallel.ep=2", "no experts",
                                                                         "parallel.ep = 1"]),
@@ -73,21 +74,26 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max()) / max(float(b.abs().max()), 1e-30)
 
 
-def _same_routing(ours: list[dict], ref: list[dict], label: str):
+def _same_routing(ours: list[dict], ref: list[dict], label: str, ep: int):
     assert len(ours) == len(ref), label
     for step, (m, r) in enumerate(zip(ours, ref)):
         assert m.keys() == r.keys(), label
         for k, v in r.items():
-            if k.endswith(("aux_loss", "z_loss")):
+            if k.endswith("peak_rank_load"):
+                # the busiest rank's rows over the mean, a property of the layout (exact figures: the
+                # no-hang runs of tests/test_experts.py): at most every choice of its ep group
+                assert 0 < m[k] <= ep, f"{label} step {step + 1} {k}: {m[k]}"
+            elif k.endswith(("aux_loss", "z_loss")):
                 assert m[k] == pytest.approx(v, rel=1e-6), f"{label} step {step + 1} {k}"
             else:  # functions of the global integer counts: exactly equal
                 assert m[k] == v, f"{label} step {step + 1} {k}: {m[k]} vs {v}"
 
 
-def _matches(ours: dict, ref: dict, label: str, norm_rel: float = 1e-9, param_rel: float | None = 1e-9):
+def _matches(ours: dict, ref: dict, label: str, norm_rel: float = 1e-9, param_rel: float | None = 1e-9,
+             ep: int = 2):
     """Same routing statistics, losses, gradient norms, step-0 gradients and (unless ``param_rel`` is None)
-    final parameters as the one-process run ``ref``."""
-    _same_routing(ours["metrics"], ref["metrics"], label)
+    final parameters as the one-process run ``ref`` (``ep``: the layout's)."""
+    _same_routing(ours["metrics"], ref["metrics"], label, ep)
     assert ours["losses"] == pytest.approx(ref["losses"], rel=1e-6), label
     assert ours["grad_norms"] == pytest.approx(ref["grad_norms"], rel=norm_rel), label
     if ours["grads"] is not None:
@@ -193,7 +199,7 @@ def test_checkpoint_moves_from_ep2_to_ep1_to_ep4_with_optimizer_state(ep2, singl
 # podscale train end to end
 
 
-def test_podscale_train_logs_and_plots_routing_metrics_and_exports_one_process_model(tmp_path):
+def test_podscale_train_logs_and_plots_routing_metrics_and_exports_one_process_model(tmp_path, capfd):
     cfg = tmp_path / "moe.toml"
     cfg.write_text(f"""
 [run]
@@ -210,6 +216,8 @@ n_embd = 32
 block_size = 32
 experts = 4
 moe_every = 2
+dropless = true
+dropless_peak_load = 1.0
 [data]
 path = "{shakespeare()}"
 [parallel]
@@ -219,16 +227,26 @@ ep = 2
 global_batch = 4
 micro_batch = 2
 """)
+    capfd.readouterr()
     assert main(["train", str(cfg)]) == 0
+    said = capfd.readouterr().out   # the workers write to this process's descriptors
     run = tmp_path / "runs" / "moe"
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 3
     for row in rows:
         t = row["task"]
         assert set(t) == {f"blocks.1/{k}" for k in ("dropped_share", "load_min", "load_max", "load_entropy",
-                                                    "aux_loss", "z_loss")}
+                                                    "aux_loss", "z_loss", "peak_rank_load")}
         assert 0 <= t["blocks.1/load_min"] <= 0.25 <= t["blocks.1/load_max"] <= 1
-        assert 0 < t["blocks.1/load_entropy"] <= 1 and 0 <= t["blocks.1/dropped_share"] < 1
+        assert 0 < t["blocks.1/load_entropy"] <= 1 and t["blocks.1/dropped_share"] == 0
+        # the busiest rank's rows over the mean: at least the mean, at most every choice on one of 2 ranks
+        assert 1 <= t["blocks.1/peak_rank_load"] <= 2
+    # above the dropless_peak_load the planner was told: said once at the end, with the figure to plan with
+    peak = max(row["task"]["blocks.1/peak_rank_load"] for row in rows)
+    warned = [line for line in said.splitlines() if "model.dropless_peak_load = 1," in line]
+    assert len(warned) == (peak > 1.0), said
+    if peak > 1.0:
+        assert f"set it to {peak:.3g} " in warned[0] and warned[0].startswith("podscale: blocks.1: ")
     assert main(["report", str(run)]) == 0
     assert (run / "task.png").stat().st_size > 0  # the routing series, plotted over the steps
     out = tmp_path / "model.pt"
@@ -248,6 +266,9 @@ def test_layout_auto_plans_the_gpt_moe_with_expert_parallel_layouts():
                                 parallel__ep=1))
     model = gpt_of(cfg)
     assert (model.experts, model.top_k, model.moe_every, model.capacity_factor) == (4, 2, 2, 1.5)
+    assert not model.dropless
+    drop = gpt_of(parse_config(_moe_cfg(model__dropless=True, model__dropless_peak_load=1.7, parallel__ep=1)))
+    assert (drop.dropless, drop.dropless_peak_load, drop.expert_load(2), drop.expert_load(4)) == (True, 1.7, 1.7, 1.7)
     choice = choose_layout(cfg, 2, "dgx-a100-80g", keep=50)
     eps = {o for _, over in choice.ranked for o in over if o.startswith("parallel.ep=")}
     assert eps == {"parallel.ep=1", "parallel.ep=2"}, eps

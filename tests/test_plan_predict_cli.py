@@ -94,6 +94,9 @@ def test_zero_on_a_pipeline_holds_the_stage_gradient_and_reduces_once(capsys):
     (dict(layout={"tp": 1, "pp": 1, "dp": 32, "microbatch": 1, "recompute": "some"}), "recompute must be one of"),
     (dict(layout="{tp: 1}"), "--layout is not valid JSON"),
     (dict(model='{"layers": 24}'), "model lacks keys"),
+    (dict(model=MODEL[:-1] + ', "experts": 8, "dropless": true, "dropless_peak_load": 0.5}'),
+     "dropless_peak_load must be >= 1"),
+    (dict(model=MODEL[:-1] + ', "experts": 8, "capacity_factor": 0}'), "capacity_factor must be > 0"),
     (dict(devices=1200, layout={"tp": 1, "pp": 1, "dp": 1200, "microbatch": 1}, batch=1200,
           system="dgx-a100-superpod"), "at most 1120 devices"),
     (dict(system="cerebras-cs2", devices=4, layout={"tp": 2, "pp": 1, "dp": 2, "microbatch": 1}),
@@ -197,3 +200,40 @@ def test_expert_recompute_keeps_one_gelu_tensor_less_and_prices_the_gelu_again()
     assert again.step_time_s > keep.step_time_s
     for part in ("forward", "backward", "ep_communication"):
         assert again.time_breakdown_s[part] == keep.time_breakdown_s[part]
+
+
+def test_the_busiest_ep_rank_is_priced_at_the_capacity_or_the_stated_dropless_peak_load():
+    """An MoE layer's expert rows on the busiest ep rank: a capacity bounds them (capacity_factor x top_k x
+    tokens), dropless only the stated ``dropless_peak_load`` (which training measures as peak_rank_load),
+    and never more than every choice of the ep group (ep x), nor at ep = 1 more than a rank's own choices.
+    Expert GEMMs, activations and the all-to-all scale with them; the dense layers do not."""
+    from dataclasses import replace
+
+    from podscale.plan import predict
+    from podscale.plan.models import get_model
+    base = get_model("moe-1.3b-64e")                      # top-2, capacity factor 1.25
+    assert [base.expert_load(ep) for ep in (1, 2, 8)] == [1.0, 1.25, 1.25]
+    drop = replace(base, dropless=True, dropless_peak_load=3.0)
+    assert [drop.expert_load(ep) for ep in (1, 2, 8)] == [1.0, 2.0, 3.0]
+
+    def run(model, ep):
+        return predict("dgx-a100-80g", 64, model, {"tp": 1, "pp": 1, "dp": 64 // ep, "ep": ep, "microbatch": 1}, 512)
+
+    # dropless at a stated peak is priced as a capacity of that factor would be at ep = 8 ...
+    same = run(replace(base, capacity_factor=3.0), 8)
+    ours = run(drop, 8)
+    assert ours.notes[-1] == ("dropless MoE: the busiest ep rank priced at 3x the mean expert rows "
+                              "(dropless_peak_load; a training run logs the measured peak_rank_load)")
+    assert not any("dropless" in n for n in same.notes)
+    assert ours.memory_breakdown_bytes == same.memory_breakdown_bytes
+    assert ours.time_breakdown_s == same.time_breakdown_s
+    # ... costs more the higher the peak, in activations, expert compute and the exchange
+    low = run(replace(drop, dropless_peak_load=1.5), 8)
+    assert ours.memory_breakdown_bytes["activations"] > low.memory_breakdown_bytes["activations"]
+    for part in ("forward", "backward", "ep_communication"):
+        assert ours.time_breakdown_s[part] > low.time_breakdown_s[part], part
+    assert ours.memory_breakdown_bytes["model_states"] == low.memory_breakdown_bytes["model_states"]
+    # ... and at ep = 1 a rank runs its own choices, at most: any peak, any capacity factor >= 1, alike
+    one = [run(m, 1) for m in (drop, base, replace(base, capacity_factor=1.0))]
+    assert one[0].memory_breakdown_bytes == one[1].memory_breakdown_bytes == one[2].memory_breakdown_bytes
+    assert one[0].step_time_s == one[1].step_time_s == one[2].step_time_s

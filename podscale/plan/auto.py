@@ -53,9 +53,9 @@ def gpt_of(cfg: Config) -> GPT:
         if m.expert_hidden not in (None, 4 * m.n_embd):
             raise ValueError(f"--layout auto plans experts of the dense MLP's width (model.expert_hidden = "
                              f"{4 * m.n_embd}); got {m.expert_hidden}: set the layout by hand")
-        # dropless: every choice is processed, on average the capacity of factor 1
-        moe = dict(experts=m.experts, top_k=m.top_k, moe_every=m.moe_every,
-                   capacity_factor=1.0 if m.dropless else m.capacity_factor, expert_recompute=m.expert_recompute)
+        moe = dict(experts=m.experts, top_k=m.top_k, moe_every=m.moe_every, capacity_factor=m.capacity_factor,
+                   dropless=m.dropless, dropless_peak_load=m.dropless_peak_load,
+                   expert_recompute=m.expert_recompute)
     return GPT(layers=m.n_layer, hidden=m.n_embd, heads=m.n_head, seq=m.block_size, vocab=m.vocab_size,
                name=cfg.run.name, **moe)
 

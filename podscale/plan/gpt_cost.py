@@ -122,14 +122,14 @@ def _layer_times_uncached(system: System, model: GPT, lay: Layout, moe: bool) ->
     dev = system.device
     b, s, h, a, f, t = lay.microbatch, model.seq, model.hidden, model.heads, model.ffn, lay.tp
     tokens = b * s
-    scale = model.top_k * model.capacity_factor if moe else 1.0
+    scale = model.top_k * model.expert_load(lay.ep) if moe else 1.0
     e = dev.dtype_bytes
     gemms = [linear_time(dev, tokens, 3 * h / t, h, bytes_per_element=e),      # QKV
              linear_time(dev, tokens, h, h / t, bytes_per_element=e)]          # attention output
     hide = (0.0, 0.0)       # expert work each all-to-all of a forward / backward runs behind
     if moe:
         local_experts = model.experts / lay.ep
-        m_exp = tokens * scale * lay.ep / model.experts      # tokens each local expert receives
+        m_exp = tokens * scale * lay.ep / model.experts      # rows each local expert runs (busiest rank)
         experts = [linear_time(dev, m_exp, f / t, h, batch=local_experts, bytes_per_element=e),
                    linear_time(dev, m_exp, h, f / t, batch=local_experts, bytes_per_element=e)]
         gemms += experts
@@ -424,7 +424,7 @@ def predict_gpt(system: System, devices: int, model: GPT, lay: Layout, batch: in
     components.update(optimizer=optimizer, grad_passes=grad_passes, pipeline_bubble=bubble, offload=offload)
 
     # Memory of every pipeline rank; the fullest one is reported.
-    mlp_scale = model.top_k * model.capacity_factor if model.moe_layers else 1.0
+    mlp_scale = model.top_k * model.expert_load(lay.ep) if model.moe_layers else 1.0
     act_kw = dict(seq=s, microbatch=b, hidden=h, heads=model.heads, tp=t,
                   sequence_parallel=lay.sequence_parallel, ffn=model.ffn)
     # a fused attention kernel keeps no s x s tensors for its backward, as selective recompute does
@@ -472,6 +472,9 @@ def predict_gpt(system: System, devices: int, model: GPT, lay: Layout, batch: in
     notes = []
     if total_mem > dev.memory_bytes:
         notes.append(f"does not fit: needs {total_mem / 2**30:.1f} GiB of {dev.memory_bytes / 2**30:.1f} GiB")
+    if model.moe_layers and model.dropless and lay.ep > 1:
+        notes.append(f"dropless MoE: the busiest ep rank priced at {model.expert_load(lay.ep):g}x the mean expert "
+                     "rows (dropless_peak_load; a training run logs the measured peak_rank_load)")
     layout = lay.to_dict()
     if p > 1:
         layout["pipeline_layers"] = list(pipeline_chunks(model, lay))

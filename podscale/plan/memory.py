@@ -19,8 +19,9 @@ a = heads, t = tensor-parallel size:
     full recompute            2 s b h (the layer input only; / t with sequence parallelism)
 
 The 24 of "10 + 24/t" is the tensor-parallel part of the attention (8) and MLP (16 = 4 ffn/h)
-blocks; a general ffn width and MoE layers (top_k * capacity_factor tokens per expert MLP) scale the
-MLP part, which reduces to Korthikanti's numbers at ffn = 4h, dense.
+blocks; a general ffn width and MoE layers (the busiest ep rank's expert rows per token, top_k times
+:meth:`podscale.plan.models.GPT.expert_load`) scale the MLP part, which reduces to Korthikanti's numbers
+at ffn = 4h, dense.
 """
 from __future__ import annotations
 
@@ -66,7 +67,7 @@ def activation_bytes_per_layer(seq: int, microbatch: int, hidden: int, heads: in
                                sequence_parallel: bool = False, recompute: str = "none",
                                ffn: int | None = None, mlp_scale: float = 1.0, gelu_recompute: bool = False) -> float:
     """Activation bytes one transformer layer keeps for its backward pass (Korthikanti et al. 2022,
-    Table 2; module docstring). ``mlp_scale`` is top_k * capacity_factor for an MoE layer;
+    Table 2; module docstring). ``mlp_scale`` is top_k * ``GPT.expert_load(ep)`` for an MoE layer;
     ``gelu_recompute``: the MLP keeps its GELU's input only (the output is evaluated again in the backward:
     podscale's ``model.expert_recompute``, Megatron-core's ``recompute_modules = ["moe_act"]``)."""
     s, b, h, a, t = seq, microbatch, hidden, heads, tp

@@ -20,8 +20,10 @@ class ModelError(ValueError):
 @dataclass(frozen=True)
 class GPT:
     """Decoder-only transformer. ``experts > 1`` makes every ``moe_every``-th MLP a GShard MoE layer
-    (Lepikhin et al. 2020) with ``top_k`` routing and ``capacity_factor`` padding; ``expert_recompute``: its
-    experts keep only the GELU's input for the backward and evaluate the GELU again there."""
+    (Lepikhin et al. 2020) with ``top_k`` routing and ``capacity_factor`` (or, ``dropless``, no capacity:
+    the busiest ep rank priced at ``dropless_peak_load`` times the mean rows, see :meth:`expert_load`);
+    ``expert_recompute``: its experts keep only the GELU's input for the backward and evaluate the GELU
+    again there."""
 
     layers: int
     hidden: int
@@ -32,6 +34,8 @@ class GPT:
     experts: int = 1
     top_k: int = 1
     capacity_factor: float = 1.0
+    dropless: bool = False
+    dropless_peak_load: float = 2.0
     moe_every: int = 1
     expert_recompute: bool = False
     name: str = "custom"
@@ -46,6 +50,20 @@ class GPT:
             raise ModelError(f"hidden {self.hidden} is not divisible by heads {self.heads}")
         if self.ffn == 0:
             object.__setattr__(self, "ffn", 4 * self.hidden)
+        if not self.capacity_factor > 0:
+            raise ModelError(f"capacity_factor must be > 0, got {self.capacity_factor!r} (or dropless: true)")
+        if not self.dropless_peak_load >= 1:
+            raise ModelError(f"dropless_peak_load must be >= 1 (the busiest rank's rows over the mean), got "
+                             f"{self.dropless_peak_load!r}")
+
+    def expert_load(self, ep: int) -> float:
+        """Rows the busiest of ``ep`` ranks' experts run in a forward per routed choice of a rank (``top_k``
+        x its tokens): what an MoE layer's expert GEMMs, activations and all-to-all volume on that rank
+        scale with.  A capacity bounds each expert's slots, so a rank's rows by ``capacity_factor``; with no
+        capacity (``dropless``) nothing does but the stated ``dropless_peak_load``, which a training run
+        measures (its ``peak_rank_load`` metric).  Either way a rank cannot run more than every choice of
+        its ep group: ``ep`` (at ep = 1 a rank runs its kept choices, at most all of them)."""
+        return min(self.dropless_peak_load if self.dropless else self.capacity_factor, ep)
 
     @property
     def moe_layers(self) -> int:

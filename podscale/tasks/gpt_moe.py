@@ -12,7 +12,9 @@ It is the GPT task (same corpus, loader, evaluation, sampling, throughput unit) 
 * :meth:`GPTMoETask.ep_sharded_parameters` names the experts, which the data-parallel strategies replicate
   and reduce over dp only (dense parameters over dp x ep);
 * :meth:`GPTMoETask.step_metrics` reports per step and MoE layer the dropped share of the choices, the
-  per-expert load (min, max, entropy over log E) and the mean aux and z losses, summed over the data ranks.
+  per-expert load (min, max, entropy over log E), the mean aux and z losses, summed over the data ranks,
+  and the busiest ep rank's rows in one forward over the mean (``peak_rank_load``); a dropless run that
+  exceeds the ``model.dropless_peak_load`` the planner priced says so when it finishes.
 
 Pipelines (``pp``: GPipe, 1F1B and interleaved 1F1B): the GPT-MoE is cut into stages as the GPT is (each
 stage, or virtual stage, a :class:`GPTMoE` holding some blocks); a stage's MoE losses join the backward
@@ -28,6 +30,8 @@ receives into whole sequences of its share of the samples (see
 from __future__ import annotations
 
 from dataclasses import asdict
+from pathlib import Path
+from typing import Any, Callable
 
 import torch
 import torch.nn as nn
@@ -69,6 +73,8 @@ class GPTMoETask(GPTTask):
     def __init__(self, cfg):
         super().__init__(cfg)
         self.gpt = gpt_moe_config(cfg)
+        #: the largest peak_rank_load of each MoE layer so far in this run
+        self.peak_load: dict[str, float] = {}
 
     def build_model(self) -> nn.Module:
         """The single-process model (every expert), on the meta device (materialised by the strategy)."""
@@ -116,6 +122,22 @@ class GPTMoETask(GPTTask):
         for layer, summary in summaries.items():
             for k, v in summary.items():
                 out[f"{layer}/{k}"] = v
+            self.peak_load[layer] = max(self.peak_load.get(layer, 0.0), summary["peak_rank_load"])
+        return out
+
+    def finish(self, engine, rank: int, run_dir: Path, say: Callable[[str], None]) -> dict[str, Any]:
+        """The GPT's sample, and for a dropless model whose busiest ep rank ran more rows than the planner
+        priced (``model.dropless_peak_load``) a line saying so, with the figure to plan with."""
+        out = super().finish(engine, rank, run_dir, say)
+        planned = self.cfg.model.dropless_peak_load
+        if self.gpt.dropless and self.peak_load:
+            layer, peak = max(self.peak_load.items(), key=lambda kv: kv[1])
+            out["peak_rank_load"] = peak
+            if peak > planned:
+                say(f"podscale: {layer}: the busiest ep rank ran {peak:.3g}x the mean rows in one forward, more "
+                    f"than model.dropless_peak_load = {planned:g}, which the planner prices expert memory and time "
+                    f"at: set it to {peak:.3g} and plan again (podscale train --layout auto), or bound the load "
+                    "with a capacity (model.dropless = false)")
         return out
 
     def flops_per_sample(self) -> float:

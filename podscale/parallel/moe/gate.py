@@ -28,6 +28,7 @@ import math
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -228,6 +229,11 @@ class MoEStats:
 
     ``wanted[e]``: choices that asked expert e for a slot; ``kept[e]``: choices dispatched to it.  The
     counts are this rank's; :meth:`all_reduce` sums them over mesh axes for global figures.
+    ``peak_rows``: the most rows this rank's experts ran in one forward (the largest over forwards and,
+    after :meth:`all_reduce`, over ranks; ``ranks`` counts the ranks summed).  Over the mean rows of a rank
+    and forward, ``tokens * top_k / (ranks * forwards)``, it is the busiest ep rank's load, to which its
+    expert activations and expert time scale: a capacity bounds it (by the capacity factor), dropless
+    nothing below ``ep``; the planner prices a dropless layer at ``dropless_peak_load`` of it.
     """
 
     tokens: torch.Tensor      # 0-dim int64
@@ -235,32 +241,42 @@ class MoEStats:
     kept: torch.Tensor        # (E,) int64
     aux_loss: torch.Tensor    # 0-dim float, summed over forwards (divide by ``forwards`` for the mean)
     z_loss: torch.Tensor
+    top_k: int = 1
+    peak_rows: int = 0
+    ranks: int = 1
     forwards: int = 1
 
     @classmethod
-    def of(cls, routing: Routing, experts: int, aux: torch.Tensor, z: torch.Tensor) -> "MoEStats":
+    def of(cls, routing: Routing, experts: int, aux: torch.Tensor, z: torch.Tensor,
+           rows: int | None = None) -> "MoEStats":
+        """``rows``: the rows this rank's experts ran (its kept choices when None, as with one ep rank)."""
         return cls(tokens=torch.tensor(routing.expert.shape[0]), wanted=routing.demand, kept=routing.counts,
-                   aux_loss=aux.detach().float(), z_loss=z.detach().float())
+                   aux_loss=aux.detach().float(), z_loss=z.detach().float(), top_k=routing.expert.shape[1],
+                   peak_rows=int(routing.counts.sum()) if rows is None else rows)
 
     def __add__(self, other: "MoEStats") -> "MoEStats":
         return MoEStats(self.tokens + other.tokens, self.wanted + other.wanted, self.kept + other.kept,
-                        self.aux_loss + other.aux_loss, self.z_loss + other.z_loss,
-                        self.forwards + other.forwards)
+                        self.aux_loss + other.aux_loss, self.z_loss + other.z_loss, self.top_k,
+                        max(self.peak_rows, other.peak_rows), self.ranks, self.forwards + other.forwards)
 
     def all_reduce(self, mesh, axes) -> "MoEStats":
-        """The counts summed over ``axes`` (collective: every rank on them calls it); losses averaged."""
+        """The counts summed over ``axes`` (collective: every rank on them calls it); losses averaged, the
+        peak rows the largest."""
         from podscale.runtime import comm
-        flat = torch.cat([self.tokens.view(1), self.wanted, self.kept]).to(torch.float64)
-        losses = torch.stack([self.aux_loss, self.z_loss]).to(torch.float64)
+        E = self.wanted.numel()
+        flat = torch.cat([t.to(torch.float64).view(-1)
+                          for t in (self.tokens, self.wanted, self.kept, self.aux_loss, self.z_loss)])
+        peak = torch.tensor([self.peak_rows], dtype=torch.float64, device=flat.device)
         comm.all_reduce(flat, mesh, axes)
-        comm.all_reduce(losses, mesh, axes)
-        n, E = mesh.size(*((axes,) if isinstance(axes, str) else axes)), self.wanted.numel()
-        flat = flat.round().to(torch.int64)
-        return MoEStats(flat[0], flat[1:1 + E], flat[1 + E:], (losses[0] / n).float(), (losses[1] / n).float(),
-                        self.forwards)
+        comm.all_reduce(peak, mesh, axes, op=dist.ReduceOp.MAX)
+        n = mesh.size(*((axes,) if isinstance(axes, str) else axes))
+        counts = flat[:1 + 2 * E].round().to(torch.int64)
+        return MoEStats(counts[0], counts[1:1 + E], counts[1 + E:], (flat[-2] / n).float(), (flat[-1] / n).float(),
+                        self.top_k, int(peak[0]), self.ranks * n, self.forwards)
 
     #: the keys of :meth:`summary`, in its order
-    SUMMARY_KEYS = ("dropped_share", "load_min", "load_max", "load_entropy", "aux_loss", "z_loss")
+    SUMMARY_KEYS = ("dropped_share", "load_min", "load_max", "load_entropy", "aux_loss", "z_loss",
+                    "peak_rank_load")
 
     @property
     def dropped(self) -> int:
@@ -269,7 +285,8 @@ class MoEStats:
 
     def summary(self) -> dict[str, float]:
         """Dropped share of the choices, per-expert load (share of dispatched choices: min, max and the
-        entropy normalised by log E, 1 = uniform), mean aux and z losses."""
+        entropy normalised by log E, 1 = uniform), mean aux and z losses, and the busiest rank's rows in
+        one forward over the mean rank's (:attr:`peak_load`)."""
         total = max(int(self.kept.sum()), 1)
         load = self.kept.double() / total
         nz = load[load > 0]
@@ -277,7 +294,15 @@ class MoEStats:
         entropy = float(-(nz * nz.log()).sum() / math.log(E)) if E > 1 else 1.0
         return {"dropped_share": self.dropped / max(int(self.wanted.sum()), 1),
                 "load_min": float(load.min()), "load_max": float(load.max()), "load_entropy": entropy,
-                "aux_loss": float(self.aux_loss) / self.forwards, "z_loss": float(self.z_loss) / self.forwards}
+                "aux_loss": float(self.aux_loss) / self.forwards, "z_loss": float(self.z_loss) / self.forwards,
+                "peak_rank_load": self.peak_load}
+
+    @property
+    def peak_load(self) -> float:
+        """The busiest rank's rows in one forward over the mean rows of a rank and forward (0 without
+        tokens)."""
+        mean = int(self.tokens) * self.top_k / (self.ranks * self.forwards)
+        return self.peak_rows / mean if mean else 0.0
 
 
 # ---------------------------------------------------------------------------------------------------

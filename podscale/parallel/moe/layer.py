@@ -307,7 +307,9 @@ class _Exchange:
         pending.wait()
         recv = recv.tolist()
         out_rows, in_rows = [sum(s) for s in send], [sum(r) for r in recv]
-        self.overlap = overlap = overlaps_exchange(sum(in_rows), ep * El)
+        #: the rows my experts run: every rank's for them, my own included
+        self.rows_in = sum(in_rows)
+        self.overlap = overlap = overlaps_exchange(self.rows_in, ep * El)
         self.total = sum(out_rows)
         self.first, self.local = (sum(out_rows[:me]), out_rows[me]) if overlap else (0, 0)
         #: rows per rank of what I send (and get back), and of what I receive (and send back)
@@ -621,11 +623,13 @@ class MoELayer(nn.Module):
                                  "or build the layer with random_routing=False")
             uniform = routing_uniform(keys.reshape(G, S), self.seed)
         r, probs = route(logits, self.top_k, self.capacity(S), uniform, self.router.selection_bias)
-        aux = load_balancing_loss(probs, r.expert[:, 0])
-        z = router_z_loss(logits)
+        return flat, r, load_balancing_loss(probs, r.expert[:, 0]), router_z_loss(logits)
+
+    def _output(self, r: Routing, aux: torch.Tensor, z: torch.Tensor, rows: int | None = None) -> "MoEOutput":
+        """The losses and statistics of a forward whose experts ran ``rows`` rows on this rank (its kept
+        choices when None)."""
         loss = self.aux_loss_coef * aux + self.z_loss_coef * z
-        stats = MoEStats.of(r, self.num_experts, aux, z)
-        return flat, r, MoEOutput(loss, aux, z, r, stats)
+        return MoEOutput(loss, aux, z, r, MoEStats.of(r, self.num_experts, aux, z, rows))
 
     # the training path ---------------------------------------------------------------------------------
     def forward(self, x: torch.Tensor, keys: torch.Tensor | None = None) -> tuple[torch.Tensor, MoEOutput]:
@@ -677,15 +681,18 @@ class MoELayer(nn.Module):
 
     def _forward_local(self, x: torch.Tensor, keys: torch.Tensor | None) -> tuple[torch.Tensor, MoEOutput]:
         """The layer on this rank's tokens (the sort/index fast path; ep exchange inside)."""
-        flat, r, out = self._route(x, keys)
+        flat, r, aux, z = self._route(x, keys)
         N, k = r.expert.shape
         token = r.order // k                                   # the kept choices' tokens, sorted by expert
         inp = flat.to(expert_dtype(flat))                      # the router took the fp32 tokens
         if self.ep == 1:
             # index_select (not ``flat[token]``): its backward is an index_add, not a sorting index_put
             rows = self.experts(inp.index_select(0, token), list(enumerate(r.counts.tolist())))
+            out = self._output(r, aux, z)
         else:
-            rows = self.experts.forward_exchanged(inp, self._exchange(r.counts, token))
+            exchange = self._exchange(r.counts, token)
+            rows = self.experts.forward_exchanged(inp, exchange)
+            out = self._output(r, aux, z, exchange.rows_in)
         w = r.weight.reshape(-1).index_select(0, r.order).to(rows.dtype)
         y = rows.new_zeros(N, rows.shape[1]).index_add_(0, token, rows * w.unsqueeze(1))
         return y.view(x.shape), out
@@ -705,7 +712,8 @@ class MoELayer(nn.Module):
         C = S (an expert can get every token of a group at most once).  One process only (ep = 1)."""
         if self.ep != 1:
             raise ValueError("forward_reference holds every expert: build the layer without an ep axis")
-        flat, r, out = self._route(x, keys)
+        flat, r, aux, z = self._route(x, keys)
+        out = self._output(r, aux, z)
         G, S, E, k = r.groups, r.group_size, self.num_experts, self.top_k
         C = r.capacity if r.capacity is not None else S
         xg = flat.view(G, S, -1)
