@@ -426,6 +426,22 @@ def test_aux_and_z_losses():
     assert s["peak_rank_load"] == pytest.approx(6 / 10)  # one rank: its experts ran its kept choices
 
 
+def test_routing_statistics_stay_on_the_routing_device():
+    """MoEStats concatenates its tensors for one all-reduce, which NCCL runs on the GPU: none of them may sit
+    on the CPU when the routing does not (the token count did, so a GPU run failed in its step metrics);
+    checked on the meta device, the CPU's stand-in for another device."""
+    from dataclasses import replace
+
+    from podscale.parallel.moe.gate import MoEStats
+    layer = MoELayer(8, 8, 4, top_k=2)
+    _, out = layer(torch.randn(2, 5, 8))
+    r = out.routing
+    meta = replace(r, expert=r.expert.to("meta"), demand=r.demand.to("meta"), counts=r.counts.to("meta"))
+    s = MoEStats.of(meta, 4, out.aux_loss.to("meta"), out.z_loss.to("meta"), rows=20)
+    assert {t.device.type for t in (s.tokens, s.wanted, s.kept, s.aux_loss, s.z_loss)} == {"meta"}
+    assert (int(out.stats.tokens), out.stats.top_k, out.stats.peak_rows) == (10, 2, int(r.counts.sum()))
+
+
 def test_bias_balancing_selects_with_the_bias_and_moves_it_towards_balance():
     layer = MoELayer(8, 8, 4, top_k=1, capacity_factor=4.0, bias_balancing=True, bias_update_rate=0.1)
     x = torch.randn(2, 6, 8)

@@ -247,12 +247,12 @@ class MoEStats:
     forwards: int = 1
 
     @classmethod
-    def of(cls, routing: Routing, experts: int, aux: torch.Tensor, z: torch.Tensor,
-           rows: int | None = None) -> "MoEStats":
-        """``rows``: the rows this rank's experts ran (its kept choices when None, as with one ep rank)."""
-        return cls(tokens=torch.tensor(routing.expert.shape[0]), wanted=routing.demand, kept=routing.counts,
-                   aux_loss=aux.detach().float(), z_loss=z.detach().float(), top_k=routing.expert.shape[1],
-                   peak_rows=int(routing.counts.sum()) if rows is None else rows)
+    def of(cls, routing: Routing, experts: int, aux: torch.Tensor, z: torch.Tensor, rows: int) -> "MoEStats":
+        """``rows``: the rows this rank's experts ran (with one ep rank, its kept choices)."""
+        # every tensor on the routing's device: all_reduce concatenates them for one collective (NCCL: the GPU)
+        return cls(tokens=torch.tensor(routing.expert.shape[0], device=routing.expert.device),
+                   wanted=routing.demand, kept=routing.counts, aux_loss=aux.detach().float(),
+                   z_loss=z.detach().float(), top_k=routing.expert.shape[1], peak_rows=rows)
 
     def __add__(self, other: "MoEStats") -> "MoEStats":
         return MoEStats(self.tokens + other.tokens, self.wanted + other.wanted, self.kept + other.kept,

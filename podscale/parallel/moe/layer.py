@@ -625,9 +625,8 @@ class MoELayer(nn.Module):
         r, probs = route(logits, self.top_k, self.capacity(S), uniform, self.router.selection_bias)
         return flat, r, load_balancing_loss(probs, r.expert[:, 0]), router_z_loss(logits)
 
-    def _output(self, r: Routing, aux: torch.Tensor, z: torch.Tensor, rows: int | None = None) -> "MoEOutput":
-        """The losses and statistics of a forward whose experts ran ``rows`` rows on this rank (its kept
-        choices when None)."""
+    def _output(self, r: Routing, aux: torch.Tensor, z: torch.Tensor, rows: int) -> "MoEOutput":
+        """The losses and statistics of a forward whose experts ran ``rows`` rows on this rank."""
         loss = self.aux_loss_coef * aux + self.z_loss_coef * z
         return MoEOutput(loss, aux, z, r, MoEStats.of(r, self.num_experts, aux, z, rows))
 
@@ -687,8 +686,9 @@ class MoELayer(nn.Module):
         inp = flat.to(expert_dtype(flat))                      # the router took the fp32 tokens
         if self.ep == 1:
             # index_select (not ``flat[token]``): its backward is an index_add, not a sorting index_put
-            rows = self.experts(inp.index_select(0, token), list(enumerate(r.counts.tolist())))
-            out = self._output(r, aux, z)
+            counts = r.counts.tolist()
+            rows = self.experts(inp.index_select(0, token), list(enumerate(counts)))
+            out = self._output(r, aux, z, sum(counts))
         else:
             exchange = self._exchange(r.counts, token)
             rows = self.experts.forward_exchanged(inp, exchange)
@@ -713,7 +713,7 @@ class MoELayer(nn.Module):
         if self.ep != 1:
             raise ValueError("forward_reference holds every expert: build the layer without an ep axis")
         flat, r, aux, z = self._route(x, keys)
-        out = self._output(r, aux, z)
+        out = self._output(r, aux, z, int(r.counts.sum()))
         G, S, E, k = r.groups, r.group_size, self.num_experts, self.top_k
         C = r.capacity if r.capacity is not None else S
         xg = flat.view(G, S, -1)
