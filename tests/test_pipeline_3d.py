@@ -7,9 +7,9 @@ The layouts train 10 steps (test_pipeline_parallel.py's pipelines alone train 20
 every ZeRO stage, schedule and offload path here runs all of its code (gathers, reduce-scatters, swaps,
 optimizer shards, clipping) at every step, so a wrong sum, shard or schedule shows from step 1 on; 10 steps
 cover the warm-up (5 steps) and the cosine decay, and the loss falls by more than 0.5 by step 10 (5.53 to
-4.93 with this module's 4 blocks), which ``compare`` asserts.  Each part alone still trains 20 steps against the same reference
-(pipelines in test_pipeline_parallel.py, ZeRO stages and offload in test_zero.py and test_zero_offload.py,
-tp/sp in test_tensor_parallel.py), where slow drift would show.  Halving the steps halves the module's time,
+4.93 with this module's 4 blocks), which ``compare`` asserts.  Each part alone still trains 20 steps against
+the same reference (pipelines in test_pipeline_parallel.py, ZeRO stages and offload in test_zero.py and
+test_zero_offload.py, tp/sp in test_tensor_parallel.py), where slow drift would show.  Halving the steps halves the module's time,
 the longest of the suite; halving the blocks (8 to 4, see MODEL_3D) nearly halves it again.
 """
 import pytest
