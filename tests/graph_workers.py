@@ -2,11 +2,18 @@
 distributed sampler over partitions written by the test."""
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import torch
+import torch.nn.functional as F
 
+from pathlib import Path
+
+from podscale.graph import load_planetoid
 from podscale.graph.partition import load_book, load_partition
-from podscale.graph.sampler import DistSampler
+from podscale.graph.sampler import ALL, DistSampler, sample_blocks, sample_csc
+from podscale.models.graphsage import GNN, GNNConfig
 from podscale.graph.store import FeatureStore
 from podscale.runtime.mesh import Mesh
 from podscale.runtime.process import init_process
@@ -94,21 +101,73 @@ def toml_of(d: dict) -> str:
 
 
 def train_launched(tmp_path, d: dict) -> None:
-    """``podscale train`` of config ``d`` in a fresh interpreter (its workers: ``parallel.nproc``)."""
-    import os
-    import subprocess
-    import sys
+    """``podscale train`` of config ``d`` (its workers: ``parallel.nproc``) through the command's entry point,
+    ``podscale.cli.main``, in the test process: the workers are forked as the command forks them, and the
+    exit status is what ``python -m podscale`` exits with (test_gnn.py runs that command line itself)."""
     from pathlib import Path
-    root = Path(__file__).resolve().parent.parent
+
+    from podscale.cli import main
     toml = Path(tmp_path) / f"{d['run']['name']}.toml"
     toml.write_text(toml_of(d))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]))
-    r = subprocess.run([sys.executable, "-m", "podscale", "train", str(toml)], env=env, capture_output=True,
-                       text=True, timeout=900)
-    assert r.returncode == 0, r.stderr[-3000:]
+    assert main(["train", str(toml)]) == 0, "podscale train failed: its output is in the captured streams"
 
 
 def metric_rows(run) -> list[dict]:
     import json
     from pathlib import Path
     return [json.loads(line) for line in (Path(run) / "metrics.jsonl").read_text().splitlines()]
+
+
+DATA = Path(__file__).resolve().parent / "data"
+
+
+def exact_blocks(g, seeds):
+    """Blocks of every neighbour of ``seeds`` (2 layers): the full-graph outputs of those nodes, computed on
+    their 2-hop neighbourhood only."""
+    return sample_blocks(lambda dst, k: sample_csc(g.indptr, g.indices, dst, k, None), seeds, [ALL, ALL])
+
+
+class Planetoid:
+    """A Planetoid graph prepared once for every seed: the training nodes' exact 2-hop blocks and the blocks of
+    the validation and test nodes together (one forward evaluates both), with their input features."""
+
+    def __init__(self, name: str):
+        g = self.g = load_planetoid(DATA / f"{name}.npz")
+        self.x, self.y = torch.from_numpy(g.features), torch.from_numpy(g.labels)
+        self.train = exact_blocks(g, g.splits["train"])
+        self.train_x, self.train_y = self.x[self.train[0].src_ids], self.y[torch.from_numpy(g.splits["train"])]
+        held = np.concatenate([g.splits["val"], g.splits["test"]])
+        self.n_val = len(g.splits["val"])
+        self.held = exact_blocks(g, held)
+        self.held_x, self.held_y = self.x[self.held[0].src_ids], self.y[torch.from_numpy(held)]
+
+
+def train_planetoid(kind: str, data: Planetoid, seed: int, epochs: int = 100, eval_every: int = 4) -> float:
+    """Test accuracy at the best validation accuracy (Kipf and Welling's protocol: Adam, lr 0.01, L2 5e-4,
+    dropout 0.5), full-batch over the training nodes' exact neighbourhoods (the full-graph computation)."""
+    torch.manual_seed(seed)
+    model = GNN(GNNConfig(kind, data.x.shape[1], 64, data.g.num_classes, 2, 0.5))
+    opt = torch.optim.Adam(model.parameters(), lr=0.01, weight_decay=5e-4)
+    best = (-1.0, 0.0)
+    for epoch in range(epochs):
+        model.train()
+        opt.zero_grad()
+        F.cross_entropy(model(data.train, data.train_x), data.train_y).backward()
+        opt.step()
+        if epoch % eval_every == eval_every - 1:
+            model.eval()
+            with torch.no_grad():
+                hit = (model(data.held, data.held_x).argmax(1) == data.held_y).float()
+            acc = {"val": hit[: data.n_val].mean().item(), "test": hit[data.n_val:].mean().item()}
+            if acc["val"] >= best[0]:
+                best = (acc["val"], acc["test"])
+    return best[1]
+
+
+def planetoid_accuracies(jobs: list[list[tuple[str, int]]]) -> dict[tuple[str, int], float]:
+    """test_gnn.py's accuracy runs: this rank's share ``jobs[rank]`` of (Planetoid graph, seed), each trained
+    by :func:`train_planetoid` on one intra-op thread (as the test process runs it); their test accuracies."""
+    torch.set_num_threads(1)
+    mine = jobs[int(os.environ["RANK"])]
+    graphs = {name: Planetoid(name) for name in dict.fromkeys(name for name, _ in mine)}
+    return {(name, seed): train_planetoid("graphsage", graphs[name], seed) for name, seed in mine}

@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -19,13 +20,17 @@ CONFIG = EXAMPLES / "teacher-mlp.toml"
 STEPS = 12
 
 
-def _train(out: Path, name: str, steps: int, *extra: str) -> subprocess.CompletedProcess:
-    # the workers import the task by its module name: they inherit PYTHONPATH
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(EXAMPLES), str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    args = ["--steps", str(steps), "--name", name, "--out-dir", str(out), "--set", "parallel.nproc=2",
+def _args(out: Path, name: str, steps: int) -> list[str]:
+    return ["--steps", str(steps), "--name", name, "--out-dir", str(out), "--set", "parallel.nproc=2",
             "--set", "zero.stage=3", "--set", "run.eval_every=4", "--set", "run.log_every=4",
             "--set", "checkpoint.every=4", "--set", "train.warmup_steps=2", "--set", "train.lr=1e-2",
             "--set", f"train.decay_steps={STEPS}"]
+
+
+def _train(out: Path, name: str, steps: int, *extra: str) -> subprocess.CompletedProcess:
+    # the workers import the task by its module name: they inherit PYTHONPATH
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(EXAMPLES), str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    args = _args(out, name, steps)
     return subprocess.run([sys.executable, "-m", "podscale", "train", str(CONFIG), *args, *extra], env=env,
                           capture_output=True, text=True, timeout=600)
 
@@ -58,10 +63,23 @@ def test_trains_with_its_own_metrics_and_throughput_unit(runs):
     assert meta["loader"] == {"consumed": STEPS * 64, "seed": 1337}
 
 
-def test_resume_reproduces_the_uninterrupted_curve(runs):
-    first = _train(runs, "resumed", STEPS // 2)
+def _train_here(capfd, out: Path, name: str, steps: int, *extra: str) -> SimpleNamespace:
+    """The same command through ``podscale.cli.main`` in this process (the module fixture ran it as a command
+    line of its own): its exit code and the output of the command and its workers.  The caller puts the
+    examples folder on this process's path, which the forked workers take over."""
+    capfd.readouterr()
+    code = main(["train", str(CONFIG), *_args(out, name, steps), *extra])
+    got = capfd.readouterr()
+    return SimpleNamespace(returncode=code, stdout=got.out, stderr=got.err)
+
+
+def test_resume_reproduces_the_uninterrupted_curve(runs, capfd, monkeypatch):
+    monkeypatch.syspath_prepend(str(EXAMPLES))
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(EXAMPLES), str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    monkeypatch.setenv("PODSCALE_LOCAL_WORLD", "2")
+    first = _train_here(capfd, runs, "resumed", STEPS // 2)
     assert first.returncode == 0, first.stderr[-3000:]
-    second = _train(runs, "resumed", STEPS, "--resume")
+    second = _train_here(capfd, runs, "resumed", STEPS, "--resume")
     assert second.returncode == 0, second.stderr[-3000:]
     assert f"resumed from step_{STEPS // 2:08d}" in second.stdout
     full, resumed = _rows(runs / "full"), _rows(runs / "resumed")
@@ -71,10 +89,10 @@ def test_resume_reproduces_the_uninterrupted_curve(runs):
     assert resumed[-1]["val_accuracy"] == pytest.approx(full[-1]["val_accuracy"], abs=1e-6)
 
 
-def test_report_plots_loss_throughput_and_accuracy(runs):
+def test_report_plots_loss_throughput_and_accuracy(runs, capsys):
     run = runs / "full"
-    out = subprocess.run([sys.executable, "-m", "podscale", "report", str(run)], capture_output=True, text=True)
-    assert out.returncode == 0, out.stderr
+    code = main(["report", str(run)])  # (in this process: the fixture ran `python -m podscale` as a command)
+    assert code == 0, capsys.readouterr().err
     for png in ("loss.png", "throughput.png", "metrics.png"):
         assert (run / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", png
 

@@ -173,14 +173,18 @@ def test_auc_matches_pairwise_definition():
 
 
 # -- podscale train at 2 ranks, with the SSD tier ---------------------------------------------------------
-def _start(out: Path, name: str, steps: int, *extra: str, env=None) -> subprocess.Popen:
-    args = ["--steps", str(steps), "--name", name, "--out-dir", str(out),
+def _args(out: Path, name: str, steps: int) -> list[str]:
+    return ["--steps", str(steps), "--name", name, "--out-dir", str(out),
             "--set", "run.eval_every=4", "--set", "run.log_every=4", "--set", "checkpoint.every=2",
             "--set", "train.global_batch=64", "--set", "train.micro_batch=32", "--set", "train.lr=1e-2",
             "--set", "train.warmup_steps=0", "--set", "model.dram_budget_mb=0.02",
             "--set", f"model.ssd_path='{out / 'ssd'}'", "--set", "model.full_checkpoint_every=2",
             "--set", "model.sparse_lr=0.1", "--set", "model.teacher_scale=4.0",
             "--set", "model.val_samples=1024"]
+
+
+def _start(out: Path, name: str, steps: int, *extra: str, env=None) -> subprocess.Popen:
+    args = _args(out, name, steps)
     e = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]), **(env or {}))
     return subprocess.Popen([sys.executable, "-m", "podscale", "train", str(ROOT / "examples" / "dlrm-small.toml"),
                              *args, *extra], env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -191,15 +195,21 @@ def _finish(p: subprocess.Popen) -> subprocess.CompletedProcess:
     return subprocess.CompletedProcess(p.args, p.returncode, out, err)
 
 
-def _train(out: Path, name: str, steps: int, *extra: str, env=None) -> subprocess.CompletedProcess:
-    return _finish(_start(out, name, steps, *extra, env=env))
+def _main_here(capfd, argv: list[str]) -> subprocess.CompletedProcess:
+    """``podscale`` with ``argv`` through ``podscale.cli.main`` in this process (what ``python -m podscale``
+    calls and exits with): its exit code and the output of the command and its forked workers."""
+    from podscale.cli import main
+    capfd.readouterr()
+    code = main(argv)
+    out = capfd.readouterr()
+    return subprocess.CompletedProcess(["podscale", *argv], code, out.out, out.err)
 
 
 def _rows(run: Path) -> list[dict]:
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_train_two_ranks_ssd_tier_kill_and_resume(tmp_path):
+def test_train_two_ranks_ssd_tier_kill_and_resume(tmp_path, capfd):
     # the uninterrupted run and the run to be killed (below) start together: their start-ups overlap
     z3 = ("--set", "zero.stage=3")
     running = _start(tmp_path, "full", STEPS)
@@ -220,7 +230,9 @@ def test_train_two_ranks_ssd_tier_kill_and_resume(tmp_path):
     # the same under ZeRO-3 (the dense part's parameters, gradients and Adam state sharded), killed (SIGKILL)
     # at the start of step 6 on rank 1, mid-run with the SSD tier written every step, and resumed
     assert killed.returncode != 0
-    resumed = _train(tmp_path, "res", STEPS, "--resume", *z3)
+    # (resumed through the command's entry point in this process: the two runs above were command lines)
+    resumed = _main_here(capfd, ["train", str(ROOT / "examples" / "dlrm-small.toml"),
+                                 *_args(tmp_path, "res", STEPS), "--resume", *z3])
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed from step_00000004" in resumed.stdout
     again = _rows(tmp_path / "res")
@@ -269,7 +281,7 @@ def test_ssd_store_reopens_consistent_after_sigkill_mid_write(tmp_path, engine):
     s.close()
 
 
-def test_a_data_file_damaged_past_its_first_line_is_one_line_from_every_rank(tmp_path):
+def test_a_data_file_damaged_past_its_first_line_is_one_line_from_every_rank(tmp_path, capfd):
     """Bad input found inside the workers (the config check reads only the first line): each rank prints the
     line, the command prints it once, no traceback, exit status 1 (podscale.runtime.errors)."""
     data = tmp_path / "c.tsv"
@@ -281,9 +293,9 @@ def test_a_data_file_damaged_past_its_first_line_is_one_line_from_every_rank(tmp
     cfg.write_text('[run]\nname = "bad"\nsteps = 2\n[model]\nkind = "dlrm"\nembedding_dim = 8\n'
                    f'data_format = "criteo-tsv"\n[data]\npath = "{data}"\n[parallel]\nnproc = 2\n'
                    "[train]\nglobal_batch = 64\nmicro_batch = 32\n")
-    e = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    p = subprocess.run([sys.executable, "-m", "podscale", "train", str(cfg), "--out-dir", str(tmp_path / "runs")],
-                       env=e, capture_output=True, text=True, timeout=600)
+    # through the command's entry point in this process (the exit status is main()'s return value, which
+    # `python -m podscale` exits with; the ranks' and the command's lines reach this process's stderr)
+    p = _main_here(capfd, ["train", str(cfg), "--out-dir", str(tmp_path / "runs")])
     assert p.returncode == 1, p.stderr[-3000:]
     assert "Traceback" not in p.stderr, p.stderr[-3000:]
     last = p.stderr.strip().splitlines()[-1]

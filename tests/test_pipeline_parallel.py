@@ -17,14 +17,18 @@ from tp_workers import make_config, train_layouts
 
 STEPS = 20
 GLOBAL_BATCH = 8
-# 8 blocks so that pp=4 with 2 virtual stages has one block per chunk
+# 8 blocks so that pp=4 with 2 virtual stages has one block per chunk (and pp=2 with 2 virtual stages two)
 MODEL = {"n_layer": 8, "n_head": 4, "n_embd": 32, "block_size": 32}
+# the same model with 4 blocks for the layouts that need no more (pp=2: 2 blocks a stage; pp=2 interleaved
+# with 2 virtual stages under tp: one block a chunk): these runs are bound by the latency of their small
+# collectives and point-to-point messages (4 ranks on 2 cores), whose number follows the blocks
+MODEL4 = dict(MODEL, n_layer=4)
 ZERO1 = {"stage": 1, "reduce_bucket_mb": 0.05}
 BF16_LOSS_TOL = 2e-2
 
 
-def _cfg(nproc, micro, **parallel):
-    d = make_config(shakespeare(), STEPS, GLOBAL_BATCH, micro, nproc, model=MODEL, **parallel)
+def _cfg(nproc, micro, model=MODEL, **parallel):
+    d = make_config(shakespeare(), STEPS, GLOBAL_BATCH, micro, nproc, model=model, **parallel)
     zero = parallel.pop("zero", None)
     if zero:
         d["parallel"].pop("zero")
@@ -34,13 +38,17 @@ def _cfg(nproc, micro, **parallel):
 
 @pytest.fixture(scope="module")
 def reference():
-    return reference_run(make_config(shakespeare(), STEPS, GLOBAL_BATCH, GLOBAL_BATCH, 1, model=MODEL))
+    """The single-process run of a layout's config: the same model (8 or 4 blocks), steps and data."""
+    return lambda d: reference_run(make_config(shakespeare(), d["run"]["steps"], GLOBAL_BATCH, GLOBAL_BATCH, 1,
+                                               model=d["model"]))
 
 
 def _check_all(layouts, results, reference, nproc):
+    """``reference``: the single-process run, or a function of a layout's config returning it."""
     seen = {}
-    for i, (label, _) in enumerate(layouts):
-        seen[label] = compare(label, results[0][i], reference, results, i, nproc)
+    for i, (label, d) in enumerate(layouts):
+        ref = reference(d) if callable(reference) else reference
+        seen[label] = compare(label, results[0][i], ref, results, i, nproc)
         # the last stage's copy of the tied embedding took exactly the first stage's steps
         params = results[0][i]["params"]
         assert torch.equal(params["lm_head.weight"], params["wte.weight"]), label
@@ -50,13 +58,15 @@ def _check_all(layouts, results, reference, nproc):
 
 def test_pp2_each_schedule(reference):
     # 4 micro-batches of 2 sequences per step
-    layouts = [(f"pp=2 {s} v={v}", _cfg(2, 2, pp=2, schedule=s, virtual_stages=v))
+    # 4 blocks (2 a stage), but 8 for the interleaved schedule: 4 chunks of 2 blocks
+    layouts = [(f"pp=2 {s} v={v}", _cfg(2, 2, MODEL if s == "interleaved" else MODEL4, pp=2, schedule=s,
+                                        virtual_stages=v))
                for s, v in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2))]
-    layouts += [(f"pp=2 1f1b recompute={r}", _cfg(2, 2, pp=2, recompute=r)) for r in ("selective", "full")]
-    layouts.append(("pp=2 gpipe, stages balanced by measured time", _cfg(2, 2, pp=2, pipeline_balance="time",
-                                                                         schedule="gpipe")))
+    layouts += [(f"pp=2 1f1b recompute={r}", _cfg(2, 2, MODEL4, pp=2, recompute=r)) for r in ("selective", "full")]
+    layouts.append(("pp=2 gpipe, stages balanced by measured time",
+                    _cfg(2, 2, MODEL4, pp=2, pipeline_balance="time", schedule="gpipe")))
     # built on the meta device: each stage materialises only its own layers, to the single-process values
-    layouts.append(("pp=2 1f1b, model built on the meta device", {**_cfg(2, 2, pp=2), "meta": True}))
+    layouts.append(("pp=2 1f1b, model built on the meta device", {**_cfg(2, 2, MODEL4, pp=2), "meta": True}))
     results = launch(train_layouts, ([d for _, d in layouts],), nproc=2)
     _check_all(layouts, results, reference, 2)
     assert not any(results[r][-1]["meta_left"] for r in range(2))
@@ -75,18 +85,19 @@ def test_pp4_each_schedule_memory_and_212_interleaved(reference):
     # pp=4 with 8 micro-batches of 1 (m = 2p), then (pp, dp, tp) = (2, 1, 2), interleaved, sequence parallel
     layouts = [(f"pp=4 {s} v={v}", _cfg(4, 1, pp=4, schedule=s, virtual_stages=v))
                for s, v in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2))]
+    # (the 8 blocks are for pp=4 interleaved; the layouts with pp=2 below train the 4-block model)
     layouts.append(("(pp,dp,tp)=(2,1,2) interleaved v=2 sp",
-                    _cfg(4, 2, pp=2, tp=2, schedule="interleaved", virtual_stages=2, sequence_parallel=True)))
+                    _cfg(4, 2, MODEL4, pp=2, tp=2, schedule="interleaved", virtual_stages=2, sequence_parallel=True)))
     # bf16: autocast (tp, sp, pp) and ZeRO-1's 16-bit compute copies (pp, dp); loss curves only
-    bf16 = [("bf16 (2,1,2) sp", _cfg(4, 2, pp=2, tp=2, sequence_parallel=True)),
-            ("bf16 (2,2,1) ZeRO-1", _cfg(4, 2, pp=2, dp=2, zero=ZERO1))]
+    bf16 = [("bf16 (2,1,2) sp", _cfg(4, 2, MODEL4, pp=2, tp=2, sequence_parallel=True)),
+            ("bf16 (2,2,1) ZeRO-1", _cfg(4, 2, MODEL4, pp=2, dp=2, zero=ZERO1))]
     for _, d in bf16:
         d["train"]["precision"] = "bf16"
     results = launch(train_layouts, ([d for _, d in layouts + bf16],), nproc=4)
     _check_all(layouts, results, reference, 4)
-    for i, (label, _) in enumerate(bf16, start=len(layouts)):
+    for i, (label, d) in enumerate(bf16, start=len(layouts)):
         got = results[0][i]["losses"]
-        worst = max(abs(a - b) for a, b in zip(got, reference["losses"]))
+        worst = max(abs(a - b) for a, b in zip(got, reference(d)["losses"]))
         # bf16 rounds to 8 mantissa bits (measured: within 2e-3 of the fp32 curve over 20 steps)
         assert worst < BF16_LOSS_TOL, f"{label}: losses differ from fp32 by {worst}"
     # Activation memory measured by the executor (bytes saved for backward, parameters excluded):

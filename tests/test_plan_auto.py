@@ -67,10 +67,14 @@ def test_train_layout_auto_prints_the_choice_and_trains(tmp_path):
     assert (tmp_path / "runs" / "auto" / "metrics.jsonl").exists()
 
 
-def test_layout_auto_without_calibration_says_how(tmp_path, monkeypatch):
+def test_layout_auto_without_calibration_says_how(tmp_path, monkeypatch, capsys):
+    """The refused command through the entry point that `python -m podscale.cli` exits with, in this process
+    (the test above runs the command line itself)."""
+    from podscale.cli import main
     monkeypatch.setenv("PODSCALE_CACHE", str(tmp_path / "cache"))
-    cmd = [sys.executable, "-m", "podscale.cli", "train", str(_config(tmp_path)), "--layout", "auto"]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
-    assert out.returncode != 0
-    assert out.stderr.startswith("podscale: error: ") and "podscale plan calibrate" in out.stderr
-    assert out.stderr.count("\n") == 1
+    capsys.readouterr()
+    code = main(["train", str(_config(tmp_path)), "--layout", "auto"])
+    err = capsys.readouterr().err
+    assert code != 0
+    assert err.startswith("podscale: error: ") and "podscale plan calibrate" in err
+    assert err.count("\n") == 1

@@ -6,6 +6,7 @@ import pytest
 
 from conftest import shakespeare
 from reference import compare, reference_run
+import tp_workers
 from zero_workers import train_zero, train_zero_gloo_inplace, zero_config
 from podscale.runtime.launcher import launch
 
@@ -19,6 +20,10 @@ GLOBAL_BATCH = 16
 # within 3e-5 relative, parameters within 6e-3).
 TOL = {"fp32": 2e-5, "bf16": 2e-3, "fp16": 2e-3}
 PARAM_TOL = {"fp32": 1e-4, "bf16": 5e-2, "fp16": 5e-2}
+# tp_workers' model with 2 blocks (it has 4): with the small buckets and persistence threshold of zero_config
+# every stage still has several units (the embeddings, buckets, 2 gathered blocks), and the runs are bound by
+# the latency of the per-unit collectives, whose number follows the blocks
+MODEL = dict(tp_workers.MODEL, n_layer=2)
 
 # (stage, accumulation steps, precision, extra zero keys)
 CASES = {
@@ -42,7 +47,8 @@ CASES = {
 @pytest.fixture(scope="module")
 def references():
     path = shakespeare()
-    refs = {p: reference_run(zero_config(path, STEPS, GLOBAL_BATCH, GLOBAL_BATCH, p, 1, 0)) for p in ("fp32", "bf16")}
+    refs = {p: reference_run(zero_config(path, STEPS, GLOBAL_BATCH, GLOBAL_BATCH, p, 1, 0, model=MODEL))
+            for p in ("fp32", "bf16")}
     refs["fp16"] = refs["fp32"]
     return refs
 
@@ -52,7 +58,7 @@ def test_zero_matches_single_process(nproc, references, tmp_path):
     path = shakespeare()
     cases = CASES[nproc]
     swap = {"nvme_path": str(tmp_path)}
-    cfgs = [zero_config(path, STEPS, GLOBAL_BATCH, GLOBAL_BATCH // (nproc * accum), prec, nproc, stage, **kw,
+    cfgs = [zero_config(path, STEPS, GLOBAL_BATCH, GLOBAL_BATCH // (nproc * accum), prec, nproc, stage, MODEL, **kw,
                         **(swap if "nvme" in kw.values() else {}))
             for stage, accum, prec, kw in cases]
     for c in cfgs:
@@ -80,7 +86,7 @@ def test_zero_on_gloo_in_place_path_matches_single_process(references):
     buckets; each must still match one process, with gradient accumulation too."""
     path = shakespeare()
     cases = [(1, 1), (1, 2), (2, 2), (3, 1)]
-    cfgs = [zero_config(path, STEPS, GLOBAL_BATCH, GLOBAL_BATCH // (2 * accum), "fp32", 2, stage)
+    cfgs = [zero_config(path, STEPS, GLOBAL_BATCH, GLOBAL_BATCH // (2 * accum), "fp32", 2, stage, MODEL)
             for stage, accum in cases]
     results = launch(train_zero_gloo_inplace, (cfgs,), nproc=2)
     for i, (stage, accum) in enumerate(cases):
@@ -93,7 +99,7 @@ def test_fp16_overflow_skips_step_on_every_rank():
     overflow found in its gradient shard is agreed over all ranks), the scale halves until it fits, and
     training then proceeds."""
     path = shakespeare()
-    cfgs = [zero_config(path, 12, GLOBAL_BATCH, 8, "fp16", 2, stage) for stage in (2, 3)]
+    cfgs = [zero_config(path, 12, GLOBAL_BATCH, 8, "fp16", 2, stage, MODEL) for stage in (2, 3)]
     for c in cfgs:
         c["train"]["loss_scale_init"] = 2.0 ** 18
     res = launch(train_zero, (cfgs,), nproc=2)

@@ -58,7 +58,9 @@ def test_nvme_trains_model_4x_ram_budget(tmp_path, monkeypatch):
                     offload_optimizer="nvme", offload_param="nvme", nvme_path=str(tmp_path), nvme_block_mb=1.0,
                     param_persistence_threshold=10_000)
     d["train"]["warmup_steps"] = 0
-    res = launch(nvme_budget_run, (d, 3, str(tmp_path / "ckpt"), 2), nproc=2, start_method="spawn")
+    # 2 steps, the save, 1 step, the load, the same step again (each step streams ~730 MiB per rank in and out:
+    # ~2.7 s here; the growth is flat from the second step on, measured 126 / 127 MiB after steps 2 / 3)
+    res = launch(nvme_budget_run, (d, 2, str(tmp_path / "ckpt"), 1), nproc=2, start_method="spawn")
     for rank, r in res.items():
         budget = r["on_disk"] / 4
         print(f"rank {rank}: {r['params'] / 1e6:.1f}M params, on disk {r['on_disk'] / 2**20:.0f} MiB, "
@@ -68,8 +70,9 @@ def test_nvme_trains_model_4x_ram_budget(tmp_path, monkeypatch):
         assert r["on_disk"] >= 4 * budget
         assert r["growth"] < budget, (rank, r["growth"], budget)  # training, saving and loading included
         assert all(math.isfinite(x) for x in r["losses"]) and r["losses"][-1] < r["losses"][0]
-        # every step streamed the whole optimizer state in: 16 of the 18 bytes per shard element on disk
-        # (fp32 gradient, master, moments; the other 2 are the bf16 parameter shard)
+        # every step streamed the whole optimizer state in (4 steps, at least 3 times in all): 16 of the 18
+        # bytes per shard element on disk (fp32 gradient, master, moments; the other 2 are the bf16 parameter
+        # shard)
         assert r["io"]["read"] >= 3 * r["on_disk"] * 16 / 18
         # the checkpoint (both ranks' files) holds this model's master and both moments, 12 bytes a parameter:
         # far more than the two ranks' budgets, so it cannot have been put together in memory
