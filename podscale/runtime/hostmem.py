@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import os
 
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # <malloc.h>
@@ -25,22 +26,28 @@ M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # <malloc.h>
 DEFAULT_MMAP_THRESHOLD = 32 << 20
 
 _applied: int | None = None
-_mallopt = None
+
+
+@functools.cache
+def _function(name: str, argtypes: tuple, restype, glibc: bool = False):
+    """The C library's ``name`` with its C signature set, or None where the library lacks it (``glibc``:
+    or is not glibc).  Looked up once: ``find_library`` runs ``ldconfig -p`` in a subprocess (~6 ms), and
+    ZeRO-3 trims the heap after every step."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        if glibc:
+            libc["gnu_get_libc_version"]
+        fn = libc[name]
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes, fn.restype = list(argtypes), restype
+    return fn
 
 
 def mallopt(param: int, value: int) -> bool:
     """glibc's mallopt(3); False, changing nothing, where the C library is not glibc."""
-    global _mallopt
-    if _mallopt is None:
-        _mallopt = False
-        try:
-            libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-            if hasattr(libc, "gnu_get_libc_version"):
-                _mallopt = libc.mallopt
-                _mallopt.argtypes, _mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-        except (OSError, AttributeError):
-            pass
-    return bool(_mallopt) and _mallopt(param, value) == 1
+    fn = _function("mallopt", (ctypes.c_int, ctypes.c_int), ctypes.c_int, glibc=True)
+    return fn is not None and fn(param, value) == 1
 
 
 def set_mmap_threshold(nbytes: int) -> bool:
@@ -64,34 +71,24 @@ def set_mmap_threshold(nbytes: int) -> bool:
 
 MADV_HUGEPAGE = 14  # <sys/mman.h>
 _HUGE = 2 << 20
-_madvise = None
 
 
 def advise_huge_pages(t) -> None:
     """Ask for transparent huge pages over the 2 MiB-aligned interior of tensor ``t``'s (untouched)
     memory, so its first touch costs one fault per 2 MiB instead of one per 4 KiB (madvise(2),
     MADV_HUGEPAGE; a no-op where THP is disabled or the C library lacks madvise)."""
-    global _madvise
-    if _madvise is None:
-        try:
-            libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-            _madvise = libc.madvise
-            _madvise.argtypes, _madvise.restype = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int], ctypes.c_int
-        except (OSError, AttributeError):
-            _madvise = False
-    if not _madvise:
+    madvise = _function("madvise", (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int), ctypes.c_int)
+    if madvise is None:
         return
     ptr = t.data_ptr()
     lo, hi = (ptr + _HUGE - 1) & ~(_HUGE - 1), (ptr + t.numel() * t.element_size()) & ~(_HUGE - 1)
     if hi > lo:
-        _madvise(lo, hi - lo, MADV_HUGEPAGE)
+        madvise(lo, hi - lo, MADV_HUGEPAGE)
 
 
 def trim_heap() -> None:
     """Give the heap's free pages back to the OS (malloc_trim(3): the top of each arena, and free
     chunks inside it via MADV_DONTNEED); a no-op where the C library is not glibc."""
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        libc.malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
+    trim = _function("malloc_trim", (ctypes.c_size_t,), ctypes.c_int)
+    if trim is not None:
+        trim(0)
