@@ -153,8 +153,9 @@ class GPTMoEModelSection(GPTModelSection):
     eval_capacity_factor: float = Field(2.0, description="the capacity factor of evaluation forwards")
     dropless: bool = Field(False, description="no capacity: every choice is dispatched")
     dropless_peak_load: float = Field(2.0, ge=1.0, description="dropless only: the busiest ep rank's expert "
-                                      "rows over the mean that the planner prices memory and time at; training "
-                                      "logs the measured peak_rank_load per MoE layer and warns above this")
+                                      "rows over its even share (tokens x top_k) that the planner prices memory "
+                                      "and time at; training logs the measured peak_rank_load per MoE layer and "
+                                      "says so at the end when it exceeded this")
     random_routing: bool = Field(True, description="GShard: keep the second choice with probability 2*g2")
     aux_loss_coef: float = Field(1e-2, ge=0.0, description="weight of the load-balancing loss")
     z_loss_coef: float = Field(1e-3, ge=0.0, description="weight of the router z-loss (ST-MoE)")

@@ -239,8 +239,9 @@ micro_batch = 2
                                                     "aux_loss", "z_loss", "peak_rank_load")}
         assert 0 <= t["blocks.1/load_min"] <= 0.25 <= t["blocks.1/load_max"] <= 1
         assert 0 < t["blocks.1/load_entropy"] <= 1 and t["blocks.1/dropped_share"] == 0
-        # the busiest rank's rows over the mean: at least the mean, at most every choice on one of 2 ranks
-        assert 1 <= t["blocks.1/peak_rank_load"] <= 2
+        # the busiest rank's rows over its even share: above 0, at most every choice on one of 2 ranks (random
+        # routing skips some second choices, so it may sit under 1)
+        assert 0 < t["blocks.1/peak_rank_load"] <= 2
     # above the dropless_peak_load the planner was told: said once at the end, with the figure to plan with
     peak = max(row["task"]["blocks.1/peak_rank_load"] for row in rows)
     warned = [line for line in said.splitlines() if "model.dropless_peak_load = 1," in line]

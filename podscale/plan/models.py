@@ -53,7 +53,7 @@ class GPT:
         if not self.capacity_factor > 0:
             raise ModelError(f"capacity_factor must be > 0, got {self.capacity_factor!r} (or dropless: true)")
         if not self.dropless_peak_load >= 1:
-            raise ModelError(f"dropless_peak_load must be >= 1 (the busiest rank's rows over the mean), got "
+            raise ModelError(f"dropless_peak_load must be >= 1 (the busiest rank's rows over its even share), got "
                              f"{self.dropless_peak_load!r}")
 
     def expert_load(self, ep: int) -> float:

@@ -230,10 +230,11 @@ class MoEStats:
     ``wanted[e]``: choices that asked expert e for a slot; ``kept[e]``: choices dispatched to it.  The
     counts are this rank's; :meth:`all_reduce` sums them over mesh axes for global figures.
     ``peak_rows``: the most rows this rank's experts ran in one forward (the largest over forwards and,
-    after :meth:`all_reduce`, over ranks; ``ranks`` counts the ranks summed).  Over the mean rows of a rank
-    and forward, ``tokens * top_k / (ranks * forwards)``, it is the busiest ep rank's load, to which its
-    expert activations and expert time scale: a capacity bounds it (by the capacity factor), dropless
-    nothing below ``ep``; the planner prices a dropless layer at ``dropless_peak_load`` of it.
+    after :meth:`all_reduce`, over ranks; ``ranks`` counts the ranks summed).  Over a rank's even share,
+    ``tokens * top_k / (ranks * forwards)`` (every choice run, the ranks evenly loaded: the planner's unit;
+    dropped or randomly skipped choices make the actual mean lower), it is the busiest ep rank's load, to
+    which its expert activations and expert time scale: a capacity bounds it (by the capacity factor),
+    dropless nothing below ``ep``; the planner prices a dropless layer at ``dropless_peak_load`` of it.
     """
 
     tokens: torch.Tensor      # 0-dim int64
@@ -286,7 +287,7 @@ class MoEStats:
     def summary(self) -> dict[str, float]:
         """Dropped share of the choices, per-expert load (share of dispatched choices: min, max and the
         entropy normalised by log E, 1 = uniform), mean aux and z losses, and the busiest rank's rows in
-        one forward over the mean rank's (:attr:`peak_load`)."""
+        one forward over a rank's even share (:attr:`peak_load`)."""
         total = max(int(self.kept.sum()), 1)
         load = self.kept.double() / total
         nz = load[load > 0]
@@ -299,8 +300,8 @@ class MoEStats:
 
     @property
     def peak_load(self) -> float:
-        """The busiest rank's rows in one forward over the mean rows of a rank and forward (0 without
-        tokens)."""
+        """The busiest rank's rows in one forward over a rank's even share of the choices, tokens x top_k
+        per rank and forward (0 without tokens)."""
         mean = int(self.tokens) * self.top_k / (self.ranks * self.forwards)
         return self.peak_rows / mean if mean else 0.0
 
