@@ -437,7 +437,7 @@ def test_routing_statistics_stay_on_the_routing_device():
     _, out = layer(torch.randn(2, 5, 8))
     r = out.routing
     meta = replace(r, expert=r.expert.to("meta"), demand=r.demand.to("meta"), counts=r.counts.to("meta"))
-    s = MoEStats.of(meta, 4, out.aux_loss.to("meta"), out.z_loss.to("meta"), rows=20)
+    s = MoEStats.of(meta, out.aux_loss.to("meta"), out.z_loss.to("meta"), rows=20)
     assert {t.device.type for t in (s.tokens, s.wanted, s.kept, s.aux_loss, s.z_loss)} == {"meta"}
     assert (int(out.stats.tokens), out.stats.top_k, out.stats.peak_rows) == (10, 2, int(r.counts.sum()))
 

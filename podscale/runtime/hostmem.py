@@ -29,16 +29,27 @@ _applied: int | None = None
 
 
 @functools.cache
+def _libc():
+    """The C library, or None; looked up once: ``find_library`` runs ``ldconfig -p`` in a subprocess (~6 ms),
+    and ZeRO-3 trims the heap after every step."""
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    except OSError:
+        return None
+
+
+@functools.cache
 def _function(name: str, argtypes: tuple, restype, glibc: bool = False):
     """The C library's ``name`` with its C signature set, or None where the library lacks it (``glibc``:
-    or is not glibc).  Looked up once: ``find_library`` runs ``ldconfig -p`` in a subprocess (~6 ms), and
-    ZeRO-3 trims the heap after every step."""
+    or is not glibc)."""
+    libc = _libc()
+    if libc is None:
+        return None
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
         if glibc:
             libc["gnu_get_libc_version"]
         fn = libc[name]
-    except (OSError, AttributeError):
+    except AttributeError:
         return None
     fn.argtypes, fn.restype = list(argtypes), restype
     return fn

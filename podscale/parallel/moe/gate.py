@@ -248,7 +248,7 @@ class MoEStats:
     forwards: int = 1
 
     @classmethod
-    def of(cls, routing: Routing, experts: int, aux: torch.Tensor, z: torch.Tensor, rows: int) -> "MoEStats":
+    def of(cls, routing: Routing, aux: torch.Tensor, z: torch.Tensor, rows: int) -> "MoEStats":
         """``rows``: the rows this rank's experts ran (with one ep rank, its kept choices)."""
         # every tensor on the routing's device: all_reduce concatenates them for one collective (NCCL: the GPU)
         return cls(tokens=torch.tensor(routing.expert.shape[0], device=routing.expert.device),

@@ -628,7 +628,7 @@ class MoELayer(nn.Module):
     def _output(self, r: Routing, aux: torch.Tensor, z: torch.Tensor, rows: int) -> "MoEOutput":
         """The losses and statistics of a forward whose experts ran ``rows`` rows on this rank."""
         loss = self.aux_loss_coef * aux + self.z_loss_coef * z
-        return MoEOutput(loss, aux, z, r, MoEStats.of(r, self.num_experts, aux, z, rows))
+        return MoEOutput(loss, aux, z, r, MoEStats.of(r, aux, z, rows))
 
     # the training path ---------------------------------------------------------------------------------
     def forward(self, x: torch.Tensor, keys: torch.Tensor | None = None) -> tuple[torch.Tensor, MoEOutput]:
