@@ -7,7 +7,10 @@ layer (``--moe-every 2``) becomes a Switch layer of ``--experts 8`` experts, eac
 (``4 h``), top-1 routing, capacity factor 1.25 in training (2.0 in evaluation), load-balancing loss
 coefficient 0.01; a token then passes through exactly one MLP's weights, so the FLOPs per token match the
 dense model's up to the router's ``h x E``.  With ``--top-k 2`` the experts are ``4 h / 2`` wide (GShard's
-top-2 at equal FLOPs).  Both models run through podscale's trunk (task, engine, AdamW, cosine schedule) in
+top-2 at equal FLOPs); with ``--shared-experts S`` every MoE layer also has S shared experts that every token
+passes through (DeepSeekMoE, Dai et al. 2024), all experts ``4 h / (k + S)`` wide, so a token still passes
+through one dense MLP's worth of weights (``--experts 16 --top-k 1 --shared-experts 1`` against ``--experts
+16 --top-k 2``: DeepSeekMoE's shared-expert isolation at equal FLOPs).  Both models run through podscale's trunk (task, engine, AdamW, cosine schedule) in
 one process, on the byte-level corpus (``--data``: a text file; default the Python standard library's
 source, the embedded corpus), with the same seed — hence the same initial attention/embedding weights and
 the same sequence of training batches (the loader's order is a function of the seed) — the same tokens per
@@ -72,6 +75,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=1000)
     ap.add_argument("--experts", type=int, default=8)
     ap.add_argument("--top-k", type=int, default=1)
+    ap.add_argument("--shared-experts", type=int, default=0)
     ap.add_argument("--capacity-factor", type=float, default=1.25)
     ap.add_argument("--moe-every", type=int, default=2)
     ap.add_argument("--n-layer", type=int, default=4)
@@ -86,11 +90,12 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(max(1, torch.get_num_threads()))
     gpt = {"n_layer": args.n_layer, "n_head": args.n_head, "n_embd": args.n_embd, "block_size": args.block_size}
-    if (4 * args.n_embd) % args.top_k:
-        raise SystemExit(f"--top-k {args.top_k} must divide 4 * n_embd = {4 * args.n_embd}")
+    active = args.top_k + args.shared_experts
+    if (4 * args.n_embd) % active:
+        raise SystemExit(f"--top-k + --shared-experts = {active} must divide 4 * n_embd = {4 * args.n_embd}")
     moe = dict(gpt, kind="gpt-moe", experts=args.experts, top_k=args.top_k, moe_every=args.moe_every,
-               expert_hidden=4 * args.n_embd // args.top_k, random_routing=args.top_k == 2,
-               capacity_factor=args.capacity_factor, aux_loss_coef=0.01)
+               expert_hidden=4 * args.n_embd // active, random_routing=args.top_k == 2,
+               capacity_factor=args.capacity_factor, aux_loss_coef=0.01, shared_experts=args.shared_experts)
     dense = train(dict(gpt, kind="gpt"), args)
     sparse = train(moe, args)
     print(f"{args.steps} steps of {args.batch} x {args.block_size} = {args.batch * args.block_size} tokens, "
@@ -100,7 +105,8 @@ def main() -> None:
         print(f"{r['kind']:8s} params {r['params'] / 1e6:6.2f}M  FLOPs/token {r['flops_per_token'] / 1e6:7.2f}M  "
               f"step {r['step_ms']:6.1f} ms (median)  train loss {r['train_loss']:.4f}  val loss "
               f"{r['val_loss']:.4f}  ({r['seconds']:.0f} s){drop}")
-    print(f"GPT-MoE ({args.experts} experts, top-{args.top_k}, capacity {args.capacity_factor}, every "
+    shared = f" + {args.shared_experts} shared" if args.shared_experts else ""
+    print(f"GPT-MoE ({args.experts} experts, top-{args.top_k}{shared}, capacity {args.capacity_factor}, every "
           f"{args.moe_every} blocks) vs dense at {sparse['flops_per_token'] / dense['flops_per_token']:.3f}x the "
           f"FLOPs per token, {args.steps} steps: validation loss {sparse['val_loss']:.4f} vs "
           f"{dense['val_loss']:.4f} (difference {sparse['val_loss'] - dense['val_loss']:+.4f}); step time "

@@ -164,6 +164,9 @@ class GPTMoEModelSection(GPTModelSection):
     expert_recompute: bool = Field(False, description="keep only the experts' GELU input for the backward and "
                                    "evaluate the GELU again there: one tokens x top_k x expert_hidden tensor "
                                    "less per MoE layer (Megatron-core's recompute_modules moe_act)")
+    shared_experts: int = Field(0, ge=0, description="shared experts of expert_hidden width in every MoE layer, "
+                                "which every token passes through beside its top_k routed ones (DeepSeekMoE), "
+                                "run as one dense feed-forward of shared_experts x expert_hidden")
     # podscale.parallel.moe.kernels.KERNEL_NAMES (a test holds them equal; this module does not import torch)
     expert_kernel: Literal["auto", "tiled", "segment", "grouped"] = Field(
         "auto", description="how the experts run: auto picks by device and dtype (CPU: tiled; bf16 on NVIDIA "

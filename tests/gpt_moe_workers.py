@@ -30,6 +30,8 @@ MODES = {
     "top1": dict(top_k=1, capacity_factor=1.0, random_routing=False),
     "top2": dict(top_k=2, capacity_factor=1.25, random_routing=True),
     "dropless": dict(top_k=2, dropless=True, random_routing=False),
+    # top-1 beside a shared expert (DeepSeekMoE; DeepSpeed-MoE's residual MoE): dense parameters in the MoE layer
+    "shared": dict(top_k=1, capacity_factor=1.0, random_routing=False, shared_experts=1),
 }
 
 

@@ -8,6 +8,7 @@ rounding differences between layouts (~1e-16) cannot flip a routing decision: ro
 exactly, losses and gradients to 1e-9 relative (measured: within ~1e-13).
 """
 import contextlib
+import dataclasses
 import itertools
 import math
 
@@ -71,6 +72,41 @@ def test_fast_path_equals_einsum_reference(top_k, dropless, random_routing, trai
     for n in gp:
         torch.testing.assert_close(gp[n], gp_ref[n], rtol=1e-12, atol=1e-12, msg=n)
     assert gp["router.weight"].abs().sum() > 0  # the gate values carry the router's gradient
+
+
+@pytest.mark.parametrize("kernel", ["cpu-default", "tiled-5", "segment", "tiled-5-recompute"])
+@pytest.mark.parametrize("top_k,dropless", [(1, False), (2, True)])
+def test_shared_expert_adds_a_dense_feed_forward_of_every_token(top_k, dropless, kernel):
+    """A layer with a shared expert (DeepSeekMoE): output and every gradient equal the einsum reference, whose
+    shared expert runs in plain autograd operations; the output is the same layer's routed output plus the
+    shared feed-forward of every token; the shared parameters are dense (not tagged ``expert_parallel``, not
+    among :func:`expert_parameters`) and every one gets a gradient."""
+    torch.manual_seed(1)
+    layer = MoELayer(16, 24, 6, top_k=top_k, capacity_factor=0.8, dropless=dropless, z_loss_coef=0.01,
+                     kernel=KERNELS[kernel], shared_hidden=40).double()
+    with torch.no_grad():
+        layer.router.weight.normal_(0.0, 0.5)
+        for p in (layer.shared.b_fc, layer.shared.b_proj):
+            p.normal_()
+    x = torch.randn(4, 20, 16, dtype=torch.float64)
+    y, gx, gp, out = _grads(layer, x)
+    y_ref, gx_ref, gp_ref, _ = _grads(layer, x, reference=True)
+    torch.testing.assert_close(y, y_ref, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(gx, gx_ref, rtol=1e-12, atol=1e-12)
+    for n in gp:
+        torch.testing.assert_close(gp[n], gp_ref[n], rtol=1e-12, atol=1e-12, msg=n)
+    for n in ("shared.w_fc", "shared.w_proj", "shared.b_fc", "shared.b_proj"):
+        assert gp[n].abs().sum() > 0, n
+    if not dropless:
+        assert 0 < out.stats.dropped  # a dropped token still gets the shared expert's output
+    shared = {id(p) for p in layer.shared.parameters()}
+    assert not shared & {id(p) for p in moe_layer.expert_parameters(layer)}
+    assert shared <= {id(p) for p in moe_layer.dense_parameters(layer)}
+    assert not any(tags(p).expert_parallel for p in layer.shared.parameters())
+    shared_module, layer.shared = layer.shared, None
+    with torch.no_grad():
+        routed, _ = layer(x)
+        torch.testing.assert_close(y, routed + shared_module.reference(x), rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize("recompute", [False, True])
@@ -472,6 +508,7 @@ def test_bias_balancing_selects_with_the_bias_and_moves_it_towards_balance():
     (dict(top_k=5, experts=4), r"model.top_k=5 must be between 1 and model.experts=4"),
     (dict(capacity_factor=0.0), r"model.capacity_factor=0.0 must be > 0"),
     (dict(eval_capacity_factor=-1.0), r"model.eval_capacity_factor=-1.0 must be > 0"),
+    (dict(shared_hidden=-8), r"shared_hidden=-8 must be >= 0"),
 ])
 def test_bad_input_is_one_line_naming_the_key(kwargs, match):
     ep = kwargs.pop("ep", 1)
@@ -479,12 +516,15 @@ def test_bad_input_is_one_line_naming_the_key(kwargs, match):
     mesh = Mesh(sizes={"pp": 1, "dp": 1, "ep": ep, "tp": 1}) if ep > 1 else None
     with pytest.raises(ValueError, match=match) as e:
         MoELayer(8, 8, args["experts"], top_k=args["top_k"], capacity_factor=args["capacity_factor"],
-                 eval_capacity_factor=args.get("eval_capacity_factor", 2.0), mesh=mesh)
+                 eval_capacity_factor=args.get("eval_capacity_factor", 2.0), mesh=mesh,
+                 shared_hidden=args.get("shared_hidden", 0))
     assert "\n" not in str(e.value)
 
 
 def test_gpt_moe_expert_shards_materialise_their_single_process_values():
-    cfg = GPTMoEConfig(n_layer=2, n_head=2, n_embd=16, block_size=8, experts=4, moe_every=2)
+    """Every rank of an ep = 2 layout, built directly or on the meta device and materialised, holds its own
+    experts and the dense parameters (the shared expert's among them) at their single-process values."""
+    cfg = GPTMoEConfig(n_layer=2, n_head=2, n_embd=16, block_size=8, experts=4, moe_every=2, shared_experts=1)
     torch.manual_seed(3)
     full = GPTMoE(cfg)
     for rank in (0, 1):
@@ -505,6 +545,12 @@ def test_gpt_moe_expert_shards_materialise_their_single_process_values():
                 assert ("experts" in name) == tags(p).expert_parallel
     assert list(full.moe_layers()) == ["blocks.1.moe"]
     assert full.active_params_per_token() < sum(p.numel() for p in full.parameters())
+    # a token passes through the shared expert: it adds its parameters, counted off the module, to the active ones
+    with torch.device("meta"):
+        plain = GPTMoE(dataclasses.replace(cfg, shared_experts=0))
+    shared = sum(p.numel() for n, p in full.named_parameters() if ".moe.shared." in n)
+    assert shared == 2 * 16 * 64 + 64 + 16
+    assert full.active_params_per_token() - plain.active_params_per_token() == shared
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -11,7 +11,8 @@ gradients through that stage's backward; four blocks for the interleaved schedul
 * tp = 2 x ep = 2, top-1 with capacity, ZeRO-3;
 * pp = 2 x tp = 2 (ep = 1: one data rank), 1F1B, top-2 with random routing; replicated;
 * tp = 2 x ep = 2 with sequence parallelism (each MoE layer turns its sequence shards into whole sequences
-  of its share of the samples and back), top-1 with capacity; replicated;
+  of its share of the samples and back), top-1 with capacity beside a shared expert (dense parameters that
+  every tp rank holds whole and whose partial gradients are summed over tp, as the router's); replicated;
 * pp = 2 x ep = 2, interleaved 1F1B with two virtual stages per rank (four blocks), top-2; replicated.
 
 Tolerances: the replicated runs are fp64 end to end, so routing statistics (functions of the global integer
@@ -39,7 +40,7 @@ JOBS = [
     dict(mode="top2", tp=2, dp=1, ep=2, steps=STEPS, micro_batch=4, eval=True),
     dict(mode="top1", tp=2, dp=1, ep=2, steps=STEPS, micro_batch=4, stage=3),
     dict(mode="top2", pp=2, tp=2, dp=1, ep=1, steps=STEPS, micro_batch=4, eval=True),
-    dict(mode="top1", tp=2, dp=1, ep=2, sp=True, steps=STEPS, micro_batch=4, eval=True, sample=True),
+    dict(mode="shared", tp=2, dp=1, ep=2, sp=True, steps=STEPS, micro_batch=4, eval=True, sample=True),
     dict(mode="top2", pp=2, dp=1, ep=2, steps=STEPS, micro_batch=2, schedule="interleaved", virtual_stages=2,
          n_layer=4, eval=True),
 ]
@@ -84,12 +85,12 @@ def runs():
 def single():
     mesh = Mesh.build()
     return {(m, n): W.run_job(dict(mode=m, dp=1, ep=1, steps=STEPS, eval=True, sample=True, n_layer=n), mesh)
-            for m, n in (("top2", 2), ("dropless", 2), ("top1", 2), ("top2", 4))}
+            for m, n in (("top2", 2), ("dropless", 2), ("top1", 2), ("shared", 2), ("top2", 4))}
 
 
 @pytest.mark.parametrize("i,label", [(0, "pp=2 ep=2 1f1b top2"), (1, "pp=2 ep=2 gpipe dropless ZeRO-1"),
                                      (2, "tp=2 ep=2 top2"), (3, "tp=2 ep=2 top1 ZeRO-3"),
-                                     (4, "pp=2 tp=2 1f1b top2"), (5, "tp=2 sp ep=2 top1"),
+                                     (4, "pp=2 tp=2 1f1b top2"), (5, "tp=2 sp ep=2 top1 + shared expert"),
                                      (6, "pp=2 ep=2 interleaved v=2 top2")])
 def test_moe_layout_matches_one_process(runs, single, i, label):
     job = JOBS[i]
@@ -104,6 +105,7 @@ def test_moe_layout_matches_one_process(runs, single, i, label):
             assert ours["grads"] and set(ours["grads"]) <= set(ref["grads"]), label
             assert any(".moe.experts." in n for n in ours["grads"]), label
             assert any(".moe.router." in n for n in ours["grads"]), label
+            assert any(".moe.shared." in n for n in ours["grads"]) == (job["mode"] == "shared"), label
         if job.get("eval"):
             assert ours["eval"] == pytest.approx(ref["eval"], rel=1e-6), label
         if job.get("sample"):  # one sequence's next-token logits (the sequence-parallel MoE's inference path)

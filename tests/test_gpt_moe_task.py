@@ -42,6 +42,7 @@ def _moe_cfg(**over):
     (dict(model__capacity_factor=0.0), 2, ["model.capacity_factor=0.0", "> 0"]),
     (dict(model__eval_capacity_factor=-1.0), 2, ["model.eval_capacity_factor", "> 0"]),
     (dict(model__dropless=True, model__dropless_peak_load=0.5), 2, ["model.dropless_peak_load", "1"]),
+    (dict(model__shared_experts=-1), 2, ["model.shared_experts", "0"]),
     (dict(parallel__ep=3, parallel__nproc=4, model__experts=6), 4, ["parallel.ep=3", "does not divide the 4"]),
     (dict(model__kind="gpt", model__experts=None, parallel__ep=2), 2, ["parallel.ep=2", "no experts",
                                                                         "parallel.ep = 1"]),
@@ -148,7 +149,7 @@ def ep4(single, ckpt_root):
     return launch(W.run_jobs, (jobs,), nproc=4)
 
 
-def test_ep2_matches_one_process_for_top1_top2_and_dropless(ep2, single):
+def test_ep2_matches_one_process_for_top1_top2_dropless_and_a_shared_expert(ep2, single):
     for i, mode in enumerate(W.MODES):
         for rank, res in ep2.items():
             _matches(res[i], single[mode], f"ep=2 {mode} rank {rank}")

@@ -43,6 +43,7 @@ class GPTMoEConfig(GPTConfig):
     expert_hidden: int | None = None   # default 4 * n_embd, the dense MLP's width
     expert_recompute: bool = False     # keep the experts' pre-activation only; the GELU again in the backward
     expert_kernel: str = "auto"        # podscale.parallel.moe.kernels.KERNEL_NAMES; auto: by device and dtype
+    shared_experts: int = 0            # DeepSeekMoE's shared experts: one dense FFN of shared_experts x hidden
 
     def is_moe(self, layer: int) -> bool:
         return (layer + 1) % self.moe_every == 0
@@ -65,7 +66,8 @@ class MoEBlock(nn.Module):
                             cfg.z_loss_coef, cfg.bias_balancing, cfg.bias_update_rate, mesh=mesh,
                             seed=zlib.crc32(f"moe{layer}".encode()), bias=cfg.bias,
                             sequence_parallel=sequence_parallel, recompute_activation=cfg.expert_recompute,
-                            kernel=kernel_named(cfg.expert_kernel, cfg.expert_recompute))
+                            kernel=kernel_named(cfg.expert_kernel, cfg.expert_recompute),
+                            shared_hidden=cfg.shared_experts * cfg.hidden)
 
     def forward(self, x: torch.Tensor, keys: torch.Tensor | None):
         x = x + self.attn(self.ln_1(x))
@@ -127,9 +129,10 @@ class GPTMoE(GPT):
         """The GPT's rule for every parameter, expert weights included: each expert's tensors are named by
         their global expert id (``blocks.1.moe.experts.5.w_fc``), so the (seed, name) generator gives a rank
         of any ep layout the single-process values of its experts.  ``w_fc`` and the router N(0, 0.02);
-        ``w_proj``, a residual projection, N(0, 0.02 / sqrt(2 * n_layer)); biases 0."""
+        ``w_proj``, a residual projection, N(0, 0.02 / sqrt(2 * n_layer)); biases 0; the shared expert
+        (``blocks.1.moe.shared.w_fc``) like the routed ones."""
         module, _, leaf = name.rpartition(".")
-        if ".moe.experts." not in name:
+        if ".moe.experts." not in name and ".moe.shared." not in name:
             return super().init_parameter(name, t)
         if leaf.startswith("b_"):
             t.zero_()
@@ -217,5 +220,7 @@ class GPTMoE(GPT):
         h, H = self.cfg.n_embd, self.cfg.hidden
         mlp = 2 * h * 4 * h + (5 * h if self.cfg.bias else 0)
         per_expert = 2 * h * H + (H + h if self.cfg.bias else 0)
+        Hs = self.cfg.shared_experts * H
+        shared = 2 * h * Hs + (Hs + h if self.cfg.bias else 0) if Hs else 0
         n_moe = sum(self.cfg.is_moe(i) for i in range(self.cfg.n_layer))
-        return dense - n_moe * mlp + n_moe * (self.cfg.top_k * per_expert + self.cfg.experts * h)
+        return dense - n_moe * mlp + n_moe * (self.cfg.top_k * per_expert + shared + self.cfg.experts * h)

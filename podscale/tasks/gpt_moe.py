@@ -51,7 +51,8 @@ def gpt_moe_config(cfg) -> GPTMoEConfig:
                         eval_capacity_factor=m.eval_capacity_factor, dropless=m.dropless,
                         random_routing=m.random_routing, aux_loss_coef=m.aux_loss_coef,
                         z_loss_coef=m.z_loss_coef, expert_hidden=m.expert_hidden,
-                        expert_recompute=m.expert_recompute, expert_kernel=m.expert_kernel)
+                        expert_recompute=m.expert_recompute, expert_kernel=m.expert_kernel,
+                        shared_experts=m.shared_experts)
 
 
 def _gpt_moe(module: nn.Module) -> GPTMoE:
@@ -93,7 +94,8 @@ class GPTMoETask(GPTTask):
     def describe(self, model: nn.Module) -> str:
         m = _gpt_moe(model)
         return (f"{self.gpt.experts} experts x {sum(self.gpt.is_moe(i) for i in range(self.gpt.n_layer))} MoE "
-                f"layers (top-{self.gpt.top_k}), {m.active_params_per_token() / 1e6:.2f}M active params per "
+                f"layers (top-{self.gpt.top_k}{f' + {self.gpt.shared_experts} shared' if self.gpt.shared_experts else ''}), "
+                f"{m.active_params_per_token() / 1e6:.2f}M active params per "
                 f"token, global batch {self.cfg.train.global_batch} x {self.gpt.block_size} tokens")
 
     def ep_sharded_parameters(self, model: nn.Module) -> list[nn.Parameter]:

@@ -91,9 +91,10 @@ def check_moe_args(experts: int, top_k: int, capacity_factor: float, eval_capaci
 
 class Expert(nn.Module):
     """One GELU feed-forward expert ``x -> gelu(x w_fc + b_fc) w_proj + b_proj`` (``w_fc`` (d, h),
-    ``w_proj`` (h, d)); every parameter is tagged ``expert_parallel``."""
+    ``w_proj`` (h, d)).  A routed expert (``routed``) has every parameter tagged ``expert_parallel``; a
+    shared one (:attr:`MoELayer.shared`) is a dense parameter like any other."""
 
-    def __init__(self, d_model: int, d_hidden: int, bias: bool = True):
+    def __init__(self, d_model: int, d_hidden: int, bias: bool = True, routed: bool = True):
         super().__init__()
         self.w_fc = nn.Parameter(torch.empty(d_model, d_hidden))
         self.w_proj = nn.Parameter(torch.empty(d_hidden, d_model))
@@ -101,8 +102,22 @@ class Expert(nn.Module):
         self.b_proj = nn.Parameter(torch.zeros(d_model)) if bias else None
         nn.init.normal_(self.w_fc, std=0.02)
         nn.init.normal_(self.w_proj, std=0.02)
-        for p in self.parameters():
-            tag(p, expert_parallel=True)
+        if routed:
+            for p in self.parameters():
+                tag(p, expert_parallel=True)
+
+    def weights(self) -> list[nn.Parameter]:
+        """``w_fc, w_proj`` and, with biases, ``b_fc, b_proj``: an :class:`ExpertKernel`'s order for one
+        expert."""
+        return [self.w_fc, self.w_proj] + ([self.b_fc, self.b_proj] if self.b_fc is not None else [])
+
+    def reference(self, x: torch.Tensor) -> torch.Tensor:
+        """The expert in plain autograd operations (the tests' reference for the kernels)."""
+        h = x @ self.w_fc.to(x.dtype)
+        if self.b_fc is not None:
+            h = h + self.b_fc.to(x.dtype)
+        y = F.gelu(h, approximate="tanh") @ self.w_proj.to(x.dtype)
+        return y + self.b_proj.to(x.dtype) if self.b_proj is not None else y
 
 
 class Experts(nn.ModuleDict):
@@ -123,9 +138,7 @@ class Experts(nn.ModuleDict):
         self.bias, self.kernel, self.recompute_activation = bias, kernel, recompute_activation
 
     def _kernel(self, x: torch.Tensor) -> ExpertKernel:
-        if self.kernel is not None:
-            return self.kernel
-        return kernel_for(x.device, x.dtype, self.d_model, self.d_hidden, self.recompute_activation)
+        return _kernel(self.kernel, x, self.d_model, self.d_hidden, self.recompute_activation)
 
     def _weights(self):
         ex = list(self.values())
@@ -168,6 +181,12 @@ class Experts(nn.ModuleDict):
         if self.bias:
             y = y + torch.stack([e.b_proj for e in ex]).to(y.dtype)[:, None]
         return y
+
+
+def _kernel(given: ExpertKernel | None, x: torch.Tensor, d_model: int, d_hidden: int,
+            recompute_activation: bool) -> ExpertKernel:
+    """``given``, or the kernel for ``x``'s device and dtype and these widths."""
+    return given if given is not None else kernel_for(x.device, x.dtype, d_model, d_hidden, recompute_activation)
 
 
 def expert_dtype(x: torch.Tensor) -> torch.dtype:
@@ -575,7 +594,14 @@ class MoELayer(nn.Module):
     positions (Korthikanti et al. 2022), see :meth:`forward`; ``kernel``: how the experts run on their
     rows (:mod:`podscale.parallel.moe.kernels`; None: the kernel for the input's device and dtype);
     ``recompute_activation``: keep only the experts' pre-activation for the backward and evaluate the GELU
-    again there (one rows x hidden tensor less per layer; ignored when ``kernel`` is given).
+    again there (one rows x hidden tensor less per layer; ignored when ``kernel`` is given);
+    ``shared_hidden`` > 0: a shared expert of that width, a dense feed-forward every token passes through
+    beside its routed experts, its output added to theirs (DeepSeekMoE's shared experts, Dai et al. 2024,
+    section 3.2, which isolates common knowledge there so the routed experts can specialise; DeepSpeed-MoE's
+    residual MoE, Rajbhandari et al. 2022, section 4.1.2; Megatron-core's
+    ``moe_shared_expert_intermediate_size``).  Its parameters are dense (replicated over dp×ep, reduced
+    there); it runs on the same kernel as the experts, under expert parallelism while the token counts
+    are in flight (Megatron-core's ``moe_shared_expert_overlap``).
     """
 
     def __init__(self, d_model: int, d_hidden: int, experts: int, top_k: int = 2, capacity_factor: float = 1.25,
@@ -583,10 +609,12 @@ class MoELayer(nn.Module):
                  aux_loss_coef: float = 1e-2, z_loss_coef: float = 1e-3, bias_balancing: bool = False,
                  bias_update_rate: float = 1e-3, mesh=None, seed: int = 0, bias: bool = True,
                  sequence_parallel: bool = False, kernel: ExpertKernel | None = None,
-                 recompute_activation: bool = False):
+                 recompute_activation: bool = False, shared_hidden: int = 0):
         super().__init__()
         ep = mesh.sizes["ep"] if mesh is not None else 1
         check_moe_args(experts, top_k, capacity_factor, eval_capacity_factor, ep)
+        if shared_hidden < 0:
+            raise ValueError(f"shared_hidden={shared_hidden} must be >= 0 (0: no shared expert)")
         self.mesh, self.ep = mesh, ep
         self.tp = mesh.sizes["tp"] if mesh is not None else 1
         self.sequence_parallel = sequence_parallel and self.tp > 1
@@ -597,6 +625,8 @@ class MoELayer(nn.Module):
         self.router = Router(d_model, experts, bias_balancing, bias_update_rate)
         ep_rank = mesh.coords()["ep"] if mesh is not None else 0
         self.experts = Experts(d_model, d_hidden, experts, ep, ep_rank, bias, kernel, recompute_activation)
+        #: the shared expert (None without one): dense, every token through it
+        self.shared = Expert(d_model, shared_hidden, bias, routed=False) if shared_hidden else None
         if self.tp > 1:
             # each tp rank routes its own share of the samples (see forward): the router's and the experts'
             # gradients are partial over tp and summed there, as a sequence-parallel layer norm's are
@@ -688,22 +718,36 @@ class MoELayer(nn.Module):
             # index_select (not ``flat[token]``): its backward is an index_add, not a sorting index_put
             counts = r.counts.tolist()
             rows = self.experts(inp.index_select(0, token), list(enumerate(counts)))
+            shared = self._shared(inp)
             out = self._output(r, aux, z, sum(counts))
         else:
-            exchange = self._exchange(r.counts, token)
+            send, recv, pending = self._send_counts(r.counts)
+            shared = self._shared(inp)                         # while the counts are in flight
+            exchange = _Exchange(self.mesh, send, recv, pending, token)
             rows = self.experts.forward_exchanged(inp, exchange)
             out = self._output(r, aux, z, exchange.rows_in)
         w = r.weight.reshape(-1).index_select(0, r.order).to(rows.dtype)
-        y = rows.new_zeros(N, rows.shape[1]).index_add_(0, token, rows * w.unsqueeze(1))
+        y = rows.new_zeros(N, rows.shape[1]) if shared is None else shared
+        y = y.index_add_(0, token, rows * w.unsqueeze(1))
         return y.view(x.shape), out
 
-    def _exchange(self, counts: torch.Tensor, token: torch.Tensor) -> "_Exchange":
+    def _send_counts(self, counts: torch.Tensor):
         """Step 1 of the exchange: how many rows each rank sends each of my experts (an
-        ``all_to_all_single`` of ep x E/ep integers), entered by every rank whatever the routing."""
+        ``all_to_all_single`` of ep x E/ep integers), entered by every rank whatever the routing.  Returns
+        (what I send, as lists; the tensor the counts I receive land in; the pending collective), for
+        :class:`_Exchange`."""
         send = counts.view(self.ep, self.experts.num_local)
         recv = torch.empty_like(send)
         handle = comm.all_to_all(recv.view(-1), send.reshape(-1).contiguous(), self.mesh, "ep", async_op=True)
-        return _Exchange(self.mesh, send.tolist(), recv, handle, token)
+        return send.tolist(), recv, handle
+
+    def _shared(self, inp: torch.Tensor) -> torch.Tensor | None:
+        """The shared expert on every token of ``inp`` (None without one), on the experts' kernel."""
+        if self.shared is None:
+            return None
+        e = self.experts
+        kernel = _kernel(e.kernel, inp, e.d_model, self.shared.w_fc.shape[1], e.recompute_activation)
+        return _GroupedFFN.apply(inp, [(0, inp.shape[0])], kernel, 1, e.bias, *self.shared.weights())
 
     # the reference -------------------------------------------------------------------------------------
     def forward_reference(self, x: torch.Tensor, keys: torch.Tensor | None = None
@@ -728,6 +772,8 @@ class MoELayer(nn.Module):
         expert_in = torch.einsum("gsec,gsm->egcm", dispatch, xg)                  # (E, G, C, d)
         expert_out = self.experts.forward_padded(expert_in.reshape(E, G * C, -1)).view(E, G, C, -1)
         y = torch.einsum("gsec,egcm->gsm", combine.to(expert_out.dtype), expert_out)
+        if self.shared is not None:
+            y = y + self.shared.reference(xg)
         return y.reshape(x.shape), out
 
     # auxiliary-loss-free balancing ---------------------------------------------------------------------
