@@ -3,6 +3,7 @@
     python bench/compile.py                                   # 1 process, 4 x 256 GPT, inductor
     python bench/compile.py --nproc 2 --zero 3                # any layout: --tp 2 --sp, --pp 2, --zero 1-3
     python bench/compile.py --backend aot_eager               # tracing without code generation
+    python bench/compile.py --moe-experts 8 --nproc 2 --ep 2  # a GPT-MoE (top-2 every other block), experts over ep
 
 Each rank builds two engines with ``podscale.parallel.compose.build_engine`` from the same seed -- one eager,
 one with ``train.compile = true`` -- and feeds both the same batches.  The compiled engine's first steps
@@ -11,6 +12,9 @@ timed separately and reported as compile time; then the two engines take turns s
 compiled, compiled, eager, ...) so that drift on a shared machine hits both, and the median step times
 (slowest rank), their ratio and the median of the per-pair ratios are printed (> 1: compiled is faster).
 The losses of both are printed too: they agree to rounding (tests/test_compile.py checks that).
+
+A GPT-MoE's MoE layers run eagerly between the compiled pieces of their blocks (the attention half, and the
+residual add after the layer); its dense blocks compile whole.
 
 The inductor cache (``TORCHINDUCTOR_CACHE_DIR``) is a fresh folder unless ``--cache-dir`` names one, so the
 compile time is a cold compile.
@@ -29,8 +33,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 def _config(a, compiled: bool) -> dict:
     return {"run": {"steps": a.steps, "seed": 1},
-            "model": {"n_layer": a.n_layer, "n_head": a.n_head, "n_embd": a.n_embd, "block_size": a.block},
-            "parallel": {"nproc": a.nproc, "tp": a.tp, "pp": a.pp, "sequence_parallel": a.sp},
+            "model": {"n_layer": a.n_layer, "n_head": a.n_head, "n_embd": a.n_embd, "block_size": a.block,
+                      **({"kind": "gpt-moe", "experts": a.moe_experts} if a.moe_experts else {})},
+            "parallel": {"nproc": a.nproc, "tp": a.tp, "pp": a.pp, "ep": a.ep, "sequence_parallel": a.sp},
             "zero": {"stage": a.zero},
             "train": {"global_batch": a.batch, "micro_batch": a.micro, "lr": 1e-3, "min_lr": 1e-4,
                       "warmup_steps": 0, "grad_clip": 1.0, "compile": compiled, "compile_backend": a.backend}}
@@ -43,7 +48,7 @@ def worker(a) -> dict:
     from podscale.parallel.compose import build_engine
     from podscale.runtime.mesh import Mesh
     from podscale.runtime.process import init_process
-    from podscale.tasks.gpt import GPTTask
+    from podscale.tasks import task_for
 
     info = init_process()
     engines, loaders = [], []
@@ -51,10 +56,10 @@ def worker(a) -> dict:
         cfg = parse_config(_config(a, compiled))
         cfg.check_layout(info.world_size)
         mesh = Mesh.build(info.device, **cfg.mesh_sizes())
-        task = GPTTask(cfg)
+        task = task_for(cfg)
         torch.manual_seed(cfg.run.seed)
-        engines.append(build_engine(task.build_model(), mesh, cfg, task))
-        loaders.append(task.train_data(mesh.local_rank("dp"), mesh.size("dp")))
+        engines.append(build_engine(task.build_model_on(mesh), mesh, cfg, task))
+        loaders.append(task.train_data(mesh.local_rank(*mesh.data_axes), mesh.size(*mesh.data_axes)))
     eager, comp = engines
     losses = {"eager": [], "compiled": []}
 
@@ -87,6 +92,8 @@ def main() -> None:
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--pp", type=int, default=1)
     ap.add_argument("--sp", action="store_true", help="sequence parallelism (with --tp)")
+    ap.add_argument("--ep", type=int, default=1, help="expert parallelism (with --moe-experts)")
+    ap.add_argument("--moe-experts", type=int, default=0, help="a GPT-MoE with this many experts (0: the GPT)")
     ap.add_argument("--n-layer", type=int, default=4)
     ap.add_argument("--n-head", type=int, default=4)
     ap.add_argument("--n-embd", type=int, default=256)
@@ -110,7 +117,8 @@ def main() -> None:
     compile_s = max(res[r]["compile_s"] for r in res)
     l0 = res[0]["losses"]
     load = os.getloadavg()
-    print(f"GPT {a.n_layer} x {a.n_embd}, seq {a.block}, global batch {a.batch}, micro {a.micro}, nproc {a.nproc} "
+    moe = f"-MoE ({a.moe_experts} experts, top-2 every other block, ep {a.ep})" if a.moe_experts else ""
+    print(f"GPT{moe} {a.n_layer} x {a.n_embd}, seq {a.block}, global batch {a.batch}, micro {a.micro}, nproc {a.nproc} "
           f"(tp {a.tp}, pp {a.pp}, sp {a.sp}, ZeRO-{a.zero}), backend {a.backend}, {a.steps} timed steps each; "
           f"load average {load[0]:.1f}")
     print(f"compile (first {a.warmup} compiled steps, cold cache): {compile_s:.1f} s "

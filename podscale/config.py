@@ -597,7 +597,7 @@ class TrainSection(_Section):
     loss_scale_init: float = Field(2.0**16, gt=0.0)
     loss_scale_window: int = Field(1000, ge=1)
     compile: bool = Field(
-        False, description="compile each of the task's repeated units (the GPT's transformer blocks) with "
+        False, description="compile each of the task's repeated units (the GPT's and GPT-MoE's transformer blocks) with "
                            "torch.compile, one graph shared by all of them; parallel wrappers, hooks and "
                            "collectives stay outside the compiled regions (podscale.train.compile)")
     compile_backend: Literal["inductor", "aot_eager"] = Field(

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch._dynamo.utils import counters
 
 import podscale
 from podscale.config import parse_config
@@ -53,8 +54,9 @@ class GPTMoETask64(GPTMoETask):
 
 def config(mode: str, dp: int, ep: int, stage: int = 0, steps: int = 20, pp: int = 1, tp: int = 1,
            micro_batch: int | None = None, schedule: str = "1f1b", optimizer: str = "adamw",
-           sequence_parallel: bool = False, virtual_stages: int = 1, n_layer: int = 2):
-    """The test model on a (pp, dp, ep, tp) layout; ``micro_batch`` default: one micro-batch per step."""
+           sequence_parallel: bool = False, virtual_stages: int = 1, n_layer: int = 2, compile: str | None = None):
+    """The test model on a (pp, dp, ep, tp) layout; ``micro_batch`` default: one micro-batch per step;
+    ``compile``: a torch.compile backend for ``train.compile`` (None: eager)."""
     return parse_config({
         "run": {"name": "moe", "steps": steps, "seed": 7},
         "model": {"kind": "gpt-moe", "n_layer": n_layer, "n_head": 2, "n_embd": 32, "block_size": 32, "experts": 8,
@@ -65,7 +67,8 @@ def config(mode: str, dp: int, ep: int, stage: int = 0, steps: int = 20, pp: int
                      "sequence_parallel": sequence_parallel, "virtual_stages": virtual_stages},
         # (decay_steps fixed: a run resumed with fewer steps keeps the same learning-rate schedule)
         "train": {"global_batch": 8, "micro_batch": micro_batch or 8 // (dp * ep), "lr": 3e-3, "warmup_steps": 2,
-                  "decay_steps": 20, "grad_clip": 1.0},
+                  "decay_steps": 20, "grad_clip": 1.0, "compile": compile is not None,
+                  "compile_backend": compile or "inductor"},
         "zero": {"stage": stage, "param_persistence_threshold": 100, "optimizer": optimizer},
     })
 
@@ -75,8 +78,9 @@ def run_job(job: dict, mesh: Mesh) -> dict:
     from) and ``save_at`` (a step after which to save under ``save_root``)."""
     cfg = config(job["mode"], job["dp"], job["ep"], job.get("stage", 0), job["steps"], job.get("pp", 1),
                  job.get("tp", 1), job.get("micro_batch"), job.get("schedule", "1f1b"), job.get("optimizer", "adamw"),
-                 job.get("sp", False), job.get("virtual_stages", 1), job.get("n_layer", 2))
+                 job.get("sp", False), job.get("virtual_stages", 1), job.get("n_layer", 2), job.get("compile"))
     task = GPTMoETask64(cfg)
+    graphs = counters["stats"]["unique_graphs"]
     torch.manual_seed(cfg.run.seed)
     model = task.build_model_on(mesh)
     engine = podscale.parallelize(model, mesh, cfg, task)
@@ -120,6 +124,7 @@ def run_job(job: dict, mesh: Mesh) -> dict:
             # parallel MoE layer routes the whole sequence on every tp rank
             val = split_tokens(load_tokens(DATA), cfg.data.val_fraction)[1]
             out["next"] = engine.strategy.next_logits(val[None, :cfg.model.block_size].long()).double()
+        out["compiled_graphs"] = counters["stats"]["unique_graphs"] - graphs  # (Dynamo traced; 0 when eager)
         if job.get("stage", 0) <= 1:  # (ZeRO-1's compute parameters are whole on every rank)
             out["params"] = _full(_named(engine, mesh), mesh, lambda p: p.detach())
     finally:

@@ -154,12 +154,14 @@ def train_layouts(cfg_dicts: list[dict]) -> list[dict]:
     return out
 
 
-def compiled_one_process_then_layouts(single: dict, micro_batches: int, backend: str, cfg_dicts: list[dict]):
+def compiled_one_process_then_layouts(single: dict, micro_batches: int, backend: str, cfg_dicts: list[dict],
+                                      moe_jobs: list[dict] = ()):
     """Rank 0 first trains ``single`` in one process with its blocks compiled (:func:`reference.reference_run`
     with ``backend``, ``micro_batches`` forwards per step) while the other ranks wait, so that its compiled
-    kernels are in the inductor cache before every rank trains ``cfg_dicts`` (:func:`train_layouts`).
+    kernels are in the inductor cache before every rank trains ``cfg_dicts`` (:func:`train_layouts`), then
+    the GPT-MoE ``moe_jobs`` (:func:`gpt_moe_workers.run_jobs`).
     Returns (that run or None, the graphs Dynamo traced for it, the layouts' results, the CPU seconds this
-    worker and the C++ compilers it ran used: inductor compiles in the worker itself)."""
+    worker and the C++ compilers it ran used: inductor compiles in the worker itself, the MoE jobs' results)."""
     import resource
 
     import torch.distributed as dist
@@ -173,7 +175,8 @@ def compiled_one_process_then_layouts(single: dict, micro_batches: int, backend:
     out = train_layouts(cfg_dicts)
     cpu = sum(u.ru_utime + u.ru_stime for u in (resource.getrusage(resource.RUSAGE_SELF),
                                                resource.getrusage(resource.RUSAGE_CHILDREN)))  # (+ the C++ compiler)
-    return one, graphs, out, cpu
+    import gpt_moe_workers
+    return one, graphs, out, cpu, gpt_moe_workers.run_jobs(list(moe_jobs))
 
 
 def _first_step(engine, loader, mesh):

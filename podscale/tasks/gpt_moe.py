@@ -67,9 +67,7 @@ class GPTMoETask(GPTTask):
     supports_tensor_parallel = True
     supports_pipeline = True
     supports_expert_parallel = True
-    #: the MoE blocks route tokens with data-dependent capacities and all-to-alls and record routing
-    #: statistics from Python: not compiled (train.compile is refused before workers start)
-    supports_compile = False
+    supports_compile = True
 
     def __init__(self, cfg):
         super().__init__(cfg)

@@ -17,6 +17,11 @@ Why per unit, not the whole model:
   they run through :mod:`podscale.runtime.comm` and are marked ``torch.compiler.disable`` in
   :mod:`podscale.parallel.tensor`, so Dynamo breaks the block's graph there and compiles the pieces between
   collectives (each piece, again, shared by all blocks);
+* *data-dependent work stays eager.*  A GPT-MoE's MoE layer (its routing's shapes follow the data; its
+  expert-parallel exchanges and routing statistics run from Python) is ``torch.compiler.disable``: Dynamo
+  breaks an MoE block's graph at the layer and compiles the attention half before it and the residual add
+  after it, shared by all MoE blocks (torchtitan likewise compiles an MoE model's blocks around a token
+  dispatcher that stays outside the graph);
 * *static shapes* (``dynamic=False``): a training step's shapes do not change; a forward with other shapes
   (sampling, which grows the context one token at a time) runs eagerly inside :func:`eager`.
 

@@ -661,6 +661,9 @@ class MoELayer(nn.Module):
         return MoEOutput(loss, aux, z, r, MoEStats.of(r, aux, z, rows))
 
     # the training path ---------------------------------------------------------------------------------
+    # (never traced by torch.compile: its shapes follow the routing, its exchanges and statistics run from
+    # Python; a compiled block runs it eagerly between its compiled pieces, see podscale.train.compile)
+    @torch.compiler.disable
     def forward(self, x: torch.Tensor, keys: torch.Tensor | None = None) -> tuple[torch.Tensor, MoEOutput]:
         """``x`` (..., S, d): groups of S tokens.  Returns the output (same shape; zero for a token none of
         whose choices was dispatched) and the :class:`MoEOutput`.
