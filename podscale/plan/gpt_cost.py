@@ -45,6 +45,7 @@ gradients (``gradient_bookkeeping_bytes``).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 
 from . import network as net
 from .compute import (attention_time, elementwise_time, gemm_rate as _gemm_rate, gemm_time, grad_pass_time, linear_time,
@@ -190,6 +191,56 @@ def _layer_times_uncached(system: System, model: GPT, lay: Layout, moe: bool) ->
             "tp_bwd": _tp_backward(lay, tp_ar, wgrad, dev)}
 
 
+@dataclass(frozen=True)
+class RankParams:
+    """Parameters one rank holds, split by how podscale reduces and shards their gradients
+    (podscale.parallel.moe.layer, "What a data-parallel strategy must do with an MoE model"): ``dense`` are
+    replicated over dp x ep (gradients averaged, ZeRO-sharded over dp x ep), ``expert`` are this ep rank's
+    experts, replicated over dp only (gradients summed, ZeRO-sharded over dp)."""
+
+    dense: float
+    expert: float
+
+    @property
+    def total(self) -> float:
+        return self.dense + self.expert
+
+    def __add__(self, other: "RankParams") -> "RankParams":
+        return RankParams(self.dense + other.dense, self.expert + other.expert)
+
+    def __mul__(self, k: float) -> "RankParams":
+        return RankParams(self.dense * k, self.expert * k)
+
+    __rmul__ = __mul__
+
+
+def layer_rank_params(model: GPT, tp: int, ep: int, moe: bool) -> RankParams:
+    """One block's parameters on a rank of a tp x ep layout. A dense block is Megatron-sharded over tp (its
+    layer norms and row-parallel biases counted as sharded too: a few h per block). An MoE block has no
+    dense MLP: its attention and norms as a dense block's, its router (dense: every ep rank routes) and the
+    ep rank's ``experts / ep`` experts."""
+    if not moe:
+        return RankParams(model.layer_params() / tp, 0.0)
+    return RankParams((model.attention_params + model.router_params) / tp,
+                      model.experts // ep * model.mlp_params() / tp)
+
+
+def rank_params(model: GPT, lay: Layout, rank: int = 0) -> RankParams:
+    """Parameters of pipeline rank ``rank``: its blocks (the dense and MoE blocks in the model's proportion,
+    as the step time counts them) and, on the end stages, the embeddings (pp = 1: word and position
+    embeddings and the final layer norm; pp > 1: the tied word embedding of each end stage)."""
+    p, t, h = lay.pp, lay.tp, model.hidden
+    layers = pipeline_rank_layers(model, lay)[rank]
+    moe_frac = model.moe_layers / model.layers
+    blocks = layers * ((1 - moe_frac) * layer_rank_params(model, t, lay.ep, False)
+                       + moe_frac * layer_rank_params(model, t, lay.ep, True))
+    if p == 1:
+        return blocks + RankParams((model.embedding_params + 2 * h) / t, 0.0)
+    if rank in (0, p - 1):
+        return blocks + RankParams(model.vocab * h / t, 0.0)
+    return blocks
+
+
 def reduces_every_micro_batch(lay: Layout) -> bool:
     """ZeRO-2/3 without a pipeline keep no full gradient buffer: every micro-batch's gradients are
     reduce-scattered under its backward and added into the shard (Rajbhandari et al. 2020, Sec. 5.2;
@@ -321,26 +372,12 @@ def predict_gpt(system: System, devices: int, model: GPT, lay: Layout, batch: in
     comp_fwd, comp_bwd, comp_rec = n_slow * fwd, n_slow * bwd, n_slow * recompute
     bubble = (L * per_layer_mb + head + p * p2p - t_slow) / v
 
-    # Parameters of each rank (rank 0 and the last also hold the word embedding: tied, one copy each).
-    dense_layer = model.layer_params(moe=False)
-    moe_layer = model.layer_params(moe=True) if model.moe_layers else dense_layer
-    expert_params = (moe_layer - dense_layer) if model.moe_layers else 0
-    trunk = (1 - moe_frac) * dense_layer + moe_frac * (moe_layer - expert_params)
-
-    def rank_params(r: int) -> tuple[float, float]:
-        dense = rank_layers[r] * trunk / t
-        # pp = 1: embeddings and the final layer norm; pp > 1: the (tied) word embedding of an end stage.
-        if p == 1:
-            dense += (model.embedding_params + 2 * h) / t
-        elif r in (0, p - 1):
-            dense += model.vocab * h / t
-        return dense, rank_layers[r] * moe_frac * expert_params / t / lay.ep
-
     # Ranks that can hold the most (parameters or activations): the two ends (embedding, head, logits)
     # and, per distinct layer count, the earliest rank with it (the most micro-batches in flight).
     candidates = sorted({0, p - 1} | {rank_layers.index(n) for n in set(rank_layers)})
-    params = {r: rank_params(r) for r in candidates}
-    stage_dense, stage_expert = max(params.values(), key=lambda x: x[0] + x[1])
+    params = {r: rank_params(model, lay, r) for r in candidates}
+    fullest = max(params.values(), key=lambda x: x.dense + x.expert)
+    stage_dense, stage_expert = fullest.dense, fullest.expert
     dpe, dp_stride = lay.data_parallel, t
     grad_bytes = dev.dtype_bytes * stage_dense
     expert_grad_bytes = dev.dtype_bytes * stage_expert
@@ -438,11 +475,12 @@ def predict_gpt(system: System, devices: int, model: GPT, lay: Layout, batch: in
         working = activation_bytes_per_layer(recompute="selective" if lay.fused_attention else "none",
                                              mlp_scale=mlp_scale, **act_kw)
     prec = precision_of(dev.dtype_bytes)
+    moe_layer = model.layer_params(moe=model.moe_layers > 0)
     gathered = zero3_gathered_bytes(moe_layer / t, prec) if lay.zero_stage == 3 else 0.0  # current + prefetched
     logits_buf = 6 * logits_elems          # fp16 logits + fp32 softmax of the vocab-parallel loss
     memory, states, total_mem = {}, None, -1.0
     for r in candidates:
-        dense_r, expert_r = params[r]
+        dense_r, expert_r = params[r].dense, params[r].expert
         st = zero_model_state_bytes(dense_r, dpe, lay.zero_stage, lay.offload_optimizer, lay.offload_param, prec)
         if expert_r:
             es = zero_model_state_bytes(expert_r, lay.dp, lay.zero_stage, lay.offload_optimizer,

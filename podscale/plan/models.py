@@ -69,14 +69,27 @@ class GPT:
     def moe_layers(self) -> int:
         return self.layers // self.moe_every if self.experts > 1 else 0
 
+    @property
+    def attention_params(self) -> int:
+        """QKV and output projection with biases, and the block's two layer norms: what a dense and an MoE
+        block share (tensor-parallel over tp in both)."""
+        h = self.hidden
+        return 4 * h * h + 4 * h + 4 * h
+
+    def mlp_params(self, width: int | None = None) -> int:
+        """A GELU MLP h -> ``width`` -> h with biases (default width ``ffn``: the dense MLP, or one expert)."""
+        w, h = self.ffn if width is None else width, self.hidden
+        return 2 * h * w + w + h
+
+    @property
+    def router_params(self) -> int:
+        """An MoE layer's router: h x experts, no bias (podscale.parallel.moe.gate.Router)."""
+        return self.hidden * self.experts
+
     def layer_params(self, moe: bool = False) -> int:
-        h, f = self.hidden, self.ffn
-        attn = 4 * h * h + 4 * h              # QKV + output projection with biases
-        mlp = 2 * h * f + f + h
-        norms = 4 * h
         if moe:
-            return attn + norms + self.experts * mlp + h * self.experts  # + router
-        return attn + mlp + norms
+            return self.attention_params + self.router_params + self.experts * self.mlp_params()
+        return self.attention_params + self.mlp_params()
 
     @property
     def embedding_params(self) -> int:
