@@ -425,8 +425,8 @@ def predict_gpt(system: System, devices: int, model: GPT, lay: Layout, batch: in
     dp_exposed = reductions * (max(overlapped_exposed(dev, dp_red, window), last_bucket)
                                if lay.overlap_grad_reduce else dp_red) + zero3_gather + param_gather
 
-    shard = 1 if lay.zero_stage == 0 else dpe
-    local_params = (stage_dense + stage_expert) / shard
+    # ZeRO shards dense parameters over dp x ep, experts over dp (their replicas)
+    local_params = stage_dense + stage_expert if lay.zero_stage == 0 else stage_dense / dpe + stage_expert / lay.dp
     # The device runs the optimizer unless it is offloaded to a host that is not the device itself.
     on_device = lay.offload_optimizer == "none" or (system.device_is_host and lay.offload_optimizer == "cpu")
     optimizer = optimizer_time(dev, ADAM_BYTES_PER_PARAM * local_params) if on_device else 0.0
@@ -475,8 +475,11 @@ def predict_gpt(system: System, devices: int, model: GPT, lay: Layout, batch: in
         working = activation_bytes_per_layer(recompute="selective" if lay.fused_attention else "none",
                                              mlp_scale=mlp_scale, **act_kw)
     prec = precision_of(dev.dtype_bytes)
-    moe_layer = model.layer_params(moe=model.moe_layers > 0)
-    gathered = zero3_gathered_bytes(moe_layer / t, prec) if lay.zero_stage == 3 else 0.0  # current + prefetched
+    if lay.zero_stage == 3:   # current + prefetched block: the largest block as a rank holds it
+        gathered = zero3_gathered_bytes(max(layer_rank_params(model, t, lay.ep, moe).total
+                                            for moe in {False, model.moe_layers > 0}), prec)
+    else:
+        gathered = 0.0
     logits_buf = 6 * logits_elems          # fp16 logits + fp32 softmax of the vocab-parallel loss
     memory, states, total_mem = {}, None, -1.0
     for r in candidates:
@@ -489,8 +492,10 @@ def predict_gpt(system: System, devices: int, model: GPT, lay: Layout, batch: in
         if system.device_is_host:   # host memory is the device's: what is "offloaded to the CPU" stays in it
             st = type(st)(st.device + st.host, 0.0, st.nvme)
         # ZeRO-2/3 on a pipeline: the stage's full 16-bit gradient is accumulated over the micro-batches
-        # before its one reduce-scatter (the partitioned gradient in ``st`` is what outlives the step)
-        pipeline_grads = dev.dtype_bytes * dense_r * (1 - 1 / dpe) if lay.zero_stage >= 2 and p > 1 else 0.0
+        # before its one reduce-scatter, experts' (over dp) included (the partitioned gradient in ``st`` is
+        # what outlives the step)
+        pipeline_grads = (dev.dtype_bytes * (dense_r * (1 - 1 / dpe) + expert_r * (1 - 1 / lay.dp))
+                          if lay.zero_stage >= 2 and p > 1 else 0.0)
         logits = logits_buf if r == p - 1 else 0.0
         acts = act_layer * pipeline_inflight_layers(rank_layers[r], p, m, lay.schedule, v, rank=r) + working
         mem = {"model_states": st.device, "activations": acts, "logits": logits, "zero3_gathered": gathered,
