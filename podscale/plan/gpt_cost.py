@@ -14,6 +14,13 @@ device's measured ``overlap_exposed`` fraction of its own time (0 on GPUs; on a 
 takes the cores the compute uses). On a CPU system (``device_is_host``) "offload to the CPU" moves nothing:
 the step runs as without offload plus podscale's copy of the updated partition into the compute buffers.
 
+MoE layers are priced as podscale's MoELayer runs them (podscale/parallel/moe/layer.py), not as Megatron's
+expert tensor parallelism: under tp each tp rank routes 1/tp of the micro-batch's samples (whole sequences),
+exchanges them over its own ep group and runs them through whole experts (width ffn), so a rank holds
+experts / ep whole experts and the whole router, their gradients partial per tp rank and summed over tp
+each time they are reduced; the outputs are all-gathered over tp (with sequence parallelism, one all-to-all
+over tp in and one out). The attention of an MoE block is tensor-parallel as a dense block's.
+
 Ranks hold the layers the trainer gives them (``stages.py``: its parameter-balanced split, or the layout's
 ``pipeline_layers``), so pipelines need not divide the layers.
 
@@ -89,6 +96,9 @@ def check_gpt_layout(system: System, devices: int, model: GPT, layout: Layout, b
     if model.ffn % layout.tp:
         raise LayoutError(f"tp={layout.tp} does not divide ffn={model.ffn}")
     pipeline_chunks(model, layout)       # raises LayoutError for a split that cannot exist
+    if model.moe_layers and layout.tp > 1 and layout.microbatch % layout.tp:
+        raise LayoutError(f"an MoE layer splits a micro-batch's samples over tp={layout.tp}: microbatch="
+                          f"{layout.microbatch} must be a multiple of {layout.tp}")
     if layout.ep > 1 and (model.experts == 1 or model.experts % layout.ep):
         raise LayoutError(f"ep={layout.ep} needs an MoE model whose experts ({model.experts}) it divides")
     if system.data_parallel_only and (layout.tp, layout.pp, layout.ep) != (1, 1, 1):
@@ -129,20 +139,21 @@ def _layer_times_uncached(system: System, model: GPT, lay: Layout, moe: bool) ->
              linear_time(dev, tokens, h, h / t, bytes_per_element=e)]          # attention output
     hide = (0.0, 0.0)       # expert work each all-to-all of a forward / backward runs behind
     if moe:
+        # podscale's MoE layer under tp: each tp rank routes 1/tp of the micro-batch's samples, exchanges
+        # them over its own ep group and runs them through whole experts (MoELayer.forward)
+        own = tokens / t
         local_experts = model.experts / lay.ep
-        m_exp = tokens * scale * lay.ep / model.experts      # rows each local expert runs (busiest rank)
-        experts = [linear_time(dev, m_exp, f / t, h, batch=local_experts, bytes_per_element=e),
-                   linear_time(dev, m_exp, h, f / t, batch=local_experts, bytes_per_element=e)]
+        m_exp = own * scale * lay.ep / model.experts         # rows each local expert runs (busiest rank)
+        experts = _mlp_gemms(dev, m_exp, f, h, e, batch=local_experts)
         gemms += experts
-        gemms.append(linear_time(dev, tokens, model.experts, h, bytes_per_element=e))   # router
-        # a rank receives about tokens x top_k rows in ep x E/ep segments
-        if lay.ep > 1 and overlaps_exchange(tokens * model.top_k, model.experts):
+        gemms.append(linear_time(dev, own, model.experts, h, bytes_per_element=e))   # router
+        # a rank receives about own x top_k rows in ep x E/ep segments
+        if lay.ep > 1 and overlaps_exchange(own * model.top_k, model.experts):
             # the layer runs a rank's own rows (1/ep of its experts' work) in two halves while the two
             # exchanges of each pass are in flight (podscale.parallel.moe.layer._ExpertParallelFFN)
             hide = tuple(sum(x[i] for x in experts) / (2 * lay.ep) for i in (0, 1))
     else:
-        gemms.append(linear_time(dev, tokens, f / t, h, bytes_per_element=e))
-        gemms.append(linear_time(dev, tokens, h, f / t, bytes_per_element=e))
+        gemms += _mlp_gemms(dev, tokens, f / t, h, e)           # column- then row-parallel
     dense, dense_bwd = sum(g[0] for g in gemms), sum(g[1] for g in gemms)
     heads_local = b * a / t
     measured_attn = attention_time(dev, s, h / a, heads_local) if lay.fused_attention else None
@@ -175,20 +186,44 @@ def _layer_times_uncached(system: System, model: GPT, lay: Layout, moe: bool) ->
                   if moe and model.expert_recompute else 0.0)
     act_bytes = e * sbh                                       # one [s, b, h] activation tensor
     tp_ar = net.all_reduce_time(system, act_bytes, t, 1) if t > 1 else 0.0
-    a2a = net.all_to_all_time(system, act_bytes * scale, lay.ep, t) if moe and lay.ep > 1 else 0.0
-    # Weight-gradient GEMMs of the two column-parallel linears (QKV, MLP-in), which Megatron's asynchronous
-    # tensor-parallel backward runs while the input gradient's collective is in flight.
-    wgrad = [] if moe else [weight_grad_time(dev, tokens, 3 * h / t, h, bytes_per_element=e),
-                            weight_grad_time(dev, tokens, f / t, h, bytes_per_element=e)]
+    # a rank exchanges the rows of its own 1/tp of the samples over its ep group (stride tp)
+    a2a = net.all_to_all_time(system, act_bytes * scale / t, lay.ep, t) if moe and lay.ep > 1 else 0.0
+    # Weight-gradient GEMMs of the column-parallel linears (QKV, and a dense block's MLP-in), which
+    # Megatron's asynchronous tensor-parallel backward runs while the input gradient's collective is in flight.
+    wgrad = [weight_grad_time(dev, tokens, 3 * h / t, h, bytes_per_element=e)]
+    if moe:
+        # the attention's collective in each pass (an MoE layer's output is whole, not partial: nothing to
+        # fuse it with) and the MoE layer's own: the all-gather over tp of its samples' outputs in the
+        # forward, and of their input gradients in the backward (SplitBatchToTP); with sequence parallelism
+        # an all-to-all over tp from the sequence shards to whole samples and one back, in each pass
+        if t == 1:
+            moe_tp = 0.0
+        elif lay.sequence_parallel:
+            moe_tp = 2 * net.all_to_all_time(system, act_bytes / t, t, 1)
+        else:
+            moe_tp = net.all_gather_time(system, act_bytes, t, 1)
+        tp_fwd = tp_ar + moe_tp
+        tp_bwd = _tp_backward(lay, tp_ar, wgrad, dev, collectives=1) + moe_tp
+    else:
+        wgrad.append(weight_grad_time(dev, tokens, f / t, h, bytes_per_element=e))
+        tp_fwd = _tp_collectives_per_pass(lay) * tp_ar
+        tp_bwd = _tp_backward(lay, tp_ar, wgrad, dev)
     # backward of the attention core: twice its forward; fused, 2.5x (five GEMMs for the forward's two,
     # the scores recomputed: Dao 2023, FlashAttention-2, Sec. 3.1.2)
     attn_bwd = (attn_bwd_measured if measured_attn else
                 (FUSED_ATTN_BWD_OVER_FWD if lay.fused_attention else BWD_OVER_FWD) * (attn + ew_attn))
     return {"gemm": dense, "gemm_bwd": dense_bwd, "attn": attn + ew_attn, "attn_bwd": attn_bwd, "ew": ew,
-            "tp_ar": tp_ar, "a2a": a2a, "expert_recompute": gelu_again,
+            "tp_fwd": tp_fwd, "tp_bwd": tp_bwd, "a2a": a2a, "expert_recompute": gelu_again,
             "a2a_exposed": (max(0.0, a2a - hide[0]), max(0.0, a2a - hide[1])),
-            "kernels": KERNELS_PER_LAYER * dev.kernel_overhead,
-            "tp_bwd": _tp_backward(lay, tp_ar, wgrad, dev)}
+            "kernels": KERNELS_PER_LAYER * dev.kernel_overhead}
+
+
+def _mlp_gemms(dev, rows: float, width: float, hidden: int, dtype_bytes: int, batch: float = 1) -> list:
+    """(forward, backward) seconds of a GELU MLP's two linears, hidden -> ``width`` -> hidden, on ``rows``
+    rows (``batch`` such MLPs side by side: a rank's experts): a dense block's on its tp shard of the
+    width, an expert's whole on its rows."""
+    return [linear_time(dev, rows, width, hidden, batch=batch, bytes_per_element=dtype_bytes),
+            linear_time(dev, rows, hidden, width, batch=batch, bytes_per_element=dtype_bytes)]
 
 
 @dataclass(frozen=True)
@@ -196,20 +231,25 @@ class RankParams:
     """Parameters one rank holds, split by how podscale reduces and shards their gradients
     (podscale.parallel.moe.layer, "What a data-parallel strategy must do with an MoE model"): ``dense`` are
     replicated over dp x ep (gradients averaged, ZeRO-sharded over dp x ep), ``expert`` are this ep rank's
-    experts, replicated over dp only (gradients summed, ZeRO-sharded over dp)."""
+    experts, replicated over dp only (gradients summed, ZeRO-sharded over dp). ``tp_summed``: of these,
+    those that every tp rank holds whole and runs on its own share of the samples (an MoE layer's router
+    and experts under tp > 1), whose gradients are partial per tp rank and summed over tp every time they
+    are reduced (they carry the ``sequence_parallel`` tag; a sequence-parallel layer norm's few h
+    parameters do too, and are left out)."""
 
     dense: float
     expert: float
+    tp_summed: float = 0.0
 
     @property
     def total(self) -> float:
         return self.dense + self.expert
 
     def __add__(self, other: "RankParams") -> "RankParams":
-        return RankParams(self.dense + other.dense, self.expert + other.expert)
+        return RankParams(self.dense + other.dense, self.expert + other.expert, self.tp_summed + other.tp_summed)
 
     def __mul__(self, k: float) -> "RankParams":
-        return RankParams(self.dense * k, self.expert * k)
+        return RankParams(self.dense * k, self.expert * k, self.tp_summed * k)
 
     __rmul__ = __mul__
 
@@ -217,12 +257,15 @@ class RankParams:
 def layer_rank_params(model: GPT, tp: int, ep: int, moe: bool) -> RankParams:
     """One block's parameters on a rank of a tp x ep layout. A dense block is Megatron-sharded over tp (its
     layer norms and row-parallel biases counted as sharded too: a few h per block). An MoE block has no
-    dense MLP: its attention and norms as a dense block's, its router (dense: every ep rank routes) and the
-    ep rank's ``experts / ep`` experts."""
+    dense MLP: its attention and norms, sharded as a dense block's, and its MoE layer, which podscale does
+    not shard over tp (podscale.parallel.moe.layer.MoELayer.forward: each tp rank runs 1/tp of the samples
+    through whole experts): the router (dense: every ep rank routes) and the ep rank's ``experts / ep``
+    experts, whole on every tp rank, their gradients summed over tp."""
     if not moe:
         return RankParams(model.layer_params() / tp, 0.0)
-    return RankParams((model.attention_params + model.router_params) / tp,
-                      model.experts // ep * model.mlp_params() / tp)
+    moe_dense, experts = model.router_params, model.experts // ep * model.mlp_params()
+    return RankParams(model.attention_params / tp + moe_dense, experts,
+                      moe_dense + experts if tp > 1 else 0.0)
 
 
 def rank_params(model: GPT, lay: Layout, rank: int = 0) -> RankParams:
@@ -289,7 +332,7 @@ def _tp_collectives_per_pass(lay: Layout) -> int:
     return 1 if lay.parallel_block else 2
 
 
-def _tp_backward(lay: Layout, ar: float, wgrad: list, dev) -> float:
+def _tp_backward(lay: Layout, ar: float, wgrad: list, dev, collectives: int | None = None) -> float:
     """Exposed tensor-parallel communication of one layer's backward (Shoeybi et al. 2019, Fig. 3: one
     all-reduce of the input gradient per column-parallel linear, two per layer; with sequence parallelism
     a reduce-scatter each, plus the all-gather of the layer input that Korthikanti et al. 2022, Sec. 4.2.2,
@@ -297,17 +340,19 @@ def _tp_backward(lay: Layout, ar: float, wgrad: list, dev) -> float:
     all-reduce, 2022) the input-gradient collective runs under the weight-gradient GEMM of the same linear,
     so only what exceeds it is exposed (at least the device's measured ``overlap_exposed`` fraction of it),
     plus the device's measured ``overlap_penalty`` per overlapped collective (a CPU, whose collective thread
-    competes with the compute threads for the cores)."""
+    competes with the compute threads for the cores). ``collectives``: the layer's tensor-parallel
+    collectives per pass (default :func:`_tp_collectives_per_pass`; an MoE block's attention alone: 1)."""
     if ar == 0.0:
         return 0.0
     sp = lay.sequence_parallel
     # the input-gradient collective of each column-parallel linear: an all-reduce, or (sp) a reduce-scatter
     collective = ar / 2 if sp else ar
     redo_gather = ar / 2 if sp else 0.0     # sp: all-gather the input again for the weight gradient
-    k = _tp_collectives_per_pass(lay)
+    k = _tp_collectives_per_pass(lay) if collectives is None else collectives
     if not lay.tp_overlap or not wgrad:
         return k * (collective + redo_gather) if sp else k * ar
-    if k == 1:      # one collective for the fused input gradient, under both weight-gradient GEMMs
+    if k == 1:      # one collective (a parallel block's fused input gradient, or an MoE block's attention's)
+        # under the weight-gradient GEMMs
         return redo_gather + overlapped_exposed(dev, collective, sum(wgrad)) + dev.overlap_penalty
     return sum(redo_gather + overlapped_exposed(dev, collective, w) + dev.overlap_penalty for w in wgrad)
 
@@ -342,9 +387,8 @@ def predict_gpt(system: System, devices: int, model: GPT, lay: Layout, batch: in
     # the experts' GELU evaluated again (model.expert_recompute; a full recompute re-runs it anyway)
     expert_rec = 0.0 if lay.recompute == "full" else moe_frac * moe_t["expert_recompute"]
     recompute += expert_rec
-    per_pass = _tp_collectives_per_pass(lay)
-    n_fwd = per_pass * (2 if lay.recompute == "full" else 1)   # forward passes' (incl. recompute's) collectives
-    tp_comm = n_fwd * per_layer("tp_ar") + per_layer("tp_bwd")
+    n_fwd = 2 if lay.recompute == "full" else 1      # forward passes (incl. recompute's) and their collectives
+    tp_comm = n_fwd * per_layer("tp_fwd") + per_layer("tp_bwd")
     # dispatch and combine in every forward (twice with full recompute) and backward, each less the own
     # rows' expert work it overlaps
     exposed_fwd, exposed_bwd = moe_t["a2a_exposed"]
@@ -376,7 +420,7 @@ def predict_gpt(system: System, devices: int, model: GPT, lay: Layout, batch: in
     # and, per distinct layer count, the earliest rank with it (the most micro-batches in flight).
     candidates = sorted({0, p - 1} | {rank_layers.index(n) for n in set(rank_layers)})
     params = {r: rank_params(model, lay, r) for r in candidates}
-    fullest = max(params.values(), key=lambda x: x.dense + x.expert)
+    fullest = max(params.values(), key=lambda x: x.total)
     stage_dense, stage_expert = fullest.dense, fullest.expert
     dpe, dp_stride = lay.data_parallel, t
     grad_bytes = dev.dtype_bytes * stage_dense
@@ -425,6 +469,14 @@ def predict_gpt(system: System, devices: int, model: GPT, lay: Layout, batch: in
     dp_exposed = reductions * (max(overlapped_exposed(dev, dp_red, window), last_bucket)
                                if lay.overlap_grad_reduce else dp_red) + zero3_gather + param_gather
 
+    # The MoE layers' router and experts, whole on every tp rank, have partial gradients there, summed over
+    # tp in one all-reduce each time they are reduced (not overlapped: after the data-parallel all-reduce,
+    # TensorParallelStrategy.finish_grad_sync; ZeRO before each reduce-scatter, in the backward).
+    tp_grad_sum = 0.0
+    if t > 1 and fullest.tp_summed:
+        tp_grad_sum = ((m if reduces_every_micro_batch(lay) else 1)
+                       * net.all_reduce_time(system, dev.dtype_bytes * fullest.tp_summed, t, 1))
+
     # ZeRO shards dense parameters over dp x ep, experts over dp (their replicas)
     local_params = stage_dense + stage_expert if lay.zero_stage == 0 else stage_dense / dpe + stage_expert / lay.dp
     # The device runs the optimizer unless it is offloaded to a host that is not the device itself.
@@ -440,7 +492,7 @@ def predict_gpt(system: System, devices: int, model: GPT, lay: Layout, batch: in
 
     breakdown = {
         "forward": m * comp_fwd, "backward": m * comp_bwd, "recompute": m * comp_rec,
-        "tp_communication": m * n_slow * tp_comm, "ep_communication": m * n_slow * ep_comm,
+        "tp_communication": m * n_slow * tp_comm + tp_grad_sum, "ep_communication": m * n_slow * ep_comm,
         "output_layer": m * head if slow_last else 0.0, "pp_p2p": m * p2p, "pipeline_bubble": bubble,
         "dp_communication": dp_exposed, "optimizer": optimizer, "grad_passes": grad_passes, "offload": offload,
     }
