@@ -107,3 +107,70 @@ def test_an_moe_micro_batch_must_split_over_tp():
     with pytest.raises(LayoutError, match="microbatch=3 must be a multiple of 2"):
         predict("dgx-a100-80g", 16, planner_model(), Layout(tp=2, dp=8, microbatch=3), 24)
     predict("dgx-a100-80g", 16, planner_model(experts=1), Layout(tp=2, dp=8, microbatch=3), 24)   # dense: fine
+
+
+def test_shared_experts_are_priced_as_one_more_dense_mlp_per_moe_layer():
+    """``shared_experts`` = s: every MoE layer also runs one dense GELU MLP of width s x ffn on every token,
+    which podscale's MoE layer under tp runs whole on the rank's 1/tp of the samples, like the experts. The
+    prediction is the same model's plus exactly that MLP in each MoE layer, counted independently here: its
+    parameters (dense: on every ep and tp rank, summed over tp), 16 bytes of model states each (ZeRO 0, mixed
+    precision), its GELU's input and output (2 bytes each per element), its FLOPs, and its two linears and
+    bias + GELU pass on tokens / tp rows of width s x ffn. Leaving it out or counting it twice fails."""
+    from dataclasses import replace
+
+    from podscale.plan.compute import linear_time, stream_time
+    system = as_system("dgx-a100-80g")
+    dev = system.device
+    base = planner_model(n_layer=8, n_embd=1024, n_head=16, experts=8, block_size=1024)
+    s = 2
+    shared = replace(base, shared_experts=s)
+    h, fs, n_moe = base.hidden, s * base.ffn, base.moe_layers
+    assert n_moe == 4 and fs == 8192
+    mlp = 2 * h * fs + fs + h                                   # two weights with their biases
+    assert shared.params - base.params == n_moe * mlp
+
+    tp, b, batch = 2, 2, 64
+    lay = Layout(tp=tp, dp=4, ep=2, microbatch=b)
+    m = batch // (4 * 2 * b)
+    rows = b * base.seq // tp                                   # a rank's own tokens
+    with_s, without = (predict(system, 16, x, lay, batch) for x in (shared, base))
+    rp_s, rp_0 = (gpt_cost.rank_params(x, lay) for x in (shared, base))
+    assert (rp_s.dense - rp_0.dense, rp_s.expert - rp_0.expert, rp_s.tp_summed - rp_0.tp_summed) == \
+        (n_moe * mlp, 0, n_moe * mlp)
+
+    mem_s, mem_0 = with_s.memory_breakdown_bytes, without.memory_breakdown_bytes
+    assert mem_s["model_states"] - mem_0["model_states"] == pytest.approx(16 * n_moe * mlp, rel=1e-12)
+    assert mem_s["activations"] - mem_0["activations"] == pytest.approx(n_moe * 2 * 2 * rows * fs, rel=1e-9)
+    assert with_s.model_flops_per_step - without.model_flops_per_step == \
+        pytest.approx(3 * n_moe * 4 * batch * base.seq * h * fs, rel=1e-12)
+
+    fc, proj = linear_time(dev, rows, fs, h), linear_time(dev, rows, h, fs)
+    gelu = stream_time(dev, 4 * rows * fs)                       # bias + GELU: read and write, 2 bytes each
+    t_s, t_0 = with_s.time_breakdown_s, without.time_breakdown_s
+    assert t_s["forward"] - t_0["forward"] == pytest.approx(m * n_moe * (fc[0] + proj[0] + gelu), rel=1e-9)
+    assert t_s["backward"] - t_0["backward"] == pytest.approx(m * n_moe * (fc[1] + proj[1] + 2 * gelu), rel=1e-9)
+    # its gradient joins the experts' and the router's in the one sum over tp
+    grad_sum = [net.all_reduce_time(system, dev.dtype_bytes * rp.tp_summed, tp, 1) for rp in (rp_s, rp_0)]
+    assert t_s["tp_communication"] - t_0["tp_communication"] == pytest.approx(grad_sum[0] - grad_sum[1], rel=1e-9)
+    assert t_s["ep_communication"] == t_0["ep_communication"]     # not routed: nothing more exchanged
+
+
+def test_plan_predict_names_the_shared_experts(capsys):
+    from podscale.plan.cli import main
+    model = ('{"layers": 8, "hidden": 1024, "heads": 16, "seq": 1024, "vocab": 32000, "experts": 8, "top_k": 2, '
+             '"shared_experts": 2}')
+    assert main(["plan", "predict", "--system", "dgx-a100-80g", "--devices", "16", "--batch", "64", "--model", model,
+                 "--layout", '{"tp": 2, "pp": 1, "dp": 4, "ep": 2, "microbatch": 2}']) == 0
+    assert capsys.readouterr().out.startswith("custom (experts 8 top2 +2 shared) on 16 x dgx-a100-80g")
+
+
+def test_gpt_of_passes_the_shared_experts_through():
+    """``--layout auto`` plans the config's model: its shared experts too, once the config has the key."""
+    from podscale.config import GPTMoEModelSection, parse_config
+    from podscale.plan.auto import gpt_of
+    section = {"kind": "gpt-moe", "n_layer": 4, "n_head": 2, "n_embd": 32, "block_size": 32, "experts": 8}
+    assert gpt_of(parse_config({"run": {"name": "moe"}, "model": section})).shared_experts == 0
+    if "shared_experts" not in GPTMoEModelSection.model_fields:
+        pytest.skip("model.shared_experts is not in the config's gpt-moe section yet")
+    cfg = parse_config({"run": {"name": "moe"}, "model": {**section, "shared_experts": 2}})
+    assert gpt_of(cfg).shared_experts == 2

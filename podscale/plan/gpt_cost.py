@@ -147,6 +147,8 @@ def _layer_times_uncached(system: System, model: GPT, lay: Layout, moe: bool) ->
         experts = _mlp_gemms(dev, m_exp, f, h, e, batch=local_experts)
         gemms += experts
         gemms.append(linear_time(dev, own, model.experts, h, bytes_per_element=e))   # router
+        if model.shared_experts:   # the shared experts: one dense MLP, whole, on the rank's own tokens
+            gemms += _mlp_gemms(dev, own, model.shared_ffn, h, e)
         # a rank receives about own x top_k rows in ep x E/ep segments
         if lay.ep > 1 and overlaps_exchange(own * model.top_k, model.experts):
             # the layer runs a rank's own rows (1/ep of its experts' work) in two halves while the two
@@ -177,7 +179,10 @@ def _layer_times_uncached(system: System, model: GPT, lay: Layout, moe: bool) ->
                 + gemm_time(dev, s, h / a, s, batch=heads_local, bytes_per_element=e))
     sbh = tokens * h
     softmax = 9 * a * s * s * b / t
-    ew = elementwise_time(dev, layer_elementwise_bytes(tokens, h, f * scale, t, lay.sequence_parallel, e),
+    # the MLP's bias + GELU on every row it runs: the routed rows' (scale x tokens, width f) and the shared
+    # experts' (tokens, width shared_ffn), split over tp like a dense MLP's
+    mlp_width = f * scale + model.shared_ffn if moe else f
+    ew = elementwise_time(dev, layer_elementwise_bytes(tokens, h, mlp_width, t, lay.sequence_parallel, e),
                           e * tokens * h)
     ew_attn = 0.0 if lay.fused_attention else stream_time(dev, softmax * e / 2)
     # model.expert_recompute: the experts' GELU evaluated again before their backward (its input read, its
@@ -259,11 +264,11 @@ def layer_rank_params(model: GPT, tp: int, ep: int, moe: bool) -> RankParams:
     layer norms and row-parallel biases counted as sharded too: a few h per block). An MoE block has no
     dense MLP: its attention and norms, sharded as a dense block's, and its MoE layer, which podscale does
     not shard over tp (podscale.parallel.moe.layer.MoELayer.forward: each tp rank runs 1/tp of the samples
-    through whole experts): the router (dense: every ep rank routes) and the ep rank's ``experts / ep``
-    experts, whole on every tp rank, their gradients summed over tp."""
+    through whole experts): the router and the shared experts (dense: every ep rank runs them) and the ep
+    rank's ``experts / ep`` experts, whole on every tp rank, their gradients summed over tp."""
     if not moe:
         return RankParams(model.layer_params() / tp, 0.0)
-    moe_dense, experts = model.router_params, model.experts // ep * model.mlp_params()
+    moe_dense, experts = model.moe_dense_params, model.experts // ep * model.mlp_params()
     return RankParams(model.attention_params / tp + moe_dense, experts,
                       moe_dense + experts if tp > 1 else 0.0)
 
@@ -514,18 +519,19 @@ def predict_gpt(system: System, devices: int, model: GPT, lay: Layout, batch: in
 
     # Memory of every pipeline rank; the fullest one is reported.
     mlp_scale = model.top_k * model.expert_load(lay.ep) if model.moe_layers else 1.0
+    moe_kw = dict(mlp_scale=mlp_scale, shared_ffn=model.shared_ffn)
     act_kw = dict(seq=s, microbatch=b, hidden=h, heads=model.heads, tp=t,
                   sequence_parallel=lay.sequence_parallel, ffn=model.ffn)
     # a fused attention kernel keeps no s x s tensors for its backward, as selective recompute does
     kept = "selective" if lay.fused_attention and lay.recompute == "none" else lay.recompute
     act_layer = ((1 - moe_frac) * activation_bytes_per_layer(recompute=kept, **act_kw)
-                 + moe_frac * activation_bytes_per_layer(recompute=kept, mlp_scale=mlp_scale,
-                                                         gelu_recompute=model.expert_recompute, **act_kw))
+                 + moe_frac * activation_bytes_per_layer(recompute=kept, gelu_recompute=model.expert_recompute,
+                                                         **moe_kw, **act_kw))
     working = 0.0
     if lay.recompute == "full":   # one layer re-materialised during its backward (a fused attention kernel
         # keeps no s x s tensors then either)
         working = activation_bytes_per_layer(recompute="selective" if lay.fused_attention else "none",
-                                             mlp_scale=mlp_scale, **act_kw)
+                                             **moe_kw, **act_kw)
     prec = precision_of(dev.dtype_bytes)
     if lay.zero_stage == 3:   # current + prefetched block: the largest block as a rank holds it
         gathered = zero3_gathered_bytes(max(layer_rank_params(model, t, lay.ep, moe).total
@@ -590,11 +596,11 @@ def step_components(system: System, devices: int, model: GPT, lay: Layout, batch
 
 def _flops(model: GPT, lay: Layout, tokens: float) -> tuple[float, float]:
     """(model FLOPs, recompute FLOPs) of one step: per layer 8 T h^2 (QKV, output), 4 T s h (scores,
-    values), 4 T h ffn (MLP; top_k experts per token in MoE), x3 for forward and backward, plus the
-    vocabulary projection 6 T h V (Narayanan et al. SC'21, Sec. 5.1)."""
+    values), 4 T h ffn (MLP; in MoE, ``GPT.active_ffn``: top_k experts and the shared experts per token),
+    x3 for forward and backward, plus the vocabulary projection 6 T h V (Narayanan et al. SC'21, Sec. 5.1)."""
     h, s, L = model.hidden, model.seq, model.layers
     moe_frac = model.moe_layers / L
-    mlp_fwd = 4 * tokens * h * model.ffn * (1 - moe_frac + moe_frac * model.top_k)
+    mlp_fwd = 4 * tokens * h * ((1 - moe_frac) * model.active_ffn() + moe_frac * model.active_ffn(moe=True))
     layer_fwd_flops = 8 * tokens * h * h + 4 * tokens * s * h + mlp_fwd
     model_flops = 3 * L * layer_fwd_flops + 6 * tokens * h * model.vocab
     extra = {"none": 0.0, "selective": L * 4 * tokens * s * h, "full": L * layer_fwd_flops}[lay.recompute]
