@@ -136,7 +136,9 @@ def cmd_predict(args) -> int:
     if args.json:
         print(json.dumps(pred.to_dict(args.tokens), indent=None if args.compact else 2))
         return 0
-    print(f"{model.name} on {args.devices} x {args.system}, batch {args.batch}, {layout.short()}")
+    moe = _moe_summary(model)
+    print(f"{model.name}{f' ({moe.strip()})' if moe else ''} on {args.devices} x {args.system}, batch {args.batch}, "
+          f"{layout.short()}")
     print(f"  step time        {pred.step_time_s:.4g} s   ({pred.tokens_per_s:,.0f} tokens/s, "
           f"{pred.days_to_train(args.tokens):.1f} days for {args.tokens / 1e9:g}B tokens)")
     print(f"  per device       {pred.tflops_per_device:.1f} TFLOP/s, MFU {pred.mfu:.1%}, HFU {pred.hfu:.1%}")
@@ -219,13 +221,19 @@ def cmd_systems(args) -> int:
     return 0
 
 
+def _moe_summary(m) -> str:
+    """" experts 64 top2 +2 shared" for a GPT-MoE (the shared experts when it has any); "" otherwise."""
+    if getattr(m, "kind", "") != "gpt" or m.experts < 2:
+        return ""
+    return f" experts {m.experts} top{m.top_k}" + (f" +{m.shared_experts} shared" if m.shared_experts else "")
+
+
 def cmd_models(args) -> int:
     from .models import PRESETS, GPT
     for name, m in PRESETS.items():
         if isinstance(m, GPT):
-            moe = f" experts {m.experts} top{m.top_k}" if m.experts > 1 else ""
             print(f"{name:<15} {m.params / 1e9:>8.1f}B  layers {m.layers:>3} hidden {m.hidden:>5} heads {m.heads:>3} "
-                  f"seq {m.seq} vocab {m.vocab}{moe}")
+                  f"seq {m.seq} vocab {m.vocab}{_moe_summary(m)}")
         else:
             print(f"{name:<15} {m.params / 1e9:>8.1f}B  DLRM, {len(m.tables)} tables, MLPs {m.bottom_mlp} / {m.top_mlp}")
     return 0

@@ -14,6 +14,13 @@ device's measured ``overlap_exposed`` fraction of its own time (0 on GPUs; on a 
 takes the cores the compute uses). On a CPU system (``device_is_host``) "offload to the CPU" moves nothing:
 the step runs as without offload plus podscale's copy of the updated partition into the compute buffers.
 
+MoE layers are priced as podscale's MoELayer runs them (podscale/parallel/moe/layer.py), not as Megatron's
+expert tensor parallelism: under tp each tp rank routes 1/tp of the micro-batch's samples (whole sequences),
+exchanges them over its own ep group and runs them through whole experts (width ffn), so a rank holds
+experts / ep whole experts and the whole router, their gradients partial per tp rank and summed over tp
+each time they are reduced; the outputs are all-gathered over tp (with sequence parallelism, one all-to-all
+over tp in and one out). The attention of an MoE block is tensor-parallel as a dense block's.
+
 Ranks hold the layers the trainer gives them (``stages.py``: its parameter-balanced split, or the layout's
 ``pipeline_layers``), so pipelines need not divide the layers.
 
@@ -45,6 +52,7 @@ gradients (``gradient_bookkeeping_bytes``).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 
 from . import network as net
 from .compute import (attention_time, elementwise_time, gemm_rate as _gemm_rate, gemm_time, grad_pass_time, linear_time,
@@ -88,6 +96,9 @@ def check_gpt_layout(system: System, devices: int, model: GPT, layout: Layout, b
     if model.ffn % layout.tp:
         raise LayoutError(f"tp={layout.tp} does not divide ffn={model.ffn}")
     pipeline_chunks(model, layout)       # raises LayoutError for a split that cannot exist
+    if model.moe_layers and layout.tp > 1 and layout.microbatch % layout.tp:
+        raise LayoutError(f"an MoE layer splits a micro-batch's samples over tp={layout.tp}: microbatch="
+                          f"{layout.microbatch} must be a multiple of {layout.tp}")
     if layout.ep > 1 and (model.experts == 1 or model.experts % layout.ep):
         raise LayoutError(f"ep={layout.ep} needs an MoE model whose experts ({model.experts}) it divides")
     if system.data_parallel_only and (layout.tp, layout.pp, layout.ep) != (1, 1, 1):
@@ -128,20 +139,23 @@ def _layer_times_uncached(system: System, model: GPT, lay: Layout, moe: bool) ->
              linear_time(dev, tokens, h, h / t, bytes_per_element=e)]          # attention output
     hide = (0.0, 0.0)       # expert work each all-to-all of a forward / backward runs behind
     if moe:
+        # podscale's MoE layer under tp: each tp rank routes 1/tp of the micro-batch's samples, exchanges
+        # them over its own ep group and runs them through whole experts (MoELayer.forward)
+        own = tokens / t
         local_experts = model.experts / lay.ep
-        m_exp = tokens * scale * lay.ep / model.experts      # rows each local expert runs (busiest rank)
-        experts = [linear_time(dev, m_exp, f / t, h, batch=local_experts, bytes_per_element=e),
-                   linear_time(dev, m_exp, h, f / t, batch=local_experts, bytes_per_element=e)]
+        m_exp = own * scale * lay.ep / model.experts         # rows each local expert runs (busiest rank)
+        experts = _mlp_gemms(dev, m_exp, f, h, e, batch=local_experts)
         gemms += experts
-        gemms.append(linear_time(dev, tokens, model.experts, h, bytes_per_element=e))   # router
-        # a rank receives about tokens x top_k rows in ep x E/ep segments
-        if lay.ep > 1 and overlaps_exchange(tokens * model.top_k, model.experts):
+        gemms.append(linear_time(dev, own, model.experts, h, bytes_per_element=e))   # router
+        if model.shared_experts:   # the shared experts: one dense MLP, whole, on the rank's own tokens
+            gemms += _mlp_gemms(dev, own, model.shared_ffn, h, e)
+        # a rank receives about own x top_k rows in ep x E/ep segments
+        if lay.ep > 1 and overlaps_exchange(own * model.top_k, model.experts):
             # the layer runs a rank's own rows (1/ep of its experts' work) in two halves while the two
             # exchanges of each pass are in flight (podscale.parallel.moe.layer._ExpertParallelFFN)
             hide = tuple(sum(x[i] for x in experts) / (2 * lay.ep) for i in (0, 1))
     else:
-        gemms.append(linear_time(dev, tokens, f / t, h, bytes_per_element=e))
-        gemms.append(linear_time(dev, tokens, h, f / t, bytes_per_element=e))
+        gemms += _mlp_gemms(dev, tokens, f / t, h, e)           # column- then row-parallel
     dense, dense_bwd = sum(g[0] for g in gemms), sum(g[1] for g in gemms)
     heads_local = b * a / t
     measured_attn = attention_time(dev, s, h / a, heads_local) if lay.fused_attention else None
@@ -165,7 +179,10 @@ def _layer_times_uncached(system: System, model: GPT, lay: Layout, moe: bool) ->
                 + gemm_time(dev, s, h / a, s, batch=heads_local, bytes_per_element=e))
     sbh = tokens * h
     softmax = 9 * a * s * s * b / t
-    ew = elementwise_time(dev, layer_elementwise_bytes(tokens, h, f * scale, t, lay.sequence_parallel, e),
+    # the MLP's bias + GELU on every row it runs: the routed rows' (scale x tokens, width f) and the shared
+    # experts' (tokens, width shared_ffn), split over tp like a dense MLP's
+    mlp_width = f * scale + model.shared_ffn if moe else f
+    ew = elementwise_time(dev, layer_elementwise_bytes(tokens, h, mlp_width, t, lay.sequence_parallel, e),
                           e * tokens * h)
     ew_attn = 0.0 if lay.fused_attention else stream_time(dev, softmax * e / 2)
     # model.expert_recompute: the experts' GELU evaluated again before their backward (its input read, its
@@ -174,20 +191,102 @@ def _layer_times_uncached(system: System, model: GPT, lay: Layout, moe: bool) ->
                   if moe and model.expert_recompute else 0.0)
     act_bytes = e * sbh                                       # one [s, b, h] activation tensor
     tp_ar = net.all_reduce_time(system, act_bytes, t, 1) if t > 1 else 0.0
-    a2a = net.all_to_all_time(system, act_bytes * scale, lay.ep, t) if moe and lay.ep > 1 else 0.0
-    # Weight-gradient GEMMs of the two column-parallel linears (QKV, MLP-in), which Megatron's asynchronous
-    # tensor-parallel backward runs while the input gradient's collective is in flight.
-    wgrad = [] if moe else [weight_grad_time(dev, tokens, 3 * h / t, h, bytes_per_element=e),
-                            weight_grad_time(dev, tokens, f / t, h, bytes_per_element=e)]
+    # a rank exchanges the rows of its own 1/tp of the samples over its ep group (stride tp)
+    a2a = net.all_to_all_time(system, act_bytes * scale / t, lay.ep, t) if moe and lay.ep > 1 else 0.0
+    # Weight-gradient GEMMs of the column-parallel linears (QKV, and a dense block's MLP-in), which
+    # Megatron's asynchronous tensor-parallel backward runs while the input gradient's collective is in flight.
+    wgrad = [weight_grad_time(dev, tokens, 3 * h / t, h, bytes_per_element=e)]
+    if moe:
+        # the attention's collective in each pass (an MoE layer's output is whole, not partial: nothing to
+        # fuse it with) and the MoE layer's own: the all-gather over tp of its samples' outputs in the
+        # forward, and of their input gradients in the backward (SplitBatchToTP); with sequence parallelism
+        # an all-to-all over tp from the sequence shards to whole samples and one back, in each pass
+        if t == 1:
+            moe_tp = 0.0
+        elif lay.sequence_parallel:
+            moe_tp = 2 * net.all_to_all_time(system, act_bytes / t, t, 1)
+        else:
+            moe_tp = net.all_gather_time(system, act_bytes, t, 1)
+        tp_fwd = tp_ar + moe_tp
+        tp_bwd = _tp_backward(lay, tp_ar, wgrad, dev, collectives=1) + moe_tp
+    else:
+        wgrad.append(weight_grad_time(dev, tokens, f / t, h, bytes_per_element=e))
+        tp_fwd = _tp_collectives_per_pass(lay) * tp_ar
+        tp_bwd = _tp_backward(lay, tp_ar, wgrad, dev)
     # backward of the attention core: twice its forward; fused, 2.5x (five GEMMs for the forward's two,
     # the scores recomputed: Dao 2023, FlashAttention-2, Sec. 3.1.2)
     attn_bwd = (attn_bwd_measured if measured_attn else
                 (FUSED_ATTN_BWD_OVER_FWD if lay.fused_attention else BWD_OVER_FWD) * (attn + ew_attn))
     return {"gemm": dense, "gemm_bwd": dense_bwd, "attn": attn + ew_attn, "attn_bwd": attn_bwd, "ew": ew,
-            "tp_ar": tp_ar, "a2a": a2a, "expert_recompute": gelu_again,
+            "tp_fwd": tp_fwd, "tp_bwd": tp_bwd, "a2a": a2a, "expert_recompute": gelu_again,
             "a2a_exposed": (max(0.0, a2a - hide[0]), max(0.0, a2a - hide[1])),
-            "kernels": KERNELS_PER_LAYER * dev.kernel_overhead,
-            "tp_bwd": _tp_backward(lay, tp_ar, wgrad, dev)}
+            "kernels": KERNELS_PER_LAYER * dev.kernel_overhead}
+
+
+def _mlp_gemms(dev, rows: float, width: float, hidden: int, dtype_bytes: int, batch: float = 1) -> list:
+    """(forward, backward) seconds of a GELU MLP's two linears, hidden -> ``width`` -> hidden, on ``rows``
+    rows (``batch`` such MLPs side by side: a rank's experts): a dense block's on its tp shard of the
+    width, an expert's whole on its rows."""
+    return [linear_time(dev, rows, width, hidden, batch=batch, bytes_per_element=dtype_bytes),
+            linear_time(dev, rows, hidden, width, batch=batch, bytes_per_element=dtype_bytes)]
+
+
+@dataclass(frozen=True)
+class RankParams:
+    """Parameters one rank holds, split by how podscale reduces and shards their gradients
+    (podscale.parallel.moe.layer, "What a data-parallel strategy must do with an MoE model"): ``dense`` are
+    replicated over dp x ep (gradients averaged, ZeRO-sharded over dp x ep), ``expert`` are this ep rank's
+    experts, replicated over dp only (gradients summed, ZeRO-sharded over dp). ``tp_summed``: of these,
+    those that every tp rank holds whole and runs on its own share of the samples (an MoE layer's router
+    and experts under tp > 1), whose gradients are partial per tp rank and summed over tp every time they
+    are reduced (they carry the ``sequence_parallel`` tag; a sequence-parallel layer norm's few h
+    parameters do too, and are left out)."""
+
+    dense: float
+    expert: float
+    tp_summed: float = 0.0
+
+    @property
+    def total(self) -> float:
+        return self.dense + self.expert
+
+    def __add__(self, other: "RankParams") -> "RankParams":
+        return RankParams(self.dense + other.dense, self.expert + other.expert, self.tp_summed + other.tp_summed)
+
+    def __mul__(self, k: float) -> "RankParams":
+        return RankParams(self.dense * k, self.expert * k, self.tp_summed * k)
+
+    __rmul__ = __mul__
+
+
+def layer_rank_params(model: GPT, tp: int, ep: int, moe: bool) -> RankParams:
+    """One block's parameters on a rank of a tp x ep layout. A dense block is Megatron-sharded over tp (its
+    layer norms and row-parallel biases counted as sharded too: a few h per block). An MoE block has no
+    dense MLP: its attention and norms, sharded as a dense block's, and its MoE layer, which podscale does
+    not shard over tp (podscale.parallel.moe.layer.MoELayer.forward: each tp rank runs 1/tp of the samples
+    through whole experts): the router and the shared experts (dense: every ep rank runs them) and the ep
+    rank's ``experts / ep`` experts, whole on every tp rank, their gradients summed over tp."""
+    if not moe:
+        return RankParams(model.layer_params() / tp, 0.0)
+    moe_dense, experts = model.moe_dense_params, model.experts // ep * model.mlp_params()
+    return RankParams(model.attention_params / tp + moe_dense, experts,
+                      moe_dense + experts if tp > 1 else 0.0)
+
+
+def rank_params(model: GPT, lay: Layout, rank: int = 0) -> RankParams:
+    """Parameters of pipeline rank ``rank``: its blocks (the dense and MoE blocks in the model's proportion,
+    as the step time counts them) and, on the end stages, the embeddings (pp = 1: word and position
+    embeddings and the final layer norm; pp > 1: the tied word embedding of each end stage)."""
+    p, t, h = lay.pp, lay.tp, model.hidden
+    layers = pipeline_rank_layers(model, lay)[rank]
+    moe_frac = model.moe_layers / model.layers
+    blocks = layers * ((1 - moe_frac) * layer_rank_params(model, t, lay.ep, False)
+                       + moe_frac * layer_rank_params(model, t, lay.ep, True))
+    if p == 1:
+        return blocks + RankParams((model.embedding_params + 2 * h) / t, 0.0)
+    if rank in (0, p - 1):
+        return blocks + RankParams(model.vocab * h / t, 0.0)
+    return blocks
 
 
 def reduces_every_micro_batch(lay: Layout) -> bool:
@@ -238,7 +337,7 @@ def _tp_collectives_per_pass(lay: Layout) -> int:
     return 1 if lay.parallel_block else 2
 
 
-def _tp_backward(lay: Layout, ar: float, wgrad: list, dev) -> float:
+def _tp_backward(lay: Layout, ar: float, wgrad: list, dev, collectives: int | None = None) -> float:
     """Exposed tensor-parallel communication of one layer's backward (Shoeybi et al. 2019, Fig. 3: one
     all-reduce of the input gradient per column-parallel linear, two per layer; with sequence parallelism
     a reduce-scatter each, plus the all-gather of the layer input that Korthikanti et al. 2022, Sec. 4.2.2,
@@ -246,17 +345,19 @@ def _tp_backward(lay: Layout, ar: float, wgrad: list, dev) -> float:
     all-reduce, 2022) the input-gradient collective runs under the weight-gradient GEMM of the same linear,
     so only what exceeds it is exposed (at least the device's measured ``overlap_exposed`` fraction of it),
     plus the device's measured ``overlap_penalty`` per overlapped collective (a CPU, whose collective thread
-    competes with the compute threads for the cores)."""
+    competes with the compute threads for the cores). ``collectives``: the layer's tensor-parallel
+    collectives per pass (default :func:`_tp_collectives_per_pass`; an MoE block's attention alone: 1)."""
     if ar == 0.0:
         return 0.0
     sp = lay.sequence_parallel
     # the input-gradient collective of each column-parallel linear: an all-reduce, or (sp) a reduce-scatter
     collective = ar / 2 if sp else ar
     redo_gather = ar / 2 if sp else 0.0     # sp: all-gather the input again for the weight gradient
-    k = _tp_collectives_per_pass(lay)
+    k = _tp_collectives_per_pass(lay) if collectives is None else collectives
     if not lay.tp_overlap or not wgrad:
         return k * (collective + redo_gather) if sp else k * ar
-    if k == 1:      # one collective for the fused input gradient, under both weight-gradient GEMMs
+    if k == 1:      # one collective (a parallel block's fused input gradient, or an MoE block's attention's)
+        # under the weight-gradient GEMMs
         return redo_gather + overlapped_exposed(dev, collective, sum(wgrad)) + dev.overlap_penalty
     return sum(redo_gather + overlapped_exposed(dev, collective, w) + dev.overlap_penalty for w in wgrad)
 
@@ -291,9 +392,8 @@ def predict_gpt(system: System, devices: int, model: GPT, lay: Layout, batch: in
     # the experts' GELU evaluated again (model.expert_recompute; a full recompute re-runs it anyway)
     expert_rec = 0.0 if lay.recompute == "full" else moe_frac * moe_t["expert_recompute"]
     recompute += expert_rec
-    per_pass = _tp_collectives_per_pass(lay)
-    n_fwd = per_pass * (2 if lay.recompute == "full" else 1)   # forward passes' (incl. recompute's) collectives
-    tp_comm = n_fwd * per_layer("tp_ar") + per_layer("tp_bwd")
+    n_fwd = 2 if lay.recompute == "full" else 1      # forward passes (incl. recompute's) and their collectives
+    tp_comm = n_fwd * per_layer("tp_fwd") + per_layer("tp_bwd")
     # dispatch and combine in every forward (twice with full recompute) and backward, each less the own
     # rows' expert work it overlaps
     exposed_fwd, exposed_bwd = moe_t["a2a_exposed"]
@@ -321,26 +421,12 @@ def predict_gpt(system: System, devices: int, model: GPT, lay: Layout, batch: in
     comp_fwd, comp_bwd, comp_rec = n_slow * fwd, n_slow * bwd, n_slow * recompute
     bubble = (L * per_layer_mb + head + p * p2p - t_slow) / v
 
-    # Parameters of each rank (rank 0 and the last also hold the word embedding: tied, one copy each).
-    dense_layer = model.layer_params(moe=False)
-    moe_layer = model.layer_params(moe=True) if model.moe_layers else dense_layer
-    expert_params = (moe_layer - dense_layer) if model.moe_layers else 0
-    trunk = (1 - moe_frac) * dense_layer + moe_frac * (moe_layer - expert_params)
-
-    def rank_params(r: int) -> tuple[float, float]:
-        dense = rank_layers[r] * trunk / t
-        # pp = 1: embeddings and the final layer norm; pp > 1: the (tied) word embedding of an end stage.
-        if p == 1:
-            dense += (model.embedding_params + 2 * h) / t
-        elif r in (0, p - 1):
-            dense += model.vocab * h / t
-        return dense, rank_layers[r] * moe_frac * expert_params / t / lay.ep
-
     # Ranks that can hold the most (parameters or activations): the two ends (embedding, head, logits)
     # and, per distinct layer count, the earliest rank with it (the most micro-batches in flight).
     candidates = sorted({0, p - 1} | {rank_layers.index(n) for n in set(rank_layers)})
-    params = {r: rank_params(r) for r in candidates}
-    stage_dense, stage_expert = max(params.values(), key=lambda x: x[0] + x[1])
+    params = {r: rank_params(model, lay, r) for r in candidates}
+    fullest = max(params.values(), key=lambda x: x.total)
+    stage_dense, stage_expert = fullest.dense, fullest.expert
     dpe, dp_stride = lay.data_parallel, t
     grad_bytes = dev.dtype_bytes * stage_dense
     expert_grad_bytes = dev.dtype_bytes * stage_expert
@@ -388,8 +474,16 @@ def predict_gpt(system: System, devices: int, model: GPT, lay: Layout, batch: in
     dp_exposed = reductions * (max(overlapped_exposed(dev, dp_red, window), last_bucket)
                                if lay.overlap_grad_reduce else dp_red) + zero3_gather + param_gather
 
-    shard = 1 if lay.zero_stage == 0 else dpe
-    local_params = (stage_dense + stage_expert) / shard
+    # The MoE layers' router and experts, whole on every tp rank, have partial gradients there, summed over
+    # tp in one all-reduce each time they are reduced (not overlapped: after the data-parallel all-reduce,
+    # TensorParallelStrategy.finish_grad_sync; ZeRO before each reduce-scatter, in the backward).
+    tp_grad_sum = 0.0
+    if t > 1 and fullest.tp_summed:
+        tp_grad_sum = ((m if reduces_every_micro_batch(lay) else 1)
+                       * net.all_reduce_time(system, dev.dtype_bytes * fullest.tp_summed, t, 1))
+
+    # ZeRO shards dense parameters over dp x ep, experts over dp (their replicas)
+    local_params = stage_dense + stage_expert if lay.zero_stage == 0 else stage_dense / dpe + stage_expert / lay.dp
     # The device runs the optimizer unless it is offloaded to a host that is not the device itself.
     on_device = lay.offload_optimizer == "none" or (system.device_is_host and lay.offload_optimizer == "cpu")
     optimizer = optimizer_time(dev, ADAM_BYTES_PER_PARAM * local_params) if on_device else 0.0
@@ -403,7 +497,7 @@ def predict_gpt(system: System, devices: int, model: GPT, lay: Layout, batch: in
 
     breakdown = {
         "forward": m * comp_fwd, "backward": m * comp_bwd, "recompute": m * comp_rec,
-        "tp_communication": m * n_slow * tp_comm, "ep_communication": m * n_slow * ep_comm,
+        "tp_communication": m * n_slow * tp_comm + tp_grad_sum, "ep_communication": m * n_slow * ep_comm,
         "output_layer": m * head if slow_last else 0.0, "pp_p2p": m * p2p, "pipeline_bubble": bubble,
         "dp_communication": dp_exposed, "optimizer": optimizer, "grad_passes": grad_passes, "offload": offload,
     }
@@ -425,24 +519,29 @@ def predict_gpt(system: System, devices: int, model: GPT, lay: Layout, batch: in
 
     # Memory of every pipeline rank; the fullest one is reported.
     mlp_scale = model.top_k * model.expert_load(lay.ep) if model.moe_layers else 1.0
+    moe_kw = dict(mlp_scale=mlp_scale, shared_ffn=model.shared_ffn)
     act_kw = dict(seq=s, microbatch=b, hidden=h, heads=model.heads, tp=t,
                   sequence_parallel=lay.sequence_parallel, ffn=model.ffn)
     # a fused attention kernel keeps no s x s tensors for its backward, as selective recompute does
     kept = "selective" if lay.fused_attention and lay.recompute == "none" else lay.recompute
     act_layer = ((1 - moe_frac) * activation_bytes_per_layer(recompute=kept, **act_kw)
-                 + moe_frac * activation_bytes_per_layer(recompute=kept, mlp_scale=mlp_scale,
-                                                         gelu_recompute=model.expert_recompute, **act_kw))
+                 + moe_frac * activation_bytes_per_layer(recompute=kept, gelu_recompute=model.expert_recompute,
+                                                         **moe_kw, **act_kw))
     working = 0.0
     if lay.recompute == "full":   # one layer re-materialised during its backward (a fused attention kernel
         # keeps no s x s tensors then either)
         working = activation_bytes_per_layer(recompute="selective" if lay.fused_attention else "none",
-                                             mlp_scale=mlp_scale, **act_kw)
+                                             **moe_kw, **act_kw)
     prec = precision_of(dev.dtype_bytes)
-    gathered = zero3_gathered_bytes(moe_layer / t, prec) if lay.zero_stage == 3 else 0.0  # current + prefetched
+    if lay.zero_stage == 3:   # current + prefetched block: the largest block as a rank holds it
+        gathered = zero3_gathered_bytes(max(layer_rank_params(model, t, lay.ep, moe).total
+                                            for moe in {False, model.moe_layers > 0}), prec)
+    else:
+        gathered = 0.0
     logits_buf = 6 * logits_elems          # fp16 logits + fp32 softmax of the vocab-parallel loss
     memory, states, total_mem = {}, None, -1.0
     for r in candidates:
-        dense_r, expert_r = params[r]
+        dense_r, expert_r = params[r].dense, params[r].expert
         st = zero_model_state_bytes(dense_r, dpe, lay.zero_stage, lay.offload_optimizer, lay.offload_param, prec)
         if expert_r:
             es = zero_model_state_bytes(expert_r, lay.dp, lay.zero_stage, lay.offload_optimizer,
@@ -451,8 +550,10 @@ def predict_gpt(system: System, devices: int, model: GPT, lay: Layout, batch: in
         if system.device_is_host:   # host memory is the device's: what is "offloaded to the CPU" stays in it
             st = type(st)(st.device + st.host, 0.0, st.nvme)
         # ZeRO-2/3 on a pipeline: the stage's full 16-bit gradient is accumulated over the micro-batches
-        # before its one reduce-scatter (the partitioned gradient in ``st`` is what outlives the step)
-        pipeline_grads = dev.dtype_bytes * dense_r * (1 - 1 / dpe) if lay.zero_stage >= 2 and p > 1 else 0.0
+        # before its one reduce-scatter, experts' (over dp) included (the partitioned gradient in ``st`` is
+        # what outlives the step)
+        pipeline_grads = (dev.dtype_bytes * (dense_r * (1 - 1 / dpe) + expert_r * (1 - 1 / lay.dp))
+                          if lay.zero_stage >= 2 and p > 1 else 0.0)
         logits = logits_buf if r == p - 1 else 0.0
         acts = act_layer * pipeline_inflight_layers(rank_layers[r], p, m, lay.schedule, v, rank=r) + working
         mem = {"model_states": st.device, "activations": acts, "logits": logits, "zero3_gathered": gathered,
@@ -495,11 +596,11 @@ def step_components(system: System, devices: int, model: GPT, lay: Layout, batch
 
 def _flops(model: GPT, lay: Layout, tokens: float) -> tuple[float, float]:
     """(model FLOPs, recompute FLOPs) of one step: per layer 8 T h^2 (QKV, output), 4 T s h (scores,
-    values), 4 T h ffn (MLP; top_k experts per token in MoE), x3 for forward and backward, plus the
-    vocabulary projection 6 T h V (Narayanan et al. SC'21, Sec. 5.1)."""
+    values), 4 T h ffn (MLP; in MoE, ``GPT.active_ffn``: top_k experts and the shared experts per token),
+    x3 for forward and backward, plus the vocabulary projection 6 T h V (Narayanan et al. SC'21, Sec. 5.1)."""
     h, s, L = model.hidden, model.seq, model.layers
     moe_frac = model.moe_layers / L
-    mlp_fwd = 4 * tokens * h * model.ffn * (1 - moe_frac + moe_frac * model.top_k)
+    mlp_fwd = 4 * tokens * h * ((1 - moe_frac) * model.active_ffn() + moe_frac * model.active_ffn(moe=True))
     layer_fwd_flops = 8 * tokens * h * h + 4 * tokens * s * h + mlp_fwd
     model_flops = 3 * L * layer_fwd_flops + 6 * tokens * h * model.vocab
     extra = {"none": 0.0, "selective": L * 4 * tokens * s * h, "full": L * layer_fwd_flops}[lay.recompute]

@@ -23,7 +23,9 @@ class GPT:
     (Lepikhin et al. 2020) with ``top_k`` routing and ``capacity_factor`` (or, ``dropless``, no capacity:
     the busiest ep rank priced at ``dropless_peak_load`` times the mean rows, see :meth:`expert_load`);
     ``expert_recompute``: its experts keep only the GELU's input for the backward and evaluate the GELU
-    again there."""
+    again there. ``shared_experts`` = s > 0: every MoE layer also has one dense GELU MLP of width
+    s x ``ffn`` that every token passes through, unrouted, its output added to the routed experts' (DeepSeekMoE's
+    shared expert isolation, Dai et al. 2024; DeepSpeed-MoE's residual MoE, Rajbhandari et al. 2022)."""
 
     layers: int
     hidden: int
@@ -33,6 +35,7 @@ class GPT:
     ffn: int = 0                  # 0 -> 4 * hidden
     experts: int = 1
     top_k: int = 1
+    shared_experts: int = 0
     capacity_factor: float = 1.0
     dropless: bool = False
     dropless_peak_load: float = 2.0
@@ -50,6 +53,12 @@ class GPT:
             raise ModelError(f"hidden {self.hidden} is not divisible by heads {self.heads}")
         if self.ffn == 0:
             object.__setattr__(self, "ffn", 4 * self.hidden)
+        if not isinstance(self.shared_experts, int) or isinstance(self.shared_experts, bool) or self.shared_experts < 0:
+            raise ModelError(f"model field 'shared_experts' must be an integer >= 0 (0: none), got "
+                             f"{self.shared_experts!r}")
+        if self.shared_experts and self.experts < 2:
+            raise ModelError(f"model field 'shared_experts'={self.shared_experts} needs an MoE model: set experts "
+                             f"> 1, or shared_experts: 0")
         if not self.capacity_factor > 0:
             raise ModelError(f"capacity_factor must be > 0, got {self.capacity_factor!r} (or dropless: true)")
         if not self.dropless_peak_load >= 1:
@@ -69,14 +78,38 @@ class GPT:
     def moe_layers(self) -> int:
         return self.layers // self.moe_every if self.experts > 1 else 0
 
+    @property
+    def attention_params(self) -> int:
+        """QKV and output projection with biases, and the block's two layer norms: what a dense and an MoE
+        block share (tensor-parallel over tp in both)."""
+        h = self.hidden
+        return 4 * h * h + 4 * h + 4 * h
+
+    def mlp_params(self, width: int | None = None) -> int:
+        """A GELU MLP h -> ``width`` -> h with biases (default width ``ffn``: the dense MLP, or one expert)."""
+        w, h = self.ffn if width is None else width, self.hidden
+        return 2 * h * w + w + h
+
+    @property
+    def shared_ffn(self) -> int:
+        """Width of an MoE layer's shared-expert MLP (0: none)."""
+        return self.shared_experts * self.ffn
+
+    @property
+    def moe_dense_params(self) -> int:
+        """An MoE layer's parameters that are not experts: its router (h x experts, no bias:
+        podscale.parallel.moe.gate.Router) and its shared-expert MLP; every ep rank holds them."""
+        return self.hidden * self.experts + (self.mlp_params(self.shared_ffn) if self.shared_experts else 0)
+
+    def active_ffn(self, moe: bool = False) -> int:
+        """MLP width a token passes through in a block: its top_k experts and the shared experts in an MoE
+        block, the dense MLP otherwise (4 h x this is the block's MLP FLOPs per token, forward)."""
+        return self.top_k * self.ffn + self.shared_ffn if moe else self.ffn
+
     def layer_params(self, moe: bool = False) -> int:
-        h, f = self.hidden, self.ffn
-        attn = 4 * h * h + 4 * h              # QKV + output projection with biases
-        mlp = 2 * h * f + f + h
-        norms = 4 * h
         if moe:
-            return attn + norms + self.experts * mlp + h * self.experts  # + router
-        return attn + mlp + norms
+            return self.attention_params + self.moe_dense_params + self.experts * self.mlp_params()
+        return self.attention_params + self.mlp_params()
 
     @property
     def embedding_params(self) -> int:

@@ -1,0 +1,176 @@
+"""The planner's GPT-MoE under tensor parallelism as podscale runs it (podscale.parallel.moe.layer.MoELayer:
+each tp rank routes 1/tp of the samples through whole experts), checked against what a real rank holds."""
+import pytest
+import torch
+
+from podscale.models.gpt_moe import GPTMoE, GPTMoEConfig
+from podscale.parallel.param_tags import tags
+from podscale.parallel.tensor import apply_tensor_parallel
+from podscale.plan import gpt_cost, predict
+from podscale.plan import network as net
+from podscale.plan.hardware import as_system
+from podscale.plan.layout import Layout, LayoutError
+from podscale.plan.models import GPT
+
+# every other block MoE: two dense blocks (tensor-parallel MLP) and two MoE blocks
+CFG = dict(vocab_size=512, block_size=64, n_layer=4, n_head=4, n_embd=256, experts=4, top_k=2, moe_every=2)
+
+
+def planner_model(**kw) -> GPT:
+    c = {**CFG, **kw}
+    return GPT(layers=c["n_layer"], hidden=c["n_embd"], heads=c["n_head"], seq=c["block_size"],
+               vocab=c["vocab_size"], experts=c["experts"], top_k=c["top_k"], moe_every=c["moe_every"])
+
+
+def real_rank(tp: int, ep: int, rank: int) -> dict:
+    """Parameter counts of global rank ``rank`` of a tp x ep mesh, as podscale builds it: the GPT-MoE on the
+    meta device with the rank's mesh coordinates (its experts), then sharded over tp. Building needs no
+    process group (no collective runs until the first forward)."""
+    from podscale.runtime.mesh import Mesh
+    mesh = Mesh(sizes={"pp": 1, "dp": 1, "ep": ep, "tp": tp}, rank=rank)
+    with torch.device("meta"):
+        model = GPTMoE(GPTMoEConfig(**CFG), mesh)
+    apply_tensor_parallel(model, mesh)
+    out = {"total": 0, "expert": 0, "tp_summed": 0, "tp_replicated_dense": 0}
+    for name, p in model.named_parameters():
+        n, tg = p.numel(), tags(p)
+        out["total"] += n
+        out["expert"] += n * tg.expert_parallel
+        out["tp_summed"] += n * tg.sequence_parallel          # no sequence parallelism: the MoE layers' only
+        # whole on every tp rank though not an MoE layer's (layer norms, row-parallel biases, position embedding)
+        out["tp_replicated_dense"] += n * (tg.tp_layout is None and ".moe." not in name)
+    return out
+
+
+@pytest.mark.parametrize("ep", [1, 2])
+def test_a_ranks_parameters_under_tp_are_what_podscale_builds(ep):
+    """tp = 2: a rank holds experts / ep whole experts and the whole router (podscale does not shard an MoE
+    layer over tp); the planner's per-rank count is a real rank's, to the parameter, in every class: the
+    experts (reduced and ZeRO-sharded over dp), the ones summed over tp, and the total, which differs only
+    by the planner's dense rule (a dense block's layer norms and row-parallel biases, and the position
+    embedding, counted as divided by tp, which podscale keeps whole: the same for dense GPTs)."""
+    tp = 2
+    model = planner_model()
+    planned = gpt_cost.rank_params(model, Layout(tp=tp, dp=1, ep=ep, microbatch=2))
+    for rank in range(tp * ep):                   # every rank of the tp x ep mesh holds as many
+        real = real_rank(tp, ep, rank)
+        assert planned.expert == real["expert"]
+        assert planned.tp_summed == real["tp_summed"]
+        assert planned.total == real["total"] - real["tp_replicated_dense"] * (1 - 1 / tp)
+    # against an independent count: the two MoE blocks' experts, whole, E/ep of them on a rank
+    h, f = CFG["n_embd"], 4 * CFG["n_embd"]
+    assert planned.expert == 2 * CFG["experts"] // ep * (2 * h * f + f + h)
+    # at tp = 1 nothing is summed over tp, and the experts are the same
+    one = gpt_cost.rank_params(model, Layout(tp=1, dp=1, ep=ep, microbatch=2))
+    assert one.tp_summed == 0 and one.expert == planned.expert
+
+
+def test_the_gradient_sum_over_tp_is_paid_once_per_reduction():
+    """The router's and experts' gradients, partial per tp rank, are all-reduced over tp every time they are
+    reduced: once a step after the data-parallel all-reduce (replicated; ZeRO-1, ZeRO-2 in a pipeline), and
+    before every micro-batch's reduce-scatter under ZeRO-2 without a pipeline. The activation collectives
+    are the same in all of them."""
+    system = as_system("dgx-a100-80g")
+    model = planner_model(n_layer=8, n_embd=1024, n_head=16, experts=8, block_size=1024)
+    m = 4
+
+    def tp_comm(stage):
+        lay = Layout(tp=2, dp=4, ep=2, microbatch=2, zero_stage=stage)
+        return predict(system, 16, model, lay, 4 * 2 * 2 * m).time_breakdown_s["tp_communication"]
+
+    summed = gpt_cost.rank_params(model, Layout(tp=2, dp=4, ep=2, microbatch=2)).tp_summed
+    one_sum = net.all_reduce_time(system, system.device.dtype_bytes * summed, 2, 1)
+    assert one_sum > 0
+    assert tp_comm(1) == pytest.approx(tp_comm(0), rel=1e-12)
+    assert tp_comm(2) - tp_comm(1) == pytest.approx((m - 1) * one_sum, rel=1e-9)
+
+
+def test_an_moe_blocks_tp_collectives_are_the_attentions_and_the_gather_of_its_samples():
+    """Per MoE block and micro-batch, without sequence parallelism: the attention's all-reduce in each pass
+    (Megatron's), and the MoE layer's all-gather over tp of its samples' outputs (forward) and of their
+    input gradients (backward); no MLP all-reduce. Every block MoE, no overlap, one micro-batch: the tp
+    communication of a step is these and the one gradient sum (the loss's are the output layer's)."""
+    system = as_system("dgx-a100-80g")
+    model = planner_model(n_layer=4, n_embd=1024, n_head=16, experts=8, block_size=1024, moe_every=1)
+    lay = Layout(tp=2, dp=8, microbatch=2)
+    pred = predict(system, 16, model, lay, 16)
+    act = system.device.dtype_bytes * 2 * model.seq * model.hidden
+    per_block = 2 * (net.all_reduce_time(system, act, 2, 1) + net.all_gather_time(system, act, 2, 1))
+    grads = net.all_reduce_time(system, system.device.dtype_bytes * gpt_cost.rank_params(model, lay).tp_summed, 2, 1)
+    assert pred.time_breakdown_s["tp_communication"] == pytest.approx(model.layers * per_block + grads,
+                                                                      rel=1e-9)
+
+
+def test_an_moe_micro_batch_must_split_over_tp():
+    """podscale's MoE layer splits a micro-batch's samples over tp (the config refuses otherwise): so does
+    the planner, with a one-line error."""
+    with pytest.raises(LayoutError, match="microbatch=3 must be a multiple of 2"):
+        predict("dgx-a100-80g", 16, planner_model(), Layout(tp=2, dp=8, microbatch=3), 24)
+    predict("dgx-a100-80g", 16, planner_model(experts=1), Layout(tp=2, dp=8, microbatch=3), 24)   # dense: fine
+
+
+def test_shared_experts_are_priced_as_one_more_dense_mlp_per_moe_layer():
+    """``shared_experts`` = s: every MoE layer also runs one dense GELU MLP of width s x ffn on every token,
+    which podscale's MoE layer under tp runs whole on the rank's 1/tp of the samples, like the experts. The
+    prediction is the same model's plus exactly that MLP in each MoE layer, counted independently here: its
+    parameters (dense: on every ep and tp rank, summed over tp), 16 bytes of model states each (ZeRO 0, mixed
+    precision), its GELU's input and output (2 bytes each per element), its FLOPs, and its two linears and
+    bias + GELU pass on tokens / tp rows of width s x ffn. Leaving it out or counting it twice fails."""
+    from dataclasses import replace
+
+    from podscale.plan.compute import linear_time, stream_time
+    system = as_system("dgx-a100-80g")
+    dev = system.device
+    base = planner_model(n_layer=8, n_embd=1024, n_head=16, experts=8, block_size=1024)
+    s = 2
+    shared = replace(base, shared_experts=s)
+    h, fs, n_moe = base.hidden, s * base.ffn, base.moe_layers
+    assert n_moe == 4 and fs == 8192
+    mlp = 2 * h * fs + fs + h                                   # two weights with their biases
+    assert shared.params - base.params == n_moe * mlp
+
+    tp, b, batch = 2, 2, 64
+    lay = Layout(tp=tp, dp=4, ep=2, microbatch=b)
+    m = batch // (4 * 2 * b)
+    rows = b * base.seq // tp                                   # a rank's own tokens
+    with_s, without = (predict(system, 16, x, lay, batch) for x in (shared, base))
+    rp_s, rp_0 = (gpt_cost.rank_params(x, lay) for x in (shared, base))
+    assert (rp_s.dense - rp_0.dense, rp_s.expert - rp_0.expert, rp_s.tp_summed - rp_0.tp_summed) == \
+        (n_moe * mlp, 0, n_moe * mlp)
+
+    mem_s, mem_0 = with_s.memory_breakdown_bytes, without.memory_breakdown_bytes
+    assert mem_s["model_states"] - mem_0["model_states"] == pytest.approx(16 * n_moe * mlp, rel=1e-12)
+    assert mem_s["activations"] - mem_0["activations"] == pytest.approx(n_moe * 2 * 2 * rows * fs, rel=1e-9)
+    assert with_s.model_flops_per_step - without.model_flops_per_step == \
+        pytest.approx(3 * n_moe * 4 * batch * base.seq * h * fs, rel=1e-12)
+
+    fc, proj = linear_time(dev, rows, fs, h), linear_time(dev, rows, h, fs)
+    gelu = stream_time(dev, 4 * rows * fs)                       # bias + GELU: read and write, 2 bytes each
+    t_s, t_0 = with_s.time_breakdown_s, without.time_breakdown_s
+    assert t_s["forward"] - t_0["forward"] == pytest.approx(m * n_moe * (fc[0] + proj[0] + gelu), rel=1e-9)
+    assert t_s["backward"] - t_0["backward"] == pytest.approx(m * n_moe * (fc[1] + proj[1] + 2 * gelu), rel=1e-9)
+    # its gradient joins the experts' and the router's in the one sum over tp
+    grad_sum = [net.all_reduce_time(system, dev.dtype_bytes * rp.tp_summed, tp, 1) for rp in (rp_s, rp_0)]
+    assert t_s["tp_communication"] - t_0["tp_communication"] == pytest.approx(grad_sum[0] - grad_sum[1], rel=1e-9)
+    assert t_s["ep_communication"] == t_0["ep_communication"]     # not routed: nothing more exchanged
+
+
+def test_plan_predict_names_the_shared_experts(capsys):
+    from podscale.plan.cli import main
+    model = ('{"layers": 8, "hidden": 1024, "heads": 16, "seq": 1024, "vocab": 32000, "experts": 8, "top_k": 2, '
+             '"shared_experts": 2}')
+    assert main(["plan", "predict", "--system", "dgx-a100-80g", "--devices", "16", "--batch", "64", "--model", model,
+                 "--layout", '{"tp": 2, "pp": 1, "dp": 4, "ep": 2, "microbatch": 2}']) == 0
+    assert capsys.readouterr().out.startswith("custom (experts 8 top2 +2 shared) on 16 x dgx-a100-80g")
+
+
+def test_gpt_of_passes_the_shared_experts_through():
+    """``--layout auto`` plans the config's model: its shared experts too, once the config has the key."""
+    from podscale.config import GPTMoEModelSection, parse_config
+    from podscale.plan.auto import gpt_of
+    section = {"kind": "gpt-moe", "n_layer": 4, "n_head": 2, "n_embd": 32, "block_size": 32, "experts": 8}
+    assert gpt_of(parse_config({"run": {"name": "moe"}, "model": section})).shared_experts == 0
+    if "shared_experts" not in GPTMoEModelSection.model_fields:
+        pytest.skip("model.shared_experts is not in the config's gpt-moe section yet")
+    cfg = parse_config({"run": {"name": "moe"}, "model": {**section, "shared_experts": 2}})
+    assert gpt_of(cfg).shared_experts == 2
