@@ -223,7 +223,8 @@ def cmd_systems(args) -> int:
 
 def _moe_summary(m) -> str:
     """" experts 64 top2 +2 shared" for a GPT-MoE (the shared experts when it has any); "" otherwise."""
-    if getattr(m, "kind", "") != "gpt" or m.experts < 2:
+    from .models import GPT
+    if not isinstance(m, GPT) or m.experts < 2:
         return ""
     return f" experts {m.experts} top{m.top_k}" + (f" +{m.shared_experts} shared" if m.shared_experts else "")
 
