@@ -434,15 +434,18 @@ MOE = {"model.kind": "gpt-moe", "model.experts": 8, "model.top_k": 2, "model.moe
 def moe_training(data: str) -> list[dict]:
     """``podscale train`` of a GPT-MoE (BIG's width, at most 8 layers, 8 experts in every other block) in bf16
     with each accelerator kernel: under autocast the experts compute in bf16, where ``auto`` picks the grouped
-    GEMM on SM90/SM100.
+    GEMM on SM90/SM100; then with ``auto``: ``train.compile`` (inductor's Triton kernels for the blocks'
+    attention halves, the MoE layers eager between them) and one shared expert (another model: its losses
+    are not compared).
     Median step time after two warm-up steps, peak memory, and the largest loss difference from ``segment``
     over the steps (the same data and seed: bf16 rounding only)."""
     rows, ref = [], None
-    for kernel in ("segment", "auto", "grouped"):
-        settings = dict(BIG, **MOE, **{"data.path": data, "model.expert_kernel": kernel,
-                                       "model.n_layer": min(8, BIG["model.n_layer"])})
-        res = train(RUNS, f"moe-bf16-{kernel}", settings, 12)
-        row = {"case": f"gpt-moe bf16 expert_kernel={kernel}"}
+    cases = [(k, {"model.expert_kernel": k}, True) for k in ("segment", "auto", "grouped")] + [
+        ("auto compile", {"train.compile": True}, True), ("auto shared_experts=1", {"model.shared_experts": 1}, False)]
+    for label, extra, same_model in cases:
+        settings = dict(BIG, **MOE, **{"data.path": data, "model.n_layer": min(8, BIG["model.n_layer"])}, **extra)
+        res = train(RUNS, f"moe-bf16-{label.replace(' ', '-').replace('=', '')}", settings, 12)
+        row = {"case": f"gpt-moe bf16 expert_kernel={label}"}
         if "error" in res:
             row["error"] = res["error"]
         else:
@@ -451,7 +454,7 @@ def moe_training(data: str) -> list[dict]:
                        peak_MiB=max(res["records"][-1]["peak_mem_bytes"]) / 2**20, last_loss=losses[-1])
             if ref is None:
                 ref = losses
-            else:
+            elif same_model:
                 row["max_loss_diff_vs_segment"] = max(abs(a - b) for a, b in zip(losses, ref))
         rows.append(row)
         print(json.dumps(row), flush=True)

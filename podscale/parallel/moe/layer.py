@@ -665,8 +665,9 @@ class MoELayer(nn.Module):
     # Python; a compiled block runs it eagerly between its compiled pieces, see podscale.train.compile)
     @torch.compiler.disable
     def forward(self, x: torch.Tensor, keys: torch.Tensor | None = None) -> tuple[torch.Tensor, MoEOutput]:
-        """``x`` (..., S, d): groups of S tokens.  Returns the output (same shape; zero for a token none of
-        whose choices was dispatched) and the :class:`MoEOutput`.
+        """``x`` (..., S, d): groups of S tokens.  Returns the output (same shape; for a token none of whose
+        choices was dispatched, zero, or the shared expert's output when the layer has one) and the
+        :class:`MoEOutput`.
 
         Under tensor parallelism (the mesh's tp > 1) every tp rank holds the same tokens.  Rather than
         route them all and run every expert tp times, each tp rank takes ``1/tp`` of the samples (dim 0:
