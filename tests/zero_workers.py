@@ -275,6 +275,29 @@ def nvme_budget_run(d: dict, steps: int, ckpt_root: str | None = None, then: int
     return out
 
 
+def disk_full_build(nvme_path: str) -> str:
+    """In a process of its own (the file-size limit stays with it): with files limited to 1 MiB, build a
+    ZeRO-3 strategy whose optimizer state is swapped to ``nvme_path``; ``"CLEAR: "`` and the storage error
+    it raises, or what happened instead."""
+    import resource
+    import signal
+
+    from podscale.config import parse_config
+    from podscale.models.gpt import GPTConfig
+    from podscale.storage.aio import StorageFullError
+
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
+    cfg = parse_config({"zero": {"stage": 3, "offload_optimizer": "nvme", "nvme_path": nvme_path}})
+    try:
+        build_strategy(GPT(GPTConfig(n_layer=2, n_embd=128)), Mesh.build(), cfg.train, cfg.zero)
+    except StorageFullError as e:
+        return f"CLEAR: {e}"
+    except Exception as e:  # noqa: BLE001 - reported to the test, which fails on it
+        return f"another error: {type(e).__name__}: {e}"
+    return "no error"
+
+
 def batches_for(cfg, steps: int) -> list:
     """The first ``steps`` optimizer steps' micro-batches of ``cfg``'s data on this rank (one process)."""
     tokens, _ = split_tokens(load_tokens(cfg.data.path), cfg.data.val_fraction)
