@@ -315,3 +315,18 @@ def bad_inputs(ssd_root: str) -> dict[str, str]:
     attempt("ssd", lambda: ShardedEmbeddingBags(
         [TableSpec("t", 4, dram_budget_bytes=1 << 16, ssd_path=path)], mesh, SparseSGD(0.1)))
     return out
+
+
+def ssd_overwriter(path: str, engine: str, args: dict, ready) -> None:
+    """Overwrite the same 2000 rows of an SSD store with generation 1, 2, 3, ... (one atomic write batch
+    each) until killed; ``ready`` is set once 3 batches are written."""
+    from podscale.storage import SSD_ENGINES
+
+    s = SSD_ENGINES[engine](path, 64, **args)
+    keys = torch.arange(2000, dtype=torch.int64)
+    g = 0
+    while True:
+        g += 1
+        s.put(keys, torch.full((2000, 64), float(g)))
+        if g == 3:
+            ready.set()

@@ -242,18 +242,6 @@ def test_train_two_ranks_ssd_tier_kill_and_resume(tmp_path, capfd):
     assert again[-1]["val_auc"] == pytest.approx(rows[-1]["val_auc"], abs=1e-6)
 
 
-_WRITER = r"""
-import json, sys, torch
-from podscale.storage import SSD_ENGINES
-s = SSD_ENGINES[sys.argv[2]](sys.argv[1], 64, **json.loads(sys.argv[3]))
-keys = torch.arange(2000, dtype=torch.int64)
-g = 0
-while True:
-    g += 1
-    s.put(keys, torch.full((2000, 64), float(g)))
-    if g == 3:
-        print("ready", flush=True)
-"""
 # the log store merges its file at every put here (no size floor: each put leaves as many dead records as
 # live ones), so the kill also lands in merges: a merge cut short must leave the old log or the new one
 ENGINE_ARGS = {"rocksdb": {}, "log": {"compact_min_bytes": 0}}
@@ -263,16 +251,26 @@ ENGINE_ARGS = {"rocksdb": {}, "log": {"compact_min_bytes": 0}}
 def test_ssd_store_reopens_consistent_after_sigkill_mid_write(tmp_path, engine):
     """A process overwriting 2000 rows per atomic write batch is killed at an arbitrary moment: the store
     reopens with every row present and all rows from the same batch (no torn batch, no torn row) -- for
-    each SSD engine."""
+    each SSD engine.  The writer is forked from podscale's fork server (torch imported there once) rather
+    than started as a new interpreter."""
+    import multiprocessing
+
+    from podscale.runtime import forkserver
+    from table_workers import ssd_overwriter
+
     store = SSD_ENGINES[engine]
     path = tmp_path / "db"
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    p = subprocess.Popen([sys.executable, "-c", _WRITER, str(path), engine, json.dumps(ENGINE_ARGS[engine])],
-                         stdout=subprocess.PIPE, env=env, text=True)
-    assert p.stdout.readline().strip() == "ready"
+    forkserver.start_server()
+    ctx = multiprocessing.get_context("forkserver")
+    ready = ctx.Event()
+    p = ctx.Process(target=forkserver.run_with_parent_env,
+                    args=(ssd_overwriter, dict(os.environ), None, str(path), engine, ENGINE_ARGS[engine], ready))
+    p.start()
+    assert ready.wait(120), f"the writer did not write 3 batches (exit code {p.exitcode})"
     time.sleep(0.3)
     os.kill(p.pid, signal.SIGKILL)
-    p.wait()
+    p.join()
+    assert p.exitcode == -signal.SIGKILL  # killed mid-write, not ended by itself
     s = store(path, 64)
     keys, rows = zip(*s.scan())
     keys, rows = torch.cat(keys), torch.cat(rows)

@@ -6,7 +6,6 @@ import math
 import os
 import subprocess
 import sys
-import textwrap
 
 import pytest
 
@@ -102,28 +101,24 @@ def test_bad_offload_configs_fail_before_training(tmp_path):
 
 def test_disk_full_gives_clear_error_and_keeps_checkpoint(tmp_path):
     """A file-size limit makes the swap file's preallocation fail like a full disk: the error names the
-    path and the space needed, and the checkpoint written before is untouched."""
+    path and the space needed, and the checkpoint written before is untouched.  The limit is set in a
+    process of its own, forked from podscale's fork server (torch already imported there, as in every
+    launched worker) rather than a new interpreter importing torch."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    from podscale.runtime import forkserver
+    from zero_workers import disk_full_build
+
     ck = tmp_path / "ckpt"
     ck.mkdir()
     (ck / "meta.json").write_text('{"step": 5}')
-    code = textwrap.dedent(f"""
-        import resource, signal, torch
-        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-        resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
-        from podscale.config import parse_config
-        from podscale.models.gpt import GPT, GPTConfig
-        from podscale.parallel.zero import build_strategy
-        from podscale.runtime.mesh import Mesh
-        from podscale.storage.aio import StorageFullError
-        cfg = parse_config({{"zero": {{"stage": 3, "offload_optimizer": "nvme", "nvme_path": "{tmp_path}"}}}})
-        try:
-            build_strategy(GPT(GPTConfig(n_layer=2, n_embd=128)), Mesh.build(), cfg.train, cfg.zero)
-        except StorageFullError as e:
-            print("CLEAR:", e)
-    """)
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert "CLEAR: " in out.stdout, out.stdout + out.stderr
-    assert "disk full while swapping" in out.stdout and "GiB" in out.stdout
+    forkserver.start_server()
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("forkserver")) as pool:
+        out = pool.submit(forkserver.run_with_parent_env, disk_full_build, dict(os.environ), None,
+                          str(tmp_path)).result(timeout=120)
+    assert out.startswith("CLEAR: "), out
+    assert "disk full while swapping" in out and "GiB" in out
     assert (ck / "meta.json").read_text() == '{"step": 5}'
     assert not list(tmp_path.glob("*.swp"))
 
