@@ -120,9 +120,16 @@ def python_api_trains(data_path: str) -> list[float]:
 
 def environment_and_imports(names: list[str]) -> dict:
     """What a launched worker sees: the given environment variables, its rank and its parent process (the
-    fork server, or the launching process itself for a spawned worker)."""
+    fork server, or the launching process itself for a spawned worker), and what a full garbage collection
+    in it walks (the objects it tracks, those frozen out of collection, the seconds it took)."""
+    import gc
     import os
-    return {"env": {n: os.environ.get(n) for n in names}, "rank": os.environ["RANK"], "parent": os.getppid()}
+    import time
+    t0 = time.perf_counter()
+    gc.collect()
+    return {"env": {n: os.environ.get(n) for n in names}, "rank": os.environ["RANK"], "parent": os.getppid(),
+            "gc_tracked": len(gc.get_objects()), "gc_frozen": gc.get_freeze_count(),
+            "gc_collect_s": time.perf_counter() - t0}
 
 
 def print_and_return(text: str) -> int:

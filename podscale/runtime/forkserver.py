@@ -20,6 +20,7 @@ settings that are read from the environment only when a process starts (glibc's 
 """
 from __future__ import annotations
 
+import gc
 import multiprocessing
 import multiprocessing.forkserver
 import multiprocessing.reduction
@@ -70,7 +71,14 @@ def run_with_parent_env(fn: Callable[..., Any], parent_env: dict[str, str], stre
     """Run ``fn(*args)`` in a forked worker with the environment its parent had at launch, plus the
     variables torch's agent set for this worker (those that differ from what the fork inherited), and
     with the parent's standard output and error (``streams`` from :func:`parent_streams`; None keeps the
-    streams the agent redirected to its log files)."""
+    streams the agent redirected to its log files).
+
+    Before anything else the worker moves every object the fork inherited (torch's and podscale's modules:
+    a few hundred thousand) into the collector's permanent generation (``gc.freeze``, as CPython's
+    documentation advises after a pre-fork server's imports): a full collection in the worker then walks
+    only what the worker made, not 0.25-0.5 s of inherited objects each time, and never touches the
+    inherited pages (copy-on-write stays shared)."""
+    gc.freeze()
     agent = {k: v for k, v in os.environ.items() if _INHERITED.get(k) != v}
     os.environ.clear()
     os.environ.update(parent_env)
