@@ -138,7 +138,7 @@ class Experts(nn.ModuleDict):
         self.bias, self.kernel, self.recompute_activation = bias, kernel, recompute_activation
 
     def _kernel(self, x: torch.Tensor) -> ExpertKernel:
-        return _kernel(self.kernel, x, self.d_model, self.d_hidden, self.recompute_activation)
+        return pick_kernel(self.kernel, x, self.d_model, self.d_hidden, self.recompute_activation)
 
     def _weights(self):
         ex = list(self.values())
@@ -183,8 +183,8 @@ class Experts(nn.ModuleDict):
         return y
 
 
-def _kernel(given: ExpertKernel | None, x: torch.Tensor, d_model: int, d_hidden: int,
-            recompute_activation: bool) -> ExpertKernel:
+def pick_kernel(given: ExpertKernel | None, x: torch.Tensor, d_model: int, d_hidden: int,
+                recompute_activation: bool) -> ExpertKernel:
     """``given``, or the kernel for ``x``'s device and dtype and these widths."""
     return given if given is not None else kernel_for(x.device, x.dtype, d_model, d_hidden, recompute_activation)
 
@@ -750,7 +750,7 @@ class MoELayer(nn.Module):
         if self.shared is None:
             return None
         e = self.experts
-        kernel = _kernel(e.kernel, inp, e.d_model, self.shared.w_fc.shape[1], e.recompute_activation)
+        kernel = pick_kernel(e.kernel, inp, e.d_model, self.shared.w_fc.shape[1], e.recompute_activation)
         return _GroupedFFN.apply(inp, [(0, inp.shape[0])], kernel, 1, e.bias, *self.shared.weights())
 
     # the reference -------------------------------------------------------------------------------------
