@@ -218,9 +218,10 @@ class GPTMoE(GPT):
         """Parameters a token passes through (the k chosen experts instead of all E)."""
         dense = self.cfg.num_params(include_embeddings=False)
         h, H = self.cfg.n_embd, self.cfg.hidden
-        mlp = 2 * h * 4 * h + (5 * h if self.cfg.bias else 0)
-        per_expert = 2 * h * H + (H + h if self.cfg.bias else 0)
-        Hs = self.cfg.shared_experts * H
-        shared = 2 * h * Hs + (Hs + h if self.cfg.bias else 0) if Hs else 0
+
+        def ffn(width: int) -> int:   # a GELU feed-forward h -> width -> h (0 wide: none)
+            return 2 * h * width + (width + h if self.cfg.bias else 0) if width else 0
+
         n_moe = sum(self.cfg.is_moe(i) for i in range(self.cfg.n_layer))
-        return dense - n_moe * mlp + n_moe * (self.cfg.top_k * per_expert + shared + self.cfg.experts * h)
+        routed = self.cfg.top_k * ffn(H) + ffn(self.cfg.shared_experts * H) + self.cfg.experts * h  # + router
+        return dense - n_moe * ffn(4 * h) + n_moe * routed

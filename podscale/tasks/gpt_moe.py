@@ -90,11 +90,11 @@ class GPTMoETask(GPTTask):
         return asdict(self.gpt)
 
     def describe(self, model: nn.Module) -> str:
-        m = _gpt_moe(model)
-        return (f"{self.gpt.experts} experts x {sum(self.gpt.is_moe(i) for i in range(self.gpt.n_layer))} MoE "
-                f"layers (top-{self.gpt.top_k}{f' + {self.gpt.shared_experts} shared' if self.gpt.shared_experts else ''}), "
-                f"{m.active_params_per_token() / 1e6:.2f}M active params per "
-                f"token, global batch {self.cfg.train.global_batch} x {self.gpt.block_size} tokens")
+        m, g = _gpt_moe(model), self.gpt
+        shared = f" + {g.shared_experts} shared" if g.shared_experts else ""
+        return (f"{g.experts} experts x {sum(g.is_moe(i) for i in range(g.n_layer))} MoE layers (top-{g.top_k}"
+                f"{shared}), {m.active_params_per_token() / 1e6:.2f}M active params per token, global batch "
+                f"{self.cfg.train.global_batch} x {g.block_size} tokens")
 
     def ep_sharded_parameters(self, model: nn.Module) -> list[nn.Parameter]:
         return expert_parameters(model)

@@ -113,11 +113,18 @@ class Expert(nn.Module):
 
     def reference(self, x: torch.Tensor) -> torch.Tensor:
         """The expert in plain autograd operations (the tests' reference for the kernels)."""
-        h = x @ self.w_fc.to(x.dtype)
-        if self.b_fc is not None:
-            h = h + self.b_fc.to(x.dtype)
-        y = F.gelu(h, approximate="tanh") @ self.w_proj.to(x.dtype)
-        return y + self.b_proj.to(x.dtype) if self.b_proj is not None else y
+        return _reference_ffn(x, self.w_fc, self.w_proj, self.b_fc, self.b_proj)
+
+
+def _reference_ffn(x: torch.Tensor, w_fc: torch.Tensor, w_proj: torch.Tensor, b_fc: torch.Tensor | None,
+                   b_proj: torch.Tensor | None) -> torch.Tensor:
+    """``gelu(x w_fc + b_fc) w_proj + b_proj`` in plain autograd operations, in ``x``'s dtype (one expert's
+    weights, or several stacked with rows (E, R, d) and biases (E, 1, .): the einsum reference's batch)."""
+    h = x @ w_fc.to(x.dtype)
+    if b_fc is not None:
+        h = h + b_fc.to(x.dtype)
+    y = F.gelu(h, approximate="tanh") @ w_proj.to(x.dtype)
+    return y + b_proj.to(x.dtype) if b_proj is not None else y
 
 
 class Experts(nn.ModuleDict):
@@ -173,14 +180,9 @@ class Experts(nn.ModuleDict):
     def forward_padded(self, x: torch.Tensor) -> torch.Tensor:
         """(El, R, d) -> (El, R, d): every expert on its own R rows (the reference's batched form)."""
         ex = list(self.values())
-        h = torch.einsum("erm,emh->erh", x, torch.stack([e.w_fc for e in ex]).to(x.dtype))
-        if self.bias:
-            h = h + torch.stack([e.b_fc for e in ex]).to(h.dtype)[:, None]
-        y = torch.einsum("erh,ehm->erm", F.gelu(h, approximate="tanh"),
-                         torch.stack([e.w_proj for e in ex]).to(x.dtype))
-        if self.bias:
-            y = y + torch.stack([e.b_proj for e in ex]).to(y.dtype)[:, None]
-        return y
+        b_fc = torch.stack([e.b_fc for e in ex])[:, None] if self.bias else None
+        b_proj = torch.stack([e.b_proj for e in ex])[:, None] if self.bias else None
+        return _reference_ffn(x, torch.stack([e.w_fc for e in ex]), torch.stack([e.w_proj for e in ex]), b_fc, b_proj)
 
 
 def pick_kernel(given: ExpertKernel | None, x: torch.Tensor, d_model: int, d_hidden: int,
