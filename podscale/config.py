@@ -211,6 +211,10 @@ class GPTMoEModelSection(GPTModelSection):
         if self.experts % p.ep:
             raise ConfigError(f"model.experts={self.experts} is not divisible by parallel.ep={p.ep}: make "
                               f"model.experts a multiple of {p.ep} or choose an ep that divides it")
+        if p.fold_tp_into_ep and self.experts % (p.ep * p.tp):
+            raise ConfigError(f"model.experts={self.experts} is not divisible by parallel.ep*parallel.tp="
+                              f"{p.ep * p.tp} (parallel.fold_tp_into_ep shards the experts over both): make "
+                              f"model.experts a multiple of {p.ep * p.tp} or set fold_tp_into_ep = false")
         try:
             check_task_layout(self.task_class(), p.tp, p.sequence_parallel, p.pp, p.ep)
         except ValueError as err:
@@ -511,6 +515,10 @@ class ParallelSection(_Section):
     ep: int = Field(1, ge=1)
     bucket_mb: float = Field(25.0, gt=0.0)
     sequence_parallel: bool = False
+    fold_tp_into_ep: bool = Field(
+        False, description="mixture-of-experts models under tp > 1: shard the experts over ep x tp and exchange "
+        "tokens over those ranks, instead of every tp rank holding the ep rank's experts (MoE parallel folding: "
+        "tp times less expert memory, no tp sum of their gradients; model.experts a multiple of ep * tp)")
     schedule: Literal["gpipe", "1f1b", "interleaved"] = "1f1b"
     virtual_stages: int = Field(1, ge=1, description="model chunks per pipeline rank (interleaved 1F1B)")
     recompute: Literal["none", "selective", "full"] = "none"
@@ -675,7 +683,13 @@ class Config(_Section):
                 check_task_layout(self.model.task_class(), 1, False, 1, p.ep)
             except ValueError as err:
                 raise ConfigError(str(err)) from None
-        p = self.parallel
+        if p.fold_tp_into_ep:
+            if p.tp == 1:
+                raise ConfigError("parallel.fold_tp_into_ep needs parallel.tp > 1 (it folds the tp ranks into the "
+                                  "experts' group): set parallel.tp or fold_tp_into_ep = false")
+            if not self.model.task_class().supports_expert_parallel:
+                raise ConfigError(f"parallel.fold_tp_into_ep shards a mixture-of-experts model's experts, and "
+                                  f"model.kind={self.model.kind!r} has none: set fold_tp_into_ep = false")
         if p.virtual_stages > 1 and p.schedule != "interleaved":
             raise ConfigError(f"parallel.virtual_stages={p.virtual_stages} needs parallel.schedule = "
                               "'interleaved': set the schedule or virtual_stages = 1")

@@ -14,6 +14,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch._dynamo.utils import counters
+from torch.distributed._shard.sharded_tensor import ShardedTensor
 
 import podscale
 from podscale.config import parse_config
@@ -47,16 +48,19 @@ class GPTMoETask64(GPTMoETask):
     """The GPT-MoE task with the model built on the CPU in fp64 (each rank its own experts)."""
 
     def build_model_on(self, mesh) -> nn.Module:
-        model = GPTMoE(self.gpt, mesh, self.cfg.parallel.sequence_parallel).double()
+        p = self.cfg.parallel
+        model = GPTMoE(self.gpt, mesh, p.sequence_parallel, p.fold_tp_into_ep).double()
         model.loss_fn = CrossEntropy64()
         return model
 
 
 def config(mode: str, dp: int, ep: int, stage: int = 0, steps: int = 20, pp: int = 1, tp: int = 1,
            micro_batch: int | None = None, schedule: str = "1f1b", optimizer: str = "adamw",
-           sequence_parallel: bool = False, virtual_stages: int = 1, n_layer: int = 2, compile: str | None = None):
+           sequence_parallel: bool = False, virtual_stages: int = 1, n_layer: int = 2, compile: str | None = None,
+           fold: bool = False):
     """The test model on a (pp, dp, ep, tp) layout; ``micro_batch`` default: one micro-batch per step;
-    ``compile``: a torch.compile backend for ``train.compile`` (None: eager)."""
+    ``compile``: a torch.compile backend for ``train.compile`` (None: eager); ``fold``:
+    ``parallel.fold_tp_into_ep``."""
     return parse_config({
         "run": {"name": "moe", "steps": steps, "seed": 7},
         "model": {"kind": "gpt-moe", "n_layer": n_layer, "n_head": 2, "n_embd": 32, "block_size": 32, "experts": 8,
@@ -64,7 +68,8 @@ def config(mode: str, dp: int, ep: int, stage: int = 0, steps: int = 20, pp: int
                   **MODES[mode]},
         "data": {"path": DATA},
         "parallel": {"nproc": pp * dp * ep * tp, "dp": dp, "ep": ep, "pp": pp, "tp": tp, "schedule": schedule,
-                     "sequence_parallel": sequence_parallel, "virtual_stages": virtual_stages},
+                     "sequence_parallel": sequence_parallel, "virtual_stages": virtual_stages,
+                     "fold_tp_into_ep": fold},
         # (decay_steps fixed: a run resumed with fewer steps keeps the same learning-rate schedule)
         "train": {"global_batch": 8, "micro_batch": micro_batch or 8 // (dp * ep), "lr": 3e-3, "warmup_steps": 2,
                   "decay_steps": 20, "grad_clip": 1.0, "compile": compile is not None,
@@ -78,7 +83,8 @@ def run_job(job: dict, mesh: Mesh) -> dict:
     from) and ``save_at`` (a step after which to save under ``save_root``)."""
     cfg = config(job["mode"], job["dp"], job["ep"], job.get("stage", 0), job["steps"], job.get("pp", 1),
                  job.get("tp", 1), job.get("micro_batch"), job.get("schedule", "1f1b"), job.get("optimizer", "adamw"),
-                 job.get("sp", False), job.get("virtual_stages", 1), job.get("n_layer", 2), job.get("compile"))
+                 job.get("sp", False), job.get("virtual_stages", 1), job.get("n_layer", 2), job.get("compile"),
+                 job.get("fold", False))
     task = GPTMoETask64(cfg)
     graphs = counters["stats"]["unique_graphs"]
     torch.manual_seed(cfg.run.seed)
@@ -86,7 +92,11 @@ def run_job(job: dict, mesh: Mesh) -> dict:
     engine = podscale.parallelize(model, mesh, cfg, task)
     data_rank, data_ranks = mesh.local_rank(*mesh.data_axes), mesh.size(*mesh.data_axes)
     loader = task.train_data(data_rank, data_ranks)
-    out = {"losses": [], "grad_norms": [], "metrics": [], "grads": None, "held": sorted(engine.model_state())}
+    state = engine.model_state()
+    out = {"losses": [], "grad_norms": [], "metrics": [], "grads": None, "held": sorted(state),
+           # the ranks a sharded checkpoint tensor's metadata names as holding its pieces
+           "placements": {n: sorted({md.placement.rank() for md in t.metadata().shards_metadata})
+                          for n, t in state.items() if isinstance(t, ShardedTensor)}}
     try:
         start = 0
         if job.get("load"):

@@ -13,7 +13,12 @@ gradients through that stage's backward; four blocks for the interleaved schedul
 * tp = 2 x ep = 2 with sequence parallelism (each MoE layer turns its sequence shards into whole sequences
   of its share of the samples and back), top-1 with capacity beside a shared expert (dense parameters that
   every tp rank holds whole and whose partial gradients are summed over tp, as the router's); replicated;
-* pp = 2 x ep = 2, interleaved 1F1B with two virtual stages per rank (four blocks), top-2; replicated.
+* pp = 2 x ep = 2, interleaved 1F1B with two virtual stages per rank (four blocks), top-2; replicated;
+* folded (``parallel.fold_tp_into_ep``: experts sharded over ep x tp, tokens exchanged over those ranks, no tp
+  sum of expert gradients): tp = 2 x ep = 2, top-2, replicated, saving a checkpoint after step CKPT_AT that
+  ep = 4 (no tp, no folding) resumes, its next steps' losses the one process's; pp = 2 x tp = 2 (ep = 1: the
+  experts sharded over tp alone), 1F1B, top-2; tp = 2 x ep = 2 with sequence parallelism, top-1 with a shared
+  expert, ZeRO-3.
 
 Tolerances: the replicated runs are fp64 end to end, so routing statistics (functions of the global integer
 counts) are identical, reduced gradients at step 0 and parameters after the steps agree to 1e-9 relative
@@ -44,6 +49,21 @@ JOBS = [
     dict(mode="top2", pp=2, dp=1, ep=2, steps=STEPS, micro_batch=2, schedule="interleaved", virtual_stages=2,
          n_layer=4, eval=True),
 ]
+CKPT_AT = 4
+
+
+def fold_jobs(root) -> list[dict]:
+    """The folded layouts (indices 7-9), the ep = 4 run resuming the first one's checkpoint (10), and dp = 2 x
+    tp = 2 folded under ZeRO-2 (11: each expert's Adam state and fp32 masters split over dp, on its tp rank
+    alone) saving a checkpoint that ep = 4 resumes (12)."""
+    return [dict(mode="top2", tp=2, dp=1, ep=2, fold=True, steps=STEPS, micro_batch=4, eval=True,
+                 save_at=CKPT_AT, save_root=str(root / "replicated")),
+            dict(mode="top2", pp=2, tp=2, dp=1, ep=1, fold=True, steps=STEPS, micro_batch=4, eval=True),
+            dict(mode="shared", tp=2, dp=1, ep=2, sp=True, fold=True, stage=3, steps=STEPS, micro_batch=4),
+            dict(mode="top2", dp=1, ep=4, steps=STEPS, load=str(root / "replicated" / f"step_{CKPT_AT:08d}")),
+            dict(mode="top2", tp=2, dp=2, ep=1, fold=True, stage=2, steps=STEPS, micro_batch=2, save_at=CKPT_AT,
+                 save_root=str(root / "zero2")),
+            dict(mode="top2", dp=1, ep=4, steps=STEPS, load=str(root / "zero2" / f"step_{CKPT_AT:08d}"))]
 
 
 def _cfg(**parallel):
@@ -57,6 +77,9 @@ def _cfg(**parallel):
     (dict(nproc=2, tp=2, micro_batch=1), ["train.micro_batch=1", "parallel.tp=2"]),
     (dict(nproc=4, pp=2, tp=2, sequence_parallel=True, micro_batch=1), ["train.micro_batch=1", "parallel.tp=2"]),
     (dict(nproc=2, pp=2, pipeline_balance="time"), ["pipeline_balance='time'", "pipeline_layers"]),
+    (dict(nproc=2, fold_tp_into_ep=True), ["parallel.fold_tp_into_ep", "parallel.tp"]),
+    (dict(nproc=8, tp=2, ep=4, fold_tp_into_ep=True), ["model.experts=4", "parallel.ep*parallel.tp=8",
+                                                       "fold_tp_into_ep = false"]),
 ])
 def test_unsupported_moe_layouts_are_one_line_errors(parallel, words):
     with pytest.raises(ConfigError) as err:
@@ -71,14 +94,23 @@ def test_unsupported_moe_layouts_are_one_line_errors(parallel, words):
                                       dict(nproc=2, tp=2), dict(nproc=4, pp=2, tp=2),
                                       dict(nproc=4, tp=2, ep=2, sequence_parallel=True, micro_batch=4),
                                       dict(nproc=4, pp=2, tp=2, sequence_parallel=True),
-                                      dict(nproc=4, pp=2, ep=2, schedule="interleaved", virtual_stages=2)])
+                                      dict(nproc=4, pp=2, ep=2, schedule="interleaved", virtual_stages=2),
+                                      dict(nproc=4, tp=2, ep=2, micro_batch=4, fold_tp_into_ep=True)])
 def test_pipeline_and_tensor_parallel_moe_layouts_are_accepted(parallel):
     _cfg(**parallel).check_layout(parallel["nproc"])
 
 
+def test_folding_a_model_without_experts_is_a_one_line_error():
+    cfg = parse_config({"model": {"kind": "gpt", "n_head": 2, "n_embd": 32}, "parallel": {"nproc": 2, "tp": 2,
+                                                                                       "fold_tp_into_ep": True}})
+    with pytest.raises(ConfigError, match=r"^parallel.fold_tp_into_ep shards .*model.kind='gpt' has none: set "
+                                          r"fold_tp_into_ep = false$"):
+        cfg.check_layout(2)
+
+
 @pytest.fixture(scope="module")
-def runs():
-    return launch(W.run_jobs, (JOBS,), nproc=4)
+def runs(tmp_path_factory):
+    return launch(W.run_jobs, (JOBS + fold_jobs(tmp_path_factory.mktemp("fold")),), nproc=4)
 
 
 @pytest.fixture(scope="module")
@@ -91,15 +123,17 @@ def single():
 @pytest.mark.parametrize("i,label", [(0, "pp=2 ep=2 1f1b top2"), (1, "pp=2 ep=2 gpipe dropless ZeRO-1"),
                                      (2, "tp=2 ep=2 top2"), (3, "tp=2 ep=2 top1 ZeRO-3"),
                                      (4, "pp=2 tp=2 1f1b top2"), (5, "tp=2 sp ep=2 top1 + shared expert"),
-                                     (6, "pp=2 ep=2 interleaved v=2 top2")])
-def test_moe_layout_matches_one_process(runs, single, i, label):
-    job = JOBS[i]
+                                     (6, "pp=2 ep=2 interleaved v=2 top2"), (7, "tp=2 ep=2 folded top2"),
+                                     (8, "pp=2 tp=2 folded 1f1b top2"),
+                                     (9, "tp=2 sp ep=2 folded top1 + shared expert ZeRO-3")])
+def test_moe_layout_matches_one_process(runs, single, i, label, tmp_path):
+    job = (JOBS + fold_jobs(tmp_path))[i]
     ref = single[(job["mode"], job.get("n_layer", 2))]
     for rank, res in runs.items():
         ours = res[i]
         zero = job.get("stage", 0) > 0
-        _matches(ours, ref, f"{label} rank {rank}", norm_rel=2e-5 if zero else 1e-9, ep=job["ep"],
-                 param_rel=None if zero else 1e-9)
+        _matches(ours, ref, f"{label} rank {rank}", norm_rel=2e-5 if zero else 1e-9,
+                 ep=job["ep"] * (job.get("tp", 1) if job.get("fold") else 1), param_rel=None if zero else 1e-9)
         if job.get("stage", 0) == 0:
             # a pipeline rank holds one stage's parameters, a tp rank its shards (gathered): every one compared
             assert ours["grads"] and set(ours["grads"]) <= set(ref["grads"]), label
@@ -115,3 +149,43 @@ def test_moe_layout_matches_one_process(runs, single, i, label):
     assert layers <= set(runs[0][i]["metrics"][-1]), label
     dropped = [m["blocks.1/dropped_share"] for m in ref["metrics"]]
     assert (max(dropped) == 0) == (job["mode"] == "dropless"), dropped
+
+
+def _experts_held(res: dict, block: int) -> set[int]:
+    return {int(n.split(".")[4]) for n in res["held"] if n.startswith(f"blocks.{block}.moe.experts.")}
+
+
+def test_folded_experts_are_sharded_over_ep_and_tp(runs):
+    """Folded, rank (e, t) of the ep x tp group holds the experts [(e * tp + t) * E/(ep tp), ...): each
+    expert on one rank (two per rank here); unfolded, both tp ranks of an ep rank hold its four."""
+    for rank, res in runs.items():  # ranks are (ep, tp) = (rank // 2, rank % 2) on the tp = 2 x ep = 2 mesh
+        for block in (0, 1):
+            assert _experts_held(res[7], block) == {2 * rank, 2 * rank + 1}, rank
+            assert _experts_held(res[2], block) == set(range(4 * (rank // 2), 4 * (rank // 2) + 4)), rank
+    # pp = 2 x tp = 2, ep = 1: each stage's block's experts sharded over its two tp ranks
+    assert [_experts_held(runs[r][8], r // 2) for r in range(4)] == [{0, 1, 2, 3}, {4, 5, 6, 7}] * 2
+
+
+def test_folded_checkpoints_resume_at_another_layout(runs, single):
+    """tp = 2 x ep = 2 folded (replicated) and dp = 2 x tp = 2 folded (ZeRO-2, fp32) save after step CKPT_AT
+    (model and Adam state, each expert from its holders); ep = 4 without tp loads each, and its next steps'
+    losses are the one process's (ZeRO-2's fp32 run within 1e-6, as its own losses are)."""
+    ref = single[("top2", 2)]["losses"]
+    for rank, res in runs.items():
+        assert res[11]["losses"] == pytest.approx(ref, rel=1e-6), rank
+        assert res[10]["losses"] == pytest.approx(ref[CKPT_AT:], rel=1e-6), rank
+        assert res[12]["losses"] == pytest.approx(ref[CKPT_AT:], rel=1e-6), rank
+
+
+def test_folded_expert_checkpoint_pieces_name_their_holders(runs):
+    """Under ZeRO-2 on dp = 2 x tp = 2 folded (ranks (dp, tp) = (rank // 2, rank % 2)) an expert's
+    checkpoint tensor lies in the dp slices of the one tp rank that holds it: its metadata names only ranks
+    of that tp coordinate (the dp ranks whose slices hold its pieces), and the experts of a tp rank, all
+    together, are spread over both of its dp ranks."""
+    for rank, res in runs.items():
+        experts = {n: r for n, r in res[11]["placements"].items() if ".moe.experts." in n}
+        t = rank % 2
+        assert experts and all(int(n.split(".")[4]) // 4 == t for n in experts), rank  # 0-3 on tp 0, 4-7 on 1
+        for name, ranks in experts.items():
+            assert all(r % 2 == t for r in ranks), (rank, name, ranks)
+        assert set().union(*experts.values()) == {t, 2 + t}, rank

@@ -260,6 +260,49 @@ micro_batch = 2
     assert blob["task"] == "podscale.tasks.gpt_moe:GPTMoETask"
 
 
+def test_podscale_train_resumes_and_exports_experts_folded_over_tp(tmp_path, capfd):
+    """``parallel.fold_tp_into_ep`` on tp = 2 (ep = 1): each tp rank holds half the experts, yet the run
+    resumes its own checkpoint (the trainer compares it with the one-process model's names, not the rank's)
+    and exports every expert."""
+    cfg = tmp_path / "fold.toml"
+    text = f"""
+[run]
+name = "fold"
+out_dir = "{tmp_path / 'runs'}"
+steps = 2
+sample_tokens = 0
+[model]
+kind = "gpt-moe"
+n_layer = 2
+n_head = 2
+n_embd = 32
+block_size = 32
+experts = 4
+moe_every = 2
+[data]
+path = "{shakespeare()}"
+[parallel]
+nproc = 2
+tp = 2
+fold_tp_into_ep = true
+[train]
+global_batch = 4
+micro_batch = 2
+"""
+    cfg.write_text(text)
+    assert main(["train", str(cfg)]) == 0
+    cfg.write_text(text.replace("steps = 2", "steps = 3"))
+    capfd.readouterr()
+    assert main(["train", str(cfg), "--resume"]) == 0
+    said = capfd.readouterr().out
+    assert "resumed from step_00000002" in said and "no earlier checkpoint is usable" not in said, said
+    out = tmp_path / "model.pt"
+    assert main(["export", str(tmp_path / "runs" / "fold"), str(out)]) == 0
+    names = torch.load(out, weights_only=True)["model"]
+    assert {n for n in names if n.startswith("blocks.1.moe.experts.") and n.endswith("w_fc")} == \
+        {f"blocks.1.moe.experts.{e}.w_fc" for e in range(4)}
+
+
 def test_layout_auto_plans_the_gpt_moe_with_expert_parallel_layouts():
     """``--layout auto`` describes the GPT-MoE to the planner (experts, top_k, moe_every, capacity) and
     searches ep too; every layout it returns is one the trainer accepts."""

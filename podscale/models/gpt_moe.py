@@ -56,7 +56,8 @@ class GPTMoEConfig(GPTConfig):
 class MoEBlock(nn.Module):
     """``x + attn(ln(x))`` then ``x + moe(ln(x))``; the MoE's extra loss and statistics are returned."""
 
-    def __init__(self, cfg: GPTMoEConfig, layer: int, mesh=None, sequence_parallel: bool = False):
+    def __init__(self, cfg: GPTMoEConfig, layer: int, mesh=None, sequence_parallel: bool = False,
+                 fold_tp: bool = False):
         super().__init__()
         self.ln_1 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
         self.attn = CausalSelfAttention(cfg)
@@ -67,7 +68,7 @@ class MoEBlock(nn.Module):
                             seed=zlib.crc32(f"moe{layer}".encode()), bias=cfg.bias,
                             sequence_parallel=sequence_parallel, recompute_activation=cfg.expert_recompute,
                             kernel=kernel_named(cfg.expert_kernel, cfg.expert_recompute),
-                            shared_hidden=cfg.shared_experts * cfg.hidden)
+                            shared_hidden=cfg.shared_experts * cfg.hidden, fold_tp=fold_tp)
 
     def forward(self, x: torch.Tensor, keys: torch.Tensor | None):
         x = x + self.attn(self.ln_1(x))
@@ -107,17 +108,19 @@ class GPTMoE(GPT):
     """The GPT with MoE blocks; ``mesh`` (optional) gives the ep axis its experts are sharded over and the
     tp axis its MoE layers split their samples over; ``sequence_parallel``: the model will be sharded with
     sequence parallelism (:func:`~podscale.parallel.tensor.apply_tensor_parallel`), so its MoE layers
-    receive sequence shards (see :meth:`podscale.parallel.moe.MoELayer.forward`)."""
+    receive sequence shards (see :meth:`podscale.parallel.moe.MoELayer.forward`); ``fold_tp``: their experts
+    are sharded over ep x tp (MoE parallel folding) instead of held by every tp rank."""
 
-    def __init__(self, cfg: GPTMoEConfig, mesh=None, sequence_parallel: bool = False):
+    def __init__(self, cfg: GPTMoEConfig, mesh=None, sequence_parallel: bool = False, fold_tp: bool = False):
         ep = mesh.sizes["ep"] if mesh is not None else 1
-        check_moe_args(cfg.experts, cfg.top_k, cfg.capacity_factor, cfg.eval_capacity_factor, ep)
+        folded = mesh.sizes["tp"] if mesh is not None and fold_tp else 1
+        check_moe_args(cfg.experts, cfg.top_k, cfg.capacity_factor, cfg.eval_capacity_factor, ep, folded)
         if cfg.moe_every < 1:
             raise ValueError(f"model.moe_every={cfg.moe_every} must be >= 1: 1 makes every block MoE, 2 every other")
         super().__init__(cfg)
         for i in range(cfg.n_layer):
             if cfg.is_moe(i):
-                self.blocks[str(i)] = MoEBlock(cfg, i, mesh, sequence_parallel)
+                self.blocks[str(i)] = MoEBlock(cfg, i, mesh, sequence_parallel, fold_tp)
         self.moe_metrics = MoEMetrics()
         moe_blocks = tuple(f"blocks.{i}." for i in range(cfg.n_layer) if cfg.is_moe(i))
         with torch.no_grad():

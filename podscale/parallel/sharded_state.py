@@ -105,14 +105,18 @@ def replicated(t: torch.Tensor, dp: int, own: bool = True) -> Holding:
                    lambda off, size: t[off[0]:off[0] + size[0]] if t.dim() else t, own)
 
 
-def publish(holding: Holding, layout, mesh) -> torch.Tensor:
+def publish(holding: Holding, layout, mesh, tp_own: bool = False) -> torch.Tensor:
     """The single-process tensor of which this rank holds ``holding``, as a ``ShardedTensor`` of views (or
     the plain view when this rank's one piece is the whole tensor, e.g. a replicated layer norm).
 
     Every (dp, tp) rank of this pipeline stage describes the same global pieces; a piece several ranks hold
     is listed under this rank when it is one of them (so loading fills every replica) and under its first
-    holder otherwise, which keeps each rank's global metadata a partition of the tensor."""
+    holder otherwise, which keeps each rank's global metadata a partition of the tensor.  ``tp_own``: a
+    tensor only this tp rank holds (unsplit, ``layout`` None: an expert folded over ep x tp, named by its
+    global id), so its holders are the ranks of this tp coordinate."""
     tp, my_t, my_d = mesh.size("tp"), mesh.local_rank("tp"), mesh.local_rank(*holding.axes)
+    # the tp ranks that hold an unsplit tensor: all of them, or this one
+    whole_on = [my_t] if tp_own else list(range(tp))
     axes = [a for a in ("pp", "dp", "ep", "tp") if a in holding.axes]
 
     def coords(d: int) -> dict[str, int]:  # holder d's coordinates on the holding's axes (row-major)
@@ -128,12 +132,13 @@ def publish(holding: Holding, layout, mesh) -> torch.Tensor:
             for off, size in holding.boxes(d):
                 for loff, lsize, goff in to_global(layout, holding.shape, t, tp, off, size):
                     entry = pieces.setdefault((goff, lsize), [[], None])
-                    ranks = [mesh.rank_of(**coords(d), tp=x) for x in ([t] if layout is not None else range(tp))]
+                    ranks = [mesh.rank_of(**coords(d), tp=x) for x in ([t] if layout is not None else whole_on)]
                     entry[0].extend(r for r in ranks if r not in entry[0])
                     if d == my_d and (t == my_t or layout is None):
                         entry[1] = holding.view(loff, lsize)
     mine = [v for _, v in pieces.values() if v is not None]
-    if len(pieces) == 1 and len(next(iter(pieces.values()))[0]) == holding.dp * tp:
+    if len(pieces) == 1 and len(next(iter(pieces.values()))[0]) == holding.dp * (tp if layout is not None
+                                                                                else len(whole_on)):
         return mine[0]  # every rank of the stage holds it whole: a plain tensor, written once by DCP
     dev = mine[0].device if mine else mesh.device
     dtype = mine[0].dtype if mine else torch.float32
@@ -268,7 +273,10 @@ class CheckpointPublisher:
                 continue
             if id(p) not in done:
                 h = self.source.holding(p, kind)
-                done[id(p)] = (publish(h, tags(p).tp_layout, self.mesh), h.own)
+                t = tags(p)
+                # (a tp-sharded parameter without a tp layout: an expert folded over ep x tp)
+                tp_own = t.tensor_parallel and t.tp_layout is None
+                done[id(p)] = (publish(h, t.tp_layout, self.mesh, tp_own), h.own)
             out[name], own = done[id(p)]
             if suffix is not None:
                 if own:

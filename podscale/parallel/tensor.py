@@ -605,12 +605,14 @@ def global_grad_norm(pieces, mesh, dp_sharded: bool = False) -> torch.Tensor:
     parameters marked ``pipeline_duplicate`` (the last stage's copy of the tied embedding), which the first
     stage counts; with ZeRO (``dp_sharded``) the disjoint slices are summed over the data ranks (dp x ep)
     too.  Parameters marked ``expert_parallel`` (a mixture-of-experts layer's experts, each ep rank holding
-    others; tp-replicated) are summed over ep.
+    others) are summed over ep, and over tp too when they are also marked ``tensor_parallel`` (experts
+    folded over ep x tp, each tp rank holding others; otherwise every tp rank holds the same ones).
     """
     dev = mesh.device
     # squares summed in fp64 (three scalars), returned in fp32 unless a gradient is fp64: an fp64 model's
     # clipping coefficient is then the one-process run's to fp64 precision
-    sq = torch.zeros(3, dtype=torch.float64, device=dev)  # [tp-sharded, tp-replicated, expert-parallel]
+    # [tp-sharded, tp-replicated, experts (tp-replicated), experts folded over tp (a tp rank's own)]
+    sq = torch.zeros(4, dtype=torch.float64, device=dev)
     out_dtype = torch.float32
     seen = set()
     for p, g in pieces:
@@ -618,7 +620,7 @@ def global_grad_norm(pieces, mesh, dp_sharded: bool = False) -> torch.Tensor:
         if g is None or t.pipeline_duplicate or (not dp_sharded and id(p) in seen):
             continue
         seen.add(id(p))
-        kind = 2 if t.expert_parallel else 0 if t.tensor_parallel else 1
+        kind = (3 if t.tensor_parallel else 2) if t.expert_parallel else 0 if t.tensor_parallel else 1
         sq[kind] += sum_of_squares(g).to(dev)
         if g.dtype == torch.float64:
             out_dtype = torch.float64
@@ -631,9 +633,9 @@ def global_grad_norm(pieces, mesh, dp_sharded: bool = False) -> torch.Tensor:
         experts = sq[2:].clone()
         comm.all_reduce(experts, mesh, "ep")
         sq[2:] = experts
-    sharded = sq[:1].clone()
+    sharded = sq[0::3].clone()           # what each tp rank holds its own of: tp shards, folded experts
     comm.all_reduce(sharded, mesh, "tp")
-    total = (sharded + sq[1:2] + sq[2:]).reshape(1)
+    total = (sharded.sum() + sq[1] + sq[2]).reshape(1)
     comm.all_reduce(total, mesh, "pp")
     return total.sqrt()[0].to(out_dtype)
 

@@ -24,8 +24,9 @@ if TYPE_CHECKING:
 
 AXES = ("pp", "dp", "ep", "tp")
 # Axis combinations that later parts need a group for, besides each single axis: dense parameters are
-# data-parallel over dp x ep (experts are not), and the world.
-_COMBOS = (("dp", "ep"), ("dp", "tp"), AXES)
+# data-parallel over dp x ep (experts are not), a mixture-of-experts layer folded over tp exchanges its
+# tokens over ep x tp, and the world.
+_COMBOS = (("dp", "ep"), ("dp", "tp"), ("ep", "tp"), AXES)
 
 
 class MeshError(ValueError):

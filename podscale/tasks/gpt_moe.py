@@ -25,6 +25,8 @@ Tensor parallelism (``tp``, alone or inside each pipeline stage) shards the atte
 an MoE layer splits its samples over tp, and under sequence parallelism first turns the sequence shards it
 receives into whole sequences of its share of the samples (see
 :meth:`podscale.parallel.moe.MoELayer.forward`), so routing is the one-process routing in every layout.
+With ``parallel.fold_tp_into_ep`` the experts are sharded over ep x tp instead of held by every tp rank
+(MoE parallel folding), each rank's model built with its own.
 ``train.compile`` is refused.
 """
 from __future__ import annotations
@@ -81,10 +83,12 @@ class GPTMoETask(GPTTask):
             return GPTMoE(self.gpt)
 
     def build_model_on(self, mesh) -> nn.Module:
-        """This rank's model: the dense part and the experts of its ep coordinate (meta device); its MoE
-        layers told whether tensor parallelism will hand them sequence shards."""
+        """This rank's model: the dense part and the experts of its ep coordinate (and tp coordinate, with
+        ``parallel.fold_tp_into_ep``) (meta device); its MoE layers told whether tensor parallelism will hand
+        them sequence shards."""
+        p = self.cfg.parallel
         with torch.device("meta"):
-            return GPTMoE(self.gpt, mesh, self.cfg.parallel.sequence_parallel)
+            return GPTMoE(self.gpt, mesh, p.sequence_parallel, p.fold_tp_into_ep)
 
     def model_config(self) -> dict:
         return asdict(self.gpt)
@@ -92,9 +96,11 @@ class GPTMoETask(GPTTask):
     def describe(self, model: nn.Module) -> str:
         m, g = _gpt_moe(model), self.gpt
         shared = f" + {g.shared_experts} shared" if g.shared_experts else ""
+        p = self.cfg.parallel
+        where = ", sharded over ep x tp" if p.fold_tp_into_ep else ""
         return (f"{g.experts} experts x {sum(g.is_moe(i) for i in range(g.n_layer))} MoE layers (top-{g.top_k}"
-                f"{shared}), {m.active_params_per_token() / 1e6:.2f}M active params per token, global batch "
-                f"{self.cfg.train.global_batch} x {g.block_size} tokens")
+                f"{shared}{where}), {m.active_params_per_token() / 1e6:.2f}M active params per token, global "
+                f"batch {self.cfg.train.global_batch} x {g.block_size} tokens")
 
     def ep_sharded_parameters(self, model: nn.Module) -> list[nn.Parameter]:
         return expert_parameters(model)

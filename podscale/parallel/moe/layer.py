@@ -19,6 +19,8 @@ Expert parallelism (GShard section 3): with ``mesh.sizes["ep"] = n`` rank ``i`` 
 experts ``[i * E/n, (i+1) * E/n)``.  Each forward exchanges first the per-expert token counts
 (``all_to_all_single`` of n·E/n integers), then the tokens (``all_to_all_single`` with those split sizes), runs
 its experts, and sends the outputs back the same way; the backward runs the two token exchanges in reverse.
+Under tensor parallelism the expert-parallel group can span the tp ranks too (``fold_tp``, MoE parallel
+folding: see :meth:`MoELayer.forward`); "the ep group" below is then the ep x tp group.
 A rank's own rows (those for its own experts) stay out of the exchanges and run while they are in flight
 (:class:`_ExpertParallelFFN`), unless the experts' segments are short (:data:`MIN_SEGMENT_ROWS`).
 Every rank issues exactly these three collectives per layer and forward and two per backward (one when the
@@ -43,7 +45,7 @@ What a data-parallel strategy must do with an MoE model (the contract :func:`red
 2. expert parameters: replicated over dp only — broadcast at start over ``("dp",)`` (never over ep: each ep
    rank holds other experts), sum gradients over ``("dp",)`` and divide by dp·ep (a mean over dp, then
    ``/ ep``) (ZeRO: shard them over dp);
-3. gradient norm for clipping: dense squares once, expert squares summed over ep;
+3. gradient norm for clipping: dense squares once, expert squares summed over ep (and tp, folded);
 4. checkpoints: the names are already global (one file per expert id), so no translation between ep sizes.
 
 :class:`~podscale.parallel.data.DataParallel` and :class:`~podscale.parallel.zero.ZeroStrategy` follow it
@@ -68,14 +70,18 @@ from podscale.runtime import comm
 
 
 def check_moe_args(experts: int, top_k: int, capacity_factor: float, eval_capacity_factor: float,
-                   ep: int) -> None:
+                   ep: int, folded_tp: int = 1) -> None:
     """One-line ValueErrors naming the key and the fix (the config layer will call this before workers
-    start)."""
+    start).  ``folded_tp``: the tp size folded into the expert-parallel group (1: not folded)."""
     if experts < 1:
         raise ValueError(f"model.experts={experts} must be >= 1: set model.experts to a positive number")
     if ep < 1 or experts % ep:
         raise ValueError(f"model.experts={experts} is not divisible by parallel.ep={ep}: "
                          f"make model.experts a multiple of parallel.ep")
+    if experts % (ep * folded_tp):
+        raise ValueError(f"model.experts={experts} is not divisible by parallel.ep*parallel.tp={ep * folded_tp} "
+                         "(parallel.fold_tp_into_ep shards the experts over both): make model.experts a multiple "
+                         f"of {ep * folded_tp} or set parallel.fold_tp_into_ep = false")
     if not 1 <= top_k <= experts:
         raise ValueError(f"model.top_k={top_k} must be between 1 and model.experts={experts}: "
                          f"lower model.top_k or add experts")
@@ -168,14 +174,14 @@ class Experts(nn.ModuleDict):
         if exchange.overlap:
             return _ExpertParallelFFN.apply(flat, exchange, self._kernel(flat), self.num_local, self.bias,
                                             *self._weights())
-        x = _AllToAll.apply(flat.index_select(0, exchange.token_remote), exchange.mesh, exchange.recv_splits,
-                            exchange.send_splits)
+        x = _AllToAll.apply(flat.index_select(0, exchange.token_remote), exchange.mesh, exchange.axes,
+                            exchange.recv_splits, exchange.send_splits)
         if exchange.perm is not None:
             x = _PermuteRows.apply(x, exchange.perm, exchange.inverse)
         y = self(x, exchange.remote_segments)
         if exchange.perm is not None:
             y = _PermuteRows.apply(y, exchange.inverse, exchange.perm)
-        return _AllToAll.apply(y, exchange.mesh, exchange.send_splits, exchange.recv_splits)
+        return _AllToAll.apply(y, exchange.mesh, exchange.axes, exchange.send_splits, exchange.recv_splits)
 
     def forward_padded(self, x: torch.Tensor) -> torch.Tensor:
         """(El, R, d) -> (El, R, d): every expert on its own R rows (the reference's batched form)."""
@@ -321,10 +327,12 @@ class _Exchange:
     sorts its received chunks by expert.  A rank's choice is its own: the splits two ranks exchange are
     the same either way."""
 
-    def __init__(self, mesh, send: list[list[int]], recv: torch.Tensor, pending, token: torch.Tensor):
-        """``recv``: filled by the count exchange ``pending``."""
-        self.mesh = mesh
-        me, ep, El = mesh.local_rank("ep"), len(send), len(send[0])
+    def __init__(self, mesh, axes: tuple[str, ...], send: list[list[int]], recv: torch.Tensor, pending,
+                 token: torch.Tensor):
+        """``axes``: the expert-parallel group's mesh axes (see :attr:`MoELayer.expert_axes`); ``recv``:
+        filled by the count exchange ``pending``."""
+        self.mesh, self.axes = mesh, axes
+        me, ep, El = mesh.local_rank(*axes), len(send), len(send[0])
         pending.wait()
         recv = recv.tolist()
         out_rows, in_rows = [sum(s) for s in send], [sum(r) for r in recv]
@@ -383,20 +391,21 @@ class _Exchange:
 
 
 class _AllToAll(torch.autograd.Function):
-    """Rows of ``x`` exchanged over ep with split sizes; the backward sends the gradients back."""
+    """Rows of ``x`` exchanged over the expert-parallel group's ``axes`` with split sizes; the backward sends
+    the gradients back."""
 
     @staticmethod
-    def forward(ctx, x, mesh, out_splits, in_splits):
-        ctx.mesh, ctx.out_splits, ctx.in_splits = mesh, out_splits, in_splits
+    def forward(ctx, x, mesh, axes, out_splits, in_splits):
+        ctx.mesh, ctx.axes, ctx.out_splits, ctx.in_splits = mesh, axes, out_splits, in_splits
         out = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
-        comm.all_to_all(out, x.contiguous(), mesh, "ep", out_splits, in_splits)
+        comm.all_to_all(out, x.contiguous(), mesh, axes, out_splits, in_splits)
         return out
 
     @staticmethod
     def backward(ctx, grad):
         gx = grad.new_empty((sum(ctx.in_splits),) + tuple(grad.shape[1:]))
-        comm.all_to_all(gx, grad.contiguous(), ctx.mesh, "ep", ctx.in_splits, ctx.out_splits)
-        return gx, None, None, None
+        comm.all_to_all(gx, grad.contiguous(), ctx.mesh, ctx.axes, ctx.in_splits, ctx.out_splits)
+        return gx, None, None, None, None
 
 
 class _PermuteRows(torch.autograd.Function):
@@ -448,7 +457,7 @@ class _ExpertParallelFFN(torch.autograd.Function):
         D = weights[El].shape[1]
         send = flat.index_select(0, ex.token_remote)
         got = flat.new_empty((sum(ex.recv_splits), flat.shape[1]))
-        pending = comm.all_to_all(got, send, ex.mesh, "ep", ex.recv_splits, ex.send_splits, async_op=True)
+        pending = comm.all_to_all(got, send, ex.mesh, ex.axes, ex.recv_splits, ex.send_splits, async_op=True)
         del send
         x_own = flat.index_select(0, ex.token_local)
         rows = flat.new_empty(ex.total, D)
@@ -461,7 +470,7 @@ class _ExpertParallelFFN(torch.autograd.Function):
         r = kernel.forward(x_got, ex.remote, weights, El, bias, y_got)
         if ex.perm is not None:
             y_got = y_got.index_select(0, ex.inverse)
-        finish = ex.place(rows, lambda buf: comm.all_to_all(buf, y_got, ex.mesh, "ep", ex.send_splits,
+        finish = ex.place(rows, lambda buf: comm.all_to_all(buf, y_got, ex.mesh, ex.axes, ex.send_splits,
                                                             ex.recv_splits, async_op=True))
         b = kernel.forward(x_own[ex.half:], ex.part_b, weights, El, bias, own[ex.half:])
         finish()
@@ -483,7 +492,7 @@ class _ExpertParallelFFN(torch.autograd.Function):
         acc = WeightGrads(El, ctx.bias)
         end = ex.first + ex.local
         g_got = grad.new_empty(x_got.shape[0], grad.shape[1])
-        pending = comm.all_to_all(g_got, ex.others(grad), ex.mesh, "ep", ex.recv_splits, ex.send_splits,
+        pending = comm.all_to_all(g_got, ex.others(grad), ex.mesh, ex.axes, ex.recv_splits, ex.send_splits,
                                   async_op=True)
         # the input's gradient (the own rows' here, the others' computed on their experts' ranks and sent
         # back) only when it wants one: every rank's input does or none's does, so all skip the second
@@ -504,7 +513,7 @@ class _ExpertParallelFFN(torch.autograd.Function):
         if ex.perm is not None:
             g_x_got = g_x_got.index_select(0, ex.inverse)
         g_back = g_x_got.new_empty(ex.total - ex.local, x_got.shape[1])
-        pending = comm.all_to_all(g_back, g_x_got, ex.mesh, "ep", ex.send_splits, ex.recv_splits, async_op=True)
+        pending = comm.all_to_all(g_back, g_x_got, ex.mesh, ex.axes, ex.send_splits, ex.recv_splits, async_op=True)
         kernel.backward(g_own_out[:h], x_own[:h], a_saved, ex.part_a, weights, El, acc, g_own[:h])
         g_flat = g_own.new_zeros(ctx.n, g_own.shape[1]).index_add_(0, ex.token_local, g_own)
         pending.wait()
@@ -603,7 +612,9 @@ class MoELayer(nn.Module):
     residual MoE, Rajbhandari et al. 2022, section 4.1.2; Megatron-core's
     ``moe_shared_expert_intermediate_size``).  Its parameters are dense (replicated over dp×ep, reduced
     there); it runs on the same kernel as the experts, under expert parallelism while the token counts
-    are in flight (Megatron-core's ``moe_shared_expert_overlap``).
+    are in flight (Megatron-core's ``moe_shared_expert_overlap``).  ``fold_tp``: under tp > 1, shard the
+    experts over ep x tp instead of holding the same ones on every tp rank (MoE parallel folding, see
+    :meth:`forward`).
     """
 
     def __init__(self, d_model: int, d_hidden: int, experts: int, top_k: int = 2, capacity_factor: float = 1.25,
@@ -611,29 +622,38 @@ class MoELayer(nn.Module):
                  aux_loss_coef: float = 1e-2, z_loss_coef: float = 1e-3, bias_balancing: bool = False,
                  bias_update_rate: float = 1e-3, mesh=None, seed: int = 0, bias: bool = True,
                  sequence_parallel: bool = False, kernel: ExpertKernel | None = None,
-                 recompute_activation: bool = False, shared_hidden: int = 0):
+                 recompute_activation: bool = False, shared_hidden: int = 0, fold_tp: bool = False):
         super().__init__()
-        ep = mesh.sizes["ep"] if mesh is not None else 1
-        check_moe_args(experts, top_k, capacity_factor, eval_capacity_factor, ep)
+        self.tp = mesh.sizes["tp"] if mesh is not None else 1
+        #: the mesh axes the experts are sharded over and the tokens exchanged over: ``("ep",)``, or with
+        #: ``fold_tp`` under tp > 1 ``("ep", "tp")`` (MoE parallel folding)
+        self.expert_axes = ("ep", "tp") if fold_tp and self.tp > 1 else ("ep",)
+        check_moe_args(experts, top_k, capacity_factor, eval_capacity_factor,
+                       mesh.sizes["ep"] if mesh is not None else 1, self.tp if len(self.expert_axes) == 2 else 1)
+        ep = mesh.size(*self.expert_axes) if mesh is not None else 1
         if shared_hidden < 0:
             raise ValueError(f"shared_hidden={shared_hidden} must be >= 0 (0: no shared expert)")
+        #: ``ep``: the size of the expert-parallel group (ep, or ep x tp when folded)
         self.mesh, self.ep = mesh, ep
-        self.tp = mesh.sizes["tp"] if mesh is not None else 1
         self.sequence_parallel = sequence_parallel and self.tp > 1
         self.num_experts, self.top_k = experts, top_k
         self.capacity_factor, self.eval_capacity_factor, self.dropless = capacity_factor, eval_capacity_factor, dropless
         self.random_routing, self.seed = random_routing, seed
         self.aux_loss_coef, self.z_loss_coef = aux_loss_coef, z_loss_coef
         self.router = Router(d_model, experts, bias_balancing, bias_update_rate)
-        ep_rank = mesh.coords()["ep"] if mesh is not None else 0
+        ep_rank = mesh.local_rank(*self.expert_axes) if mesh is not None else 0
         self.experts = Experts(d_model, d_hidden, experts, ep, ep_rank, bias, kernel, recompute_activation)
         #: the shared expert (None without one): dense, every token through it
         self.shared = Expert(d_model, shared_hidden, bias, routed=False) if shared_hidden else None
         if self.tp > 1:
-            # each tp rank routes its own share of the samples (see forward): the router's and the experts'
-            # gradients are partial over tp and summed there, as a sequence-parallel layer norm's are
+            # each tp rank routes its own share of the samples (see forward): the router's gradient is
+            # partial over tp and summed there, as a sequence-parallel layer norm's is, and so are the
+            # experts' when every tp rank holds them; folded, each tp rank holds other experts, whose
+            # gradients are whole (every token routed to them came through the exchange), so the norm sums
+            # their squares over tp as a tp shard's
+            folded = set(map(id, self.experts.parameters())) if len(self.expert_axes) == 2 else set()
             for p in self.parameters():
-                tag(p, sequence_parallel=True)
+                tag(p, **({"tensor_parallel": True} if id(p) in folded else {"sequence_parallel": True}))
 
     # routing -----------------------------------------------------------------------------------------
     def capacity(self, group_size: int) -> int | None:
@@ -679,6 +699,15 @@ class MoELayer(nn.Module):
         Megatron-core's MoE likewise gives its token dispatcher ``S/tp * B`` tokens per rank, but gets them
         from sequence parallelism, which it requires with tp; here whole sequences are split, since a
         sequence is a routing group (its capacity), so routing stays the one-process routing.
+
+        Folded (``fold_tp``; MoE parallel folding, Liu et al. 2025, which Megatron-core runs with
+        ``expert_tensor_parallel_size = 1`` and torchtitan with an expert-parallel group that borrows the tp
+        ranks): the expert-parallel group is ep x tp ranks, and rank ``(e, t)`` holds the experts
+        ``[(e * tp + t) * E/(ep·tp), ...)``.  The tp ranks' tokens are different samples already, so they
+        simply join the exchange as more ranks: each expert is held once per dp replica instead of tp
+        times, its gradient is whole where it lives (no tp sum), and the exchange spans ep·tp ranks,
+        the tp ones the nearest.  Unfolded, every tp rank holds the ep rank's E/ep experts and runs them
+        on its own share of the samples.
 
         With sequence parallelism every tp rank holds ``1/tp`` of the positions of every sample, (B, T/tp,
         d): one all-to-all over tp turns that into ``1/tp`` of the samples at every position, (B/tp, T, d)
@@ -729,7 +758,7 @@ class MoELayer(nn.Module):
         else:
             send, recv, pending = self._send_counts(r.counts)
             shared = self._shared(inp)                         # while the counts are in flight
-            exchange = _Exchange(self.mesh, send, recv, pending, token)
+            exchange = _Exchange(self.mesh, self.expert_axes, send, recv, pending, token)
             rows = self.experts.forward_exchanged(inp, exchange)
             out = self._output(r, aux, z, exchange.rows_in)
         w = r.weight.reshape(-1).index_select(0, r.order).to(rows.dtype)
@@ -739,12 +768,14 @@ class MoELayer(nn.Module):
 
     def _send_counts(self, counts: torch.Tensor):
         """Step 1 of the exchange: how many rows each rank sends each of my experts (an
-        ``all_to_all_single`` of ep x E/ep integers), entered by every rank whatever the routing.  Returns
+        ``all_to_all_single`` of ep x E/ep integers over :attr:`expert_axes`, ``ep`` the group's size),
+        entered by every rank whatever the routing.  Returns
         (what I send, as lists; the tensor the counts I receive land in; the pending collective), for
         :class:`_Exchange`."""
         send = counts.view(self.ep, self.experts.num_local)
         recv = torch.empty_like(send)
-        handle = comm.all_to_all(recv.view(-1), send.reshape(-1).contiguous(), self.mesh, "ep", async_op=True)
+        handle = comm.all_to_all(recv.view(-1), send.reshape(-1).contiguous(), self.mesh, self.expert_axes,
+                                 async_op=True)
         return send.tolist(), recv, handle
 
     def _shared(self, inp: torch.Tensor) -> torch.Tensor | None:
