@@ -511,6 +511,9 @@ class ParallelSection(_Section):
     ep: int = Field(1, ge=1)
     bucket_mb: float = Field(25.0, gt=0.0)
     sequence_parallel: bool = False
+    fold_tp_into_ep: bool = Field(
+        False, description="GPT-MoE under tp > 1: shard each MoE layer's experts over ep x tp and exchange its "
+        "tokens over that group (MoE parallel folding, Liu et al. 2025) instead of replicating them over tp")
     schedule: Literal["gpipe", "1f1b", "interleaved"] = "1f1b"
     virtual_stages: int = Field(1, ge=1, description="model chunks per pipeline rank (interleaved 1F1B)")
     recompute: Literal["none", "selective", "full"] = "none"
