@@ -22,16 +22,17 @@ def planner_model(**kw) -> GPT:
                vocab=c["vocab_size"], experts=c["experts"], top_k=c["top_k"], moe_every=c["moe_every"])
 
 
-def real_rank(tp: int, ep: int, rank: int) -> dict:
+def real_rank(tp: int, ep: int, rank: int, fold: bool = False) -> dict:
     """Parameter counts of global rank ``rank`` of a tp x ep mesh, as podscale builds it: the GPT-MoE on the
-    meta device with the rank's mesh coordinates (its experts), then sharded over tp. Building needs no
-    process group (no collective runs until the first forward)."""
+    meta device with the rank's mesh coordinates (its experts; ``fold``: MoE parallel folding, experts sharded
+    over ep x tp), then sharded over tp. Building needs no process group (no collective runs until the first
+    forward). ``expert_tags``: the (tensor_parallel, sequence_parallel) marks its experts carry."""
     from podscale.runtime.mesh import Mesh
     mesh = Mesh(sizes={"pp": 1, "dp": 1, "ep": ep, "tp": tp}, rank=rank)
     with torch.device("meta"):
-        model = GPTMoE(GPTMoEConfig(**CFG), mesh)
+        model = GPTMoE(GPTMoEConfig(**CFG), mesh, False, fold_tp=True) if fold else GPTMoE(GPTMoEConfig(**CFG), mesh)
     apply_tensor_parallel(model, mesh)
-    out = {"total": 0, "expert": 0, "tp_summed": 0, "tp_replicated_dense": 0}
+    out = {"total": 0, "expert": 0, "tp_summed": 0, "tp_replicated_dense": 0, "expert_tags": set()}
     for name, p in model.named_parameters():
         n, tg = p.numel(), tags(p)
         out["total"] += n
@@ -39,6 +40,8 @@ def real_rank(tp: int, ep: int, rank: int) -> dict:
         out["tp_summed"] += n * tg.sequence_parallel          # no sequence parallelism: the MoE layers' only
         # whole on every tp rank though not an MoE layer's (layer norms, row-parallel biases, position embedding)
         out["tp_replicated_dense"] += n * (tg.tp_layout is None and ".moe." not in name)
+        if tg.expert_parallel:
+            out["expert_tags"].add((tg.tensor_parallel, tg.sequence_parallel))
     return out
 
 
@@ -172,3 +175,137 @@ def test_gpt_of_passes_the_shared_experts_through():
     assert gpt_of(parse_config({"run": {"name": "moe"}, "model": section})).shared_experts == 0
     cfg = parse_config({"run": {"name": "moe"}, "model": {**section, "shared_experts": 2}})
     assert gpt_of(cfg).shared_experts == 2
+
+
+# MoE parallel folding (Liu et al. 2025; Megatron-core's expert_tensor_parallel_size = 1): the experts sharded
+# over ep x tp, the tokens exchanged over that group, no tp sum of expert gradients.
+
+def _mlp(h: int, f: int) -> int:
+    return 2 * h * f + f + h                        # an expert: two weights with their biases
+
+
+@pytest.mark.parametrize("ep", [1, 2])
+def test_a_folded_ranks_parameters_are_what_podscale_builds(ep):
+    """Folded, rank (ep_i, tp_j) of a tp = 2 mesh holds experts / (ep tp) whole experts, tagged tensor- and
+    expert-parallel and not sequence-parallel (their gradients are complete on their one holder); the router
+    stays whole on every tp rank, summed over tp. The planner's count is a real rank's in every class, and
+    an independent count's. (Needs the runtime's ``GPTMoE(..., fold_tp=True)``.)"""
+    tp = 2
+    model = planner_model()
+    planned = gpt_cost.rank_params(model, Layout(tp=tp, dp=1, ep=ep, microbatch=2, fold_tp_into_ep=True))
+    for rank in range(tp * ep):
+        real = real_rank(tp, ep, rank, fold=True)
+        assert real["expert_tags"] == {(True, False)}
+        assert planned.expert == real["expert"]
+        assert planned.tp_summed == real["tp_summed"]
+        assert planned.total == real["total"] - real["tp_replicated_dense"] * (1 - 1 / tp)
+    h, e, n_moe = CFG["n_embd"], CFG["experts"], 2
+    assert planned.expert == n_moe * e // (ep * tp) * _mlp(h, 4 * h)
+    assert planned.tp_summed == n_moe * h * e                   # the routers only
+
+
+def test_folding_divides_the_experts_memory_by_tp_and_sums_no_expert_gradient_over_tp():
+    """Same layout, folded or not: a rank's experts (and their model states) are 1/tp as many, its dense
+    parameters the same, and its tp-summed parameters the routers alone. Counted independently: 16 bytes a
+    parameter replicated (ZeRO 0, mixed precision); ZeRO-3 partitions an expert's 16 bytes over dp, its
+    replicas, not over dp x ep. Activations do not change (a rank runs the same rows)."""
+    system = as_system("dgx-a100-80g")
+    model = planner_model(n_layer=8, n_embd=1024, n_head=16, experts=8, block_size=1024)
+    h, f, e, n_moe = 1024, 4096, 8, 4
+    assert model.moe_layers == n_moe
+    tp, dp, ep, b = 2, 4, 2, 2
+    expert_unfolded = n_moe * e // ep * _mlp(h, f)
+    expert_folded = n_moe * e // (ep * tp) * _mlp(h, f)
+    assert expert_folded * tp == expert_unfolded
+    for stage, bytes_per_expert_param in ((0, 16), (3, 16 / dp)):
+        lay = Layout(tp=tp, dp=dp, ep=ep, microbatch=b, zero_stage=stage)
+        folded = Layout(tp=tp, dp=dp, ep=ep, microbatch=b, zero_stage=stage, fold_tp_into_ep=True)
+        rp_u, rp_f = gpt_cost.rank_params(model, lay), gpt_cost.rank_params(model, folded)
+        assert (rp_u.expert, rp_f.expert) == (expert_unfolded, expert_folded)
+        assert rp_u.dense == rp_f.dense
+        assert (rp_u.tp_summed, rp_f.tp_summed) == (n_moe * (h * e + e // ep * _mlp(h, f)), n_moe * h * e)
+        p_u, p_f = (predict(system, 16, model, x, 64).memory_breakdown_bytes for x in (lay, folded))
+        assert p_u["model_states"] - p_f["model_states"] == pytest.approx(
+            bytes_per_expert_param * (expert_unfolded - expert_folded), rel=1e-12)
+        assert p_u["activations"] == p_f["activations"]
+
+
+def test_folding_exchanges_over_ep_x_tp_and_drops_the_expert_gradient_sum():
+    """Folded, each MoE layer's four all-to-alls of a micro-batch (dispatch and combine, forward and
+    backward) run over the ep x tp consecutive ranks (stride 1) instead of the ep ranks of one tp index
+    (stride tp), with the same bytes a rank (its own samples' rows); the tp all-reduce of gradients is the
+    routers' alone; the expert GEMMs run the same rows a rank on E/(ep tp) experts. The activations' tp
+    collectives are the same. 32 experts, so that the segments are short and no expert work hides an
+    exchange (podscale.parallel.moe.layer.overlaps_exchange) in either layout."""
+    from podscale.parallel.moe.layer import overlaps_exchange
+    from podscale.plan.compute import linear_time
+    system = as_system("dgx-a100-80g")
+    dev = system.device
+    model = planner_model(n_layer=8, n_embd=1024, n_head=16, experts=32, block_size=1024)
+    h, f, s, e, n_moe, top_k = 1024, 4096, 1024, 32, 4, 2
+    tp, dp, ep, b, batch = 2, 4, 2, 2, 64
+    m = batch // (dp * ep * b)
+    rows = b * s // tp * top_k                                  # a rank's routed rows (capacity factor 1)
+    assert not overlaps_exchange(rows, e)
+    lay = Layout(tp=tp, dp=dp, ep=ep, microbatch=b)
+    folded = Layout(tp=tp, dp=dp, ep=ep, microbatch=b, fold_tp_into_ep=True)
+    p_u, p_f = (predict(system, 16, model, x, batch).time_breakdown_s for x in (lay, folded))
+
+    sent = dev.dtype_bytes * rows * h
+    a2a_u, a2a_f = net.all_to_all_time(system, sent, ep, tp), net.all_to_all_time(system, sent, ep * tp, 1)
+    assert a2a_f != a2a_u
+    assert p_u["ep_communication"] == pytest.approx(m * n_moe * 4 * a2a_u, rel=1e-9)
+    assert p_f["ep_communication"] == pytest.approx(m * n_moe * 4 * a2a_f, rel=1e-9)
+
+    def grad_sum(params):
+        return net.all_reduce_time(system, dev.dtype_bytes * params, tp, 1)
+    router, experts = n_moe * h * e, n_moe * e // ep * _mlp(h, f)
+    assert p_u["tp_communication"] - p_f["tp_communication"] == pytest.approx(
+        grad_sum(router + experts) - grad_sum(router), rel=1e-9)
+
+    def expert_gemms(local):       # the two linears of ``local`` experts side by side, rows / local each
+        return [linear_time(dev, rows / local, f, h, batch=local, bytes_per_element=dev.dtype_bytes),
+                linear_time(dev, rows / local, h, f, batch=local, bytes_per_element=dev.dtype_bytes)]
+    g_u, g_f = expert_gemms(e // ep), expert_gemms(e // (ep * tp))
+    for i, phase in enumerate(("forward", "backward")):
+        assert p_u[phase] - p_f[phase] == pytest.approx(m * n_moe * sum(u[i] - v[i] for u, v in zip(g_u, g_f)),
+                                                        rel=1e-9, abs=1e-12)
+
+
+def test_folding_needs_tp_and_experts_that_ep_x_tp_divides():
+    with pytest.raises(LayoutError, match="fold_tp_into_ep needs tp > 1"):
+        Layout(tp=1, dp=4, ep=2, fold_tp_into_ep=True)
+    with pytest.raises(LayoutError, match=r"experts \(4\) ep\*tp = 4\*2 = 8 divides"):
+        predict("dgx-a100-80g", 16, planner_model(), Layout(tp=2, dp=2, ep=4, microbatch=2, fold_tp_into_ep=True), 16)
+    with pytest.raises(LayoutError, match=r"experts \(1\) ep\*tp = 1\*2 = 2 divides"):     # nothing to fold
+        predict("dgx-a100-80g", 16, planner_model(experts=1), Layout(tp=2, dp=8, microbatch=2, fold_tp_into_ep=True),
+                16)
+    predict("dgx-a100-80g", 16, planner_model(), Layout(tp=2, dp=4, ep=2, microbatch=2, fold_tp_into_ep=True), 16)
+
+
+def test_the_search_tries_folding_where_ep_x_tp_divides_the_experts_and_auto_passes_it_on():
+    """Folded layouts are candidates for an MoE model at tp > 1 whose experts ep x tp divides, never for a
+    dense model; ``--layout auto``'s overrides set parallel.fold_tp_into_ep either way."""
+    from podscale.plan.auto import layout_overrides
+    from podscale.plan.search import candidate_layouts
+    system = as_system("dgx-a100-80g")
+    moe = list(candidate_layouts(system, 16, planner_model(experts=8), 64, microbatches=(2,)))
+    folded = {(x.tp, x.ep) for x in moe if x.fold_tp_into_ep}
+    assert folded == {(x.tp, x.ep) for x in moe if x.tp > 1 and 8 % (x.tp * x.ep) == 0}
+    assert (2, 2) in folded and (2, 8) not in folded and all(tp > 1 for tp, _ in folded)
+    assert not any(x.fold_tp_into_ep for x in candidate_layouts(system, 16, planner_model(experts=1), 64,
+                                                                microbatches=(2,)))
+    lay = Layout(tp=2, dp=4, ep=2, microbatch=2, fold_tp_into_ep=True)
+    assert "parallel.fold_tp_into_ep=true" in layout_overrides(lay)
+    assert "parallel.fold_tp_into_ep=false" in layout_overrides(Layout(tp=2, dp=8, microbatch=2))
+
+
+def test_plan_predict_says_the_experts_are_folded(capsys):
+    from podscale.plan.cli import main
+    model = '{"layers": 8, "hidden": 1024, "heads": 16, "seq": 1024, "vocab": 32000, "experts": 8, "top_k": 2}'
+    layout = '{"tp": 2, "pp": 1, "dp": 4, "ep": 2, "microbatch": 2, "fold_tp_into_ep": true}'
+    assert main(["plan", "predict", "--system", "dgx-a100-80g", "--devices", "16", "--batch", "64", "--model", model,
+                 "--layout", layout]) == 0
+    assert capsys.readouterr().out.splitlines()[0] == (
+        "custom (experts 8 top2, folded: 2 a rank over ep*tp = 4) on 16 x dgx-a100-80g, batch 64, "
+        "tp2 pp1 dp4 ep2 mb2 fold")

@@ -2,8 +2,9 @@
 
 Like GShard's automatic sharding and DeepSpeed's autotuning, but by prediction rather than by trial:
 every layout the planner can enumerate for the config's GPT, world size and global batch
-(:func:`podscale.plan.search.candidate_layouts`: tp x pp x dp x ep (a GPT-MoE's experts), ZeRO stage,
-optimizer offload, micro-batch, recompute, sequence parallelism, schedule) is predicted on the system (the calibrated ``local`` one by
+(:func:`podscale.plan.search.candidate_layouts`: tp x pp x dp x ep (a GPT-MoE's experts, and whether tp is
+folded into ep), ZeRO stage, optimizer offload, micro-batch, recompute, sequence parallelism, schedule) is
+predicted on the system (the calibrated ``local`` one by
 default), the ones that do not fit are dropped, and the fastest that the trainer's own config validator
 accepts is returned as config overrides. Nothing is measured here; the choice is as good as the
 calibration (BENCHMARKS.md, "--layout auto").
@@ -64,6 +65,7 @@ def layout_overrides(lay: Layout) -> list:
     """Config overrides that make ``podscale train`` run ``lay``."""
     return [f"parallel.tp={lay.tp}", f"parallel.pp={lay.pp}", f"parallel.dp={lay.dp}", f"parallel.ep={lay.ep}",
             f"parallel.sequence_parallel={'true' if lay.sequence_parallel else 'false'}",
+            f"parallel.fold_tp_into_ep={'true' if lay.fold_tp_into_ep else 'false'}",
             f"parallel.schedule='{lay.schedule}'", f"parallel.virtual_stages={lay.interleave}",
             f"parallel.recompute='{lay.recompute}'", f"train.micro_batch={lay.microbatch}",
             f"zero.stage={lay.zero_stage}", f"zero.offload_optimizer='{lay.offload_optimizer}'",

@@ -136,7 +136,7 @@ def cmd_predict(args) -> int:
     if args.json:
         print(json.dumps(pred.to_dict(args.tokens), indent=None if args.compact else 2))
         return 0
-    moe = _moe_summary(model)
+    moe = _moe_summary(model, layout)
     print(f"{model.name}{f' ({moe.strip()})' if moe else ''} on {args.devices} x {args.system}, batch {args.batch}, "
           f"{layout.short()}")
     print(f"  step time        {pred.step_time_s:.4g} s   ({pred.tokens_per_s:,.0f} tokens/s, "
@@ -221,12 +221,17 @@ def cmd_systems(args) -> int:
     return 0
 
 
-def _moe_summary(m) -> str:
-    """" experts 64 top2 +2 shared" for a GPT-MoE (the shared experts when it has any); "" otherwise."""
+def _moe_summary(m, layout=None) -> str:
+    """" experts 64 top2 +2 shared" for a GPT-MoE (the shared experts when it has any); with a ``layout`` that
+    sets ``fold_tp_into_ep`` also where its experts are (", folded: 4 a rank over ep*tp = 16"); "" otherwise."""
+    from .gpt_cost import local_experts
     from .models import GPT
     if not isinstance(m, GPT) or m.experts < 2:
         return ""
-    return f" experts {m.experts} top{m.top_k}" + (f" +{m.shared_experts} shared" if m.shared_experts else "")
+    out = f" experts {m.experts} top{m.top_k}" + (f" +{m.shared_experts} shared" if m.shared_experts else "")
+    if layout is not None and layout.fold_tp_into_ep:
+        out += f", folded: {local_experts(m, layout)} a rank over ep*tp = {layout.expert_group}"
+    return out
 
 
 def cmd_models(args) -> int:

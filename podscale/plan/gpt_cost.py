@@ -21,6 +21,15 @@ experts / ep whole experts and the whole router, their gradients partial per tp 
 each time they are reduced; the outputs are all-gathered over tp (with sequence parallelism, one all-to-all
 over tp in and one out). The attention of an MoE block is tensor-parallel as a dense block's.
 
+With ``fold_tp_into_ep`` (MoE parallel folding: Liu et al. 2025, "MoE Parallel Folding"; Megatron-core's
+expert_tensor_parallel_size = 1 with the expert-parallel group spanning the tp ranks; torchtitan's ETP = 1)
+the experts are not replicated over tp but sharded over ep x tp (``Layout.expert_group``): a rank holds
+experts / (ep tp) whole experts, complete on their one holder (no gradient sum over tp; the router and the
+shared experts, still on every tp rank, keep theirs), and the tokens are exchanged over those ep x tp
+ranks. Each tp rank still routes its own 1/tp of the samples, and the tp all-gather (or all-to-alls) of
+the outputs is unchanged; a rank runs the same expert rows as unfolded, on fewer experts with longer
+segments.
+
 Ranks hold the layers the trainer gives them (``stages.py``: its parameter-balanced split, or the layout's
 ``pipeline_layers``), so pipelines need not divide the layers.
 
@@ -101,6 +110,10 @@ def check_gpt_layout(system: System, devices: int, model: GPT, layout: Layout, b
                           f"{layout.microbatch} must be a multiple of {layout.tp}")
     if layout.ep > 1 and (model.experts == 1 or model.experts % layout.ep):
         raise LayoutError(f"ep={layout.ep} needs an MoE model whose experts ({model.experts}) it divides")
+    if layout.fold_tp_into_ep and (model.experts == 1 or model.experts % layout.expert_group):
+        raise LayoutError(f"fold_tp_into_ep needs an MoE model whose experts ({model.experts}) ep*tp = {layout.ep}*"
+                          f"{layout.tp} = {layout.expert_group} divides (a rank holds experts / (ep*tp)): choose ep "
+                          "and tp whose product divides the experts, or fold_tp_into_ep false")
     if system.data_parallel_only and (layout.tp, layout.pp, layout.ep) != (1, 1, 1):
         raise LayoutError(f"system {system.name} runs data parallelism only (weight streaming); "
                           "use tp=1, pp=1, ep=1")
@@ -120,7 +133,7 @@ def _layer_times(system: System, model: GPT, lay: Layout, moe: bool) -> dict:
     depend on (a search predicts thousands of layouts that share them)."""
     key = (system.topology, system.devices_per_node, system.device, system.intra, system.inter, system.ici,
            system.torus, system.stream, model, moe, lay.microbatch, lay.tp, lay.ep, lay.sequence_parallel,
-           lay.tp_overlap, lay.fused_attention, lay.parallel_block)
+           lay.fold_tp_into_ep, lay.tp_overlap, lay.fused_attention, lay.parallel_block)
     hit = _LAYER_CACHE.get(key)
     if hit is None:
         if len(_LAYER_CACHE) > 50_000:
@@ -133,27 +146,30 @@ def _layer_times_uncached(system: System, model: GPT, lay: Layout, moe: bool) ->
     dev = system.device
     b, s, h, a, f, t = lay.microbatch, model.seq, model.hidden, model.heads, model.ffn, lay.tp
     tokens = b * s
-    scale = model.top_k * model.expert_load(lay.ep) if moe else 1.0
+    group = lay.expert_group               # ranks the experts are sharded over and the tokens exchanged among
+    scale = model.top_k * model.expert_load(group) if moe else 1.0
     e = dev.dtype_bytes
     gemms = [linear_time(dev, tokens, 3 * h / t, h, bytes_per_element=e),      # QKV
              linear_time(dev, tokens, h, h / t, bytes_per_element=e)]          # attention output
     hide = (0.0, 0.0)       # expert work each all-to-all of a forward / backward runs behind
     if moe:
         # podscale's MoE layer under tp: each tp rank routes 1/tp of the micro-batch's samples, exchanges
-        # them over its own ep group and runs them through whole experts (MoELayer.forward)
+        # them over its expert group (its ep group; folded, ep x tp) and runs them through whole experts
+        # (MoELayer.forward). Folding leaves a rank's rows as they are (own x scale): E/(ep tp) experts,
+        # each on tp times the rows of an unfolded rank's E/ep.
         own = tokens / t
-        local_experts = model.experts / lay.ep
-        m_exp = own * scale * lay.ep / model.experts         # rows each local expert runs (busiest rank)
-        experts = _mlp_gemms(dev, m_exp, f, h, e, batch=local_experts)
+        n_local = local_experts(model, lay)
+        m_exp = own * scale * group / model.experts          # rows each local expert runs (busiest rank)
+        experts = _mlp_gemms(dev, m_exp, f, h, e, batch=n_local)
         gemms += experts
         gemms.append(linear_time(dev, own, model.experts, h, bytes_per_element=e))   # router
         if model.shared_experts:   # the shared experts: one dense MLP, whole, on the rank's own tokens
             gemms += _mlp_gemms(dev, own, model.shared_ffn, h, e)
-        # a rank receives about own x top_k rows in ep x E/ep segments
-        if lay.ep > 1 and overlaps_exchange(own * model.top_k, model.experts):
-            # the layer runs a rank's own rows (1/ep of its experts' work) in two halves while the two
+        # a rank receives about own x top_k rows in (source rank, local expert) segments: group x E/group = E
+        if group > 1 and overlaps_exchange(own * model.top_k, model.experts):
+            # the layer runs a rank's own rows (1/group of its experts' work) in two halves while the two
             # exchanges of each pass are in flight (podscale.parallel.moe.layer._ExpertParallelFFN)
-            hide = tuple(sum(x[i] for x in experts) / (2 * lay.ep) for i in (0, 1))
+            hide = tuple(sum(x[i] for x in experts) / (2 * group) for i in (0, 1))
     else:
         gemms += _mlp_gemms(dev, tokens, f / t, h, e)           # column- then row-parallel
     dense, dense_bwd = sum(g[0] for g in gemms), sum(g[1] for g in gemms)
@@ -191,8 +207,10 @@ def _layer_times_uncached(system: System, model: GPT, lay: Layout, moe: bool) ->
                   if moe and model.expert_recompute else 0.0)
     act_bytes = e * sbh                                       # one [s, b, h] activation tensor
     tp_ar = net.all_reduce_time(system, act_bytes, t, 1) if t > 1 else 0.0
-    # a rank exchanges the rows of its own 1/tp of the samples over its ep group (stride tp)
-    a2a = net.all_to_all_time(system, act_bytes * scale / t, lay.ep, t) if moe and lay.ep > 1 else 0.0
+    # a rank exchanges the rows of its own 1/tp of the samples over its ep group (stride tp: the ranks of
+    # its tp index), or folded over its ep x tp group (stride 1: the tp neighbours, then the ep ranks)
+    a2a = (net.all_to_all_time(system, act_bytes * scale / t, group, 1 if lay.fold_tp_into_ep else t)
+           if moe and group > 1 else 0.0)
     # Weight-gradient GEMMs of the column-parallel linears (QKV, and a dense block's MLP-in), which
     # Megatron's asynchronous tensor-parallel backward runs while the input gradient's collective is in flight.
     wgrad = [weight_grad_time(dev, tokens, 3 * h / t, h, bytes_per_element=e)]
@@ -231,16 +249,24 @@ def _mlp_gemms(dev, rows: float, width: float, hidden: int, dtype_bytes: int, ba
             linear_time(dev, rows, hidden, width, batch=batch, bytes_per_element=dtype_bytes)]
 
 
+def local_experts(model: GPT, lay: Layout) -> int:
+    """Experts of one MoE layer that a rank holds (whole): experts / ep, replicated over tp; with
+    ``fold_tp_into_ep`` experts / (ep x tp), each on one rank of its dp replica (Liu et al. 2025, "MoE Parallel
+    Folding"; rank (ep_i, tp_j) holds the global ids from (ep_i tp + tp_j) x E / (ep tp))."""
+    return model.experts // lay.expert_group
+
+
 @dataclass(frozen=True)
 class RankParams:
     """Parameters one rank holds, split by how podscale reduces and shards their gradients
     (podscale.parallel.moe.layer, "What a data-parallel strategy must do with an MoE model"): ``dense`` are
     replicated over dp x ep (gradients averaged, ZeRO-sharded over dp x ep), ``expert`` are this ep rank's
-    experts, replicated over dp only (gradients summed, ZeRO-sharded over dp). ``tp_summed``: of these,
-    those that every tp rank holds whole and runs on its own share of the samples (an MoE layer's router
-    and experts under tp > 1), whose gradients are partial per tp rank and summed over tp every time they
-    are reduced (they carry the ``sequence_parallel`` tag; a sequence-parallel layer norm's few h
-    parameters do too, and are left out)."""
+    experts (over ep x tp with ``fold_tp_into_ep``), replicated over dp only (gradients summed, ZeRO-sharded
+    over dp). ``tp_summed``: of these, those that every tp rank holds whole and runs on its own share of the
+    samples (an MoE layer's router and shared experts under tp > 1, and its experts unless folded), whose
+    gradients are partial per tp rank and summed over tp every time they are reduced (they carry the
+    ``sequence_parallel`` tag; a sequence-parallel layer norm's few h parameters do too, and are left
+    out). Folded experts are on one tp rank only: their gradients are complete there."""
 
     dense: float
     expert: float
@@ -259,18 +285,20 @@ class RankParams:
     __rmul__ = __mul__
 
 
-def layer_rank_params(model: GPT, tp: int, ep: int, moe: bool) -> RankParams:
+def layer_rank_params(model: GPT, lay: Layout, moe: bool) -> RankParams:
     """One block's parameters on a rank of a tp x ep layout. A dense block is Megatron-sharded over tp (its
     layer norms and row-parallel biases counted as sharded too: a few h per block). An MoE block has no
     dense MLP: its attention and norms, sharded as a dense block's, and its MoE layer, which podscale does
     not shard over tp (podscale.parallel.moe.layer.MoELayer.forward: each tp rank runs 1/tp of the samples
-    through whole experts): the router and the shared experts (dense: every ep rank runs them) and the ep
-    rank's ``experts / ep`` experts, whole on every tp rank, their gradients summed over tp."""
+    through whole experts): the router and the shared experts (dense: every ep and tp rank runs them, their
+    gradients summed over tp) and the rank's :func:`local_experts` whole experts: ``experts / ep``, the
+    same on every tp rank and summed over tp, or folded ``experts / (ep tp)``, on this rank alone."""
+    t = lay.tp
     if not moe:
-        return RankParams(model.layer_params() / tp, 0.0)
-    moe_dense, experts = model.moe_dense_params, model.experts // ep * model.mlp_params()
-    return RankParams(model.attention_params / tp + moe_dense, experts,
-                      moe_dense + experts if tp > 1 else 0.0)
+        return RankParams(model.layer_params() / t, 0.0)
+    moe_dense, experts = model.moe_dense_params, local_experts(model, lay) * model.mlp_params()
+    summed = 0.0 if t == 1 else moe_dense + (0.0 if lay.fold_tp_into_ep else experts)
+    return RankParams(model.attention_params / t + moe_dense, experts, summed)
 
 
 def rank_params(model: GPT, lay: Layout, rank: int = 0) -> RankParams:
@@ -280,8 +308,8 @@ def rank_params(model: GPT, lay: Layout, rank: int = 0) -> RankParams:
     p, t, h = lay.pp, lay.tp, model.hidden
     layers = pipeline_rank_layers(model, lay)[rank]
     moe_frac = model.moe_layers / model.layers
-    blocks = layers * ((1 - moe_frac) * layer_rank_params(model, t, lay.ep, False)
-                       + moe_frac * layer_rank_params(model, t, lay.ep, True))
+    blocks = layers * ((1 - moe_frac) * layer_rank_params(model, lay, False)
+                       + moe_frac * layer_rank_params(model, lay, True))
     if p == 1:
         return blocks + RankParams((model.embedding_params + 2 * h) / t, 0.0)
     if rank in (0, p - 1):
@@ -474,9 +502,10 @@ def predict_gpt(system: System, devices: int, model: GPT, lay: Layout, batch: in
     dp_exposed = reductions * (max(overlapped_exposed(dev, dp_red, window), last_bucket)
                                if lay.overlap_grad_reduce else dp_red) + zero3_gather + param_gather
 
-    # The MoE layers' router and experts, whole on every tp rank, have partial gradients there, summed over
-    # tp in one all-reduce each time they are reduced (not overlapped: after the data-parallel all-reduce,
-    # TensorParallelStrategy.finish_grad_sync; ZeRO before each reduce-scatter, in the backward).
+    # The MoE layers' router and shared experts, and their experts unless folded, whole on every tp rank, have
+    # partial gradients there, summed over tp in one all-reduce each time they are reduced (not overlapped:
+    # after the data-parallel all-reduce, TensorParallelStrategy.finish_grad_sync; ZeRO before each
+    # reduce-scatter, in the backward). Folded experts live on one rank: nothing to sum (RankParams.tp_summed).
     tp_grad_sum = 0.0
     if t > 1 and fullest.tp_summed:
         tp_grad_sum = ((m if reduces_every_micro_batch(lay) else 1)
@@ -518,7 +547,7 @@ def predict_gpt(system: System, devices: int, model: GPT, lay: Layout, batch: in
     components.update(optimizer=optimizer, grad_passes=grad_passes, pipeline_bubble=bubble, offload=offload)
 
     # Memory of every pipeline rank; the fullest one is reported.
-    mlp_scale = model.top_k * model.expert_load(lay.ep) if model.moe_layers else 1.0
+    mlp_scale = model.top_k * model.expert_load(lay.expert_group) if model.moe_layers else 1.0
     moe_kw = dict(mlp_scale=mlp_scale, shared_ffn=model.shared_ffn)
     act_kw = dict(seq=s, microbatch=b, hidden=h, heads=model.heads, tp=t,
                   sequence_parallel=lay.sequence_parallel, ffn=model.ffn)
@@ -534,7 +563,7 @@ def predict_gpt(system: System, devices: int, model: GPT, lay: Layout, batch: in
                                              **moe_kw, **act_kw)
     prec = precision_of(dev.dtype_bytes)
     if lay.zero_stage == 3:   # current + prefetched block: the largest block as a rank holds it
-        gathered = zero3_gathered_bytes(max(layer_rank_params(model, t, lay.ep, moe).total
+        gathered = zero3_gathered_bytes(max(layer_rank_params(model, lay, moe).total
                                             for moe in {False, model.moe_layers > 0}), prec)
     else:
         gathered = 0.0
@@ -573,9 +602,9 @@ def predict_gpt(system: System, devices: int, model: GPT, lay: Layout, batch: in
     notes = []
     if total_mem > dev.memory_bytes:
         notes.append(f"does not fit: needs {total_mem / 2**30:.1f} GiB of {dev.memory_bytes / 2**30:.1f} GiB")
-    if model.moe_layers and model.dropless and lay.ep > 1:
-        notes.append(f"dropless MoE: the busiest ep rank priced at {model.expert_load(lay.ep):g}x the mean expert "
-                     "rows (dropless_peak_load; a training run logs the measured peak_rank_load)")
+    if model.moe_layers and model.dropless and lay.expert_group > 1:
+        notes.append(f"dropless MoE: the busiest ep rank priced at {model.expert_load(lay.expert_group):g}x the mean "
+                     "expert rows (dropless_peak_load; a training run logs the measured peak_rank_load)")
     layout = lay.to_dict()
     if p > 1:
         layout["pipeline_layers"] = list(pipeline_chunks(model, lay))

@@ -2,8 +2,9 @@
 
 Mesh axes ``pp, dp, ep, tp`` (outermost to innermost), so devices = pp * dp * ep * tp. Expert
 parallelism splits the batch like data parallelism for the dense layers (they are replicated over
-dp * ep) and shards the experts over ep. ``microbatch`` is the micro-batch size per pipeline
-micro-step, and the global batch = dp * ep * microbatch * num_microbatches.
+dp * ep) and shards the experts over ep (with ``fold_tp_into_ep``, over ep x tp: :attr:`Layout.expert_group`).
+``microbatch`` is the micro-batch size per pipeline micro-step, and the global batch = dp * ep * microbatch
+* num_microbatches.
 """
 from __future__ import annotations
 
@@ -29,6 +30,9 @@ class Layout:
     schedule: str = ""            # "" -> 1f1b, or interleaved when interleave > 1
     recompute: str = "none"
     sequence_parallel: bool = False
+    fold_tp_into_ep: bool = False  # MoE parallel folding (Liu et al. 2025; Megatron-core's expert tensor
+                                  # parallel size 1): each MoE layer's experts sharded over ep x tp and its
+                                  # tokens exchanged over that group, not replicated over tp (expert_group)
     zero_stage: int = 0
     offload_optimizer: str = "none"
     offload_param: str = "none"
@@ -75,6 +79,9 @@ class Layout:
             raise LayoutError(f"pipeline_layers must be a list of integers, got {list(self.pipeline_layers)}")
         if self.sequence_parallel and self.tp == 1:
             raise LayoutError("sequence_parallel needs tp > 1")
+        if self.fold_tp_into_ep and self.tp == 1:
+            raise LayoutError("fold_tp_into_ep needs tp > 1 (it shards the experts over the tp ranks too; at tp = 1 "
+                              "there is nothing to fold): set tp > 1 or fold_tp_into_ep false")
 
     @property
     def devices(self) -> int:
@@ -84,6 +91,15 @@ class Layout:
     def data_parallel(self) -> int:
         """Replicas of the dense weights: the batch is split dp * ep ways."""
         return self.dp * self.ep
+
+    @property
+    def expert_group(self) -> int:
+        """Ranks an MoE layer's experts are sharded over and its tokens exchanged among: ep, or with
+        ``fold_tp_into_ep`` ep x tp (MoE parallel folding, Liu et al. 2025: the expert-parallel group spans the
+        tp ranks, Megatron-core's expert_tensor_parallel_size = 1; its tp ranks are neighbours, the innermost
+        mesh axis, so the group is ep x tp consecutive ranks). Without folding every tp rank holds the same
+        experts (replicated over tp)."""
+        return self.ep * self.tp if self.fold_tp_into_ep else self.ep
 
     def num_microbatches(self, batch: int) -> int:
         per = self.data_parallel * self.microbatch
@@ -115,6 +131,8 @@ class Layout:
             s += f" rc-{self.recompute}"
         if self.sequence_parallel:
             s += " sp"
+        if self.fold_tp_into_ep:
+            s += " fold"
         if self.fused_attention:
             s += " flash"
         if self.parallel_block:
