@@ -27,7 +27,8 @@ receives into whole sequences of its share of the samples (see
 :meth:`podscale.parallel.moe.MoELayer.forward`), so routing is the one-process routing in every layout.
 With ``parallel.fold_tp_into_ep`` the experts are sharded over ep x tp instead of held by every tp rank
 (MoE parallel folding), each rank's model built with its own.
-``train.compile`` is refused.
+``train.compile`` compiles the blocks around the MoE layers, which run eagerly between the compiled pieces
+(see :mod:`podscale.train.compile`).
 """
 from __future__ import annotations
 
