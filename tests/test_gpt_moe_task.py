@@ -200,13 +200,14 @@ def test_checkpoint_moves_from_ep2_to_ep1_to_ep4_with_optimizer_state(ep2, singl
 # podscale train end to end
 
 
-def test_podscale_train_logs_and_plots_routing_metrics_and_exports_one_process_model(tmp_path, capfd):
-    cfg = tmp_path / "moe.toml"
-    cfg.write_text(f"""
+def _train_toml(tmp_path: Path, name: str, steps: int, model: str, parallel: str) -> str:
+    """A `podscale train` config of the 2-block GPT-MoE (4 experts, one MoE block) on Tiny Shakespeare,
+    global batch 4 in micro-batches of 2; ``model`` and ``parallel``: more TOML lines of those sections."""
+    return f"""
 [run]
-name = "moe"
+name = "{name}"
 out_dir = "{tmp_path / 'runs'}"
-steps = 3
+steps = {steps}
 log_every = 1
 sample_tokens = 0
 [model]
@@ -217,17 +218,21 @@ n_embd = 32
 block_size = 32
 experts = 4
 moe_every = 2
-dropless = true
-dropless_peak_load = 1.0
+{model}
 [data]
 path = "{shakespeare()}"
 [parallel]
 nproc = 2
-ep = 2
+{parallel}
 [train]
 global_batch = 4
 micro_batch = 2
-""")
+"""
+
+
+def test_podscale_train_logs_and_plots_routing_metrics_and_exports_one_process_model(tmp_path, capfd):
+    cfg = tmp_path / "moe.toml"
+    cfg.write_text(_train_toml(tmp_path, "moe", 3, "dropless = true\ndropless_peak_load = 1.0", "ep = 2"))
     capfd.readouterr()
     assert main(["train", str(cfg)]) == 0
     said = capfd.readouterr().out   # the workers write to this process's descriptors
@@ -265,33 +270,10 @@ def test_podscale_train_resumes_and_exports_experts_folded_over_tp(tmp_path, cap
     resumes its own checkpoint (the trainer compares it with the one-process model's names, not the rank's)
     and exports every expert."""
     cfg = tmp_path / "fold.toml"
-    text = f"""
-[run]
-name = "fold"
-out_dir = "{tmp_path / 'runs'}"
-steps = 2
-sample_tokens = 0
-[model]
-kind = "gpt-moe"
-n_layer = 2
-n_head = 2
-n_embd = 32
-block_size = 32
-experts = 4
-moe_every = 2
-[data]
-path = "{shakespeare()}"
-[parallel]
-nproc = 2
-tp = 2
-fold_tp_into_ep = true
-[train]
-global_batch = 4
-micro_batch = 2
-"""
-    cfg.write_text(text)
+    parallel = "tp = 2\nfold_tp_into_ep = true"
+    cfg.write_text(_train_toml(tmp_path, "fold", 2, "", parallel))
     assert main(["train", str(cfg)]) == 0
-    cfg.write_text(text.replace("steps = 2", "steps = 3"))
+    cfg.write_text(_train_toml(tmp_path, "fold", 3, "", parallel))
     capfd.readouterr()
     assert main(["train", str(cfg), "--resume"]) == 0
     said = capfd.readouterr().out
