@@ -10,7 +10,11 @@ dense model's up to the router's ``h x E``.  With ``--top-k 2`` the experts are 
 top-2 at equal FLOPs); with ``--shared-experts S`` every MoE layer also has S shared experts that every token
 passes through (DeepSeekMoE, Dai et al. 2024), all experts ``4 h / (k + S)`` wide, so a token still passes
 through one dense MLP's worth of weights (``--experts 16 --top-k 1 --shared-experts 1`` against ``--experts
-16 --top-k 2``: DeepSeekMoE's shared-expert isolation at equal FLOPs).  Both models run through podscale's trunk (task, engine, AdamW, cosine schedule) in
+16 --top-k 2``: DeepSeekMoE's shared-expert isolation at equal FLOPs).  ``--balancing both`` trains the
+GPT-MoE twice, once with the load-balancing loss (``--aux-loss-coef``) and once with DeepSeek-V3's
+auxiliary-loss-free selection biases instead (``model.bias_balancing``, aux loss 0; Wang et al. 2024), and
+prints for each the mean over steps and MoE layers of the dropped share and of the busiest expert's load over
+the mean (Wang et al.'s MaxVio, ``load_max x E - 1``).  Both models run through podscale's trunk (task, engine, AdamW, cosine schedule) in
 one process, on the byte-level corpus (``--data``: a text file; default the Python standard library's
 source, the embedded corpus), with the same seed — hence the same initial attention/embedding weights and
 the same sequence of training batches (the loader's order is a function of the seed) — the same tokens per
@@ -52,13 +56,20 @@ def train(model_section: dict, args) -> dict:
     engine = podscale.parallelize(model, mesh, cfg, task)
     loader, val = task.train_data(0, 1), task.eval_data(0, 1)
     t0 = time.perf_counter()
-    losses, step_s = [], []
+    losses, step_s, drops, maxvio = [], [], [], []
     with engine:
         for _ in range(args.steps):
             t = time.perf_counter()
             losses.append(engine.step(loader.next_step()).loss)
+            task.after_step(engine.model, mesh)
             metrics = task.step_metrics(engine.model, mesh)
             step_s.append(time.perf_counter() - t)
+            experts = model_section.get("experts", 1)
+            for k, v in metrics.items():
+                if k.endswith("/dropped_share"):
+                    drops.append(v)
+                elif k.endswith("/load_max"):
+                    maxvio.append(v * experts - 1)
         seconds = time.perf_counter() - t0
         val_loss = task.evaluate(engine, val)["loss"]
     tail = losses[-max(1, args.steps // 10):]
@@ -67,7 +78,9 @@ def train(model_section: dict, args) -> dict:
             "flops_per_token": task.flops_per_sample() / task.units_per_sample(),
             "train_loss": sum(tail) / len(tail), "val_loss": val_loss, "seconds": seconds,
             "step_ms": 1e3 * statistics.median(step_s),
-            "last_dropped_share": sum(dropped) / len(dropped) if dropped else None}
+            "last_dropped_share": sum(dropped) / len(dropped) if dropped else None,
+            "mean_dropped_share": statistics.fmean(drops) if drops else None,
+            "mean_maxvio": statistics.fmean(maxvio) if maxvio else None}
 
 
 def main() -> None:
@@ -87,6 +100,11 @@ def main() -> None:
     ap.add_argument("--eval-batches", type=int, default=32)
     ap.add_argument("--seed", type=int, default=1337)
     ap.add_argument("--data", default=None, help="a text file (default: the Python standard library's source)")
+    ap.add_argument("--aux-loss-coef", type=float, default=0.01)
+    ap.add_argument("--balancing", choices=("aux", "bias", "both"), default="aux",
+                    help="the GPT-MoE balanced by the aux loss, by DeepSeek-V3's selection biases (aux loss 0), or "
+                         "trained once each")
+    ap.add_argument("--bias-update-rate", type=float, default=1e-3)
     args = ap.parse_args()
     torch.set_num_threads(max(1, torch.get_num_threads()))
     gpt = {"n_layer": args.n_layer, "n_head": args.n_head, "n_embd": args.n_embd, "block_size": args.block_size}
@@ -95,22 +113,31 @@ def main() -> None:
         raise SystemExit(f"--top-k + --shared-experts = {active} must divide 4 * n_embd = {4 * args.n_embd}")
     moe = dict(gpt, kind="gpt-moe", experts=args.experts, top_k=args.top_k, moe_every=args.moe_every,
                expert_hidden=4 * args.n_embd // active, random_routing=args.top_k == 2,
-               capacity_factor=args.capacity_factor, aux_loss_coef=0.01, shared_experts=args.shared_experts)
+               capacity_factor=args.capacity_factor, aux_loss_coef=args.aux_loss_coef,
+               shared_experts=args.shared_experts)
+    variants = {"aux": moe, "bias": dict(moe, aux_loss_coef=0.0, bias_balancing=True,
+                                         bias_update_rate=args.bias_update_rate)}
     dense = train(dict(gpt, kind="gpt"), args)
-    sparse = train(moe, args)
+    sparse = {name: train(variants[name], args) for name in (("aux", "bias") if args.balancing == "both"
+                                                             else (args.balancing,))}
     print(f"{args.steps} steps of {args.batch} x {args.block_size} = {args.batch * args.block_size} tokens, "
-          f"the same batches for both")
-    for r in (dense, sparse):
-        drop = "" if r["last_dropped_share"] is None else f"  dropped {r['last_dropped_share']:.1%} (last step)"
-        print(f"{r['kind']:8s} params {r['params'] / 1e6:6.2f}M  FLOPs/token {r['flops_per_token'] / 1e6:7.2f}M  "
+          f"the same batches for all")
+    for name, r in [("dense", dense)] + [(f"moe-{k}", v) for k, v in sparse.items()]:
+        drop = "" if r["last_dropped_share"] is None else (
+            f"  dropped {r['last_dropped_share']:.1%} (last step), {r['mean_dropped_share']:.1%} (mean); MaxVio "
+            f"{r['mean_maxvio']:.3f} (mean)")
+        print(f"{name:9s} params {r['params'] / 1e6:6.2f}M  FLOPs/token {r['flops_per_token'] / 1e6:7.2f}M  "
               f"step {r['step_ms']:6.1f} ms (median)  train loss {r['train_loss']:.4f}  val loss "
               f"{r['val_loss']:.4f}  ({r['seconds']:.0f} s){drop}")
     shared = f" + {args.shared_experts} shared" if args.shared_experts else ""
-    print(f"GPT-MoE ({args.experts} experts, top-{args.top_k}{shared}, capacity {args.capacity_factor}, every "
-          f"{args.moe_every} blocks) vs dense at {sparse['flops_per_token'] / dense['flops_per_token']:.3f}x the "
-          f"FLOPs per token, {args.steps} steps: validation loss {sparse['val_loss']:.4f} vs "
-          f"{dense['val_loss']:.4f} (difference {sparse['val_loss'] - dense['val_loss']:+.4f}); step time "
-          f"{sparse['step_ms'] / dense['step_ms']:.2f}x")
+    for name, r in sparse.items():
+        how = (f"aux loss {args.aux_loss_coef:g}" if name == "aux" else
+               f"selection biases, rate {args.bias_update_rate:g}, no aux loss")
+        print(f"GPT-MoE ({args.experts} experts, top-{args.top_k}{shared}, capacity {args.capacity_factor}, every "
+              f"{args.moe_every} blocks, {how}) vs dense at {r['flops_per_token'] / dense['flops_per_token']:.3f}x "
+              f"the FLOPs per token, {args.steps} steps: validation loss {r['val_loss']:.4f} vs "
+              f"{dense['val_loss']:.4f} (difference {r['val_loss'] - dense['val_loss']:+.4f}); step time "
+              f"{r['step_ms'] / dense['step_ms']:.2f}x")
     print(json.dumps({"dense": dense, "moe": sparse, "args": vars(args)}))
 
 

@@ -158,6 +158,11 @@ class GPTMoEModelSection(GPTModelSection):
                                       "says so at the end when it exceeded this")
     random_routing: bool = Field(True, description="GShard: keep the second choice with probability 2*g2")
     aux_loss_coef: float = Field(1e-2, ge=0.0, description="weight of the load-balancing loss")
+    bias_balancing: bool = Field(False, description="DeepSeek-V3's auxiliary-loss-free balancing: a per-expert "
+                                 "bias added to the router's scores for choosing experts only (gates stay the "
+                                 "softmax's), after every step moved by bias_update_rate towards the experts "
+                                 "the step's tokens asked for least; usually with aux_loss_coef small or 0")
+    bias_update_rate: float = Field(1e-3, gt=0.0, description="bias_balancing's step (DeepSeek-V3's gamma)")
     z_loss_coef: float = Field(1e-3, ge=0.0, description="weight of the router z-loss (ST-MoE)")
     moe_every: int = Field(2, ge=1, description="an MoE feed-forward in every moe_every-th block")
     expert_hidden: int | None = Field(None, ge=1, description="expert hidden size; default 4 * n_embd")

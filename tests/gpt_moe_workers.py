@@ -34,6 +34,9 @@ MODES = {
     "dropless": dict(top_k=2, dropless=True, random_routing=False),
     # top-1 beside a shared expert (DeepSeekMoE; DeepSpeed-MoE's residual MoE): dense parameters in the MoE layer
     "shared": dict(top_k=1, capacity_factor=1.0, random_routing=False, shared_experts=1),
+    # DeepSeek-V3's auxiliary-loss-free balancing: the selection biases move after every step and steer routing
+    "bias": dict(top_k=2, capacity_factor=1.25, random_routing=False, aux_loss_coef=0.0, bias_balancing=True,
+                 bias_update_rate=0.01),
 }
 
 
@@ -113,10 +116,11 @@ def run_job(job: dict, mesh: Mesh) -> dict:
             s.finish_grad_sync()
             out["grads"] = _full(_named(engine, mesh), mesh, lambda p: p.grad)
             s.zero_grad()
-            task.step_metrics(engine.model, mesh)
+            task.step_metrics(engine.model, mesh)   # (cleared: no balance-bias step for this pass)
             loader.consumed = 0
         for step in range(start, job["steps"]):
             res = engine.step(loader.next_step())
+            task.after_step(engine.model, mesh)
             out["losses"].append(res.loss)
             out["grad_norms"].append(res.grad_norm)
             out["metrics"].append(task.step_metrics(engine.model, mesh))
@@ -135,6 +139,9 @@ def run_job(job: dict, mesh: Mesh) -> dict:
             val = split_tokens(load_tokens(DATA), cfg.data.val_fraction)[1]
             out["next"] = engine.strategy.next_logits(val[None, :cfg.model.block_size].long()).double()
         out["compiled_graphs"] = counters["stats"]["unique_graphs"] - graphs  # (Dynamo traced; 0 when eager)
+        # (a pipeline's strategy names its chunks' buffers by single-process name)
+        buffers = engine.strategy.named_buffers() if mesh.size("pp") > 1 else engine.model.named_buffers()
+        out["biases"] = {n: b.clone() for n, b in buffers if n.endswith("selection_bias")}
         if job.get("stage", 0) <= 1:  # (ZeRO-1's compute parameters are whole on every rank)
             out["params"] = _full(_named(engine, mesh), mesh, lambda p: p.detach())
     finally:

@@ -36,7 +36,7 @@ import gpt_moe_workers as W
 from podscale.config import ConfigError, parse_config
 from podscale.runtime.launcher import launch
 from podscale.runtime.mesh import Mesh
-from test_gpt_moe_task import _matches
+from test_gpt_moe_task import _matches, _same_routing
 
 STEPS = 8
 JOBS = [
@@ -53,17 +53,22 @@ CKPT_AT = 4
 
 
 def fold_jobs(root) -> list[dict]:
-    """The folded layouts (indices 7-9), the ep = 4 run resuming the first one's checkpoint (10), and dp = 2 x
-    tp = 2 folded under ZeRO-2 (11: each expert's Adam state and fp32 masters split over dp, on its tp rank
-    alone) saving a checkpoint that ep = 4 resumes (12)."""
-    return [dict(mode="top2", tp=2, dp=1, ep=2, fold=True, steps=STEPS, micro_batch=4, eval=True,
+    """The folded layouts (indices 7-9; the first with DeepSeek-V3's balance biases, mode "bias"), the ep = 4
+    run resuming the first one's checkpoint (10), dp = 2 x tp = 2 folded under ZeRO-2 (11: each expert's Adam
+    state and fp32 masters split over dp, on its tp rank alone) saving a checkpoint that ep = 4 resumes (12),
+    and pp = 2 x ep = 2 with balance biases (13: each stage's layers' biases) saving a checkpoint that ep = 4
+    resumes (14)."""
+    return [dict(mode="bias", tp=2, dp=1, ep=2, fold=True, steps=STEPS, micro_batch=4, eval=True,
                  save_at=CKPT_AT, save_root=str(root / "replicated")),
             dict(mode="top2", pp=2, tp=2, dp=1, ep=1, fold=True, steps=STEPS, micro_batch=4, eval=True),
             dict(mode="shared", tp=2, dp=1, ep=2, sp=True, fold=True, stage=3, steps=STEPS, micro_batch=4),
-            dict(mode="top2", dp=1, ep=4, steps=STEPS, load=str(root / "replicated" / f"step_{CKPT_AT:08d}")),
+            dict(mode="bias", dp=1, ep=4, steps=STEPS, load=str(root / "replicated" / f"step_{CKPT_AT:08d}")),
             dict(mode="top2", tp=2, dp=2, ep=1, fold=True, stage=2, steps=STEPS, micro_batch=2, save_at=CKPT_AT,
                  save_root=str(root / "zero2")),
-            dict(mode="top2", dp=1, ep=4, steps=STEPS, load=str(root / "zero2" / f"step_{CKPT_AT:08d}"))]
+            dict(mode="top2", dp=1, ep=4, steps=STEPS, load=str(root / "zero2" / f"step_{CKPT_AT:08d}")),
+            dict(mode="bias", pp=2, dp=1, ep=2, steps=STEPS, micro_batch=2, save_at=CKPT_AT,
+                 save_root=str(root / "pipeline")),
+            dict(mode="bias", dp=1, ep=4, steps=STEPS, load=str(root / "pipeline" / f"step_{CKPT_AT:08d}"))]
 
 
 def _cfg(**parallel):
@@ -117,15 +122,17 @@ def runs(tmp_path_factory):
 def single():
     mesh = Mesh.build()
     return {(m, n): W.run_job(dict(mode=m, dp=1, ep=1, steps=STEPS, eval=True, sample=True, n_layer=n), mesh)
-            for m, n in (("top2", 2), ("dropless", 2), ("top1", 2), ("shared", 2), ("top2", 4))}
+            for m, n in (("top2", 2), ("dropless", 2), ("top1", 2), ("shared", 2), ("top2", 4), ("bias", 2))}
 
 
 @pytest.mark.parametrize("i,label", [(0, "pp=2 ep=2 1f1b top2"), (1, "pp=2 ep=2 gpipe dropless ZeRO-1"),
                                      (2, "tp=2 ep=2 top2"), (3, "tp=2 ep=2 top1 ZeRO-3"),
                                      (4, "pp=2 tp=2 1f1b top2"), (5, "tp=2 sp ep=2 top1 + shared expert"),
-                                     (6, "pp=2 ep=2 interleaved v=2 top2"), (7, "tp=2 ep=2 folded top2"),
+                                     (6, "pp=2 ep=2 interleaved v=2 top2"),
+                                     (7, "tp=2 ep=2 folded top2 with balance biases"),
                                      (8, "pp=2 tp=2 folded 1f1b top2"),
-                                     (9, "tp=2 sp ep=2 folded top1 + shared expert ZeRO-3")])
+                                     (9, "tp=2 sp ep=2 folded top1 + shared expert ZeRO-3"),
+                                     (13, "pp=2 ep=2 1f1b top2 with balance biases")])
 def test_moe_layout_matches_one_process(runs, single, i, label, tmp_path):
     job = (JOBS + fold_jobs(tmp_path))[i]
     ref = single[(job["mode"], job.get("n_layer", 2))]
@@ -142,6 +149,9 @@ def test_moe_layout_matches_one_process(runs, single, i, label, tmp_path):
             assert any(".moe.shared." in n for n in ours["grads"]) == (job["mode"] == "shared"), label
         if job.get("eval"):
             assert ours["eval"] == pytest.approx(ref["eval"], rel=1e-6), label
+        for name, b in ours["biases"].items():  # every step's sign steps, from the same global demand
+            assert torch.equal(b, ref["biases"][name]) and b.abs().sum() > 0, (label, name)
+        assert bool(ours["biases"]) == (job["mode"] == "bias"), label
         if job.get("sample"):  # one sequence's next-token logits (the sequence-parallel MoE's inference path)
             torch.testing.assert_close(ours["next"], ref["next"], rtol=1e-6, atol=1e-6, msg=label)
     # routing metrics of every MoE layer on every rank (a pipeline rank holds some of them)
@@ -170,11 +180,24 @@ def test_folded_checkpoints_resume_at_another_layout(runs, single):
     """tp = 2 x ep = 2 folded (replicated) and dp = 2 x tp = 2 folded (ZeRO-2, fp32) save after step CKPT_AT
     (model and Adam state, each expert from its holders); ep = 4 without tp loads each, and its next steps'
     losses are the one process's (ZeRO-2's fp32 run within 1e-6, as its own losses are)."""
-    ref = single[("top2", 2)]["losses"]
+    ref, biased = single[("top2", 2)]["losses"], single[("bias", 2)]["losses"]
     for rank, res in runs.items():
         assert res[11]["losses"] == pytest.approx(ref, rel=1e-6), rank
-        assert res[10]["losses"] == pytest.approx(ref[CKPT_AT:], rel=1e-6), rank
+        assert res[10]["losses"] == pytest.approx(biased[CKPT_AT:], rel=1e-6), rank
         assert res[12]["losses"] == pytest.approx(ref[CKPT_AT:], rel=1e-6), rank
+
+
+def test_balance_biases_travel_in_checkpoints(runs, single):
+    """The routers' balance biases (buffers, not parameters) are in the model state of every layout: saved
+    by tp = 2 x ep = 2 folded (job 7) and by pp = 2 x ep = 2 (each stage its layers', job 13), loaded by ep = 4
+    (jobs 10 and 14), whose next steps then route and train as the one process does."""
+    biased = single[("bias", 2)]
+    for rank, res in runs.items():
+        for i in (10, 14):
+            assert res[i]["losses"] == pytest.approx(biased["losses"][CKPT_AT:], rel=1e-6), (i, rank)
+            _same_routing(res[i]["metrics"], biased["metrics"][CKPT_AT:], f"job {i} rank {rank}", 4)
+            for name, b in res[i]["biases"].items():
+                assert torch.equal(b, biased["biases"][name]), (i, rank, name)
 
 
 def test_folded_expert_checkpoint_pieces_name_their_holders(runs):

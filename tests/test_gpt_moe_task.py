@@ -43,6 +43,7 @@ def _moe_cfg(**over):
     (dict(model__eval_capacity_factor=-1.0), 2, ["model.eval_capacity_factor", "> 0"]),
     (dict(model__dropless=True, model__dropless_peak_load=0.5), 2, ["model.dropless_peak_load", "1"]),
     (dict(model__shared_experts=-1), 2, ["model.shared_experts", "0"]),
+    (dict(model__bias_update_rate=0.0), 2, ["model.bias_update_rate", "0"]),
     (dict(parallel__ep=3, parallel__nproc=4, model__experts=6), 4, ["parallel.ep=3", "does not divide the 4"]),
     (dict(model__kind="gpt", model__experts=None, parallel__ep=2), 2, ["parallel.ep=2", "no experts",
                                                                         "parallel.ep = 1"]),
@@ -149,10 +150,16 @@ def ep4(single, ckpt_root):
     return launch(W.run_jobs, (jobs,), nproc=4)
 
 
-def test_ep2_matches_one_process_for_top1_top2_dropless_and_a_shared_expert(ep2, single):
+def test_ep2_matches_one_process_for_every_routing_mode(ep2, single):
+    """top-1, top-2, dropless, a shared expert, and DeepSeek-V3's balance biases (which the task steps after
+    every step from the global demand: the same biases, so the same routing, as one process)."""
     for i, mode in enumerate(W.MODES):
         for rank, res in ep2.items():
             _matches(res[i], single[mode], f"ep=2 {mode} rank {rank}")
+            assert res[i]["biases"].keys() == single[mode]["biases"].keys()
+            for name, b in res[i]["biases"].items():
+                assert torch.equal(b, single[mode]["biases"][name]) and b.abs().sum() > 0, (mode, rank, name)
+        assert bool(single[mode]["biases"]) == (mode == "bias"), mode
         dropped = [m["blocks.0/dropped_share"] for m in single[mode]["metrics"]]
         assert (max(dropped) == 0) == (mode == "dropless"), (mode, dropped)  # capacity binds where it should
     # each rank holds its own half of the experts; together every expert once
@@ -268,12 +275,15 @@ def test_podscale_train_logs_and_plots_routing_metrics_and_exports_one_process_m
 def test_podscale_train_resumes_and_exports_experts_folded_over_tp(tmp_path, capfd):
     """``parallel.fold_tp_into_ep`` on tp = 2 (ep = 1): each tp rank holds half the experts, yet the run
     resumes its own checkpoint (the trainer compares it with the one-process model's names, not the rank's)
-    and exports every expert."""
+    and exports every expert.  With DeepSeek-V3's balance biases (``model.bias_balancing``): the model is
+    built on the meta device as the trainer builds it, its biases (buffers) materialised and moved after
+    every step, saved, resumed and exported."""
     cfg = tmp_path / "fold.toml"
+    model = "bias_balancing = true\nbias_update_rate = 0.01\naux_loss_coef = 0.0"
     parallel = "tp = 2\nfold_tp_into_ep = true"
-    cfg.write_text(_train_toml(tmp_path, "fold", 2, "", parallel))
+    cfg.write_text(_train_toml(tmp_path, "fold", 2, model, parallel))
     assert main(["train", str(cfg)]) == 0
-    cfg.write_text(_train_toml(tmp_path, "fold", 3, "", parallel))
+    cfg.write_text(_train_toml(tmp_path, "fold", 3, model, parallel))
     capfd.readouterr()
     assert main(["train", str(cfg), "--resume"]) == 0
     said = capfd.readouterr().out
@@ -283,6 +293,8 @@ def test_podscale_train_resumes_and_exports_experts_folded_over_tp(tmp_path, cap
     names = torch.load(out, weights_only=True)["model"]
     assert {n for n in names if n.startswith("blocks.1.moe.experts.") and n.endswith("w_fc")} == \
         {f"blocks.1.moe.experts.{e}.w_fc" for e in range(4)}
+    bias = names["blocks.1.moe.router.selection_bias"]   # three sign steps of 0.01 each
+    assert bias.abs().max() > 0 and torch.allclose(bias / 0.01, (bias / 0.01).round())
 
 
 def test_layout_auto_plans_the_gpt_moe_with_expert_parallel_layouts():

@@ -152,8 +152,13 @@ class GPT(nn.Module, MetaInitModel, GatherUnits):
                 t.copy_(torch.empty(t.shape, dtype=t.dtype).normal_(0.0, std, generator=g))
 
     def materialize(self, device: torch.device | str = "cpu") -> "GPT":
-        """Give every parameter still on the meta device its initial value on ``device``, in place."""
+        """Give every parameter still on the meta device its initial value on ``device``, in place; a buffer
+        still on the meta device starts at zero there (the only buffers of the GPT family are the MoE
+        routers' balance biases, which start at zero)."""
         for mod_name, mod in self.named_modules():
+            for b_name, b in list(mod.named_buffers(recurse=False)):
+                if b.is_meta:
+                    mod._buffers[b_name] = torch.zeros(b.shape, dtype=b.dtype, device=device)
             for p_name, p in list(mod.named_parameters(recurse=False)):
                 if p.is_meta:
                     t = torch.empty(p.shape, dtype=p.dtype, device=device)

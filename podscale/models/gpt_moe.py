@@ -38,7 +38,7 @@ class GPTMoEConfig(GPTConfig):
     random_routing: bool = True
     aux_loss_coef: float = 1e-2
     z_loss_coef: float = 1e-3
-    bias_balancing: bool = False
+    bias_balancing: bool = False       # DeepSeek-V3's auxiliary-loss-free selection bias, stepped after each step
     bias_update_rate: float = 1e-3
     expert_hidden: int | None = None   # default 4 * n_embd, the dense MLP's width
     expert_recompute: bool = False     # keep the experts' pre-activation only; the GELU again in the backward
@@ -96,10 +96,7 @@ class MoEMetrics:
         over each axis group of ``groups`` in turn on ``mesh`` when given (collective), and clear."""
         out = {}
         for name, s in sorted(self.layers.items()):
-            if mesh is not None:
-                for axes in groups:
-                    s = s.all_reduce(mesh, axes)
-            out[name] = s.summary()
+            out[name] = s.all_reduce_groups(mesh, groups).summary()
         self.layers.clear()
         return out
 
@@ -202,17 +199,17 @@ class GPTMoE(GPT):
         lm_loss = None if targets is None else self.loss_fn(logits, targets)
         return logits, lm_loss, moe_loss, stats
 
-    def update_balance_bias(self, mesh=None, axes=("dp", "ep")) -> None:
+    def update_balance_bias(self, mesh=None, groups=(("dp", "ep"),)) -> None:
         """DeepSeek-V3's bias step for every MoE layer built with ``bias_balancing``, from the per-expert
-        loads accumulated in :attr:`moe_metrics` since its last ``pop`` (summed over ``axes`` of ``mesh``
-        when given: collective, so every rank's biases stay equal).  Call after the optimizer step and
-        before ``moe_metrics.pop``."""
+        demand (the choices that asked each expert for a slot, dropped ones included: what the router chose,
+        which the bias steers) accumulated in :attr:`moe_metrics` since its last ``pop``, summed over each
+        axis group of ``groups`` on ``mesh`` when given (collective, so every rank's biases stay equal).
+        Call after the optimizer step and before ``moe_metrics.pop``."""
         for name, layer in self.moe_layers().items():
             stats = self.moe_metrics.layers.get(name.removesuffix(".moe"))
             if layer.router.selection_bias is None or stats is None:
                 continue
-            kept = stats.all_reduce(mesh, axes).kept if mesh is not None else stats.kept
-            layer.update_balance_bias(kept)
+            layer.update_balance_bias(stats.all_reduce_groups(mesh, groups).wanted)
 
     def moe_layers(self) -> dict[str, MoELayer]:
         return {f"blocks.{n}.moe": b.moe for n, b in self.blocks.items() if isinstance(b, MoEBlock)}

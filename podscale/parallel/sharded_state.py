@@ -158,9 +158,25 @@ def publish(holding: Holding, layout, mesh, tp_own: bool = False) -> torch.Tenso
     return ShardedTensor._init_from_local_shards_and_global_metadata(local, meta)
 
 
+def persistent_buffers(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """(name, tensor) of ``module``'s buffers that its ``state_dict`` holds (a mixture-of-experts router's
+    balance bias; not the non-persistent ones), which every rank holding the module keeps whole and equal: a
+    checkpoint stores them beside the parameters as plain tensors, and DCP loads them in place."""
+    params = {id(p) for p in module.parameters()}
+    return [(n, t) for n, t in module.state_dict(keep_vars=True).items() if id(t) not in params]
+
+
 def local_parts(t: torch.Tensor) -> list[torch.Tensor]:
     """The tensors this rank holds of ``t`` (a ShardedTensor's local shards, or ``t`` itself)."""
     return [s.tensor for s in t.local_shards()] if isinstance(t, ShardedTensor) else [t]
+
+
+@torch.no_grad()
+def copy_buffers(buffers: Iterable[tuple[str, torch.Tensor]], state: dict[str, torch.Tensor]) -> None:
+    """Copy ``state``'s tensors into the named ``buffers`` (nothing where DCP loaded the buffer itself)."""
+    for n, b in buffers:
+        if n in state and state[n] is not b:
+            b.copy_(state[n])
 
 
 @torch.no_grad()
@@ -346,8 +362,10 @@ class ShardedCheckpointState:
     copy of the tied embedding is saved by the first stage (its model weight under ``lm_head.weight``, its
     Adam state under ``wte.weight``) and loaded by both.
 
-    Mixed into a strategy that has ``self.inner`` (replicated or ZeRO over dp), ``self.mesh`` and
-    ``self.named_parameters(remove_duplicate)``.
+    Mixed into a strategy that has ``self.inner`` (replicated or ZeRO over dp), ``self.mesh``,
+    ``self.named_parameters(remove_duplicate)`` and ``self.named_buffers()`` (the persistent buffers of its
+    model or chunks under single-process names, :func:`persistent_buffers`), which the model state carries
+    too.
     """
 
     def _optim_names(self, duplicates: bool) -> list[tuple[str, torch.Tensor]]:
@@ -362,7 +380,7 @@ class ShardedCheckpointState:
                                    self._optim_names)
 
     def model_state(self) -> dict[str, torch.Tensor]:
-        return self.checkpoint_publisher.model_state()
+        return self.checkpoint_publisher.model_state() | dict(self.named_buffers())
 
     def optim_state(self) -> dict[str, torch.Tensor]:
         return self.checkpoint_publisher.optim_state()
@@ -372,6 +390,7 @@ class ShardedCheckpointState:
 
     def load_model_state(self, state: dict[str, torch.Tensor]) -> None:
         self.checkpoint_publisher.load_model_state(state)
+        copy_buffers(self.named_buffers(), state)
 
     def load_optim_state(self, flat: dict[str, torch.Tensor]) -> None:
         self.checkpoint_publisher.load_optim_state(flat)

@@ -46,7 +46,7 @@ import torch.nn.functional as F
 from podscale.config import tensor_parallel_split_problem
 from podscale.models.gpt import Block
 from podscale.parallel.param_tags import tag, tags
-from podscale.parallel.sharded_state import ShardedCheckpointState
+from podscale.parallel.sharded_state import ShardedCheckpointState, persistent_buffers
 from podscale.parallel.strategy import DataParallelStrategy, LocalMicroBatches, Strategy
 from podscale.parallel.rng import ForkedDropout, RNGTracker, rng_tracker
 from podscale.runtime import comm
@@ -697,6 +697,9 @@ class TensorParallelStrategy(LocalMicroBatches, ShardedCheckpointState, WrapsDat
 
     def named_parameters(self, remove_duplicate: bool = True):
         return self.module.named_parameters(remove_duplicate=remove_duplicate)
+
+    def named_buffers(self) -> list[tuple[str, torch.Tensor]]:
+        return persistent_buffers(self.module)
 
     def finish_grad_sync(self) -> None:
         self.inner.finish_grad_sync()

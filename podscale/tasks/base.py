@@ -106,6 +106,11 @@ class Task(ABC):
         and reduced over dp x ep.  Default: none."""
         return []
 
+    def after_step(self, model: nn.Module, mesh) -> None:
+        """Update what the model keeps outside its parameters from the step just taken (e.g. the GPT-MoE's
+        DeepSeek-V3 balance biases).  Collective: every rank calls it once after each step, before
+        :meth:`step_metrics`.  ``model`` is the module the strategy trains.  Default: nothing."""
+
     def step_metrics(self, model: nn.Module, mesh) -> dict[str, float]:
         """Per-step figures of the model itself (e.g. routing statistics), as ``{"<series>/<name>": value}``:
         the metrics log keeps them under the step record's ``"task"`` key and ``podscale report`` plots every

@@ -53,9 +53,21 @@ def gpt_moe_config(cfg) -> GPTMoEConfig:
                         moe_every=m.moe_every, capacity_factor=m.capacity_factor,
                         eval_capacity_factor=m.eval_capacity_factor, dropless=m.dropless,
                         random_routing=m.random_routing, aux_loss_coef=m.aux_loss_coef,
+                        bias_balancing=m.bias_balancing, bias_update_rate=m.bias_update_rate,
                         z_loss_coef=m.z_loss_coef, expert_hidden=m.expert_hidden,
                         expert_recompute=m.expert_recompute, expert_kernel=m.expert_kernel,
                         shared_experts=m.shared_experts)
+
+
+def _moe_modules(model: nn.Module) -> list[GPTMoE]:
+    """The GPTMoE ``model`` is, or under a pipeline the chunks of this rank (each a GPTMoE)."""
+    return [m for m in model.modules() if isinstance(m, GPTMoE)]
+
+
+def _routing_groups(mesh) -> tuple[tuple[str, ...], ...]:
+    """The axis groups over which the ranks route different tokens: dp x ep, and tp, whose ranks route
+    different samples (summed over in turn: a group over all three would be one more process group)."""
+    return (("dp", "ep"),) + ((("tp",),) if mesh.size("tp") > 1 else ())
 
 
 def _gpt_moe(module: nn.Module) -> GPTMoE:
@@ -106,17 +118,22 @@ class GPTMoETask(GPTTask):
     def ep_sharded_parameters(self, model: nn.Module) -> list[nn.Parameter]:
         return expert_parameters(model)
 
+    def after_step(self, model: nn.Module, mesh) -> None:
+        """With ``model.bias_balancing``: DeepSeek-V3's bias step of every MoE layer this rank holds, from the
+        step's demand per expert summed over the data ranks (:meth:`GPTMoE.update_balance_bias`)."""
+        if self.gpt.bias_balancing:
+            for m in _moe_modules(model):
+                m.update_balance_bias(mesh, _routing_groups(mesh))
+
     def step_metrics(self, model: nn.Module, mesh) -> dict[str, float]:
         """Routing statistics of the step's training forwards, summed over dp x ep (and tp, whose ranks
         route different samples), every MoE layer's on every rank (collective).  ``model``: the GPTMoE or,
         under a pipeline, this rank's chunks (each a GPTMoE holding some layers); the other stages'
         layers arrive by a sum over pp of a fixed (layer, figure) table, zero where a stage lacks a layer."""
         metrics = MoEMetrics()
-        for m in model.modules():
-            if isinstance(m, GPTMoE):
-                metrics.take(m.moe_metrics)
-        groups = (("dp", "ep"),) + ((("tp",),) if mesh.size("tp") > 1 else ())
-        summaries = metrics.pop(mesh, groups)
+        for m in _moe_modules(model):
+            metrics.take(m.moe_metrics)
+        summaries = metrics.pop(mesh, _routing_groups(mesh))
         if mesh.size("pp") > 1:
             names = [f"blocks.{i}" for i in range(self.gpt.n_layer) if self.gpt.is_moe(i)]
             table = torch.zeros(len(names), len(MoEStats.SUMMARY_KEYS), dtype=torch.float64, device=mesh.device)

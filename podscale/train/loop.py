@@ -129,6 +129,7 @@ def run_worker(cfg: Config, resume: bool = False) -> dict:
             res = engine.step(loader.next_step())
             comm_totals, comm_axes = mesh.stats.totals(), mesh.stats.per_axis()
             mesh.stats.reset()
+            task.after_step(engine.model, mesh)   # (collective, like step_metrics; not the step's traffic)
             task_metrics = task.step_metrics(engine.model, mesh)  # (collective; its traffic is not the step's)
             s = res.step
             record = {

@@ -275,6 +275,15 @@ class MoEStats:
         return MoEStats(counts[0], counts[1:1 + E], counts[1 + E:], (flat[-2] / n).float(), (flat[-1] / n).float(),
                         self.top_k, int(peak[0]), self.ranks * n, self.forwards)
 
+    def all_reduce_groups(self, mesh, groups) -> "MoEStats":
+        """:meth:`all_reduce` over each axis group of ``groups`` in turn (collective); itself when ``mesh``
+        is None."""
+        out = self
+        if mesh is not None:
+            for axes in groups:
+                out = out.all_reduce(mesh, axes)
+        return out
+
     #: the keys of :meth:`summary`, in its order
     SUMMARY_KEYS = ("dropped_share", "load_min", "load_max", "load_entropy", "aux_loss", "z_loss",
                     "peak_rank_load")
@@ -328,9 +337,9 @@ class Router(nn.Module):
             return F.linear(x.to(dtype), self.weight.to(dtype))
 
     @torch.no_grad()
-    def update_bias(self, kept: torch.Tensor) -> None:
-        """DeepSeek-V3's update from the global per-expert load ``kept`` (E,) of the last step:
+    def update_bias(self, load: torch.Tensor) -> None:
+        """DeepSeek-V3's update from the global per-expert load ``load`` (E,) of the last step:
         ``b_e += gamma * sign(mean load - load_e)``.  Every rank must pass the same (globally summed) counts
         so the biases stay identical."""
-        load = kept.to(self.selection_bias.dtype)
+        load = load.to(self.selection_bias.dtype)
         self.selection_bias.add_(self.bias_update_rate * torch.sign(load.mean() - load))

@@ -814,11 +814,11 @@ class MoELayer(nn.Module):
         return y.reshape(x.shape), out
 
     # auxiliary-loss-free balancing ---------------------------------------------------------------------
-    def update_balance_bias(self, kept: torch.Tensor) -> None:
+    def update_balance_bias(self, load: torch.Tensor) -> None:
         """DeepSeek-V3's bias step from this step's global per-expert counts (see Router.update_bias)."""
         if self.router.selection_bias is None:
             raise ValueError("the layer was built without bias_balancing")
-        self.router.update_bias(kept)
+        self.router.update_bias(load)
 
 
 __all__ = ["MoELayer", "MoEOutput", "Experts", "Expert", "expert_parameters", "dense_parameters", "expert_dtype",

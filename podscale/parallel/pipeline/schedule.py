@@ -31,7 +31,7 @@ import torch.nn as nn
 from podscale.models.gpt import GPT
 from podscale.parallel.model_protocols import GatherUnits
 from podscale.parallel.pipeline.partition import PipelineError, layer_costs, split_chunk, stage_layers
-from podscale.parallel.sharded_state import ShardedCheckpointState
+from podscale.parallel.sharded_state import ShardedCheckpointState, persistent_buffers
 from podscale.parallel.tensor import (WrapsDataParallel, apply_recompute, apply_tensor_parallel, gather_vocab_logits,
                                       pad_to_shards, sync_sequence_parallel_grads, tensor_parallel_rng)
 from podscale.runtime import comm
@@ -261,6 +261,10 @@ class PipelineParallel(ShardedCheckpointState, WrapsDataParallel):
         """(name in the single-process GPT, parameter) for the chunks on this rank."""
         for c in self.chunks:
             yield from c.named_parameters(remove_duplicate=remove_duplicate)
+
+    def named_buffers(self) -> list[tuple[str, torch.Tensor]]:
+        """(name in the single-process model, persistent buffer) for the chunks on this rank."""
+        return [nb for c in self.chunks for nb in persistent_buffers(c)]
 
     def finish_grad_sync(self) -> None:
         # Each chunk's last backward started its dp reduction.  Replicated dp: the tp and pp sums commute

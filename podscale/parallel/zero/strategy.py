@@ -82,7 +82,7 @@ import torch
 import torch.nn as nn
 
 from podscale.parallel.param_tags import tags
-from podscale.parallel.sharded_state import CheckpointPublisher
+from podscale.parallel.sharded_state import CheckpointPublisher, copy_buffers, persistent_buffers
 from podscale.parallel.strategy import DataParallelStrategy, LocalMicroBatches
 from podscale.parallel.zero.flat_state import DTYPES, FlatState, make_flat_state
 from podscale.parallel.zero.layout import ShardGroup, Unit, bucket_units, layer_units
@@ -636,16 +636,11 @@ class ZeroStrategy(LocalMicroBatches, DataParallelStrategy):
 
     def model_state(self) -> dict[str, torch.Tensor]:
         """fp32 master weights per parameter name (all tied names), sharded as this rank holds them."""
-        out = self.checkpoint_publisher.model_state()
-        for n, b in self.module.named_buffers():
-            out[n] = b
-        return out
+        return self.checkpoint_publisher.model_state() | dict(persistent_buffers(self.module))
 
     def load_model_state(self, state: dict[str, torch.Tensor]) -> None:
         self.checkpoint_publisher.load_model_state(state)
-        for n, b in self.module.named_buffers():
-            if n in state and state[n] is not b:
-                b.copy_(state[n])
+        copy_buffers(persistent_buffers(self.module), state)
 
     def optim_state(self) -> dict[str, torch.Tensor]:
         return self.checkpoint_publisher.optim_state()
