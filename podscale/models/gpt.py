@@ -158,7 +158,7 @@ class GPT(nn.Module, MetaInitModel, GatherUnits):
         for mod_name, mod in self.named_modules():
             for b_name, b in list(mod.named_buffers(recurse=False)):
                 if b.is_meta:
-                    mod._buffers[b_name] = torch.zeros(b.shape, dtype=b.dtype, device=device)
+                    setattr(mod, b_name, torch.zeros(b.shape, dtype=b.dtype, device=device))  # (stays a buffer)
             for p_name, p in list(mod.named_parameters(recurse=False)):
                 if p.is_meta:
                     t = torch.empty(p.shape, dtype=p.dtype, device=device)
