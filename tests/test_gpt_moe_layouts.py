@@ -27,7 +27,8 @@ reported in fp32, 1e-6.  ZeRO computes in fp32: the same routing, losses 1e-6, g
 (its parameters are not compared with the fp64 run: AdamW turns fp32 rounding of near-zero gradients into
 1e-4 relative differences of small biases).
 The pipeline's evaluation loss (every stage's aux losses included) matches one process to 1e-6, and so do
-the sequence-parallel layout's next-token logits of one sequence (sampling: one sample for two tp ranks).
+the tp layouts' next-token logits of one sequence (sampling: one sample for two tp ranks; sequence-parallel,
+folded, and folded with sequence parallelism under ZeRO-3, 2e-5 there).
 """
 import pytest
 import torch
@@ -58,10 +59,11 @@ def fold_jobs(root) -> list[dict]:
     state and fp32 masters split over dp, on its tp rank alone) saving a checkpoint that ep = 4 resumes (12),
     and pp = 2 x ep = 2 with balance biases (13: each stage's layers' biases) saving a checkpoint that ep = 4
     resumes (14)."""
-    return [dict(mode="bias", tp=2, dp=1, ep=2, fold=True, steps=STEPS, micro_batch=4, eval=True,
+    return [dict(mode="bias", tp=2, dp=1, ep=2, fold=True, steps=STEPS, micro_batch=4, eval=True, sample=True,
                  save_at=CKPT_AT, save_root=str(root / "replicated")),
             dict(mode="top2", pp=2, tp=2, dp=1, ep=1, fold=True, steps=STEPS, micro_batch=4, eval=True),
-            dict(mode="shared", tp=2, dp=1, ep=2, sp=True, fold=True, stage=3, steps=STEPS, micro_batch=4),
+            dict(mode="shared", tp=2, dp=1, ep=2, sp=True, fold=True, stage=3, steps=STEPS, micro_batch=4,
+                 sample=True),
             dict(mode="bias", dp=1, ep=4, steps=STEPS, load=str(root / "replicated" / f"step_{CKPT_AT:08d}")),
             dict(mode="top2", tp=2, dp=2, ep=1, fold=True, stage=2, steps=STEPS, micro_batch=2, save_at=CKPT_AT,
                  save_root=str(root / "zero2")),
@@ -152,8 +154,9 @@ def test_moe_layout_matches_one_process(runs, single, i, label, tmp_path):
         for name, b in ours["biases"].items():  # every step's sign steps, from the same global demand
             assert torch.equal(b, ref["biases"][name]) and b.abs().sum() > 0, (label, name)
         assert bool(ours["biases"]) == (job["mode"] == "bias"), label
-        if job.get("sample"):  # one sequence's next-token logits (the sequence-parallel MoE's inference path)
-            torch.testing.assert_close(ours["next"], ref["next"], rtol=1e-6, atol=1e-6, msg=label)
+        if job.get("sample"):  # one sequence's next-token logits (the tp MoE layer's one-sample inference path)
+            tol = 2e-5 if zero else 1e-6   # (ZeRO computes in fp32)
+            torch.testing.assert_close(ours["next"], ref["next"], rtol=tol, atol=tol, msg=label)
     # routing metrics of every MoE layer on every rank (a pipeline rank holds some of them)
     layers = {f"blocks.{b}/dropped_share" for b in range(job.get("n_layer", 2))}
     assert layers <= set(runs[0][i]["metrics"][-1]), label
