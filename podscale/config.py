@@ -162,7 +162,9 @@ class GPTMoEModelSection(GPTModelSection):
                                  "bias added to the router's scores for choosing experts only (gates stay the "
                                  "softmax's), after every step moved by bias_update_rate towards the experts "
                                  "the step's tokens asked for least; usually with aux_loss_coef small or 0")
-    bias_update_rate: float = Field(1e-3, gt=0.0, description="bias_balancing's step (DeepSeek-V3's gamma)")
+    bias_update_rate: float = Field(1e-3, gt=0.0, description="bias_balancing's step per training step "
+                                    "(DeepSeek-V3's gamma, 0.001 over its 14.8T tokens; a run of a few thousand "
+                                    "steps balances better with about 0.01: BENCHMARKS.md)")
     z_loss_coef: float = Field(1e-3, ge=0.0, description="weight of the router z-loss (ST-MoE)")
     moe_every: int = Field(2, ge=1, description="an MoE feed-forward in every moe_every-th block")
     expert_hidden: int | None = Field(None, ge=1, description="expert hidden size; default 4 * n_embd")
