@@ -146,7 +146,8 @@ def ep4(single, ckpt_root):
     ZeRO-3 continuing the ep=1 checkpoint for one step."""
     jobs = [dict(mode="top2", dp=2, ep=2, steps=STEPS), dict(mode="top2", dp=2, ep=2, steps=STEPS, stage=3),
             dict(mode="top2", dp=1, ep=4, steps=CKPT_AT + 2, stage=3,
-                 load=str(ckpt_root / "ep1" / f"step_{CKPT_AT + 1:08d}"))]
+                 load=str(ckpt_root / "ep1" / f"step_{CKPT_AT + 1:08d}")),
+            dict(mode="bias", dp=2, ep=2, steps=STEPS, stage=3)]
     return launch(W.run_jobs, (jobs,), nproc=4)
 
 
@@ -181,12 +182,17 @@ def test_lamb_and_lars_trust_ratios_under_ep2_match_one_process(ep2, single):
 
 
 def test_dp2_ep2_matches_one_process_replicated_and_zero3(ep4, single):
-    """ZeRO-3 (dense parameters sharded over dp x ep = 4 ranks, experts over dp = 2) computes in fp32: the
-    same routing as the fp64 run, losses within 1e-6 and gradient norms within 2e-5 (measured: 1e-7 and
+    """ZeRO-3 (dense parameters sharded over dp x ep = 4 ranks, experts over dp = 2; top-2, and top-2 with
+    balance biases) computes in fp32: the same routing as the fp64 run, losses within 1e-6 and gradient norms within 2e-5 (measured: 1e-7 and
     6e-6, the fp32 forward's own distance from fp64)."""
     for rank, res in ep4.items():
         _matches(res[0], single["top2"], f"dp=2 ep=2 rank {rank}")
         _matches(res[1], single["top2"], f"ZeRO-3 dp=2 ep=2 rank {rank}", norm_rel=2e-5)
+        # with balance biases: the fp32 run routes as the fp64 one, so its biases step identically
+        _matches(res[3], single["bias"], f"ZeRO-3 dp=2 ep=2 biases rank {rank}", norm_rel=2e-5)
+        for name, b in res[3]["biases"].items():
+            assert torch.equal(b.double(), single["bias"]["biases"][name].double()), (rank, name)
+        assert res[3]["biases"].keys() == single["bias"]["biases"].keys()
 
 
 def test_checkpoint_moves_from_ep2_to_ep1_to_ep4_with_optimizer_state(ep2, single, ep4):
