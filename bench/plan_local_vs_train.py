@@ -35,6 +35,9 @@ from podscale.plan.layout import Layout
 from podscale.plan.calibrate import low_percentile
 
 SMALL = dict(n_layer=4, n_head=4, n_embd=128, block_size=128)
+# a GPT-MoE: 8 experts (top-2, the trainer's capacity 1.25) in every other block of SMALL, no random routing
+MOE = dict(kind="'gpt-moe'", **SMALL, experts=8, top_k=2, moe_every=2, capacity_factor=1.25,
+           random_routing="false")
 ISSUE = dict(n_layer=12, n_head=10, n_embd=640, block_size=128)     # issue 15's 12-layer 640-wide GPT
 # (label, model overrides, global batch, micro batch, layout {tp, pp, dp}, ZeRO stage)
 CASES = [
@@ -50,6 +53,9 @@ CASES = [
     ("dp2 L12 h640 mb4 z3", ISSUE, 8, 4, dict(tp=1, pp=1, dp=2), 3),
     ("tp2 L12 h640 mb4", ISSUE, 4, 4, dict(tp=2, pp=1, dp=1), 0),
     ("pp2 L12 h640 mb2 (m 4)", ISSUE, 8, 2, dict(tp=1, pp=2, dp=1), 0),
+    ("moe ep2 L4 h128 E8 mb8", MOE, 16, 8, dict(tp=1, pp=1, dp=1, ep=2), 0),
+    ("moe tp2 L4 h128 E8 mb8 (accum 2)", MOE, 16, 8, dict(tp=2, pp=1, dp=1), 0),
+    ("moe tp2 folded L4 h128 E8 mb8 (accum 2)", MOE, 16, 8, dict(tp=2, pp=1, dp=1, fold_tp_into_ep=True), 0),
 ]
 
 
@@ -57,7 +63,8 @@ def run_train(overrides: dict, global_batch: int, micro_batch: int, layout: dict
               out: Path, name: str) -> float:
     sets = [f"model.{k}={v}" for k, v in overrides.items()]
     sets += [f"train.global_batch={global_batch}", f"train.micro_batch={micro_batch}",
-             f"parallel.tp={layout['tp']}", f"parallel.pp={layout['pp']}", f"zero.stage={zero}",
+             f"parallel.tp={layout['tp']}", f"parallel.pp={layout['pp']}", f"parallel.ep={layout.get('ep', 1)}",
+             f"parallel.fold_tp_into_ep={'true' if layout.get('fold_tp_into_ep') else 'false'}", f"zero.stage={zero}",
              "run.eval_every=0", "run.sample_tokens=0", "checkpoint.every=100000"]
     cmd = [sys.executable, "-m", "podscale.cli", "train", "--nproc", "2", "--steps", str(steps),
            "--out-dir", str(out), "--name", name, "--fresh"]
@@ -93,6 +100,8 @@ def main(argv=None) -> int:
                            for _ in range(args.repeat))
             model = {"layers": ov["n_layer"], "hidden": ov["n_embd"], "heads": ov["n_head"],
                      "seq": ov["block_size"], "vocab": 256}
+            if "experts" in ov:  # a GPT-MoE
+                model.update({k: ov[k] for k in ("experts", "top_k", "moe_every", "capacity_factor")})
             pred = predict(system, 2, model, as_trained(Layout(**lay, microbatch=mb, zero_stage=zero)), gb)
             ratio = pred.step_time_s / measured
             ratios.append(ratio)

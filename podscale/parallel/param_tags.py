@@ -31,6 +31,8 @@ class ParamTags:
       position embedding under sequence parallelism) or of the samples (a mixture-of-experts layer's router
       and experts under tp): its gradient is summed over tp.
     * ``expert_parallel``: a mixture-of-experts expert; each ep rank holds others, so the norm sums over ep.
+      With ``tensor_parallel`` too (and no ``tp_layout``): an expert folded over ep x tp, whole on one tp rank
+      (MoE parallel folding), so the norm sums over ep and tp and a checkpoint names that tp rank's holders.
     * ``pipeline_duplicate``: the last pipeline stage's copy of the tied embedding; the first stage's copy is
       the one counted in the norm and saved in checkpoints.
     * ``tp_layout``: how the single-process tensor is split over tp (``"rows"``, ``"cols"``, ``"qkv"`` or
