@@ -109,8 +109,7 @@ class GPTMoETask(GPTTask):
     def describe(self, model: nn.Module) -> str:
         m, g = _gpt_moe(model), self.gpt
         shared = f" + {g.shared_experts} shared" if g.shared_experts else ""
-        p = self.cfg.parallel
-        where = ", sharded over ep x tp" if p.fold_tp_into_ep else ""
+        where = ", sharded over ep x tp" if self.cfg.parallel.fold_tp_into_ep else ""
         return (f"{g.experts} experts x {sum(g.is_moe(i) for i in range(g.n_layer))} MoE layers (top-{g.top_k}"
                 f"{shared}{where}), {m.active_params_per_token() / 1e6:.2f}M active params per token, global "
                 f"batch {self.cfg.train.global_batch} x {g.block_size} tokens")

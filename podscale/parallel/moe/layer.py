@@ -627,9 +627,10 @@ class MoELayer(nn.Module):
         self.tp = mesh.sizes["tp"] if mesh is not None else 1
         #: the mesh axes the experts are sharded over and the tokens exchanged over: ``("ep",)``, or with
         #: ``fold_tp`` under tp > 1 ``("ep", "tp")`` (MoE parallel folding)
-        self.expert_axes = ("ep", "tp") if fold_tp and self.tp > 1 else ("ep",)
+        folded = fold_tp and self.tp > 1
+        self.expert_axes = ("ep", "tp") if folded else ("ep",)
         check_moe_args(experts, top_k, capacity_factor, eval_capacity_factor,
-                       mesh.sizes["ep"] if mesh is not None else 1, self.tp if len(self.expert_axes) == 2 else 1)
+                       mesh.sizes["ep"] if mesh is not None else 1, self.tp if folded else 1)
         ep = mesh.size(*self.expert_axes) if mesh is not None else 1
         if shared_hidden < 0:
             raise ValueError(f"shared_hidden={shared_hidden} must be >= 0 (0: no shared expert)")
@@ -651,9 +652,9 @@ class MoELayer(nn.Module):
             # experts' when every tp rank holds them; folded, each tp rank holds other experts, whose
             # gradients are whole (every token routed to them came through the exchange), so the norm sums
             # their squares over tp as a tp shard's
-            folded = set(map(id, self.experts.parameters())) if len(self.expert_axes) == 2 else set()
+            own = set(map(id, self.experts.parameters())) if folded else set()
             for p in self.parameters():
-                tag(p, **({"tensor_parallel": True} if id(p) in folded else {"sequence_parallel": True}))
+                tag(p, **({"tensor_parallel": True} if id(p) in own else {"sequence_parallel": True}))
 
     # routing -----------------------------------------------------------------------------------------
     def capacity(self, group_size: int) -> int | None:
