@@ -14,7 +14,10 @@ through one dense MLP's worth of weights (``--experts 16 --top-k 1 --shared-expe
 GPT-MoE twice, once with the load-balancing loss (``--aux-loss-coef``) and once with DeepSeek-V3's
 auxiliary-loss-free selection biases instead (``model.bias_balancing``, aux loss 0; Wang et al. 2024), and
 prints for each the mean over steps and MoE layers of the dropped share and of the busiest expert's load over
-the mean (Wang et al.'s MaxVio, ``load_max x E - 1``).  Both models run through podscale's trunk (task, engine, AdamW, cosine schedule) in
+the mean (Wang et al.'s MaxVio, ``load_max x E - 1``).  ``--router-score both`` likewise trains it with
+GShard's softmax scores and with DeepSeek-V3's sigmoid affinities (``model.router_score``; with
+``--router-groups``, ``--router-group-top-k`` and ``--router-scale`` its node-limited routing and gate
+scale, for every variant).  Both models run through podscale's trunk (task, engine, AdamW, cosine schedule) in
 one process, on the byte-level corpus (``--data``: a text file; default the Python standard library's
 source, the embedded corpus), with the same seed — hence the same initial attention/embedding weights and
 the same sequence of training batches (the loader's order is a function of the seed) — the same tokens per
@@ -105,6 +108,12 @@ def main() -> None:
                     help="the GPT-MoE balanced by the aux loss, by DeepSeek-V3's selection biases (aux loss 0), or "
                          "trained once each")
     ap.add_argument("--bias-update-rate", type=float, default=1e-3)
+    ap.add_argument("--router-score", choices=("softmax", "sigmoid", "both"), default="softmax",
+                    help="the router's scores (model.router_score): GShard's softmax, DeepSeek-V3's sigmoid "
+                         "affinities, or the GPT-MoE trained once with each")
+    ap.add_argument("--router-groups", type=int, default=1, help="model.router_groups (node-limited routing)")
+    ap.add_argument("--router-group-top-k", type=int, default=1, help="model.router_group_top_k")
+    ap.add_argument("--router-scale", type=float, default=1.0, help="model.router_scale (gate values times this)")
     args = ap.parse_args()
     torch.set_num_threads(max(1, torch.get_num_threads()))
     gpt = {"n_layer": args.n_layer, "n_head": args.n_head, "n_embd": args.n_embd, "block_size": args.block_size}
@@ -114,12 +123,16 @@ def main() -> None:
     moe = dict(gpt, kind="gpt-moe", experts=args.experts, top_k=args.top_k, moe_every=args.moe_every,
                expert_hidden=4 * args.n_embd // active, random_routing=args.top_k == 2,
                capacity_factor=args.capacity_factor, aux_loss_coef=args.aux_loss_coef,
-               shared_experts=args.shared_experts)
-    variants = {"aux": moe, "bias": dict(moe, aux_loss_coef=0.0, bias_balancing=True,
+               shared_experts=args.shared_experts, router_groups=args.router_groups,
+               router_group_top_k=args.router_group_top_k, router_scale=args.router_scale)
+    balancing = {"aux": {}, "bias": dict(aux_loss_coef=0.0, bias_balancing=True,
                                          bias_update_rate=args.bias_update_rate)}
+    balancings = ("aux", "bias") if args.balancing == "both" else (args.balancing,)
+    scores = ("softmax", "sigmoid") if args.router_score == "both" else (args.router_score,)
+    variants = {(b if s == "softmax" else f"{b}-{s}"): dict(moe, **balancing[b], router_score=s)
+                for b in balancings for s in scores}
     dense = train(dict(gpt, kind="gpt"), args)
-    sparse = {name: train(variants[name], args) for name in (("aux", "bias") if args.balancing == "both"
-                                                             else (args.balancing,))}
+    sparse = {name: train(v, args) for name, v in variants.items()}
     print(f"{args.steps} steps of {args.batch} x {args.block_size} = {args.batch * args.block_size} tokens, "
           f"the same batches for all")
     for name, r in [("dense", dense)] + [(f"moe-{k}", v) for k, v in sparse.items()]:
@@ -131,8 +144,13 @@ def main() -> None:
               f"{r['val_loss']:.4f}  ({r['seconds']:.0f} s){drop}")
     shared = f" + {args.shared_experts} shared" if args.shared_experts else ""
     for name, r in sparse.items():
-        how = (f"aux loss {args.aux_loss_coef:g}" if name == "aux" else
+        how = (f"aux loss {args.aux_loss_coef:g}" if name.startswith("aux") else
                f"selection biases, rate {args.bias_update_rate:g}, no aux loss")
+        how += f", {variants[name]['router_score']} scores"
+        if args.router_groups > 1:
+            how += f", top {args.router_group_top_k} of {args.router_groups} expert groups"
+        if args.router_scale != 1.0:
+            how += f", gates x {args.router_scale:g}"
         print(f"GPT-MoE ({args.experts} experts, top-{args.top_k}{shared}, capacity {args.capacity_factor}, every "
               f"{args.moe_every} blocks, {how}) vs dense at {r['flops_per_token'] / dense['flops_per_token']:.3f}x "
               f"the FLOPs per token, {args.steps} steps: validation loss {r['val_loss']:.4f} vs "

@@ -174,6 +174,20 @@ class GPTMoEModelSection(GPTModelSection):
     shared_experts: int = Field(0, ge=0, description="shared experts of expert_hidden width in every MoE layer, "
                                 "which every token passes through beside its top_k routed ones (DeepSeekMoE), "
                                 "run as one dense feed-forward of shared_experts x expert_hidden")
+    # podscale.parallel.moe.Gating.SCORES (a test holds them equal)
+    router_score: Literal["softmax", "sigmoid"] = Field(
+        "softmax", description="the router's scores: softmax over the experts (GShard, Switch) or each expert's "
+        "sigmoid affinity (DeepSeek-V3); the gate values are the chosen scores, normalised over the top_k "
+        "choices when top_k > 1")
+    router_groups: int = Field(1, ge=1, description="node-limited routing (DeepSeek-V3; Megatron-core's "
+                               "moe_router_num_groups): the experts in this many equal groups of consecutive "
+                               "experts, a token choosing only among its best router_group_top_k groups' "
+                               "experts; 1: no limit")
+    router_group_top_k: int = Field(1, ge=1, description="the groups a token may choose experts from "
+                                    "(Megatron-core's moe_router_group_topk), ranked by the sum of their "
+                                    "top_k // router_group_top_k best scores")
+    router_scale: float = Field(1.0, gt=0.0, description="the gate values times this (DeepSeek-V3's routed "
+                                "scaling factor, 2.5 there; Megatron-core's moe_router_topk_scaling_factor)")
     # podscale.parallel.moe.kernels.KERNEL_NAMES (a test holds them equal; this module does not import torch)
     expert_kernel: Literal["auto", "tiled", "segment", "grouped"] = Field(
         "auto", description="how the experts run: auto picks by device and dtype (CPU: tiled; bf16 on NVIDIA "
@@ -189,6 +203,18 @@ class GPTMoEModelSection(GPTModelSection):
             if not getattr(self, key) > 0:
                 raise ValueError(f"model.{key}={getattr(self, key)} must be > 0: use e.g. 1.25 (or "
                                  "model.dropless = true for no capacity)")
+        if self.experts % self.router_groups:
+            raise ValueError(f"model.router_groups={self.router_groups} does not divide model.experts="
+                             f"{self.experts} into equal groups: use a divisor of model.experts (1: no group "
+                             "limit)")
+        if self.router_group_top_k > self.router_groups:
+            raise ValueError(f"model.router_group_top_k={self.router_group_top_k} exceeds model.router_groups="
+                             f"{self.router_groups}: lower router_group_top_k")
+        reach = self.router_group_top_k * (self.experts // self.router_groups)
+        if self.top_k > reach:
+            raise ValueError(f"model.top_k={self.top_k} exceeds the {reach} experts of a token's "
+                             f"model.router_group_top_k={self.router_group_top_k} groups: raise "
+                             "router_group_top_k or lower top_k")
         if self.expert_kernel == "grouped":
             for key, width in (("n_embd", self.n_embd), ("expert_hidden", self.expert_hidden or 4 * self.n_embd)):
                 if width % 8:

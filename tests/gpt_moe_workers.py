@@ -37,6 +37,11 @@ MODES = {
     # DeepSeek-V3's auxiliary-loss-free balancing: the selection biases move after every step and steer routing
     "bias": dict(top_k=2, capacity_factor=1.25, random_routing=False, aux_loss_coef=0.0, bias_balancing=True,
                  bias_update_rate=0.01),
+    # DeepSeek-V3's gating: sigmoid affinities, the 8 experts in 2 groups (at ep = 2 a group is a rank's), a
+    # token's two from its best group, gates scaled; with the balance biases and a small aux loss
+    "v3": dict(top_k=2, capacity_factor=1.25, random_routing=False, aux_loss_coef=0.001, bias_balancing=True,
+               bias_update_rate=0.01, router_score="sigmoid", router_groups=2, router_group_top_k=1,
+               router_scale=2.5),
 }
 
 

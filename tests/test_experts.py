@@ -21,7 +21,7 @@ from podscale.models.gpt_moe import GPTMoE, GPTMoEConfig
 from podscale.parallel.moe import layer as moe_layer
 from podscale.parallel.moe.kernels import (CacheTiledKernel, GroupedGemmKernel, SegmentKernel, has_fast_grouped_gemm,
                                            kernel_for)
-from podscale.parallel.moe import MoELayer, expert_capacity, route, routing_uniform, sequence_token_keys
+from podscale.parallel.moe import Gating, MoELayer, expert_capacity, route, routing_uniform, sequence_token_keys
 from podscale.parallel.param_tags import tags
 from podscale.runtime.launcher import launch
 from podscale.runtime.mesh import Mesh
@@ -40,19 +40,24 @@ KERNELS = {"cpu-default": None, "tiled-5": CacheTiledKernel(row_tile=5), "segmen
            "segment-recompute": SegmentKernel(recompute=True)}
 
 
+#: DeepSeek-V3's gating on 6 experts: sigmoid affinities, 3 groups of 2, a token's experts from its best 2
+V3 = Gating("sigmoid", groups=3, group_top_k=2, scale=2.5)
+
+
 @pytest.mark.parametrize("kernel", list(KERNELS))
-@pytest.mark.parametrize("top_k,dropless,random_routing,training", [
-    (1, False, False, True), (2, False, True, True), (2, False, False, False), (2, True, False, True),
-    (1, True, False, True), (3, False, False, True)])
-def test_fast_path_equals_einsum_reference(top_k, dropless, random_routing, training, kernel):
+@pytest.mark.parametrize("top_k,dropless,random_routing,training,gating", [
+    (1, False, False, True, Gating()), (2, False, True, True, Gating()), (2, False, False, False, Gating()),
+    (2, True, False, True, Gating()), (1, True, False, True, Gating()), (3, False, False, True, Gating()),
+    (3, False, False, True, V3), (1, True, False, True, V3)])
+def test_fast_path_equals_einsum_reference(top_k, dropless, random_routing, training, gating, kernel):
     """``kernel``: the experts' kernel (the CPU's default, whose 256-row tile is larger than every segment
     here; the CPU's with 5-row tiles, every segment split into several tiles, the last partial; the
     accelerators', run on the CPU; the last two again keeping only the pre-activation, the GELU evaluated
-    again in the backward)."""
+    again in the backward); ``gating``: GShard's softmax, or DeepSeek-V3's sigmoid with a group limit."""
     torch.manual_seed(0)
     layer = MoELayer(16, 24, 6, top_k=top_k, capacity_factor=0.8, eval_capacity_factor=1.1, dropless=dropless,
-                     random_routing=random_routing, z_loss_coef=0.01,
-                     kernel=KERNELS[kernel]).double().train(training)
+                     random_routing=random_routing, z_loss_coef=0.01, kernel=KERNELS[kernel],
+                     gating=gating).double().train(training)
     with torch.no_grad():
         layer.router.weight.normal_(0.0, 0.5)
         for name, p in layer.experts.named_parameters():
@@ -502,6 +507,66 @@ def test_bias_balancing_selects_with_the_bias_and_moves_it_towards_balance():
         (0.01 * torch.sign(wanted.mean() - wanted)).tolist())
     with pytest.raises(ValueError, match="bias_balancing"):
         MoELayer(8, 8, 4).update_balance_bias(out.stats.kept)
+
+
+def test_sigmoid_scores_and_node_limited_routing_follow_deepseek_v3():
+    """DeepSeek-V3 eq. 13-16 and section 2.2 on hand-made logits: 8 experts in 4 groups of two (0-1, 2-3,
+    4-5, 6-7); the gates are the chosen sigmoids normalised over the choices, times the scale; a group is
+    ranked by the sum of its top_k // group_top_k best scores (sigmoid is monotone: the logits' order)."""
+    logits = torch.tensor([[[5.0, 4.0, 2.5, -1.0, 0.0, 0.0, -2.0, 3.0],
+                            [1.5, 0.0, -3.0, 2.0, 1.8, 1.9, 4.0, 1.95]]])
+    s = torch.sigmoid(logits[0])
+    # top-2 from the best 2 groups, each ranked by its best score: token 1's groups are 3 (4.0) and 1 (2.0)
+    v3 = Gating("sigmoid", groups=4, group_top_k=2, scale=2.5)
+    r, probs = route(logits, 2, None, gating=v3)
+    assert r.expert.tolist() == [[0, 1], [6, 3]]
+    for n, (a, b) in enumerate(r.expert.tolist()):
+        torch.testing.assert_close(r.weight[n], 2.5 * torch.stack([s[n, a], s[n, b]]) / (s[n, a] + s[n, b]))
+    torch.testing.assert_close(probs[0], s / s.sum(-1, keepdim=True))   # the aux loss's s' (eq. 20)
+    # from the best group alone, token 1 must take 7 (group 3) where it would take 3 unlimited
+    one, _ = route(logits, 2, None, gating=Gating("sigmoid", groups=4, group_top_k=1))
+    assert one.expert.tolist() == [[0, 1], [6, 7]]
+    free, _ = route(logits, 2, None, gating=Gating("sigmoid"))
+    assert free.expert.tolist() == [[0, 1], [6, 3]]
+    # top-4 from 2 groups ranked by the sum of their 2 best: token 1's groups 3 (s(4) + s(1.95)) and 2
+    # (s(1.9) + s(1.8)) beat group 0 (s(1.5) + s(0)) and group 1 (s(2) + s(-3)), though group 1 holds its
+    # second-best expert: 3 is out
+    four, _ = route(logits, 4, None, gating=Gating("sigmoid", groups=4, group_top_k=2))
+    assert four.expert[1].tolist() == [6, 7, 5, 4]
+    assert route(logits, 4, None, gating=Gating("sigmoid"))[0].expert[1].tolist() == [6, 3, 7, 5]
+    # the selection bias ranks the groups too (DeepSeek-V3 selects by the biased affinities)
+    bias = torch.zeros(8).index_fill(0, torch.tensor([4]), 5.0)
+    biased, _ = route(logits, 2, None, selection_bias=bias, gating=v3)
+    assert biased.expert.tolist() == [[4, 0], [4, 6]]
+    # softmax gates with a scale: GShard's normalisation, times the scale
+    g, _ = route(logits, 2, None, gating=Gating(scale=2.0))
+    p = torch.softmax(logits[0], -1)
+    torch.testing.assert_close(g.weight[0], 2.0 * p[0, :2] / p[0, :2].sum())
+
+
+def test_gating_names_match_the_config_and_bad_gating_is_one_line():
+    import typing
+
+    from podscale.config import GPTMoEModelSection, load_config
+    assert typing.get_args(GPTMoEModelSection.model_fields["router_score"].annotation) == Gating.SCORES
+    for gating, match in [(Gating("tanh"), r"router score 'tanh' is not one of softmax, sigmoid"),
+                          (Gating(groups=3), r"router groups=3 must divide the 8 experts"),
+                          (Gating(groups=4, group_top_k=5), r"router group_top_k=5 must be between 1 and the 4"),
+                          (Gating(groups=4, group_top_k=1), r"top_k=4 exceeds the 2 experts of a token's 1 groups"),
+                          (Gating(scale=0.0), r"router scale=0.0 must be > 0")]:
+        with pytest.raises(ValueError, match=match) as e:
+            MoELayer(8, 8, 8, top_k=4, gating=gating)
+        assert "\n" not in str(e.value)
+    for overrides, match in [
+            (["model.router_groups=3"], r"model.router_groups=3 does not divide model.experts=8"),
+            (["model.router_groups=4", "model.router_group_top_k=5"], r"model.router_group_top_k=5 exceeds"),
+            (["model.router_groups=4", "model.router_group_top_k=1", "model.top_k=4"],
+             r"model.top_k=4 exceeds the 2 experts of a token's model.router_group_top_k=1 groups"),
+            (["model.router_score=tanh"], r"model.router_score: Input should be 'softmax' or 'sigmoid'"),
+            (["model.router_scale=0"], r"model.router_scale")]:
+        with pytest.raises(ValueError, match=match) as e:
+            load_config("examples/gpt-moe.toml", overrides)
+        assert "\n" not in str(e.value)
 
 
 @pytest.mark.parametrize("kwargs,match", [

@@ -152,15 +152,16 @@ def ep4(single, ckpt_root):
 
 
 def test_ep2_matches_one_process_for_every_routing_mode(ep2, single):
-    """top-1, top-2, dropless, a shared expert, and DeepSeek-V3's balance biases (which the task steps after
-    every step from the global demand: the same biases, so the same routing, as one process)."""
+    """top-1, top-2, dropless, a shared expert, DeepSeek-V3's balance biases (which the task steps after
+    every step from the global demand: the same biases, so the same routing, as one process), and its gating
+    (sigmoid scores, a token's experts from its best group: here one rank's experts)."""
     for i, mode in enumerate(W.MODES):
         for rank, res in ep2.items():
             _matches(res[i], single[mode], f"ep=2 {mode} rank {rank}")
             assert res[i]["biases"].keys() == single[mode]["biases"].keys()
             for name, b in res[i]["biases"].items():
                 assert torch.equal(b, single[mode]["biases"][name]) and b.abs().sum() > 0, (mode, rank, name)
-        assert bool(single[mode]["biases"]) == (mode == "bias"), mode
+        assert bool(single[mode]["biases"]) == (mode in ("bias", "v3")), mode
         dropped = [m["blocks.0/dropped_share"] for m in single[mode]["metrics"]]
         assert (max(dropped) == 0) == (mode == "dropless"), (mode, dropped)  # capacity binds where it should
     # each rank holds its own half of the experts; together every expert once

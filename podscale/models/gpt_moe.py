@@ -23,7 +23,7 @@ import torch
 import torch.nn as nn
 
 from podscale.models.gpt import GPT, CausalSelfAttention, GPTConfig
-from podscale.parallel.moe import MoELayer, MoEStats, check_moe_args, sequence_token_keys
+from podscale.parallel.moe import Gating, MoELayer, MoEStats, check_moe_args, sequence_token_keys
 from podscale.parallel.moe.kernels import kernel_named
 
 
@@ -44,6 +44,10 @@ class GPTMoEConfig(GPTConfig):
     expert_recompute: bool = False     # keep the experts' pre-activation only; the GELU again in the backward
     expert_kernel: str = "auto"        # podscale.parallel.moe.kernels.KERNEL_NAMES; auto: by device and dtype
     shared_experts: int = 0            # DeepSeekMoE's shared experts: one dense FFN of shared_experts x hidden
+    router_score: str = "softmax"      # or "sigmoid" (DeepSeek-V3's affinities): podscale.parallel.moe.Gating
+    router_groups: int = 1             # node-limited routing: experts in this many groups (1: no limit)
+    router_group_top_k: int = 1        # ... a token's experts chosen from its best this-many groups
+    router_scale: float = 1.0          # gate values times this (DeepSeek-V3's routed scaling factor)
 
     def is_moe(self, layer: int) -> bool:
         return (layer + 1) % self.moe_every == 0
@@ -51,6 +55,10 @@ class GPTMoEConfig(GPTConfig):
     @property
     def hidden(self) -> int:
         return self.expert_hidden or 4 * self.n_embd
+
+    @property
+    def gating(self) -> Gating:
+        return Gating(self.router_score, self.router_groups, self.router_group_top_k, self.router_scale)
 
 
 class MoEBlock(nn.Module):
@@ -68,7 +76,7 @@ class MoEBlock(nn.Module):
                             seed=zlib.crc32(f"moe{layer}".encode()), bias=cfg.bias,
                             sequence_parallel=sequence_parallel, recompute_activation=cfg.expert_recompute,
                             kernel=kernel_named(cfg.expert_kernel, cfg.expert_recompute),
-                            shared_hidden=cfg.shared_experts * cfg.hidden, fold_tp=fold_tp)
+                            shared_hidden=cfg.shared_experts * cfg.hidden, fold_tp=fold_tp, gating=cfg.gating)
 
     def forward(self, x: torch.Tensor, keys: torch.Tensor | None):
         x = x + self.attn(self.ln_1(x))
@@ -112,6 +120,7 @@ class GPTMoE(GPT):
         ep = mesh.sizes["ep"] if mesh is not None else 1
         folded = mesh.sizes["tp"] if mesh is not None and fold_tp else 1
         check_moe_args(cfg.experts, cfg.top_k, cfg.capacity_factor, cfg.eval_capacity_factor, ep, folded)
+        cfg.gating.check(cfg.experts, cfg.top_k)
         if cfg.moe_every < 1:
             raise ValueError(f"model.moe_every={cfg.moe_every} must be >= 1: 1 makes every block MoE, 2 every other")
         super().__init__(cfg)

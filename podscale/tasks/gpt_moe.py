@@ -56,7 +56,9 @@ def gpt_moe_config(cfg) -> GPTMoEConfig:
                         bias_balancing=m.bias_balancing, bias_update_rate=m.bias_update_rate,
                         z_loss_coef=m.z_loss_coef, expert_hidden=m.expert_hidden,
                         expert_recompute=m.expert_recompute, expert_kernel=m.expert_kernel,
-                        shared_experts=m.shared_experts)
+                        shared_experts=m.shared_experts, router_score=m.router_score,
+                        router_groups=m.router_groups, router_group_top_k=m.router_group_top_k,
+                        router_scale=m.router_scale)
 
 
 def _moe_modules(model: nn.Module) -> list[GPTMoE]:

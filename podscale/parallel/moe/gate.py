@@ -15,7 +15,13 @@ References (equation numbers are the papers'):
 * DeepSeek-V3 — DeepSeek-AI 2024, section 2.1.2, "auxiliary-loss-free load balancing": a per-expert bias
   added to the affinities for the top-k *selection* only (gate values come from the unbiased scores),
   moved after each step by ``gamma`` towards balance: ``b_e -= gamma`` for an overloaded expert, ``+= gamma``
-  for an underloaded one.
+  for an underloaded one.  Section 2.1.2 also gives its gating (eq. 15-16): sigmoid affinities
+  ``s = sigmoid(u^T e)`` instead of a softmax, the gate values the chosen affinities normalised over the k
+  choices and scaled (the routed scaling factor), and node-limited routing (section 2.2): the experts in M
+  groups, a token choosing only among the experts of its best few groups, a group ranked by the sum of its
+  highest affinities (Megatron-core's ``moe_router_score_function = "sigmoid"``,
+  ``moe_router_num_groups``, ``moe_router_group_topk``, ``moe_router_topk_scaling_factor``): see
+  :class:`Gating`.
 
 Groups: GShard splits the tokens into G groups of S tokens and applies the capacity per group.  Here the
 second-to-last dimension of the layer's input is the group (a GPT's (B, T, d) input: one group per sequence),
@@ -83,6 +89,73 @@ def sequence_token_keys(idx: torch.Tensor) -> torch.Tensor:
 # routing
 
 
+@dataclass(frozen=True)
+class Gating:
+    """How router logits become expert choices and gate values.
+
+    * ``score``: ``"softmax"`` (GShard, Switch: probabilities over the experts) or ``"sigmoid"``
+      (DeepSeek-V3 eq. 15: each expert's affinity on its own, ``sigmoid(logit)``, so one expert's score does
+      not depend on the others').  With k > 1 the gate values are the chosen scores normalised over the k
+      choices either way (GShard's rule; DeepSeek-V3 eq. 13); with k = 1 the chosen score itself (Switch
+      eq. 2: normalising one choice would leave the router without a gradient from the loss).
+    * ``groups``, ``group_top_k``: node-limited routing (DeepSeek-V3 section 2.2; Megatron-core's
+      group-limited routing): the E experts in ``groups`` consecutive groups of E/groups (experts
+      ``[g E/groups, (g+1) E/groups)``; laid over the ep ranks, a group is a rank or a node), each
+      token's groups ranked by the sum of their ``max(1, k // group_top_k)`` highest selection scores, and
+      its k experts chosen among the experts of its best ``group_top_k`` groups only, so its tokens
+      travel to at most ``group_top_k`` groups.  ``groups = 1``: no limit.
+    * ``scale``: the gate values times this (DeepSeek-V3's routed scaling factor, 2.5 there; 1: none).
+
+    The auxiliary loss's router probabilities are the softmax, or for sigmoid scores the scores normalised
+    over all experts (DeepSeek-V3 eq. 20's ``s'``)."""
+
+    score: str = "softmax"
+    groups: int = 1
+    group_top_k: int = 1
+    scale: float = 1.0
+
+    #: the score functions
+    SCORES = ("softmax", "sigmoid")
+
+    def check(self, experts: int, top_k: int) -> None:
+        """One-line ValueErrors naming the setting and the fix."""
+        if self.score not in self.SCORES:
+            raise ValueError(f"router score {self.score!r} is not one of {', '.join(self.SCORES)}")
+        if not self.scale > 0:
+            raise ValueError(f"router scale={self.scale} must be > 0 (1: gate values unscaled)")
+        if self.groups < 1 or experts % self.groups:
+            raise ValueError(f"router groups={self.groups} must divide the {experts} experts into equal groups: "
+                             "use a divisor of the experts (1: no group limit)")
+        if not 1 <= self.group_top_k <= self.groups:
+            raise ValueError(f"router group_top_k={self.group_top_k} must be between 1 and the {self.groups} "
+                             "groups")
+        if top_k > self.group_top_k * (experts // self.groups):
+            raise ValueError(f"top_k={top_k} exceeds the {self.group_top_k * (experts // self.groups)} experts of "
+                             f"a token's {self.group_top_k} groups: raise group_top_k or lower top_k")
+
+    def scores(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the scores the gates come from, the router probabilities of the auxiliary loss)."""
+        if self.score == "softmax":
+            probs = torch.softmax(logits, dim=-1)
+            return probs, probs
+        s = torch.sigmoid(logits)
+        return s, s / s.sum(-1, keepdim=True)
+
+    def allowed(self, scores: torch.Tensor, top_k: int) -> torch.Tensor:
+        """``scores`` (..., E) with every expert outside a token's best ``group_top_k`` groups set to -inf
+        (itself when ``groups = 1``)."""
+        if self.groups == 1:
+            return scores
+        E = scores.shape[-1]
+        per_group = scores.unflatten(-1, (self.groups, E // self.groups))
+        m = min(max(1, top_k // self.group_top_k), E // self.groups)
+        # a group's rank: the sum of its m best scores (a sum of values: ties inside a group do not matter)
+        group_score = per_group.topk(m, dim=-1).values.sum(-1)
+        best = _top_choices(group_score, self.group_top_k)
+        ok = torch.zeros_like(group_score, dtype=torch.bool).scatter_(-1, best, True)
+        return per_group.masked_fill(~ok.unsqueeze(-1), float("-inf")).flatten(-2)
+
+
 @dataclass
 class Routing:
     """Every token's choices in a batch of G groups of S tokens (N = G * S), with k choices each.
@@ -128,13 +201,14 @@ def _top_choices(scores: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def route(logits: torch.Tensor, top_k: int, capacity: int | None, second_uniform: torch.Tensor | None = None,
-          selection_bias: torch.Tensor | None = None) -> tuple[Routing, torch.Tensor]:
+          selection_bias: torch.Tensor | None = None, gating: Gating = Gating()) -> tuple[Routing, torch.Tensor]:
     """GShard's Algorithm 1 generalised to k choices, on router logits of shape (G, S, E).
 
-    * probabilities ``softmax(logits)``; the k experts with the highest ``probs + selection_bias`` (the
-      bias is DeepSeek-V3's and only selects);
+    * scores ``softmax(logits)`` (or ``sigmoid``: :class:`Gating`); the k experts with the highest ``scores
+      + selection_bias`` (the bias is DeepSeek-V3's and only selects), among the experts of the token's
+      best groups under a group limit;
     * gate values: ``p_e`` for k = 1 (Switch), normalised over the k choices for k > 1 (GShard, before any
-      capacity check);
+      capacity check), times ``gating.scale``;
     * with ``second_uniform`` (G, S) given and k = 2, the second choice is kept when ``u < 2 * g_2``
       (GShard's random routing: kept with probability proportional to its weight);
     * with a ``capacity`` C, slots are handed out per group and expert in priority order: every token's
@@ -145,24 +219,26 @@ def route(logits: torch.Tensor, top_k: int, capacity: int | None, second_uniform
     (expert, group): inside a segment the order is the priority order, so a choice's slot is its offset
     in the segment.  No (S, E) one-hot or cumulative sum is built.
 
-    Returns the routing and the probabilities (G, S, E) for the auxiliary loss.
+    Returns the routing and the router probabilities (G, S, E) for the auxiliary loss.
     """
     G, S, E = logits.shape
     k, N, dev = top_k, G * S, logits.device
     # token-major (every token's E values in one row): a row's softmax is the same whatever N and the
     # token's place (a softmax over the tokens of an (E, N) layout vectorises across tokens, and the tail
     # of a vector loop rounds differently, which would let a layout flip a near-tie)
-    probs = torch.softmax(logits, dim=-1)
-    scores = probs.detach()
+    scored, probs = gating.scores(logits)
+    scores = scored.detach()
     if selection_bias is not None:
         scores = scores + selection_bias.to(scores.dtype)
-    choice = _top_choices(scores, k)                                            # (G, S, k)
-    gates = probs.gather(-1, choice)
+    choice = _top_choices(gating.allowed(scores, k), k)                         # (G, S, k)
+    gates = scored.gather(-1, choice)
     weight = gates if k == 1 else gates / gates.sum(-1, keepdim=True).clamp_min(torch.finfo(gates.dtype).tiny)
     wanted = torch.ones_like(choice, dtype=torch.bool)
     skips = second_uniform is not None and k == 2
     if skips:
         wanted[..., 1] = second_uniform.to(weight.dtype) < 2 * weight[..., 1].detach()
+    if gating.scale != 1.0:
+        weight = weight * gating.scale
     # choices in priority order inside each group, (g, j, s), keyed by (expert, group)
     key = choice.transpose(1, 2) * G                                            # (G, k, S)
     if G > 1:

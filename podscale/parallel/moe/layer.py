@@ -61,7 +61,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from podscale.parallel.moe.gate import MoEStats, Router, Routing, expert_capacity, load_balancing_loss, \
+from podscale.parallel.moe.gate import Gating, MoEStats, Router, Routing, expert_capacity, load_balancing_loss, \
     route, routing_uniform, router_z_loss
 from podscale.parallel.param_tags import tag
 from podscale.parallel.tensor import GatherBatchFromTP, ReduceFromTP, SplitBatchToTP, global_grad_norm
@@ -614,7 +614,9 @@ class MoELayer(nn.Module):
     there); it runs on the same kernel as the experts, under expert parallelism while the token counts
     are in flight (Megatron-core's ``moe_shared_expert_overlap``).  ``fold_tp``: under tp > 1, shard the
     experts over ep x tp instead of holding the same ones on every tp rank (MoE parallel folding, see
-    :meth:`forward`).
+    :meth:`forward`).  ``gating``: the score function, group limit and gate scale
+    (:class:`~podscale.parallel.moe.gate.Gating`: GShard's softmax by default, DeepSeek-V3's sigmoid
+    affinities with node-limited routing as an option).
     """
 
     def __init__(self, d_model: int, d_hidden: int, experts: int, top_k: int = 2, capacity_factor: float = 1.25,
@@ -622,7 +624,8 @@ class MoELayer(nn.Module):
                  aux_loss_coef: float = 1e-2, z_loss_coef: float = 1e-3, bias_balancing: bool = False,
                  bias_update_rate: float = 1e-3, mesh=None, seed: int = 0, bias: bool = True,
                  sequence_parallel: bool = False, kernel: ExpertKernel | None = None,
-                 recompute_activation: bool = False, shared_hidden: int = 0, fold_tp: bool = False):
+                 recompute_activation: bool = False, shared_hidden: int = 0, fold_tp: bool = False,
+                 gating: Gating = Gating()):
         super().__init__()
         self.tp = mesh.sizes["tp"] if mesh is not None else 1
         #: the mesh axes the experts are sharded over and the tokens exchanged over: ``("ep",)``, or with
@@ -631,6 +634,9 @@ class MoELayer(nn.Module):
         self.expert_axes = ("ep", "tp") if folded else ("ep",)
         check_moe_args(experts, top_k, capacity_factor, eval_capacity_factor,
                        mesh.sizes["ep"] if mesh is not None else 1, self.tp if folded else 1)
+        gating.check(experts, top_k)
+        #: how the router's logits become choices and gate values (softmax / sigmoid scores, group limit)
+        self.gating = gating
         ep = mesh.size(*self.expert_axes) if mesh is not None else 1
         if shared_hidden < 0:
             raise ValueError(f"shared_hidden={shared_hidden} must be >= 0 (0: no shared expert)")
@@ -675,7 +681,7 @@ class MoELayer(nn.Module):
                 raise ValueError("random routing needs the tokens' keys: pass keys= (sequence_token_keys(idx)) "
                                  "or build the layer with random_routing=False")
             uniform = routing_uniform(keys.reshape(G, S), self.seed)
-        r, probs = route(logits, self.top_k, self.capacity(S), uniform, self.router.selection_bias)
+        r, probs = route(logits, self.top_k, self.capacity(S), uniform, self.router.selection_bias, self.gating)
         return flat, r, load_balancing_loss(probs, r.expert[:, 0]), router_z_loss(logits)
 
     def _output(self, r: Routing, aux: torch.Tensor, z: torch.Tensor, rows: int) -> "MoEOutput":
