@@ -79,6 +79,18 @@ def cmd_train(args) -> int:
         if found is None:
             return _fail(f"no checkpoint of '{cfg.run_dir}' can be resumed; the newest: {skipped[0]}")
 
+    if cfg.train.init_from is not None and not (args.resume and checkpoint.completed(cfg.run_dir / "checkpoints")):
+        # the source's one line here rather than on every worker (it is read again there, any layout)
+        import torch
+        from podscale.tasks import task_for
+        task = task_for(cfg)
+        with torch.device("meta"):
+            shapes = checkpoint.expected_of(task, task.build_model()).shapes
+        try:
+            checkpoint.initial_weights(Path(cfg.train.init_from), task, shapes)
+        except ValueError as err:
+            return _fail(str(err))
+
     if under_launcher():  # already a torchrun worker: join the job instead of spawning
         from podscale.runtime.errors import exit_on_input_error
         from podscale.train.loop import run_worker
@@ -176,14 +188,9 @@ def cmd_export(args) -> int:
     if args.tables:
         return cmd_export_tables(args)
     from podscale.train import checkpoint
-    path = Path(args.checkpoint)
-    if (path / "checkpoints").is_dir():
-        path = path / "checkpoints"
-    if not (path / "meta.json").is_file():
-        found = checkpoint.latest(path)
-        if found is None:
-            return _fail(f"no checkpoint in '{args.checkpoint}': give a run directory or a step_XXXXXXXX folder")
-        path = found
+    path = checkpoint.resolve(Path(args.checkpoint))
+    if path is None:
+        return _fail(f"no checkpoint in '{args.checkpoint}': give a run directory or a step_XXXXXXXX folder")
     fmt = args.format or ("safetensors" if args.out.endswith(".safetensors") else "torch")
     try:
         out = checkpoint.export(path, Path(args.out), fmt)

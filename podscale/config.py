@@ -641,6 +641,12 @@ class TrainSection(_Section):
         False, description="compile each of the task's repeated units (the GPT's and GPT-MoE's transformer blocks) with "
                            "torch.compile, one graph shared by all of them; parallel wrappers, hooks and "
                            "collectives stay outside the compiled regions (podscale.train.compile)")
+    init_from: str | None = Field(
+        None, description="start from the model weights of this checkpoint (a run directory: its newest complete "
+                          "one; or a step_XXXXXXXX folder), written at any layout, with a fresh optimizer, data "
+                          "position and step: the same model's weights (fine-tuning), or for a GPT-MoE a dense "
+                          "GPT's of the same trunk, upcycled (every expert a copy of its block's MLP; Komatsuzaki "
+                          "et al. 2023); ignored when the run resumes its own checkpoint")
     compile_backend: Literal["inductor", "aot_eager"] = Field(
         "inductor", description="torch.compile backend: inductor generates C++ (CPU) or Triton (GPU) kernels; "
                                 "aot_eager traces forward and backward the same way but runs them eagerly "
@@ -820,6 +826,14 @@ def parse_config(data: dict, base_dir: Path | None = None) -> Config:
                               "permissions or point data.path at a readable file") from None
         cfg.model.check_data(path, cfg.data.path, head)
         cfg.data.path = str(path.resolve())
+    if cfg.train.init_from is not None:
+        src = Path(os.path.expanduser(cfg.train.init_from))
+        if not src.is_absolute() and base_dir is not None and not src.exists():
+            src = base_dir / src
+        if not src.is_dir():
+            raise ConfigError(f"train.init_from: '{cfg.train.init_from}' is not a folder: give a run directory or "
+                              "a step_XXXXXXXX checkpoint folder, or remove train.init_from")
+        cfg.train.init_from = str(src.resolve())
     cfg.model.check_model()
     if cfg.run.tensorboard and importlib.util.find_spec("tensorboard") is None:
         raise ConfigError("run.tensorboard = true needs the tensorboard package: pip install tensorboard "

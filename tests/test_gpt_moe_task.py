@@ -304,6 +304,58 @@ def test_podscale_train_resumes_and_exports_experts_folded_over_tp(tmp_path, cap
     assert bias.abs().max() > 0 and torch.allclose(bias / 0.01, (bias / 0.01).round())
 
 
+def _first_loss(run: Path) -> float:
+    return json.loads((run / "metrics.jsonl").read_text().splitlines()[0])["loss"]
+
+
+def test_init_from_fine_tunes_at_another_layout_and_upcycles_a_dense_gpt(tmp_path, capfd):
+    """``train.init_from``: a dense GPT trained 2 steps at dp = 2 starts a run of the same model at tp = 2
+    (DCP reads the model tensors into the other layout; optimizer, data and step afresh), whose first loss is
+    the trained weights' loss on the first batch.  A GPT-MoE of the same trunk at ep = 2, top-2 and dropless
+    (every token's gates sum to one, nothing dropped), without aux and z losses, upcycled from the same
+    checkpoint, computes the same function before its first step: the same first loss (fp32, the experts'
+    GELU evaluated differently: 1e-5).  A mismatched trunk is one line before any worker starts."""
+    dense = _train_toml(tmp_path, "dense", 2, "", "").replace("gpt-moe", "gpt").replace(
+        "experts = 4\nmoe_every = 2\n", "") + "warmup_steps = 0\nlr = 0.01\n"
+    cfg = tmp_path / "dense.toml"
+    cfg.write_text(dense)
+    assert main(["train", str(cfg)]) == 0
+    source = tmp_path / "runs" / "dense"
+    cfg.write_text(dense.replace('name = "dense"', 'name = "tuned"').replace("steps = 2", "steps = 1")
+                   .replace("nproc = 2\n", f"nproc = 2\ntp = 2\n[train]\ninit_from = '{source}'\n", 1)
+                   .replace("[train]\nglobal_batch", "global_batch"))
+    capfd.readouterr()
+    assert main(["train", str(cfg)]) == 0
+    assert f"initialised with the weights of {source / 'checkpoints' / 'step_00000002'}" in capfd.readouterr().out
+    tuned = _first_loss(tmp_path / "runs" / "tuned")
+    assert tuned < _first_loss(source) - 0.1        # two steps of training went into it, not a fresh start
+    moe = tmp_path / "moe.toml"
+    model = ("top_k = 2\ndropless = true\nrandom_routing = false\naux_loss_coef = 0.0\nz_loss_coef = 0.0\n"
+             "router_score = 'sigmoid'")
+    text = _train_toml(tmp_path, "upcycled", 1, model, f"ep = 2\n[train]\ninit_from = '{source}'").replace(
+        "[train]\nglobal_batch", "global_batch")
+    moe.write_text(text)
+    capfd.readouterr()
+    assert main(["train", str(moe)]) == 0
+    assert "initialised with weights upcycled from the dense GPT" in capfd.readouterr().out
+    assert _first_loss(tmp_path / "runs" / "upcycled") == pytest.approx(tuned, rel=1e-5)
+    # another trunk: one line, no worker started, no run directory made
+    moe.write_text(text.replace('name = "upcycled"', 'name = "wide"').replace("n_embd = 32", "n_embd = 64"))
+    capfd.readouterr()
+    assert main(["train", str(moe)]) == 2
+    err = capfd.readouterr().err.strip()
+    assert err.startswith("podscale: error: train.init_from: the dense GPT in") and "n_embd=32" in err, err
+    assert "\n" not in err and not (tmp_path / "runs" / "wide").exists()
+    # the same model with other shapes (a GPT-MoE checkpoint of 4 experts for one of 8): one line too
+    moe.write_text(text.replace('name = "upcycled"', 'name = "eight"').replace("experts = 4", "experts = 8")
+                   .replace(str(source), str(tmp_path / "runs" / "upcycled")))
+    capfd.readouterr()
+    assert main(["train", str(moe)]) == 2
+    err = capfd.readouterr().err.strip()
+    assert err.startswith("podscale: error: train.init_from: ") and "has no blocks.1.moe.experts.4.b_fc" in err, err
+    assert "\n" not in err and not (tmp_path / "runs" / "eight").exists()
+
+
 def test_layout_auto_plans_the_gpt_moe_with_expert_parallel_layouts():
     """``--layout auto`` describes the GPT-MoE to the planner (experts, top_k, moe_every, capacity) and
     searches ep too; every layout it returns is one the trainer accepts."""

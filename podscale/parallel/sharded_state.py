@@ -187,6 +187,24 @@ def copy_parts(dst: torch.Tensor, src: torch.Tensor) -> None:
             d.copy_(s.reshape(d.shape))
 
 
+@torch.no_grad()
+def fill_from_full(state: dict[str, torch.Tensor], full: dict[str, torch.Tensor]) -> None:
+    """Write each whole single-process tensor of ``full`` into this rank's part of the entry of ``state`` (a
+    strategy's ``model_state()``: plain tensors held whole, or ``ShardedTensor``s of views with their global
+    offsets) of the same name; entries ``full`` lacks are left as they are.  What DCP's load does from a
+    file, from tensors in memory: ``train.init_from``'s converted weights."""
+    for name, src in full.items():
+        dst = state[name]
+        with lazy.resident([dst], changed=True):  # (state on NVMe: one tensor at a time)
+            if isinstance(dst, ShardedTensor):
+                for shard in dst.local_shards():
+                    md = shard.metadata
+                    box = tuple(slice(o, o + n) for o, n in zip(md.shard_offsets, md.shard_sizes))
+                    shard.tensor.copy_(src[box].reshape(shard.tensor.shape))
+            else:
+                dst.copy_(src)
+
+
 class CheckpointSource(ABC):
     """What one data-parallel strategy holds of each parameter and of its Adam state, for
     :class:`CheckpointPublisher`.  Implemented by the replicated strategy's :class:`ReplicatedSource` and by

@@ -29,7 +29,25 @@ from podscale.train.precision import autocast
 
 if TYPE_CHECKING:
     from podscale.config import Config
+    from podscale.train.checkpoint import ModelWeights
     from podscale.train.engine import Engine
+
+
+class WeightConversion(ABC):
+    """A model's initial weights converted from another model's checkpoint (``train.init_from``; e.g. a
+    GPT-MoE upcycled from a dense GPT), under the single-process names: the trunk asks for the names of this
+    rank's tensors and writes each whole tensor's share into its layout
+    (:func:`~podscale.parallel.sharded_state.fill_from_full`), so it works at any layout."""
+
+    @abstractmethod
+    def tensors(self, names: list[str]) -> dict[str, torch.Tensor]:
+        """Whole single-process tensors for the ones of ``names`` the conversion provides; the others keep
+        their initialisation.  May return views of one tensor under several names (every expert of a layer
+        upcycled from the same MLP)."""
+
+    @abstractmethod
+    def describe(self) -> str:
+        """One phrase for the run's first line (what was converted from what)."""
 
 
 
@@ -126,6 +144,12 @@ class Task(ABC):
         compiles per block).  A unit's forward must be traceable: no data-dependent shapes or Python-side
         state that changes from call to call.  Default: none (``supports_compile`` is False)."""
         return []
+
+    def convert_weights(self, source: "ModelWeights") -> WeightConversion | None:
+        """How this model starts from checkpoint ``source`` of another model (``train.init_from``), checked
+        against it (a one-line ValueError naming what does not fit); None when ``source`` must be this same
+        model's (the default: the same task, tensor names and shapes, any layout: fine-tuning)."""
+        return None
 
     @abstractmethod
     def model_config(self) -> dict:

@@ -32,6 +32,7 @@ With ``parallel.fold_tp_into_ep`` the experts are sharded over ep x tp instead o
 """
 from __future__ import annotations
 
+import re
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Callable
@@ -42,7 +43,9 @@ import torch.nn as nn
 from podscale.models.gpt_moe import GPTMoE, GPTMoEConfig, MoEMetrics
 from podscale.parallel.moe import MoEStats, expert_parameters
 from podscale.runtime import comm
+from podscale.tasks.base import WeightConversion
 from podscale.tasks.gpt import GPTTask
+from podscale.train.checkpoint import ModelWeights, task_class_name
 
 
 def gpt_moe_config(cfg) -> GPTMoEConfig:
@@ -59,6 +62,65 @@ def gpt_moe_config(cfg) -> GPTMoEConfig:
                         shared_experts=m.shared_experts, router_score=m.router_score,
                         router_groups=m.router_groups, router_group_top_k=m.router_group_top_k,
                         router_scale=m.router_scale)
+
+
+class Upcycling(WeightConversion):
+    """Sparse upcycling (Komatsuzaki et al. 2023, "Sparse Upcycling: Training Mixture-of-Experts from Dense
+    Checkpoints", section 2; Megatron-core's ``--moe-use-upcycling``): a GPT-MoE initialised from a dense
+    GPT's checkpoint of the same trunk.  Every tensor the two models share by name (embeddings, attention,
+    layer norms, the MLPs of the blocks that stay dense) is copied; every expert of an MoE block is a copy of
+    that block's MLP (``w_fc = fc.weight^T``, ``w_proj = proj.weight^T``, the biases as they are); the routers
+    (and their balance biases) keep their own initialisation.  With k > 1 the gates of a token sum to one,
+    so before any training step the upcycled model computes the dense model's function wherever no choice is
+    dropped (dropless: everywhere); with k = 1 each MLP output is scaled by its gate value (Switch's
+    ``p_e``), as in the paper.  Experts must be as wide as the MLP (``expert_hidden = 4 n_embd``) and the
+    model without shared experts.  Each rank reads only the tensors of its own layers, once each: a layer's
+    experts are views of one transposed MLP."""
+
+    #: an expert tensor's name -> the MoE block and the kind
+    _EXPERT = re.compile(r"^(blocks\.\d+)\.moe\.experts\.\d+\.(w_fc|w_proj|b_fc|b_proj)$")
+    #: expert kind -> (the dense MLP's tensor, transposed)
+    _FROM = {"w_fc": ("mlp.fc.weight", True), "w_proj": ("mlp.proj.weight", True), "b_fc": ("mlp.fc.bias", False),
+             "b_proj": ("mlp.proj.bias", False)}
+    #: the trunk's hyper-parameters, which must be the dense model's
+    TRUNK = ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "bias")
+
+    def __init__(self, source: ModelWeights, cfg: GPTMoEConfig):
+        theirs = source.model_config
+        for key in self.TRUNK:
+            if theirs.get(key) != getattr(cfg, key):
+                raise ValueError(f"train.init_from: the dense GPT in '{source.path}' has {key}={theirs.get(key)!r}, "
+                                 f"this GPT-MoE model.{key}={getattr(cfg, key)!r}: upcycling copies the trunk, "
+                                 f"so set model.{key} = {theirs.get(key)!r}")
+        if cfg.hidden != 4 * cfg.n_embd:
+            raise ValueError(f"train.init_from: upcycling copies each MLP (width {4 * cfg.n_embd}) into the "
+                             f"experts, which are model.expert_hidden={cfg.hidden} wide: set model.expert_hidden = "
+                             f"{4 * cfg.n_embd} or remove it")
+        if cfg.shared_experts:
+            raise ValueError("train.init_from: upcycling a GPT-MoE with shared experts is not built: set "
+                             "model.shared_experts = 0")
+        self.source = source
+
+    def _source_of(self, name: str) -> tuple[str, bool] | None:
+        """(the dense tensor, transposed) that ``name`` starts from; None for a router's tensors."""
+        m = self._EXPERT.match(name)
+        if m:
+            key, transposed = self._FROM[m.group(2)]
+            return f"{m.group(1)}.{key}", transposed
+        if name in self.source.shapes:
+            return name, False
+        if ".moe.router." in name:
+            return None
+        raise ValueError(f"train.init_from: the dense GPT in '{self.source.path}' has no tensor for {name}: "
+                         "upcycle from a checkpoint of a GPT with this trunk")
+
+    def tensors(self, names: list[str]) -> dict[str, torch.Tensor]:
+        plan = {n: src for n in names if (src := self._source_of(n)) is not None}
+        full = self.source.read(sorted({key for key, _ in plan.values()}))
+        return {n: full[key].t() if transposed else full[key] for n, (key, transposed) in plan.items()}
+
+    def describe(self) -> str:
+        return f"upcycled from the dense GPT {self.source.path}"
 
 
 def _moe_modules(model: nn.Module) -> list[GPTMoE]:
@@ -107,6 +169,10 @@ class GPTMoETask(GPTTask):
 
     def model_config(self) -> dict:
         return asdict(self.gpt)
+
+    def convert_weights(self, source: ModelWeights) -> WeightConversion | None:
+        """A dense GPT's checkpoint is upcycled (:class:`Upcycling`); a GPT-MoE's is this model's own."""
+        return Upcycling(source, self.gpt) if source.task == task_class_name(GPTTask) else None
 
     def describe(self, model: nn.Module) -> str:
         m, g = _gpt_moe(model), self.gpt

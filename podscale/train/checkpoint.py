@@ -199,7 +199,7 @@ def expected_of(task, model=None) -> Expected:
 
 def task_name(task) -> str:
     """A task's class as ``module:Class`` (recorded in ``meta.json``)."""
-    return f"{type(task).__module__}:{type(task).__qualname__}"
+    return task_class_name(type(task))
 
 
 def latest_usable(root: Path, expected: Expected | None = None) -> tuple[Path | None, list[str]]:
@@ -243,6 +243,89 @@ def load(path: Path, template: dict, rank: int) -> tuple[dict, dict | None]:
 EXPORT_FORMATS = ("torch", "safetensors")
 
 
+def resolve(path: Path) -> Path | None:
+    """The checkpoint a user names: a ``step_XXXXXXXX`` folder itself, or the newest complete one of a run
+    directory or of its ``checkpoints`` folder (None when there is none)."""
+    path = Path(path)
+    if (path / "meta.json").is_file():
+        return path
+    return latest(path / "checkpoints" if (path / "checkpoints").is_dir() else path)
+
+
+def task_class_name(cls: type) -> str:
+    """A task class as ``module:Class`` (what ``meta.json`` records)."""
+    return f"{cls.__module__}:{cls.__qualname__}"
+
+
+@dataclass(frozen=True)
+class ModelWeights:
+    """The model tensors of a checkpoint, read whole under their single-process names: what
+    ``train.init_from`` starts a run from (the same model's weights, or another model's that the task
+    converts, e.g. a dense GPT's that a GPT-MoE upcycles).  ``shapes`` and ``dtypes`` come from the DCP
+    metadata; no tensor is read until :meth:`read`."""
+
+    path: Path
+    task: str
+    model_config: dict
+    shapes: dict[str, tuple[int, ...]]
+    dtypes: dict[str, torch.dtype]
+
+    @classmethod
+    def open(cls, path: Path) -> "ModelWeights":
+        """Checkpoint ``path`` (complete: :func:`check`); a one-line :class:`CheckpointError` otherwise."""
+        check(path)
+        meta = read_meta(path)
+        entries = SafeFileSystemReader(str(path)).read_metadata().state_dict_metadata
+        model = {k.removeprefix("model."): md for k, md in entries.items() if k.startswith("model.")}
+        return cls(Path(path), meta.get("task", "podscale.tasks.gpt:GPTTask"), meta.get("model_config", {}),
+                   {k: tuple(md.size) for k, md in model.items()},
+                   {k: md.properties.dtype for k, md in model.items()})
+
+    def read(self, names) -> dict[str, torch.Tensor]:
+        """The named tensors, whole, on the CPU (each process reads for itself: no collective), through the
+        reader that never unpickles."""
+        state = {"model": {n: torch.empty(self.shapes[n], dtype=self.dtypes[n]) for n in names}}
+        if state["model"]:
+            dcp.load(state, storage_reader=SafeFileSystemReader(str(self.path)), no_dist=True)
+        return state["model"]
+
+    def require_same_model(self, task: str, shapes: dict[str, tuple[int, ...]]) -> None:
+        """A one-line :class:`CheckpointError` unless these are the weights of ``task``'s model with tensors
+        of exactly ``shapes`` (one-process names)."""
+        fix = ("point train.init_from at a checkpoint of this model (a GPT-MoE also takes a dense GPT's, "
+               "which it upcycles) or remove it")
+        if self.task != task:
+            raise CheckpointError(f"train.init_from: '{self.path}' holds a {self.task} model, this run trains "
+                                  f"{task}: {fix}")
+        for key in sorted(set(self.shapes) | set(shapes)):
+            if self.shapes.get(key) != shapes.get(key):
+                what = (f"has no {key}" if key not in self.shapes else f"holds {key}, which this model has not"
+                        if key not in shapes else
+                        f"has {key} of shape {list(self.shapes[key])}, this model {list(shapes[key])}")
+                raise CheckpointError(f"train.init_from: '{self.path}' {what}: {fix}")
+
+
+def initial_weights(path: Path, task, shapes: dict[str, tuple[int, ...]]):
+    """``train.init_from``: the checkpoint ``path`` names (:func:`resolve`) as :class:`ModelWeights`, and the
+    task's conversion of it (None: it is this model's own, checked against the one-process ``shapes``, keyed
+    as :func:`expected_of` keys them).  One-line ValueErrors naming what does not fit; reads no tensor."""
+    found = resolve(path)
+    if found is None:
+        raise CheckpointError(f"train.init_from: no checkpoint in '{path}': give a run directory or a "
+                              "step_XXXXXXXX folder")
+    source = ModelWeights.open(found)
+    conversion = task.convert_weights(source)
+    if conversion is None:
+        source.require_same_model(task_name(task), {k.removeprefix("model."): v for k, v in shapes.items()})
+    return source, conversion
+
+
+def load_model(path: Path, template: dict) -> None:
+    """Collective: fill a strategy's ``model_state()`` template in place with checkpoint ``path``'s model
+    tensors (its optimizer state, data position and step are not read)."""
+    dcp.load({"model": template}, storage_reader=SafeFileSystemReader(str(path)), planner=StreamingLoadPlanner())
+
+
 def export(path: Path, out: Path, fmt: str = "torch") -> Path:
     """Consolidate the model weights of checkpoint ``path`` into one plain file.
 
@@ -255,13 +338,9 @@ def export(path: Path, out: Path, fmt: str = "torch") -> Path:
     if fmt not in EXPORT_FORMATS:
         raise ValueError(f"export format '{fmt}' is unknown: use one of {', '.join(EXPORT_FORMATS)}")
     meta = read_meta(path)
-    # Only the model's tensors, full size, through the reader that never unpickles; read before anything is
-    # written.  DCP flattens the nested template to the stored keys "model.<parameter name>".
-    reader = SafeFileSystemReader(str(path))
-    entries = reader.read_metadata().state_dict_metadata
-    state = {"model": {key.removeprefix("model."): torch.empty(md.size, dtype=md.properties.dtype)
-                       for key, md in entries.items() if key.startswith("model.")}}
-    dcp.load(state, storage_reader=reader, no_dist=True)
+    # Only the model's tensors, full size; read before anything is written
+    weights = ModelWeights.open(path)
+    state = {"model": weights.read(weights.shapes)}
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent) as tmpdir:

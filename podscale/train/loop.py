@@ -9,12 +9,14 @@ from __future__ import annotations
 import os
 import sys
 import time
+from pathlib import Path
 
 import torch
 
 from podscale import parallelize
 from podscale.config import Config
 from podscale.parallel.rng import rng_tracker, seed_model_parallel
+from podscale.parallel.sharded_state import fill_from_full
 from podscale.runtime import comm, watchdog
 from podscale.runtime.mesh import AXES, Mesh
 from podscale.runtime.metrics import MetricsLog, matmul_peak, peak_memory_bytes
@@ -38,6 +40,23 @@ def _gather_per_rank(value: float, mesh: Mesh) -> list[float]:
     out = torch.empty(mesh.world_size, dtype=torch.float64, device=mesh.device)
     comm.all_gather(out, t, mesh, AXES)
     return out.tolist()
+
+
+def _init_weights(path: Path, engine, task, expected: checkpoint.Expected) -> str:
+    """``train.init_from``: this rank's share of the model's weights from checkpoint ``path`` (collective),
+    loaded by DCP when it is this model's own, else converted by the task (e.g. a GPT-MoE upcycled from a
+    dense GPT) and written into the layout; the optimizer, data and step start afresh.  Returns what was
+    done, for the run's first line."""
+    source, conversion = checkpoint.initial_weights(path, task, expected.shapes)
+    template = engine.model_state()
+    if conversion is None:
+        checkpoint.load_model(source.path, template)
+        how = f"the weights of {source.path}"
+    else:
+        fill_from_full(template, conversion.tensors(list(template)))
+        how = f"weights {conversion.describe()}"
+    engine.load_model_state(template)
+    return how
 
 
 def run_worker(cfg: Config, resume: bool = False) -> dict:
@@ -81,6 +100,9 @@ def run_worker(cfg: Config, resume: bool = False) -> dict:
             restored, skipped = checkpoint.latest_usable(ckpt_root, expected)
             if skipped and rank == 0:
                 print(checkpoint.fallback_note(skipped, restored), flush=True)
+        initialised = None
+        if restored is None and cfg.train.init_from is not None:
+            initialised = _init_weights(Path(cfg.train.init_from), engine, task, expected)
         if restored is not None:
             template = {"model": engine.model_state(), "optim": engine.optim_template()}
             meta, rank_state = checkpoint.load(restored, template, rank)
@@ -108,7 +130,8 @@ def run_worker(cfg: Config, resume: bool = False) -> dict:
         if rank == 0:
             progress.print(f"podscale: {cfg.run.name}: {task.describe(model)}, mesh {mesh.describe()}, "
                            f"accumulation {cfg.grad_accum}, {cfg.train.precision}, device {info.device}"
-                           + (f", resumed from {restored.name}" if restored is not None else ""))
+                           + (f", resumed from {restored.name}" if restored is not None else "")
+                           + (f", initialised with {initialised}" if initialised is not None else ""))
 
         def save(step: int) -> None:
             meta = {"step": step, "loader": loader.state_dict(), "world_size": info.world_size,
