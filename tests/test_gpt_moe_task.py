@@ -314,7 +314,8 @@ def test_init_from_fine_tunes_at_another_layout_and_upcycles_a_dense_gpt(tmp_pat
     the trained weights' loss on the first batch.  A GPT-MoE of the same trunk at ep = 2, top-2 and dropless
     (every token's gates sum to one, nothing dropped), without aux and z losses, upcycled from the same
     checkpoint, computes the same function before its first step: the same first loss (fp32, the experts'
-    GELU evaluated differently: 1e-5).  A mismatched trunk is one line before any worker starts."""
+    GELU evaluated differently: 1e-5); again at tp = 2.  A mismatched trunk is one line before any worker
+    starts."""
     dense = _train_toml(tmp_path, "dense", 2, "", "").replace("gpt-moe", "gpt").replace(
         "experts = 4\nmoe_every = 2\n", "") + "warmup_steps = 0\nlr = 0.01\n"
     cfg = tmp_path / "dense.toml"
@@ -339,6 +340,10 @@ def test_init_from_fine_tunes_at_another_layout_and_upcycles_a_dense_gpt(tmp_pat
     assert main(["train", str(moe)]) == 0
     assert "initialised with weights upcycled from the dense GPT" in capfd.readouterr().out
     assert _first_loss(tmp_path / "runs" / "upcycled") == pytest.approx(tuned, rel=1e-5)
+    # at tp = 2 each rank's share of a tensor is cut out of the whole one (sharded checkpoint tensors)
+    moe.write_text(text.replace('name = "upcycled"', 'name = "upcycled-tp"').replace("ep = 2", "tp = 2"))
+    assert main(["train", str(moe)]) == 0
+    assert _first_loss(tmp_path / "runs" / "upcycled-tp") == pytest.approx(tuned, rel=1e-5)
     # another trunk: one line, no worker started, no run directory made
     moe.write_text(text.replace('name = "upcycled"', 'name = "wide"').replace("n_embd = 32", "n_embd = 64"))
     capfd.readouterr()
