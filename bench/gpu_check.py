@@ -435,14 +435,18 @@ def moe_training(data: str) -> list[dict]:
     """``podscale train`` of a GPT-MoE (BIG's width, at most 8 layers, 8 experts in every other block) in bf16
     with each accelerator kernel: under autocast the experts compute in bf16, where ``auto`` picks the grouped
     GEMM on SM90/SM100; then with ``auto``: ``train.compile`` (inductor's Triton kernels for the blocks'
-    attention halves, the MoE layers eager between them), one shared expert, and DeepSeek-V3's balance
-    biases instead of the aux loss (other models: their losses are not compared).
+    attention halves, the MoE layers eager between them), one shared expert, DeepSeek-V3's balance
+    biases instead of the aux loss, and with its gating too (sigmoid scores, 2 of 4 expert groups, gates x 2.5)
+    (other models: their losses are not compared).
     Median step time after two warm-up steps, peak memory, and the largest loss difference from ``segment``
     over the steps (the same data and seed: bf16 rounding only)."""
     rows, ref = [], None
     cases = [(k, {"model.expert_kernel": k}, True) for k in ("segment", "auto", "grouped")] + [
         ("auto compile", {"train.compile": True}, True), ("auto shared_experts=1", {"model.shared_experts": 1}, False),
-        ("auto bias_balancing", {"model.bias_balancing": True, "model.aux_loss_coef": 0.0}, False)]
+        ("auto bias_balancing", {"model.bias_balancing": True, "model.aux_loss_coef": 0.0}, False),
+        ("auto deepseek-v3 gating", {"model.bias_balancing": True, "model.aux_loss_coef": 0.0,
+                                     "model.router_score": "sigmoid", "model.router_groups": 4,
+                                     "model.router_group_top_k": 2, "model.router_scale": 2.5}, False)]
     for label, extra, same_model in cases:
         settings = dict(BIG, **MOE, **{"data.path": data, "model.n_layer": min(8, BIG["model.n_layer"])}, **extra)
         res = train(RUNS, f"moe-bf16-{label.replace(' ', '-').replace('=', '')}", settings, 12)
