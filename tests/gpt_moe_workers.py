@@ -84,7 +84,9 @@ def config(mode: str, dp: int, ep: int, stage: int = 0, steps: int = 20, pp: int
 
 def run_job(job: dict, mesh: Mesh) -> dict:
     """One layout: ``job`` = mode, dp, ep, stage, steps; optionally ``load`` (a checkpoint folder to start
-    from) and ``save_at`` (a step after which to save under ``save_root``)."""
+    from), ``save_at`` (a step after which to save under ``save_root``) and ``collapse`` (every router's
+    weights zeroed before the first step: every token's scores tie, so all of them choose the same experts,
+    those of ep rank 0, and every other rank's experts get no rows; replicated only)."""
     cfg = config(job["mode"], job["dp"], job["ep"], job.get("stage", 0), job["steps"], job.get("pp", 1),
                  job.get("tp", 1), job.get("micro_batch"), job.get("schedule", "1f1b"), job.get("optimizer", "adamw"),
                  job.get("sp", False), job.get("virtual_stages", 1), job.get("n_layer", 2), job.get("compile"),
@@ -96,6 +98,11 @@ def run_job(job: dict, mesh: Mesh) -> dict:
     engine = podscale.parallelize(model, mesh, cfg, task)
     data_rank, data_ranks = mesh.local_rank(*mesh.data_axes), mesh.size(*mesh.data_axes)
     loader = task.train_data(data_rank, data_ranks)
+    if job.get("collapse"):
+        with torch.no_grad():
+            for n, p in _named(engine, mesh):
+                if ".moe.router." in n:
+                    p.zero_()
     state = engine.model_state()
     out = {"losses": [], "grad_norms": [], "metrics": [], "grads": None, "held": sorted(state),
            # the ranks a sharded checkpoint tensor's metadata names as holding its pieces
