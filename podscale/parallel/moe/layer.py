@@ -20,7 +20,11 @@ experts ``[i * E/n, (i+1) * E/n)``.  Each forward exchanges first the per-expert
 (``all_to_all_single`` of n·E/n integers), then the tokens (``all_to_all_single`` with those split sizes), runs
 its experts, and sends the outputs back the same way; the backward runs the two token exchanges in reverse.
 Under tensor parallelism the expert-parallel group can span the tp ranks too (``fold_tp``, MoE parallel
-folding: see :meth:`MoELayer.forward`); "the ep group" below is then the ep x tp group.
+folding: see :meth:`MoELayer.forward`); "the ep group" below is then the ep x tp group.  Or each expert's
+hidden width can be split over the tp ranks (``expert_tensor_parallel``, Megatron-core's expert tensor
+parallelism: :class:`WidthSplit`), which adds, after the rows exchange, an all-gather of the counts and
+one all-to-all of the rows over tp per forward, one more all-to-all over tp before the outputs go back, and
+the same two over tp in the backward.
 A rank's own rows (those for its own experts) stay out of the exchanges and run while they are in flight
 (:class:`_ExpertParallelFFN`), unless the experts' segments are short (:data:`MIN_SEGMENT_ROWS`).
 Every rank issues exactly these three collectives per layer and forward and two per backward (one when the
@@ -45,7 +49,8 @@ What a data-parallel strategy must do with an MoE model (the contract :func:`red
 2. expert parameters: replicated over dp only — broadcast at start over ``("dp",)`` (never over ep: each ep
    rank holds other experts), sum gradients over ``("dp",)`` and divide by dp·ep (a mean over dp, then
    ``/ ep``) (ZeRO: shard them over dp);
-3. gradient norm for clipping: dense squares once, expert squares summed over ep (and tp, folded);
+3. gradient norm for clipping: dense squares once, expert squares summed over ep (and tp, folded or
+   width-split: each tp rank holds other experts or other parts of them);
 4. checkpoints: the names are already global (one file per expert id), so no translation between ep sizes.
 
 :class:`~podscale.parallel.data.DataParallel` and :class:`~podscale.parallel.zero.ZeroStrategy` follow it
