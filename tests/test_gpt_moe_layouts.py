@@ -80,7 +80,8 @@ def etp_jobs(root) -> list[dict]:
     dp = 2 x tp = 2 split again under ZeRO-1 (19) and one process (the ``resumed`` fixture); dp = 2 x tp = 2
     (ep = 1) under ZeRO-2 (18); tp = 2 x ep = 2 split, resuming the folded checkpoint of job 7 (20);
     pp = 2 x tp = 2 (ep = 1), 1F1B, top-2 (21); tp = 2 x ep = 2, dropless, every router zeroed so that all
-    tokens choose ep rank 0's experts (22: the other ep rank's tp pair gathers no rows)."""
+    tokens choose ep rank 0's experts (22: the other ep rank's tp pair gathers no rows); tp = 2 x ep = 2
+    folded, resuming the split checkpoint of job 16 (23)."""
     return [dict(mode="shared", tp=2, dp=1, ep=2, sp=True, etp=True, stage=3, steps=STEPS, micro_batch=4,
                  sample=True),
             dict(mode="bias", tp=2, dp=1, ep=2, etp=True, steps=STEPS, micro_batch=4, eval=True, sample=True,
@@ -92,7 +93,9 @@ def etp_jobs(root) -> list[dict]:
             dict(mode="bias", tp=2, dp=1, ep=2, etp=True, steps=STEPS, micro_batch=4,
                  load=str(root / "replicated" / f"step_{CKPT_AT:08d}")),
             dict(mode="top2", pp=2, tp=2, dp=1, ep=1, etp=True, steps=STEPS, micro_batch=4, eval=True),
-            dict(mode="dropless", tp=2, dp=1, ep=2, etp=True, steps=STEPS, micro_batch=4, collapse=True)]
+            dict(mode="dropless", tp=2, dp=1, ep=2, etp=True, steps=STEPS, micro_batch=4, collapse=True),
+            dict(mode="bias", tp=2, dp=1, ep=2, fold=True, steps=STEPS, micro_batch=4,
+                 load=str(root / "etp" / f"step_{CKPT_AT:08d}"))]
 
 
 def _cfg(**parallel):
@@ -310,12 +313,12 @@ def test_split_experts_are_held_in_part_by_both_tp_ranks(runs):
 
 def test_split_experts_checkpoints_resume_at_other_layouts(runs, single, resumed):
     """The split experts' checkpoint of job 16 (tp = 2 x ep = 2, replicated, after step CKPT_AT) resumed by
-    ep = 4 (17), by dp = 2 x tp = 2 split again under ZeRO-1 (19) and by one process: their next steps'
-    losses and routing are the one process's, and so are the balance biases they step; and the other way,
-    the split layout resumes the folded checkpoint of job 7 (20)."""
+    ep = 4 (17), by dp = 2 x tp = 2 split again under ZeRO-1 (19), by tp = 2 x ep = 2 folded (23) and by one
+    process: their next steps' losses and routing are the one process's, and so are the balance biases they
+    step; and the other way, the split layout resumes the folded checkpoint of job 7 (20)."""
     biased = single[("bias", 2)]
     for rank, res in list(runs.items()) + [("one process", {0: resumed})]:
-        for i in (17, 19, 20) if rank != "one process" else (0,):
+        for i in (17, 19, 20, 23) if rank != "one process" else (0,):
             ours = res[i]
             assert ours["losses"] == pytest.approx(biased["losses"][CKPT_AT:], rel=1e-6), (i, rank)
             _same_routing(ours["metrics"], biased["metrics"][CKPT_AT:], f"job {i} rank {rank}", 4)
