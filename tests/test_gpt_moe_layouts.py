@@ -18,7 +18,11 @@ gradients through that stage's backward; four blocks for the interleaved schedul
   sum of expert gradients): tp = 2 x ep = 2, top-2, replicated, saving a checkpoint after step CKPT_AT that
   ep = 4 (no tp, no folding) resumes, its next steps' losses the one process's; pp = 2 x tp = 2 (ep = 1: the
   experts sharded over tp alone), 1F1B, top-2; tp = 2 x ep = 2 with sequence parallelism, top-1 with a shared
-  expert, ZeRO-3.
+  expert, ZeRO-3;
+* split (``parallel.expert_tensor_parallel``: each expert's hidden width over tp, the rows each tp rank
+  received all-gathered over tp and the partial outputs reduce-scattered back): see :func:`etp_jobs` (with
+  sequence parallelism, a shared expert and ZeRO-3; with balance biases; ZeRO-2; a pipeline; every token on one
+  ep rank; checkpoints to and from ep = 4, one process, folded and split layouts).
 
 Tolerances: the replicated runs are fp64 end to end, so routing statistics (functions of the global integer
 counts) are identical, reduced gradients at step 0 and parameters after the steps agree to 1e-9 relative

@@ -296,6 +296,9 @@ def test_podscale_train_resumes_and_exports_experts_folded_or_split_over_tp(tmp_
     assert main(["train", str(cfg), "--resume"]) == 0
     said = capfd.readouterr().out
     assert "resumed from step_00000002" in said and "no earlier checkpoint is usable" not in said, said
+    # the run's description says where the experts live
+    assert {"fold_tp_into_ep": "(top-2, sharded over ep x tp)",
+            "expert_tensor_parallel": "(top-2, each split over tp (expert tensor parallelism))"}[key] in said, said
     out = tmp_path / "model.pt"
     assert main(["export", str(tmp_path / "runs" / "fold"), str(out)]) == 0
     names = torch.load(out, weights_only=True)["model"]

@@ -645,7 +645,8 @@ class WidthSplit:
     its ep rank, ``w_fc``'s columns and ``b_fc``'s entries ``[t h/tp, (t+1) h/tp)`` and ``w_proj``'s same
     rows (:data:`WIDTH_LAYOUTS`), and ``b_proj`` whole.  Where experts are few and large (8 experts at
     tp 8 x ep 8) this is the layout that fits; MoE parallel folding (``fold_tp``) instead shards whole
-    experts over ep x tp, which needs experts divisible by ep·tp and moves no rows over tp (Liu et al. 2025
+    experts over ep x tp, which needs experts divisible by ep·tp and sends each row once over the ep x tp
+    group rather than all-gathering the rows over tp and reduce-scattering their outputs (Liu et al. 2025
     compare the two).
 
     The tokens: each tp rank routes its own samples and exchanges them over its ep group as without the
