@@ -1,21 +1,24 @@
-"""MoE parallel folding (``parallel.fold_tp_into_ep``) against experts replicated over tp: one GPT-MoE, data
-and layout, both in one run.
+"""MoE parallel folding (``parallel.fold_tp_into_ep``) and expert tensor parallelism
+(``parallel.expert_tensor_parallel``) against experts replicated over tp: one GPT-MoE, data and layout, the
+three in one run.
 
     python bench/moe_fold.py                        # tp 2 (2 ranks), 8 experts of 4 x 256 in every block
-    python bench/moe_fold.py --ep 2 --nproc 4       # tp 2 x ep 2: folded, experts over 4 ranks
+    python bench/moe_fold.py --ep 2 --nproc 4       # tp 2 x ep 2: folded over 4 ranks, split over 2
     python bench/moe_fold.py --sp --zero 1          # any layout of the trainer
 
-Each rank builds two engines with ``podscale.parallel.compose.build_engine`` from the same seed, one with the
-experts replicated over tp (every tp rank holds the ep rank's E/ep experts and sums their gradients over tp)
-and one folded (the experts sharded over ep x tp, the tokens exchanged over those ranks; Liu et al. 2025,
-Megatron-core's ``expert_tensor_parallel_size = 1``), each on a mesh of its own, and feeds both the same
-batches.  After ``--warmup`` untimed steps each, the two take turns step by step (replicated, folded, folded,
-replicated, ...) so that drift on a shared machine hits both; printed: the median step times (slowest rank),
-their ratio and the median of the per-pair ratios (> 1: folded is faster); the bytes a rank holds of expert
+Each rank builds three engines with ``podscale.parallel.compose.build_engine`` from the same seed, each on a
+mesh of its own, and feeds them the same batches: experts replicated over tp (every tp rank holds the ep
+rank's E/ep experts and sums their gradients over tp), folded (the experts sharded over ep x tp, the tokens
+exchanged over those ranks; Liu et al. 2025, Megatron-core's ``expert_tensor_parallel_size = 1``) and split
+(each expert's hidden width split over tp, every tp rank's received rows all-gathered over tp and the partial
+outputs reduce-scattered back; Megatron-core's ``expert_tensor_parallel_size = tp``).  After ``--warmup``
+untimed steps each, they take turns step by step, the order rotating every round, so that drift on a shared
+machine hits all; printed: the median step times (slowest rank), each one's speed-up over replicated and
+the median of the per-round ratios (> 1: faster than replicated); the bytes a rank holds of expert
 parameters, gradients and Adam moments (fp32), and of the whole model's; the bytes each collective moved per
 step on rank 0 (``podscale.runtime.comm``'s counters, by axis and operation); and the largest difference of
-the two runs' losses, which are the same model's (tests/test_gpt_moe_layouts.py checks them against one
-process).
+each run's losses from the replicated run's, which are the same model's (tests/test_gpt_moe_layouts.py
+checks every layout against one process).
 """
 from __future__ import annotations
 
@@ -28,13 +31,16 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 
-def _config(a, fold: bool) -> dict:
+#: the contestants: the parallel keys each sets
+LAYOUTS = {"replicated": {}, "folded": {"fold_tp_into_ep": True}, "split": {"expert_tensor_parallel": True}}
+
+
+def _config(a, layout: dict) -> dict:
     return {"run": {"steps": a.steps, "seed": 1},
             "model": {"kind": "gpt-moe", "n_layer": a.n_layer, "n_head": a.n_head, "n_embd": a.n_embd,
                       "block_size": a.block, "experts": a.experts, "moe_every": a.moe_every, "top_k": a.top_k,
                       "random_routing": False},
-            "parallel": {"nproc": a.nproc, "tp": a.tp, "ep": a.ep, "sequence_parallel": a.sp,
-                         "fold_tp_into_ep": fold},
+            "parallel": {"nproc": a.nproc, "tp": a.tp, "ep": a.ep, "sequence_parallel": a.sp, **layout},
             "zero": {"stage": a.zero},
             "train": {"global_batch": a.batch, "micro_batch": a.micro, "lr": 1e-3, "min_lr": 1e-4,
                       "warmup_steps": 0, "grad_clip": 1.0}}
@@ -53,8 +59,9 @@ def worker(a) -> dict:
     info = init_process()
     torch.set_num_threads(1)
     engines, loaders, meshes, held = [], [], [], []
-    for fold in (False, True):
-        cfg = parse_config(_config(a, fold))
+    names = list(LAYOUTS)
+    for name in names:
+        cfg = parse_config(_config(a, LAYOUTS[name]))
         cfg.check_layout(info.world_size)
         mesh = Mesh.build(info.device, **cfg.mesh_sizes())
         task = task_for(cfg)
@@ -66,8 +73,7 @@ def worker(a) -> dict:
         # fp32 parameter, gradient and two Adam moments per element (ZeRO shards the last three over dp)
         held.append({"experts": sum(p.numel() for p in expert_parameters(engines[-1].model)),
                      "model": sum(p.numel() for p in engines[-1].model.parameters())})
-    losses = {"replicated": [], "folded": []}
-    names = ("replicated", "folded")
+    losses = {n: [] for n in names}
 
     def step(i: int) -> float:
         t0 = time.perf_counter()
@@ -77,13 +83,14 @@ def worker(a) -> dict:
         return dt
 
     for _ in range(a.warmup):
-        step(0)
-        step(1)
+        for i in range(len(names)):
+            step(i)
     for m in meshes:
         m.stats.reset()
-    times = {"replicated": [], "folded": []}
+    times = {n: [] for n in names}
     for r in range(a.steps):
-        for i in ((0, 1) if r % 2 == 0 else (1, 0)):
+        for k in range(len(names)):
+            i = (r + k) % len(names)
             times[names[i]].append(step(i))
     comm = [{k: v["bytes"] / a.steps for k, v in m.stats.snapshot().items()} for m in meshes]
     for e in engines:
@@ -113,17 +120,19 @@ def main() -> None:
     from podscale.runtime.launcher import launch
 
     res = launch(worker, (a,), nproc=a.nproc)
-    rep = [max(res[r]["times"]["replicated"][i] for r in res) for i in range(a.steps)]
-    fold = [max(res[r]["times"]["folded"][i] for r in res) for i in range(a.steps)]
-    mr, mf = statistics.median(rep), statistics.median(fold)
-    pair = statistics.median(x / y for x, y in zip(rep, fold))
+    names = list(LAYOUTS)
+    slowest = {n: [max(res[r]["times"][n][i] for r in res) for i in range(a.steps)] for n in names}
+    med = {n: statistics.median(t) for n, t in slowest.items()}
     load = os.getloadavg()
     print(f"GPT-MoE {a.n_layer} x {a.n_embd}, {a.experts} experts top-{a.top_k} every {a.moe_every} block(s), seq "
           f"{a.block}, global batch {a.batch}, micro {a.micro}, nproc {a.nproc} (tp {a.tp}, ep {a.ep}, sp {a.sp}, "
           f"ZeRO-{a.zero}), {a.steps} timed steps each; load average {load[0]:.1f}")
-    print(f"median step: replicated {mr * 1e3:.1f} ms, folded {mf * 1e3:.1f} ms; folded speed-up {mr / mf:.3f}x "
-          f"(median of per-pair ratios {pair:.3f}x)")
-    for i, name in enumerate(("replicated", "folded")):
+    print("median step: " + ", ".join(f"{n} {med[n] * 1e3:.1f} ms" for n in names))
+    for n in names[1:]:
+        rounds = statistics.median(x / y for x, y in zip(slowest["replicated"], slowest[n]))
+        print(f"{n}: speed-up over replicated {med['replicated'] / med[n]:.3f}x (median of per-round ratios "
+              f"{rounds:.3f}x)")
+    for i, name in enumerate(names):
         h = res[0]["held"][i]
         mib = 16 / 2**20  # fp32 parameter + gradient + two Adam moments
         print(f"{name}: rank 0 holds {h['experts'] / 1e6:.3f} M expert parameters ({h['experts'] * mib:.1f} MiB "
@@ -131,8 +140,9 @@ def main() -> None:
         per_op = ", ".join(f"{k} {v / 2**20:.2f} MiB" for k, v in res[0]["comm"][i].items() if v)
         print(f"{name}: rank 0 per step: {per_op}")
     l0 = res[0]["losses"]
-    worst = max(abs(x - y) for x, y in zip(l0["replicated"], l0["folded"]))
-    print(f"losses replicated vs folded, largest difference over {len(l0['folded'])} steps: {worst:.2e}")
+    for n in names[1:]:
+        worst = max(abs(x - y) for x, y in zip(l0["replicated"], l0[n]))
+        print(f"losses replicated vs {n}, largest difference over {len(l0[n])} steps: {worst:.2e}")
 
 
 if __name__ == "__main__":

@@ -70,6 +70,19 @@ def tensor_parallel_split_problem(n_head: int, n_embd: int, tp: int) -> str | No
     return None
 
 
+def expert_width_split_problem(hidden: int, tp: int) -> str | None:
+    """Why a mixture-of-experts layer whose experts are ``hidden`` wide cannot split each expert's hidden
+    width over ``tp`` ranks (expert tensor parallelism, ``parallel.expert_tensor_parallel``: each tp rank
+    holds ``hidden/tp`` columns of ``w_fc`` and rows of ``w_proj``, Shoeybi et al. 2019's column/row split),
+    as one line that names the fix; None when it can.  The config check and
+    :func:`podscale.parallel.moe.check_moe_args` both ask this."""
+    if hidden % tp:
+        return (f"model.expert_hidden={hidden} is not divisible by parallel.tp={tp} (parallel."
+                f"expert_tensor_parallel splits each expert's hidden width over tp): make model.expert_hidden a "
+                f"multiple of {tp} or set expert_tensor_parallel = false")
+    return None
+
+
 class GPTModelSection(_Section):
     """``[model] kind = "gpt"`` (the default): the byte-level GPT of :mod:`podscale.tasks.gpt`."""
 
@@ -248,6 +261,10 @@ class GPTMoEModelSection(GPTModelSection):
             raise ConfigError(f"model.experts={self.experts} is not divisible by parallel.ep*parallel.tp="
                               f"{p.ep * p.tp} (parallel.fold_tp_into_ep shards the experts over both): make "
                               f"model.experts a multiple of {p.ep * p.tp} or set fold_tp_into_ep = false")
+        if p.expert_tensor_parallel:
+            problem = expert_width_split_problem(self.expert_hidden or 4 * self.n_embd, p.tp)
+            if problem:
+                raise ConfigError(problem)
         try:
             check_task_layout(self.task_class(), p.tp, p.sequence_parallel, p.pp, p.ep)
         except ValueError as err:
@@ -552,6 +569,11 @@ class ParallelSection(_Section):
         False, description="mixture-of-experts models under tp > 1: shard the experts over ep x tp and exchange "
         "tokens over those ranks, instead of every tp rank holding the ep rank's experts (MoE parallel folding: "
         "tp times less expert memory, no tp sum of their gradients; model.experts a multiple of ep * tp)")
+    expert_tensor_parallel: bool = Field(
+        False, description="mixture-of-experts models under tp > 1: split each expert's hidden width over tp "
+        "(Megatron-core's expert_tensor_parallel_size = tp): every tp rank holds 1/tp of each of its ep rank's "
+        "experts and runs every tp rank's tokens through it, for few large experts (model.expert_hidden a "
+        "multiple of tp; not with fold_tp_into_ep)")
     schedule: Literal["gpipe", "1f1b", "interleaved"] = "1f1b"
     virtual_stages: int = Field(1, ge=1, description="model chunks per pipeline rank (interleaved 1F1B)")
     recompute: Literal["none", "selective", "full"] = "none"
@@ -729,6 +751,17 @@ class Config(_Section):
             if not self.model.task_class().supports_expert_parallel:
                 raise ConfigError(f"parallel.fold_tp_into_ep shards a mixture-of-experts model's experts, and "
                                   f"model.kind={self.model.kind!r} has none: set fold_tp_into_ep = false")
+        if p.expert_tensor_parallel:
+            if p.tp == 1:
+                raise ConfigError("parallel.expert_tensor_parallel needs parallel.tp > 1 (it splits each expert's "
+                                  "hidden width over the tp ranks): set parallel.tp or expert_tensor_parallel = false")
+            if not self.model.task_class().supports_expert_parallel:
+                raise ConfigError(f"parallel.expert_tensor_parallel splits a mixture-of-experts model's experts, "
+                                  f"and model.kind={self.model.kind!r} has none: set expert_tensor_parallel = false")
+            if p.fold_tp_into_ep:
+                raise ConfigError("parallel.expert_tensor_parallel and parallel.fold_tp_into_ep both use the tp "
+                                  "ranks for the experts (splitting each expert, or sharding whole experts over "
+                                  "ep x tp): set one of them to false")
         if p.virtual_stages > 1 and p.schedule != "interleaved":
             raise ConfigError(f"parallel.virtual_stages={p.virtual_stages} needs parallel.schedule = "
                               "'interleaved': set the schedule or virtual_stages = 1")

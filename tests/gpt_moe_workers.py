@@ -57,7 +57,7 @@ class GPTMoETask64(GPTMoETask):
 
     def build_model_on(self, mesh) -> nn.Module:
         p = self.cfg.parallel
-        model = GPTMoE(self.gpt, mesh, p.sequence_parallel, p.fold_tp_into_ep).double()
+        model = GPTMoE(self.gpt, mesh, p.sequence_parallel, p.fold_tp_into_ep, p.expert_tensor_parallel).double()
         model.loss_fn = CrossEntropy64()
         return model
 
@@ -65,19 +65,20 @@ class GPTMoETask64(GPTMoETask):
 def config(mode: str, dp: int, ep: int, stage: int = 0, steps: int = 20, pp: int = 1, tp: int = 1,
            micro_batch: int | None = None, schedule: str = "1f1b", optimizer: str = "adamw",
            sequence_parallel: bool = False, virtual_stages: int = 1, n_layer: int = 2, compile: str | None = None,
-           fold: bool = False):
+           fold: bool = False, etp: bool = False, model: dict | None = None):
     """The test model on a (pp, dp, ep, tp) layout; ``micro_batch`` default: one micro-batch per step;
     ``compile``: a torch.compile backend for ``train.compile`` (None: eager); ``fold``:
-    ``parallel.fold_tp_into_ep``."""
+    ``parallel.fold_tp_into_ep``; ``etp``: ``parallel.expert_tensor_parallel``; ``model``: more keys of the
+    model section."""
     return parse_config({
         "run": {"name": "moe", "steps": steps, "seed": 7},
         "model": {"kind": "gpt-moe", "n_layer": n_layer, "n_head": 2, "n_embd": 32, "block_size": 32, "experts": 8,
                   "moe_every": 1, "expert_hidden": 48, "aux_loss_coef": 0.01, "z_loss_coef": 0.001,
-                  **MODES[mode]},
+                  **MODES[mode], **(model or {})},
         "data": {"path": DATA},
         "parallel": {"nproc": pp * dp * ep * tp, "dp": dp, "ep": ep, "pp": pp, "tp": tp, "schedule": schedule,
                      "sequence_parallel": sequence_parallel, "virtual_stages": virtual_stages,
-                     "fold_tp_into_ep": fold},
+                     "fold_tp_into_ep": fold, "expert_tensor_parallel": etp},
         # (decay_steps fixed: a run resumed with fewer steps keeps the same learning-rate schedule)
         "train": {"global_batch": 8, "micro_batch": micro_batch or 8 // (dp * ep), "lr": 3e-3, "warmup_steps": 2,
                   "decay_steps": 20, "grad_clip": 1.0, "compile": compile is not None,
@@ -88,11 +89,13 @@ def config(mode: str, dp: int, ep: int, stage: int = 0, steps: int = 20, pp: int
 
 def run_job(job: dict, mesh: Mesh) -> dict:
     """One layout: ``job`` = mode, dp, ep, stage, steps; optionally ``load`` (a checkpoint folder to start
-    from) and ``save_at`` (a step after which to save under ``save_root``)."""
+    from), ``save_at`` (a step after which to save under ``save_root``) and ``collapse`` (every router's
+    weights zeroed before the first step: every token's scores tie, so all of them choose the same experts,
+    those of ep rank 0, and every other rank's experts get no rows; replicated only)."""
     cfg = config(job["mode"], job["dp"], job["ep"], job.get("stage", 0), job["steps"], job.get("pp", 1),
                  job.get("tp", 1), job.get("micro_batch"), job.get("schedule", "1f1b"), job.get("optimizer", "adamw"),
                  job.get("sp", False), job.get("virtual_stages", 1), job.get("n_layer", 2), job.get("compile"),
-                 job.get("fold", False))
+                 job.get("fold", False), job.get("etp", False), job.get("model"))
     task = GPTMoETask64(cfg)
     graphs = counters["stats"]["unique_graphs"]
     torch.manual_seed(cfg.run.seed)
@@ -100,6 +103,11 @@ def run_job(job: dict, mesh: Mesh) -> dict:
     engine = podscale.parallelize(model, mesh, cfg, task)
     data_rank, data_ranks = mesh.local_rank(*mesh.data_axes), mesh.size(*mesh.data_axes)
     loader = task.train_data(data_rank, data_ranks)
+    if job.get("collapse"):
+        with torch.no_grad():
+            for n, p in _named(engine, mesh):
+                if ".moe.router." in n:
+                    p.zero_()
     state = engine.model_state()
     out = {"losses": [], "grad_norms": [], "metrics": [], "grads": None, "held": sorted(state),
            # the ranks a sharded checkpoint tensor's metadata names as holding its pieces

@@ -193,7 +193,32 @@ def no_hang_worker(cases: list[tuple[str, int, bool]]) -> list[dict]:
             out[-1]["no_input_grad"] = {"grads": {n: p.grad.clone() for n, p in layer.named_parameters()},
                                         "calls": mesh.stats.snapshot()["ep/all_to_all"]["calls"]}
             mesh.stats.reset()
+    out.append(split_rows(Mesh.build(info.device, tp=2), info.rank))
     return out
+
+
+#: rows each of the two tp ranks holds in :func:`split_rows`: a rank with none, both with none, uneven
+SPLIT_ROWS = ((3, 0), (0, 0), (0, 2), (4, 5))
+
+
+def split_rows(mesh: Mesh, rank: int) -> list[dict]:
+    """Expert tensor parallelism's row collectives on a tp = 2 mesh for each of :data:`SPLIT_ROWS`: this
+    rank's rows ``x`` all-gathered over tp, scaled by ``rank + 1`` (a stand-in for this rank's part of the
+    experts) and reduce-scattered back, then the backward of ``(out * c).sum()``: the gathered rows, the
+    output and ``x``'s gradient."""
+    out = []
+    for sizes in SPLIT_ROWS:
+        x = split_rows_input(sizes, rank).requires_grad_(True)
+        rows = moe_layer._GatherRowsTP.apply(x, mesh, list(sizes))
+        y = moe_layer._ReduceScatterRowsTP.apply(rows * (rank + 1), mesh, list(sizes))
+        (y * torch.linspace(-1, 1, D, dtype=torch.float64)).sum().backward()
+        out.append({"rows": rows.detach(), "y": y.detach(), "x_grad": x.grad})
+    return out
+
+
+def split_rows_input(sizes: tuple[int, int], rank: int) -> torch.Tensor:
+    """Rank ``rank``'s ``sizes[rank]`` rows of :func:`split_rows`."""
+    return torch.randn(sizes[rank], D, generator=torch.Generator().manual_seed(7 + rank), dtype=torch.float64)
 
 
 def autocast_worker(_) -> dict:

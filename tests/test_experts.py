@@ -668,8 +668,30 @@ NO_HANG = [("one_expert", 1, False), ("one_expert", 2, False), ("no_remote", 2, 
            ("empty_rank", 2, False), ("empty_rank", 2, True)]
 
 
-def test_lopsided_routing_finishes_with_the_right_gradients():
-    results = launch(W.no_hang_worker, (NO_HANG,), nproc=2)
+@pytest.fixture(scope="module")
+def no_hang():
+    return launch(W.no_hang_worker, (NO_HANG,), nproc=2)
+
+
+def test_split_experts_row_collectives_with_empty_and_uneven_ranks(no_hang):
+    """Expert tensor parallelism's all-gather of every tp rank's rows and reduce-scatter of the partial
+    outputs (uneven pieces through all_to_all_single), a rank with no rows and both without included:
+    every rank gets every rank's rows in rank order, the sum of both ranks' partials of its own rows, and
+    in the backward the gradient of its rows summed over both ranks' partials (here 1 + 2 times the
+    output's gradient)."""
+    c = torch.linspace(-1, 1, W.D, dtype=torch.float64)
+    for i, sizes in enumerate(W.SPLIT_ROWS):
+        xs = [W.split_rows_input(sizes, r) for r in (0, 1)]
+        for rank in (0, 1):
+            ours = no_hang[rank][-1][i]
+            assert ours["rows"].shape == (sum(sizes), W.D), sizes
+            torch.testing.assert_close(ours["rows"], torch.cat(xs), rtol=0, atol=0)
+            torch.testing.assert_close(ours["y"], 3 * xs[rank], rtol=1e-15, atol=0)
+            torch.testing.assert_close(ours["x_grad"], 3 * c.expand(sizes[rank], W.D), rtol=1e-15, atol=0)
+
+
+def test_lopsided_routing_finishes_with_the_right_gradients(no_hang):
+    results = no_hang
     for i, ((case, top_k, dropless), rows, kernel) in enumerate(itertools.product(NO_HANG, W.OVERLAP, W.KERNELS)):
         label = f"{case} top_k={top_k} dropless={dropless} MIN_SEGMENT_ROWS of the ranks {rows}, {kernel} kernel"
         ref = W.build_layer(top_k, dropless)

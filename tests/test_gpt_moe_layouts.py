@@ -18,7 +18,11 @@ gradients through that stage's backward; four blocks for the interleaved schedul
   sum of expert gradients): tp = 2 x ep = 2, top-2, replicated, saving a checkpoint after step CKPT_AT that
   ep = 4 (no tp, no folding) resumes, its next steps' losses the one process's; pp = 2 x tp = 2 (ep = 1: the
   experts sharded over tp alone), 1F1B, top-2; tp = 2 x ep = 2 with sequence parallelism, top-1 with a shared
-  expert, ZeRO-3.
+  expert, ZeRO-3;
+* split (``parallel.expert_tensor_parallel``: each expert's hidden width over tp, the rows each tp rank
+  received all-gathered over tp and the partial outputs reduce-scattered back): see :func:`etp_jobs` (with
+  sequence parallelism, a shared expert and ZeRO-3; with balance biases; ZeRO-2; a pipeline; every token on one
+  ep rank; checkpoints to and from ep = 4, one process, folded and split layouts).
 
 Tolerances: the replicated runs are fp64 end to end, so routing statistics (functions of the global integer
 counts) are identical, reduced gradients at step 0 and parameters after the steps agree to 1e-9 relative
@@ -73,10 +77,36 @@ def fold_jobs(root) -> list[dict]:
             dict(mode="bias", dp=1, ep=4, steps=STEPS, load=str(root / "pipeline" / f"step_{CKPT_AT:08d}"))]
 
 
+def etp_jobs(root) -> list[dict]:
+    """Expert tensor parallelism (``parallel.expert_tensor_parallel``: each expert's hidden width split over tp;
+    indices from 15): tp = 2 x ep = 2 with sequence parallelism, top-1 beside a shared expert, ZeRO-3 (15);
+    tp = 2 x ep = 2 with balance biases, replicated, saving a checkpoint (16) that ep = 4 resumes (17), as do
+    dp = 2 x tp = 2 split again under ZeRO-1 (19) and one process (the ``resumed`` fixture); dp = 2 x tp = 2
+    (ep = 1) under ZeRO-2 (18); tp = 2 x ep = 2 split, resuming the folded checkpoint of job 7 (20);
+    pp = 2 x tp = 2 (ep = 1), 1F1B, top-2 (21); tp = 2 x ep = 2, dropless, every router zeroed so that all
+    tokens choose ep rank 0's experts (22: the other ep rank's tp pair gathers no rows); tp = 2 x ep = 2
+    folded, resuming the split checkpoint of job 16 (23)."""
+    return [dict(mode="shared", tp=2, dp=1, ep=2, sp=True, etp=True, stage=3, steps=STEPS, micro_batch=4,
+                 sample=True),
+            dict(mode="bias", tp=2, dp=1, ep=2, etp=True, steps=STEPS, micro_batch=4, eval=True, sample=True,
+                 save_at=CKPT_AT, save_root=str(root / "etp")),
+            dict(mode="bias", dp=1, ep=4, steps=STEPS, load=str(root / "etp" / f"step_{CKPT_AT:08d}")),
+            dict(mode="top2", tp=2, dp=2, ep=1, etp=True, stage=2, steps=STEPS, micro_batch=2),
+            dict(mode="bias", tp=2, dp=2, ep=1, etp=True, stage=1, steps=STEPS, micro_batch=2,
+                 load=str(root / "etp" / f"step_{CKPT_AT:08d}")),
+            dict(mode="bias", tp=2, dp=1, ep=2, etp=True, steps=STEPS, micro_batch=4,
+                 load=str(root / "replicated" / f"step_{CKPT_AT:08d}")),
+            dict(mode="top2", pp=2, tp=2, dp=1, ep=1, etp=True, steps=STEPS, micro_batch=4, eval=True),
+            dict(mode="dropless", tp=2, dp=1, ep=2, etp=True, steps=STEPS, micro_batch=4, collapse=True),
+            dict(mode="bias", tp=2, dp=1, ep=2, fold=True, steps=STEPS, micro_batch=4,
+                 load=str(root / "etp" / f"step_{CKPT_AT:08d}"))]
+
+
 def _cfg(**parallel):
     train = {"global_batch": 8, "micro_batch": parallel.pop("micro_batch", 2)}
+    model = {"expert_hidden": parallel.pop("expert_hidden")} if "expert_hidden" in parallel else {}
     return parse_config({"model": {"kind": "gpt-moe", "n_layer": 4, "n_head": 2, "n_embd": 32, "block_size": 32,
-                                   "experts": 4},
+                                   "experts": 4, **model},
                          "parallel": parallel, "train": train})
 
 
@@ -87,6 +117,12 @@ def _cfg(**parallel):
     (dict(nproc=2, fold_tp_into_ep=True), ["parallel.fold_tp_into_ep", "parallel.tp"]),
     (dict(nproc=8, tp=2, ep=4, fold_tp_into_ep=True), ["model.experts=4", "parallel.ep*parallel.tp=8",
                                                        "fold_tp_into_ep = false"]),
+    (dict(nproc=2, expert_tensor_parallel=True), ["parallel.expert_tensor_parallel", "parallel.tp > 1",
+                                                  "expert_tensor_parallel = false"]),
+    (dict(nproc=4, tp=2, micro_batch=2, expert_tensor_parallel=True, fold_tp_into_ep=True),
+     ["parallel.expert_tensor_parallel", "parallel.fold_tp_into_ep", "set one of them to false"]),
+    (dict(nproc=2, tp=2, expert_tensor_parallel=True, expert_hidden=45),
+     ["model.expert_hidden=45", "parallel.tp=2", "expert_tensor_parallel = false"]),
 ])
 def test_unsupported_moe_layouts_are_one_line_errors(parallel, words):
     with pytest.raises(ConfigError) as err:
@@ -102,7 +138,10 @@ def test_unsupported_moe_layouts_are_one_line_errors(parallel, words):
                                       dict(nproc=4, tp=2, ep=2, sequence_parallel=True, micro_batch=4),
                                       dict(nproc=4, pp=2, tp=2, sequence_parallel=True),
                                       dict(nproc=4, pp=2, ep=2, schedule="interleaved", virtual_stages=2),
-                                      dict(nproc=4, tp=2, ep=2, micro_batch=4, fold_tp_into_ep=True)])
+                                      dict(nproc=4, tp=2, ep=2, micro_batch=4, fold_tp_into_ep=True),
+                                      dict(nproc=4, tp=2, ep=2, micro_batch=4, expert_tensor_parallel=True),
+                                      dict(nproc=8, pp=2, tp=2, ep=2, micro_batch=2, sequence_parallel=True,
+                                           expert_tensor_parallel=True)])
 def test_pipeline_and_tensor_parallel_moe_layouts_are_accepted(parallel):
     _cfg(**parallel).check_layout(parallel["nproc"])
 
@@ -115,16 +154,53 @@ def test_folding_a_model_without_experts_is_a_one_line_error():
         cfg.check_layout(2)
 
 
+def test_splitting_experts_of_a_model_without_experts_is_a_one_line_error():
+    cfg = parse_config({"model": {"kind": "gpt", "n_head": 2, "n_embd": 32},
+                        "parallel": {"nproc": 2, "tp": 2, "expert_tensor_parallel": True}})
+    with pytest.raises(ConfigError, match=r"^parallel.expert_tensor_parallel splits .*model.kind='gpt' has none: "
+                                          r"set expert_tensor_parallel = false$"):
+        cfg.check_layout(2)
+
+
+@pytest.mark.parametrize("kwargs,words", [
+    (dict(folded_tp=2, width_tp=2, hidden=64), ["parallel.expert_tensor_parallel", "parallel.fold_tp_into_ep"]),
+    (dict(width_tp=4, hidden=42), ["model.expert_hidden=42", "parallel.tp=4", "expert_tensor_parallel = false"]),
+])
+def test_the_layer_refuses_an_expert_width_split_it_cannot_make(kwargs, words):
+    """The layer's own check (the GPT-MoE and a bare MoELayer call it) gives the config's one-line errors."""
+    from podscale.parallel.moe import check_moe_args
+    with pytest.raises(ValueError) as err:
+        check_moe_args(8, 2, 1.25, 2.0, 2, **kwargs)
+    msg = str(err.value)
+    assert "\n" not in msg
+    for w in words:
+        assert w in msg, msg
+
+
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    return launch(W.run_jobs, (JOBS + fold_jobs(tmp_path_factory.mktemp("fold")),), nproc=4)
+def root(tmp_path_factory):
+    return tmp_path_factory.mktemp("fold")
+
+
+@pytest.fixture(scope="module")
+def runs(root):
+    return launch(W.run_jobs, (JOBS + fold_jobs(root) + etp_jobs(root),), nproc=4)
 
 
 @pytest.fixture(scope="module")
 def single():
     mesh = Mesh.build()
-    return {(m, n): W.run_job(dict(mode=m, dp=1, ep=1, steps=STEPS, eval=True, sample=True, n_layer=n), mesh)
-            for m, n in (("top2", 2), ("dropless", 2), ("top1", 2), ("shared", 2), ("top2", 4), ("bias", 2))}
+    out = {(m, n): W.run_job(dict(mode=m, dp=1, ep=1, steps=STEPS, eval=True, sample=True, n_layer=n), mesh)
+           for m, n in (("top2", 2), ("dropless", 2), ("top1", 2), ("shared", 2), ("top2", 4), ("bias", 2))}
+    out["collapsed"] = W.run_job(dict(mode="dropless", dp=1, ep=1, steps=STEPS, collapse=True), mesh)
+    return out
+
+
+@pytest.fixture(scope="module")
+def resumed(runs, root):
+    """One process resuming the split experts' checkpoint of job 16 (every expert whole from its tp halves)."""
+    return W.run_job(dict(mode="bias", dp=1, ep=1, steps=STEPS, load=str(root / "etp" / f"step_{CKPT_AT:08d}")),
+                     Mesh.build())
 
 
 @pytest.mark.parametrize("i,label", [(0, "pp=2 ep=2 1f1b top2"), (1, "pp=2 ep=2 gpipe dropless ZeRO-1"),
@@ -134,17 +210,23 @@ def single():
                                      (7, "tp=2 ep=2 folded top2 with balance biases"),
                                      (8, "pp=2 tp=2 folded 1f1b top2"),
                                      (9, "tp=2 sp ep=2 folded top1 + shared expert ZeRO-3"),
-                                     (13, "pp=2 ep=2 1f1b top2 with balance biases")])
+                                     (13, "pp=2 ep=2 1f1b top2 with balance biases"),
+                                     (15, "tp=2 sp ep=2 split experts top1 + shared expert ZeRO-3"),
+                                     (16, "tp=2 ep=2 split experts top2 with balance biases"),
+                                     (18, "dp=2 tp=2 split experts top2 ZeRO-2"),
+                                     (21, "pp=2 tp=2 split experts 1f1b top2"),
+                                     (22, "tp=2 ep=2 split experts dropless, every token to ep rank 0")])
 def test_moe_layout_matches_one_process(runs, single, i, label, tmp_path):
-    job = (JOBS + fold_jobs(tmp_path))[i]
-    ref = single[(job["mode"], job.get("n_layer", 2))]
+    job = (JOBS + fold_jobs(tmp_path) + etp_jobs(tmp_path))[i]
+    ref = single["collapsed" if job.get("collapse") else (job["mode"], job.get("n_layer", 2))]
     for rank, res in runs.items():
         ours = res[i]
         zero = job.get("stage", 0) > 0
         _matches(ours, ref, f"{label} rank {rank}", norm_rel=2e-5 if zero else 1e-9,
                  ep=job["ep"] * (job.get("tp", 1) if job.get("fold") else 1), param_rel=None if zero else 1e-9)
         if job.get("stage", 0) == 0:
-            # a pipeline rank holds one stage's parameters, a tp rank its shards (gathered): every one compared
+            # a pipeline rank holds one stage's parameters, a tp rank its shards (gathered, the split experts'
+            # too): every one compared
             assert ours["grads"] and set(ours["grads"]) <= set(ref["grads"]), label
             assert any(".moe.experts." in n for n in ours["grads"]), label
             assert any(".moe.router." in n for n in ours["grads"]), label
@@ -215,3 +297,45 @@ def test_folded_expert_checkpoint_pieces_name_their_holders(runs):
         for name, ranks in experts.items():
             assert all(r % 2 == t for r in ranks), (rank, name, ranks)
         assert set().union(*experts.values()) == {t, 2 + t}, rank
+
+
+def test_split_experts_are_held_in_part_by_both_tp_ranks(runs):
+    """With each expert's width split over tp (job 16: tp = 2 x ep = 2, ranks (ep, tp) = (rank // 2, rank % 2))
+    both tp ranks of an ep rank hold its four experts, each a tp shard in the checkpoint: ``w_fc``, ``b_fc``
+    and ``w_proj`` ShardedTensors whose pieces lie on those two ranks, ``b_proj`` whole on both (a plain
+    tensor)."""
+    for rank, res in runs.items():
+        pair = {2 * (rank // 2), 2 * (rank // 2) + 1}
+        for block in (0, 1):
+            assert _experts_held(res[16], block) == set(range(4 * (rank // 2), 4 * (rank // 2) + 4)), rank
+        placed = res[16]["placements"]
+        for e in range(4 * (rank // 2), 4 * (rank // 2) + 4):
+            for leaf in ("w_fc", "b_fc", "w_proj"):
+                assert placed[f"blocks.1.moe.experts.{e}.{leaf}"] == sorted(pair), (rank, e, leaf)
+            assert f"blocks.1.moe.experts.{e}.b_proj" not in placed, (rank, e)
+
+
+def test_split_experts_checkpoints_resume_at_other_layouts(runs, single, resumed):
+    """The split experts' checkpoint of job 16 (tp = 2 x ep = 2, replicated, after step CKPT_AT) resumed by
+    ep = 4 (17), by dp = 2 x tp = 2 split again under ZeRO-1 (19), by tp = 2 x ep = 2 folded (23) and by one
+    process: their next steps' losses and routing are the one process's, and so are the balance biases they
+    step; and the other way, the split layout resumes the folded checkpoint of job 7 (20)."""
+    biased = single[("bias", 2)]
+    for rank, res in list(runs.items()) + [("one process", {0: resumed})]:
+        for i in (17, 19, 20, 23) if rank != "one process" else (0,):
+            ours = res[i]
+            assert ours["losses"] == pytest.approx(biased["losses"][CKPT_AT:], rel=1e-6), (i, rank)
+            _same_routing(ours["metrics"], biased["metrics"][CKPT_AT:], f"job {i} rank {rank}", 4)
+            assert ours["biases"].keys() == biased["biases"].keys(), (i, rank)
+            for name, b in ours["biases"].items():
+                assert torch.equal(b.double(), biased["biases"][name].double()), (i, rank, name)
+
+
+def test_split_experts_with_every_token_on_one_ep_rank(runs, single):
+    """Job 22: every router zeroed, so at the first step every token's choices tie and go to the same two
+    experts, both on ep rank 0: the other ep rank's tp pair gathers and runs no rows, yet every rank enters
+    every collective and the run matches one process (test_moe_layout_matches_one_process)."""
+    first = single["collapsed"]["metrics"][0]
+    assert first["blocks.0/load_min"] == 0 and first["blocks.0/load_max"] == 0.5, first
+    for rank, res in runs.items():
+        assert res[22]["metrics"][0]["blocks.0/peak_rank_load"] == 2.0, rank

@@ -279,15 +279,17 @@ def test_podscale_train_logs_and_plots_routing_metrics_and_exports_one_process_m
     assert blob["task"] == "podscale.tasks.gpt_moe:GPTMoETask"
 
 
-def test_podscale_train_resumes_and_exports_experts_folded_over_tp(tmp_path, capfd):
-    """``parallel.fold_tp_into_ep`` on tp = 2 (ep = 1): each tp rank holds half the experts, yet the run
-    resumes its own checkpoint (the trainer compares it with the one-process model's names, not the rank's)
-    and exports every expert.  With DeepSeek-V3's balance biases (``model.bias_balancing``): the model is
-    built on the meta device as the trainer builds it, its biases (buffers) materialised and moved after
-    every step, saved, resumed and exported."""
+@pytest.mark.parametrize("key", ["fold_tp_into_ep", "expert_tensor_parallel"])
+def test_podscale_train_resumes_and_exports_experts_folded_or_split_over_tp(tmp_path, capfd, key):
+    """``parallel.fold_tp_into_ep`` on tp = 2 (ep = 1): each tp rank holds half the experts; with
+    ``parallel.expert_tensor_parallel`` half of each expert's width.  Yet the run resumes its own checkpoint
+    (the trainer compares it with the one-process model's names and shapes, not the rank's) and exports
+    every expert whole.  With DeepSeek-V3's balance biases (``model.bias_balancing``): the model is built on
+    the meta device as the trainer builds it, its biases (buffers) materialised and moved after every step,
+    saved, resumed and exported."""
     cfg = tmp_path / "fold.toml"
     model = "bias_balancing = true\nbias_update_rate = 0.01\naux_loss_coef = 0.0"
-    parallel = "tp = 2\nfold_tp_into_ep = true"
+    parallel = f"tp = 2\n{key} = true"
     cfg.write_text(_train_toml(tmp_path, "fold", 2, model, parallel))
     assert main(["train", str(cfg)]) == 0
     cfg.write_text(_train_toml(tmp_path, "fold", 3, model, parallel))
@@ -295,11 +297,18 @@ def test_podscale_train_resumes_and_exports_experts_folded_over_tp(tmp_path, cap
     assert main(["train", str(cfg), "--resume"]) == 0
     said = capfd.readouterr().out
     assert "resumed from step_00000002" in said and "no earlier checkpoint is usable" not in said, said
+    # the run's description says where the experts live
+    assert {"fold_tp_into_ep": "(top-2, sharded over ep x tp)",
+            "expert_tensor_parallel": "(top-2, each split over tp (expert tensor parallelism))"}[key] in said, said
     out = tmp_path / "model.pt"
     assert main(["export", str(tmp_path / "runs" / "fold"), str(out)]) == 0
     names = torch.load(out, weights_only=True)["model"]
     assert {n for n in names if n.startswith("blocks.1.moe.experts.") and n.endswith("w_fc")} == \
         {f"blocks.1.moe.experts.{e}.w_fc" for e in range(4)}
+    for e in range(4):   # whole experts (d = 32, hidden 4 x 32), whichever way the ranks held them
+        shapes = [tuple(names[f"blocks.1.moe.experts.{e}.{leaf}"].shape) for leaf in ("w_fc", "b_fc", "w_proj",
+                                                                                       "b_proj")]
+        assert shapes == [(32, 128), (128,), (128, 32), (32,)], (e, shapes)
     bias = names["blocks.1.moe.router.selection_bias"]   # three sign steps of 0.01 each
     assert bias.abs().max() > 0 and torch.allclose(bias / 0.01, (bias / 0.01).round())
 

@@ -65,7 +65,7 @@ class MoEBlock(nn.Module):
     """``x + attn(ln(x))`` then ``x + moe(ln(x))``; the MoE's extra loss and statistics are returned."""
 
     def __init__(self, cfg: GPTMoEConfig, layer: int, mesh=None, sequence_parallel: bool = False,
-                 fold_tp: bool = False):
+                 fold_tp: bool = False, expert_tensor_parallel: bool = False):
         super().__init__()
         self.ln_1 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
         self.attn = CausalSelfAttention(cfg)
@@ -76,7 +76,8 @@ class MoEBlock(nn.Module):
                             seed=zlib.crc32(f"moe{layer}".encode()), bias=cfg.bias,
                             sequence_parallel=sequence_parallel, recompute_activation=cfg.expert_recompute,
                             kernel=kernel_named(cfg.expert_kernel, cfg.expert_recompute),
-                            shared_hidden=cfg.shared_experts * cfg.hidden, fold_tp=fold_tp, gating=cfg.gating)
+                            shared_hidden=cfg.shared_experts * cfg.hidden, fold_tp=fold_tp,
+                            expert_tensor_parallel=expert_tensor_parallel, gating=cfg.gating)
 
     def forward(self, x: torch.Tensor, keys: torch.Tensor | None):
         x = x + self.attn(self.ln_1(x))
@@ -114,19 +115,23 @@ class GPTMoE(GPT):
     tp axis its MoE layers split their samples over; ``sequence_parallel``: the model will be sharded with
     sequence parallelism (:func:`~podscale.parallel.tensor.apply_tensor_parallel`), so its MoE layers
     receive sequence shards (see :meth:`podscale.parallel.moe.MoELayer.forward`); ``fold_tp``: their experts
-    are sharded over ep x tp (MoE parallel folding) instead of held by every tp rank."""
+    are sharded over ep x tp (MoE parallel folding) instead of held by every tp rank;
+    ``expert_tensor_parallel``: each expert's hidden width is split over tp instead (Megatron-core's expert
+    tensor parallelism, :class:`~podscale.parallel.moe.WidthSplit`)."""
 
-    def __init__(self, cfg: GPTMoEConfig, mesh=None, sequence_parallel: bool = False, fold_tp: bool = False):
+    def __init__(self, cfg: GPTMoEConfig, mesh=None, sequence_parallel: bool = False, fold_tp: bool = False,
+                 expert_tensor_parallel: bool = False):
         ep = mesh.sizes["ep"] if mesh is not None else 1
-        folded = mesh.sizes["tp"] if mesh is not None and fold_tp else 1
-        check_moe_args(cfg.experts, cfg.top_k, cfg.capacity_factor, cfg.eval_capacity_factor, ep, folded)
+        tp = mesh.sizes["tp"] if mesh is not None else 1
+        check_moe_args(cfg.experts, cfg.top_k, cfg.capacity_factor, cfg.eval_capacity_factor, ep,
+                       tp if fold_tp else 1, tp if expert_tensor_parallel else 1, cfg.hidden)
         cfg.gating.check(cfg.experts, cfg.top_k)
         if cfg.moe_every < 1:
             raise ValueError(f"model.moe_every={cfg.moe_every} must be >= 1: 1 makes every block MoE, 2 every other")
         super().__init__(cfg)
         for i in range(cfg.n_layer):
             if cfg.is_moe(i):
-                self.blocks[str(i)] = MoEBlock(cfg, i, mesh, sequence_parallel, fold_tp)
+                self.blocks[str(i)] = MoEBlock(cfg, i, mesh, sequence_parallel, fold_tp, expert_tensor_parallel)
         self.moe_metrics = MoEMetrics()
         moe_blocks = tuple(f"blocks.{i}." for i in range(cfg.n_layer) if cfg.is_moe(i))
         with torch.no_grad():
@@ -139,16 +144,19 @@ class GPTMoE(GPT):
         their global expert id (``blocks.1.moe.experts.5.w_fc``), so the (seed, name) generator gives a rank
         of any ep layout the single-process values of its experts.  ``w_fc`` and the router N(0, 0.02);
         ``w_proj``, a residual projection, N(0, 0.02 / sqrt(2 * n_layer)); biases 0; the shared expert
-        (``blocks.1.moe.shared.w_fc``) like the routed ones."""
+        (``blocks.1.moe.shared.w_fc``) like the routed ones.  A routed expert whose width is split over tp
+        (expert tensor parallelism) draws its whole one-process tensor and keeps its own part of it."""
         module, _, leaf = name.rpartition(".")
         if ".moe.experts." not in name and ".moe.shared." not in name:
             return super().init_parameter(name, t)
         if leaf.startswith("b_"):
             t.zero_()
             return
+        expert = self.get_submodule(module)
         std = 0.02 / math.sqrt(2 * self.cfg.n_layer) if leaf == "w_proj" else 0.02
         g = torch.Generator().manual_seed((self.init_seed + zlib.crc32(name.encode())) % 2**63)
-        t.copy_(torch.empty(t.shape, dtype=t.dtype).normal_(0.0, std, generator=g))
+        full = torch.empty(expert.single_process_shape(leaf), dtype=t.dtype).normal_(0.0, std, generator=g)
+        t.copy_(expert.own_part(leaf, full))
 
     def empty_chunk(self) -> "GPTMoE":
         """A pipeline stage's module: a GPTMoE with its own routing statistics (see :meth:`GPT.empty_chunk`)."""

@@ -33,6 +33,9 @@ class ParamTags:
     * ``expert_parallel``: a mixture-of-experts expert; each ep rank holds others, so the norm sums over ep.
       With ``tensor_parallel`` too (and no ``tp_layout``): an expert folded over ep x tp, whole on one tp rank
       (MoE parallel folding), so the norm sums over ep and tp and a checkpoint names that tp rank's holders.
+      With ``tensor_parallel`` and a ``tp_layout``: this tp rank's part of an expert whose hidden width is split
+      over tp (expert tensor parallelism), whole-gradient there, so the norm sums over ep and tp and a
+      checkpoint stores the single-process tensor from the tp parts, as for any tp shard.
     * ``pipeline_duplicate``: the last pipeline stage's copy of the tied embedding; the first stage's copy is
       the one counted in the norm and saved in checkpoints.
     * ``tp_layout``: how the single-process tensor is split over tp (``"rows"``, ``"cols"``, ``"qkv"`` or

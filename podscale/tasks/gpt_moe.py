@@ -26,7 +26,9 @@ an MoE layer splits its samples over tp, and under sequence parallelism first tu
 receives into whole sequences of its share of the samples (see
 :meth:`podscale.parallel.moe.MoELayer.forward`), so routing is the one-process routing in every layout.
 With ``parallel.fold_tp_into_ep`` the experts are sharded over ep x tp instead of held by every tp rank
-(MoE parallel folding), each rank's model built with its own.
+(MoE parallel folding), each rank's model built with its own; with ``parallel.expert_tensor_parallel`` each
+expert's hidden width is split over tp (Megatron-core's expert tensor parallelism), each rank's model built
+with its part of every expert of its ep rank.
 ``train.compile`` compiles the blocks around the MoE layers, which run eagerly between the compiled pieces
 (see :mod:`podscale.train.compile`).
 """
@@ -161,11 +163,11 @@ class GPTMoETask(GPTTask):
 
     def build_model_on(self, mesh) -> nn.Module:
         """This rank's model: the dense part and the experts of its ep coordinate (and tp coordinate, with
-        ``parallel.fold_tp_into_ep``) (meta device); its MoE layers told whether tensor parallelism will hand
-        them sequence shards."""
+        ``parallel.fold_tp_into_ep``; its tp rank's part of each, with ``parallel.expert_tensor_parallel``)
+        (meta device); its MoE layers told whether tensor parallelism will hand them sequence shards."""
         p = self.cfg.parallel
         with torch.device("meta"):
-            return GPTMoE(self.gpt, mesh, p.sequence_parallel, p.fold_tp_into_ep)
+            return GPTMoE(self.gpt, mesh, p.sequence_parallel, p.fold_tp_into_ep, p.expert_tensor_parallel)
 
     def model_config(self) -> dict:
         return asdict(self.gpt)
@@ -177,7 +179,9 @@ class GPTMoETask(GPTTask):
     def describe(self, model: nn.Module) -> str:
         m, g = _gpt_moe(model), self.gpt
         shared = f" + {g.shared_experts} shared" if g.shared_experts else ""
-        where = ", sharded over ep x tp" if self.cfg.parallel.fold_tp_into_ep else ""
+        p = self.cfg.parallel
+        where = ", sharded over ep x tp" if p.fold_tp_into_ep else \
+            ", each split over tp (expert tensor parallelism)" if p.expert_tensor_parallel else ""
         return (f"{g.experts} experts x {sum(g.is_moe(i) for i in range(g.n_layer))} MoE layers (top-{g.top_k}"
                 f"{shared}{where}), {m.active_params_per_token() / 1e6:.2f}M active params per token, global "
                 f"batch {self.cfg.train.global_batch} x {g.block_size} tokens")

@@ -77,9 +77,9 @@ def run_worker(cfg: Config, resume: bool = False) -> dict:
     torch.manual_seed(cfg.run.seed)
     model = task.build_model_on(mesh)
     # what a checkpoint must hold to resume: the single-process names and shapes (under expert parallelism this
-    # rank's model holds only its experts, as with experts folded over tp, so the one-process model is built on
-    # the meta device to compare)
-    if mesh.size("ep") == 1 and not cfg.parallel.fold_tp_into_ep:
+    # rank's model holds only its experts, as with experts folded over tp or split over tp, so the one-process
+    # model is built on the meta device to compare)
+    if mesh.size("ep") == 1 and not cfg.parallel.fold_tp_into_ep and not cfg.parallel.expert_tensor_parallel:
         single = model
     else:
         with torch.device("meta"):

@@ -20,7 +20,11 @@ experts ``[i * E/n, (i+1) * E/n)``.  Each forward exchanges first the per-expert
 (``all_to_all_single`` of n·E/n integers), then the tokens (``all_to_all_single`` with those split sizes), runs
 its experts, and sends the outputs back the same way; the backward runs the two token exchanges in reverse.
 Under tensor parallelism the expert-parallel group can span the tp ranks too (``fold_tp``, MoE parallel
-folding: see :meth:`MoELayer.forward`); "the ep group" below is then the ep x tp group.
+folding: see :meth:`MoELayer.forward`); "the ep group" below is then the ep x tp group.  Or each expert's
+hidden width can be split over the tp ranks (``expert_tensor_parallel``, Megatron-core's expert tensor
+parallelism: :class:`WidthSplit`), which adds, after the rows exchange, an all-gather of the counts and
+one all-to-all of the rows over tp per forward, one more all-to-all over tp before the outputs go back, and
+the same two over tp in the backward.
 A rank's own rows (those for its own experts) stay out of the exchanges and run while they are in flight
 (:class:`_ExpertParallelFFN`), unless the experts' segments are short (:data:`MIN_SEGMENT_ROWS`).
 Every rank issues exactly these three collectives per layer and forward and two per backward (one when the
@@ -45,7 +49,8 @@ What a data-parallel strategy must do with an MoE model (the contract :func:`red
 2. expert parameters: replicated over dp only — broadcast at start over ``("dp",)`` (never over ep: each ep
    rank holds other experts), sum gradients over ``("dp",)`` and divide by dp·ep (a mean over dp, then
    ``/ ep``) (ZeRO: shard them over dp);
-3. gradient norm for clipping: dense squares once, expert squares summed over ep (and tp, folded);
+3. gradient norm for clipping: dense squares once, expert squares summed over ep (and tp, folded or
+   width-split: each tp rank holds other experts or other parts of them);
 4. checkpoints: the names are already global (one file per expert id), so no translation between ep sizes.
 
 :class:`~podscale.parallel.data.DataParallel` and :class:`~podscale.parallel.zero.ZeroStrategy` follow it
@@ -63,16 +68,19 @@ import torch.nn.functional as F
 
 from podscale.parallel.moe.gate import Gating, MoEStats, Router, Routing, expert_capacity, load_balancing_loss, \
     route, routing_uniform, router_z_loss
-from podscale.parallel.param_tags import tag
-from podscale.parallel.tensor import GatherBatchFromTP, ReduceFromTP, SplitBatchToTP, global_grad_norm
+from podscale.config import expert_width_split_problem
+from podscale.parallel.param_tags import tag, tags
+from podscale.parallel.sharded_state import global_shape
+from podscale.parallel.tensor import GatherBatchFromTP, ReduceFromTP, SplitBatchToTP, global_grad_norm, shard
 from podscale.parallel.moe.kernels import ExpertKernel, WeightGrads, cast_weights, kernel_for, segment_bounds
 from podscale.runtime import comm
 
 
 def check_moe_args(experts: int, top_k: int, capacity_factor: float, eval_capacity_factor: float,
-                   ep: int, folded_tp: int = 1) -> None:
+                   ep: int, folded_tp: int = 1, width_tp: int = 1, hidden: int = 1) -> None:
     """One-line ValueErrors naming the key and the fix (the config layer will call this before workers
-    start).  ``folded_tp``: the tp size folded into the expert-parallel group (1: not folded)."""
+    start).  ``folded_tp``: the tp size folded into the expert-parallel group (1: not folded); ``width_tp``:
+    the tp size each expert's ``hidden`` width is split over (expert tensor parallelism; 1: not split)."""
     if experts < 1:
         raise ValueError(f"model.experts={experts} must be >= 1: set model.experts to a positive number")
     if ep < 1 or experts % ep:
@@ -82,6 +90,13 @@ def check_moe_args(experts: int, top_k: int, capacity_factor: float, eval_capaci
         raise ValueError(f"model.experts={experts} is not divisible by parallel.ep*parallel.tp={ep * folded_tp} "
                          "(parallel.fold_tp_into_ep shards the experts over both): make model.experts a multiple "
                          f"of {ep * folded_tp} or set parallel.fold_tp_into_ep = false")
+    if folded_tp > 1 and width_tp > 1:
+        raise ValueError("parallel.expert_tensor_parallel and parallel.fold_tp_into_ep both use the tp ranks for "
+                         "the experts (splitting each expert, or sharding whole experts over ep x tp): set one "
+                         "of them to false")
+    problem = expert_width_split_problem(hidden, width_tp)
+    if problem:
+        raise ValueError(problem)
     if not 1 <= top_k <= experts:
         raise ValueError(f"model.top_k={top_k} must be between 1 and model.experts={experts}: "
                          f"lower model.top_k or add experts")
@@ -95,22 +110,48 @@ def check_moe_args(experts: int, top_k: int, capacity_factor: float, eval_capaci
 # the experts
 
 
+#: how expert tensor parallelism splits a routed expert over tp, as the tp layout of each single-process tensor
+#: (:func:`~podscale.parallel.tensor.shard`): the first linear column-parallel (``w_fc``'s columns and ``b_fc``),
+#: the second row-parallel (``w_proj``'s rows), Shoeybi et al. 2019, section 3; ``b_proj`` stays whole on
+#: every tp rank (added once per row, after the partial outputs are summed)
+WIDTH_LAYOUTS = {"w_fc": "cols", "b_fc": "rows", "w_proj": "rows"}
+
+
 class Expert(nn.Module):
     """One GELU feed-forward expert ``x -> gelu(x w_fc + b_fc) w_proj + b_proj`` (``w_fc`` (d, h),
     ``w_proj`` (h, d)).  A routed expert (``routed``) has every parameter tagged ``expert_parallel``; a
-    shared one (:attr:`MoELayer.shared`) is a dense parameter like any other."""
+    shared one (:attr:`MoELayer.shared`) is a dense parameter like any other.  ``width``: expert tensor
+    parallelism (:class:`WidthSplit`): this rank holds its tp rank's ``h/tp`` of the hidden width, each
+    split tensor tagged with its tp layout (:data:`WIDTH_LAYOUTS`), so checkpoints store the single-process
+    tensor and :meth:`own_part` cuts this rank's part out of its initial value."""
 
-    def __init__(self, d_model: int, d_hidden: int, bias: bool = True, routed: bool = True):
+    def __init__(self, d_model: int, d_hidden: int, bias: bool = True, routed: bool = True,
+                 width: "WidthSplit | None" = None):
         super().__init__()
-        self.w_fc = nn.Parameter(torch.empty(d_model, d_hidden))
-        self.w_proj = nn.Parameter(torch.empty(d_hidden, d_model))
-        self.b_fc = nn.Parameter(torch.zeros(d_hidden)) if bias else None
+        self.width = width
+        h = d_hidden // width.tp if width is not None else d_hidden
+        self.w_fc = nn.Parameter(torch.empty(d_model, h))
+        self.w_proj = nn.Parameter(torch.empty(h, d_model))
+        self.b_fc = nn.Parameter(torch.zeros(h)) if bias else None
         self.b_proj = nn.Parameter(torch.zeros(d_model)) if bias else None
         nn.init.normal_(self.w_fc, std=0.02)
         nn.init.normal_(self.w_proj, std=0.02)
-        if routed:
-            for p in self.parameters():
+        for name, p in self.named_parameters():
+            if routed:
                 tag(p, expert_parallel=True)
+            if width is not None and name in WIDTH_LAYOUTS:
+                tag(p, tp_layout=WIDTH_LAYOUTS[name])
+
+    def single_process_shape(self, leaf: str) -> tuple[int, ...]:
+        """The shape of parameter ``leaf`` (``"w_fc"``, ...) in the one-process model."""
+        p = self.get_parameter(leaf)
+        return global_shape(tags(p).tp_layout, tuple(p.shape), self.width.tp if self.width is not None else 1)
+
+    def own_part(self, leaf: str, full: torch.Tensor) -> torch.Tensor:
+        """This rank's part of ``full``, the one-process value of parameter ``leaf`` (``full`` itself unless
+        the expert's width is split over tp)."""
+        layout = tags(self.get_parameter(leaf)).tp_layout
+        return full if layout is None else shard(full, layout, self.width.mesh)
 
     def weights(self) -> list[nn.Parameter]:
         """``w_fc, w_proj`` and, with biases, ``b_fc, b_proj``: an :class:`ExpertKernel`'s order for one
@@ -140,15 +181,20 @@ class Experts(nn.ModuleDict):
 
     ``kernel``: how the experts run on their rows (:mod:`podscale.parallel.moe.kernels`); None picks the
     kernel for the input's device and dtype at each call (:func:`~podscale.parallel.moe.kernels.kernel_for`), the
-    variant that recomputes the GELU in the backward when ``recompute_activation``."""
+    variant that recomputes the GELU in the backward when ``recompute_activation``.  ``width``: each expert's
+    hidden width split over tp (expert tensor parallelism, :class:`WidthSplit`); :attr:`d_hidden` is then
+    this rank's part of it, the width its kernels see."""
 
     def __init__(self, d_model: int, d_hidden: int, num_experts: int, ep_size: int = 1, ep_rank: int = 0,
-                 bias: bool = True, kernel: ExpertKernel | None = None, recompute_activation: bool = False):
+                 bias: bool = True, kernel: ExpertKernel | None = None, recompute_activation: bool = False,
+                 width: "WidthSplit | None" = None):
         local = num_experts // ep_size
-        super().__init__({str(ep_rank * local + j): Expert(d_model, d_hidden, bias) for j in range(local)})
+        super().__init__({str(ep_rank * local + j): Expert(d_model, d_hidden, bias, width=width)
+                          for j in range(local)})
         self.num_experts, self.num_local, self.first = num_experts, local, ep_rank * local
-        self.d_model, self.d_hidden = d_model, d_hidden
+        self.d_model, self.d_hidden = d_model, d_hidden // width.tp if width is not None else d_hidden
         self.bias, self.kernel, self.recompute_activation = bias, kernel, recompute_activation
+        self.width = width
 
     def _kernel(self, x: torch.Tensor) -> ExpertKernel:
         return pick_kernel(self.kernel, x, self.d_model, self.d_hidden, self.recompute_activation)
@@ -160,6 +206,21 @@ class Experts(nn.ModuleDict):
             out += [e.b_fc for e in ex] + [e.b_proj for e in ex]
         return out
 
+    def run_received(self, x: torch.Tensor, sources: list[list[int]]) -> torch.Tensor:
+        """Rows of ``x`` laid out by source, then local expert (``sources[s][j]`` rows from source ``s`` for
+        local expert ``j``: what an exchange delivers) through their experts, outputs row for row.  With
+        more than one source the rows are regrouped expert-major (one gather, and back) so that each expert
+        runs one matmul pair on one contiguous segment, as Megatron-core's dispatcher sorts its received
+        chunks by expert; with the width split over tp, every tp rank's rows run on this rank's part of each
+        expert (:meth:`WidthSplit.run`)."""
+        if self.width is not None:
+            return self.width.run(self, x, sources)
+        perm, inverse, segments = _expert_major(sources, x.device)
+        if perm is not None:
+            x = _PermuteRows.apply(x, perm, inverse)
+        y = self(x, segments)
+        return y if perm is None else _PermuteRows.apply(y, inverse, perm)
+
     def forward(self, x: torch.Tensor, segments: list[tuple[int, int]]) -> torch.Tensor:
         """Rows of ``x`` in consecutive segments, ``segments[i] = (local expert, rows)`` (a local expert may
         own several segments; zero rows allowed: an expert without rows gets a zero gradient, never a
@@ -170,17 +231,14 @@ class Experts(nn.ModuleDict):
         """Expert parallelism: the rows of ``flat`` that ``exchange`` names (sorted by global expert) through
         their experts, wherever those live on the ep group: with this rank's own rows run while the
         exchanges are in flight (:class:`_ExpertParallelFFN`), or, when the experts' segments are short
-        (:data:`MIN_SEGMENT_ROWS`), every row exchanged and regrouped expert-major."""
+        (:data:`MIN_SEGMENT_ROWS`) or their width is split over tp, every row exchanged and run by
+        :meth:`run_received`."""
         if exchange.overlap:
             return _ExpertParallelFFN.apply(flat, exchange, self._kernel(flat), self.num_local, self.bias,
                                             *self._weights())
         x = _AllToAll.apply(flat.index_select(0, exchange.token_remote), exchange.mesh, exchange.axes,
                             exchange.recv_splits, exchange.send_splits)
-        if exchange.perm is not None:
-            x = _PermuteRows.apply(x, exchange.perm, exchange.inverse)
-        y = self(x, exchange.remote_segments)
-        if exchange.perm is not None:
-            y = _PermuteRows.apply(y, exchange.inverse, exchange.perm)
+        y = self.run_received(x, exchange.sources)
         return _AllToAll.apply(y, exchange.mesh, exchange.axes, exchange.send_splits, exchange.recv_splits)
 
     def forward_padded(self, x: torch.Tensor) -> torch.Tensor:
@@ -328,9 +386,10 @@ class _Exchange:
     the same either way."""
 
     def __init__(self, mesh, axes: tuple[str, ...], send: list[list[int]], recv: torch.Tensor, pending,
-                 token: torch.Tensor):
+                 token: torch.Tensor, may_overlap: bool = True):
         """``axes``: the expert-parallel group's mesh axes (see :attr:`MoELayer.expert_axes`); ``recv``:
-        filled by the count exchange ``pending``."""
+        filled by the count exchange ``pending``; ``may_overlap``: False when the experts cannot run a
+        rank's own rows apart (their width split over tp: every tp rank's rows run together)."""
         self.mesh, self.axes = mesh, axes
         me, ep, El = mesh.local_rank(*axes), len(send), len(send[0])
         pending.wait()
@@ -338,7 +397,7 @@ class _Exchange:
         out_rows, in_rows = [sum(s) for s in send], [sum(r) for r in recv]
         #: the rows my experts run: every rank's for them, my own included
         self.rows_in = sum(in_rows)
-        self.overlap = overlap = overlaps_exchange(self.rows_in, ep * El)
+        self.overlap = overlap = may_overlap and overlaps_exchange(self.rows_in, ep * El)
         self.total = sum(out_rows)
         self.first, self.local = (sum(out_rows[:me]), out_rows[me]) if overlap else (0, 0)
         #: rows per rank of what I send (and get back), and of what I receive (and send back)
@@ -348,20 +407,12 @@ class _Exchange:
         self.half = self.local // 2
         self.part_a, self.part_b = (_split_bounds(segment_bounds(enumerate(send[me])), self.half) if overlap
                                     else ([], []))
-        sources = [src for r, src in enumerate(recv) if r != me or not overlap]
-        self.perm = self.inverse = None
-        if len(sources) > 1:
-            counts = torch.tensor(sources, dtype=torch.long)
-            flat = counts.reshape(-1)
-            starts = (torch.cumsum(flat, 0) - flat).view_as(counts)
-            self.perm = _segments(starts.t().reshape(-1), counts.t().reshape(-1)).to(token.device)
-            self.inverse = torch.empty_like(self.perm).scatter_(
-                0, self.perm, torch.arange(self.perm.numel(), device=token.device))
-            #: the received rows' (local expert, rows) segments, expert-major after the regrouping
-            self.remote_segments = list(enumerate(counts.sum(0).tolist()))
-        else:
-            self.remote_segments = list(enumerate(sources[0])) if sources else []
-        self.remote = segment_bounds(self.remote_segments)
+        #: the received rows' counts by source rank, then local expert (:meth:`Experts.run_received`)
+        self.sources = [src for r, src in enumerate(recv) if r != me or not overlap]
+        #: the regrouping of the received rows expert-major and their segments (the overlapped path's)
+        self.perm, self.inverse, segments = _expert_major(self.sources, token.device) if overlap \
+            else (None, None, [])
+        self.remote = segment_bounds(segments)
 
     def others(self, t: torch.Tensor) -> torch.Tensor:
         """The rows of ``t`` (all ``total`` rows in sorted order) that go to other ranks, contiguous (a view
@@ -388,6 +439,20 @@ class _Exchange:
             rows[:self.first].copy_(buf[:self.first])
             rows[end:].copy_(buf[self.first:])
         return finish
+
+
+def _expert_major(sources: list[list[int]], device) -> tuple[torch.Tensor | None, torch.Tensor | None, list]:
+    """Rows laid out by source, then local expert (``sources[s][j]`` rows) -> (the gather that regroups
+    them expert-major, its inverse, the regrouped (local expert, rows) segments); no gather (None, None)
+    with one source or none."""
+    if len(sources) <= 1:
+        return None, None, list(enumerate(sources[0])) if sources else []
+    counts = torch.tensor(sources, dtype=torch.long)
+    flat = counts.reshape(-1)
+    starts = (torch.cumsum(flat, 0) - flat).view_as(counts)
+    perm = _segments(starts.t().reshape(-1), counts.t().reshape(-1)).to(device)
+    inverse = torch.empty_like(perm).scatter_(0, perm, torch.arange(perm.numel(), device=device))
+    return perm, inverse, list(enumerate(counts.sum(0).tolist()))
 
 
 class _AllToAll(torch.autograd.Function):
@@ -521,6 +586,116 @@ class _ExpertParallelFFN(torch.autograd.Function):
         return (g_flat, None, None, None, None, *acc.result(params, x_own))
 
 
+# ---------------------------------------------------------------------------------------------------
+# expert tensor parallelism
+
+
+def _gather_rows(x: torch.Tensor, mesh, sizes: list[int]) -> torch.Tensor:
+    """Every tp rank's rows, ``sizes[t]`` from tp rank ``t``, concatenated in rank order (an all-gather of
+    uneven pieces: one ``all_to_all_single`` that sends this rank's rows to every tp rank; gloo's list
+    all-to-all refuses uneven sizes)."""
+    n = len(sizes)
+    out = x.new_empty((sum(sizes),) + tuple(x.shape[1:]))
+    comm.all_to_all(out, x.contiguous().repeat((n,) + (1,) * (x.dim() - 1)), mesh, "tp", sizes, [x.shape[0]] * n)
+    return out
+
+
+def _reduce_scatter_rows(y: torch.Tensor, mesh, sizes: list[int]) -> torch.Tensor:
+    """The inverse of :func:`_gather_rows`: ``y`` holds every tp rank's rows (``sizes[t]`` of tp rank ``t``,
+    in rank order) and each tp rank gets its own back from every tp rank, summed (a reduce-scatter of uneven
+    pieces: one ``all_to_all_single``, then a sum of the tp pieces in rank order)."""
+    n, mine = len(sizes), sizes[mesh.local_rank("tp")]
+    out = y.new_empty((n * mine,) + tuple(y.shape[1:]))
+    comm.all_to_all(out, y.contiguous(), mesh, "tp", [mine] * n, sizes)
+    return out.view((n, mine) + tuple(y.shape[1:])).sum(0)
+
+
+class _GatherRowsTP(torch.autograd.Function):
+    """:func:`_gather_rows` forward, :func:`_reduce_scatter_rows` backward (each row's gradient, computed on
+    every tp rank's part of the experts, summed on the rank that owns the row)."""
+
+    @staticmethod
+    def forward(ctx, x, mesh, sizes):
+        ctx.mesh, ctx.sizes = mesh, sizes
+        return _gather_rows(x, mesh, sizes)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _reduce_scatter_rows(grad, ctx.mesh, ctx.sizes), None, None
+
+
+class _ReduceScatterRowsTP(torch.autograd.Function):
+    """:func:`_reduce_scatter_rows` forward, :func:`_gather_rows` backward (the gradient of a row's summed
+    output reaches every tp rank's partial output of it)."""
+
+    @staticmethod
+    def forward(ctx, y, mesh, sizes):
+        ctx.mesh, ctx.sizes = mesh, sizes
+        return _reduce_scatter_rows(y, mesh, sizes)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather_rows(grad, ctx.mesh, ctx.sizes), None, None
+
+
+class WidthSplit:
+    """Expert tensor parallelism: every expert's hidden width split over the mesh's tp ranks (Megatron-core's
+    ``expert_tensor_parallel_size = tp``, its default, with the alltoall token dispatcher; the column/row
+    split of a feed-forward is Shoeybi et al. 2019's, section 3).  Tp rank ``t`` holds, of each expert of
+    its ep rank, ``w_fc``'s columns and ``b_fc``'s entries ``[t h/tp, (t+1) h/tp)`` and ``w_proj``'s same
+    rows (:data:`WIDTH_LAYOUTS`), and ``b_proj`` whole.  Where experts are few and large (8 experts at
+    tp 8 x ep 8) this is the layout that fits; MoE parallel folding (``fold_tp``) instead shards whole
+    experts over ep x tp, which needs experts divisible by ep·tp and sends each row once over the ep x tp
+    group rather than all-gathering the rows over tp and reduce-scattering their outputs (Liu et al. 2025
+    compare the two).
+
+    The tokens: each tp rank routes its own samples and exchanges them over its ep group as without the
+    split; then :meth:`run` all-gathers the tp ranks' received rows over tp (counts first, then the rows,
+    uneven pieces), regroups them expert-major, runs them through this rank's part of each expert (the
+    kernels unchanged on the narrower weights, without ``b_proj``), reduce-scatters the partial outputs
+    back to the tp rank that owns each row (a sum over tp), adds ``b_proj`` there once per row, and the ep
+    exchange returns them as usual.  The backward mirrors it (:class:`_GatherRowsTP` and
+    :class:`_ReduceScatterRowsTP` are each other's backward).  Every tp rank enters the same collectives in
+    the same order whatever the routing (an all-gather of counts and two all-to-alls per forward, two per
+    backward), zero rows included.  The exchange's overlap of a rank's own rows
+    (:class:`_ExpertParallelFFN`) is not used: every tp rank's rows run together.
+
+    Gradients: a split tensor's gradient is whole on its holder (every row of the tp group passed through
+    it), so it is tagged ``tensor_parallel`` (the global norm sums its squares over tp, as a tp shard's);
+    ``b_proj``'s is partial (each tp rank adds it to its own rows) and summed over tp like the router's
+    (``sequence_parallel``)."""
+
+    def __init__(self, mesh):
+        self.mesh, self.tp = mesh, mesh.size("tp")
+
+    def run(self, experts: "Experts", x: torch.Tensor, sources: list[list[int]]) -> torch.Tensor:
+        """:meth:`Experts.run_received` with the width split: ``x`` this tp rank's received rows laid out by
+        source, then local expert (``sources[s][j]`` rows); returns their whole outputs, row for row."""
+        El, n = experts.num_local, self.tp
+        mine = torch.tensor(sources, dtype=torch.long).view(-1, El)
+        every = torch.empty((n,) + tuple(mine.shape), dtype=torch.long, device=self.mesh.device)
+        comm.all_gather(every.view(-1), mine.view(-1).to(self.mesh.device), self.mesh, "tp")
+        every = every.cpu()
+        sizes = every.view(n, -1).sum(1).tolist()
+        rows = _GatherRowsTP.apply(x, self.mesh, sizes)        # by tp rank, then source, then local expert
+        perm, inverse, segments = _expert_major(every.view(-1, El).tolist(), x.device)
+        if perm is not None:
+            rows = _PermuteRows.apply(rows, perm, inverse)
+        ex = list(experts.values())
+        weights = [e.w_fc for e in ex] + [e.w_proj for e in ex]
+        if experts.bias:   # b_proj is added after the sum over tp: zeros stand in for it in the kernel
+            weights += [e.b_fc for e in ex] + [x.new_zeros(experts.d_model)] * El
+        y = _GroupedFFN.apply(rows, segments, experts._kernel(rows), El, experts.bias, *weights)
+        if perm is not None:
+            y = _PermuteRows.apply(y, inverse, perm)
+        y = _ReduceScatterRowsTP.apply(y, self.mesh, sizes)
+        if not experts.bias:
+            return y
+        expert_of_row = torch.arange(El).repeat(mine.shape[0]).repeat_interleave(mine.view(-1)).to(x.device)
+        b_proj = torch.stack([e.b_proj for e in ex]).to(y.dtype)
+        return y + b_proj.index_select(0, expert_of_row)
+
+
 def _tp_all_to_all(x: torch.Tensor, mesh, split_dim: int, cat_dim: int) -> torch.Tensor:
     """``x`` cut into tp equal pieces along ``split_dim``, piece ``j`` sent to tp rank ``j``; the pieces
     received, in rank order, concatenated along ``cat_dim`` (one equal-split all-to-all over tp)."""
@@ -614,7 +789,9 @@ class MoELayer(nn.Module):
     there); it runs on the same kernel as the experts, under expert parallelism while the token counts
     are in flight (Megatron-core's ``moe_shared_expert_overlap``).  ``fold_tp``: under tp > 1, shard the
     experts over ep x tp instead of holding the same ones on every tp rank (MoE parallel folding, see
-    :meth:`forward`).  ``gating``: the score function, group limit and gate scale
+    :meth:`forward`).  ``expert_tensor_parallel``: under tp > 1, split each expert's hidden width over tp
+    instead (Megatron-core's expert tensor parallelism, :class:`WidthSplit`; ``d_hidden`` a multiple of tp;
+    not with ``fold_tp``).  ``gating``: the score function, group limit and gate scale
     (:class:`~podscale.parallel.moe.gate.Gating`: GShard's softmax by default, DeepSeek-V3's sigmoid
     affinities with node-limited routing as an option).
     """
@@ -625,15 +802,17 @@ class MoELayer(nn.Module):
                  bias_update_rate: float = 1e-3, mesh=None, seed: int = 0, bias: bool = True,
                  sequence_parallel: bool = False, kernel: ExpertKernel | None = None,
                  recompute_activation: bool = False, shared_hidden: int = 0, fold_tp: bool = False,
-                 gating: Gating = Gating()):
+                 expert_tensor_parallel: bool = False, gating: Gating = Gating()):
         super().__init__()
         self.tp = mesh.sizes["tp"] if mesh is not None else 1
         #: the mesh axes the experts are sharded over and the tokens exchanged over: ``("ep",)``, or with
         #: ``fold_tp`` under tp > 1 ``("ep", "tp")`` (MoE parallel folding)
         folded = fold_tp and self.tp > 1
+        split = expert_tensor_parallel and self.tp > 1
         self.expert_axes = ("ep", "tp") if folded else ("ep",)
         check_moe_args(experts, top_k, capacity_factor, eval_capacity_factor,
-                       mesh.sizes["ep"] if mesh is not None else 1, self.tp if folded else 1)
+                       mesh.sizes["ep"] if mesh is not None else 1, self.tp if folded else 1,
+                       self.tp if split else 1, d_hidden)
         gating.check(experts, top_k)
         #: how the router's logits become choices and gate values (softmax / sigmoid scores, group limit)
         self.gating = gating
@@ -649,7 +828,8 @@ class MoELayer(nn.Module):
         self.aux_loss_coef, self.z_loss_coef = aux_loss_coef, z_loss_coef
         self.router = Router(d_model, experts, bias_balancing, bias_update_rate)
         ep_rank = mesh.local_rank(*self.expert_axes) if mesh is not None else 0
-        self.experts = Experts(d_model, d_hidden, experts, ep, ep_rank, bias, kernel, recompute_activation)
+        self.experts = Experts(d_model, d_hidden, experts, ep, ep_rank, bias, kernel, recompute_activation,
+                               WidthSplit(mesh) if split else None)
         #: the shared expert (None without one): dense, every token through it
         self.shared = Expert(d_model, shared_hidden, bias, routed=False) if shared_hidden else None
         if self.tp > 1:
@@ -657,8 +837,10 @@ class MoELayer(nn.Module):
             # partial over tp and summed there, as a sequence-parallel layer norm's is, and so are the
             # experts' when every tp rank holds them; folded, each tp rank holds other experts, whose
             # gradients are whole (every token routed to them came through the exchange), so the norm sums
-            # their squares over tp as a tp shard's
-            own = set(map(id, self.experts.parameters())) if folded else set()
+            # their squares over tp as a tp shard's; with the width split, likewise each tp rank's part of
+            # an expert (every row of the tp group runs through it), but not b_proj, which each tp rank
+            # adds to its own rows
+            own = {id(p) for p in self.experts.parameters() if folded or tags(p).tp_layout is not None}
             for p in self.parameters():
                 tag(p, **({"tensor_parallel": True} if id(p) in own else {"sequence_parallel": True}))
 
@@ -714,7 +896,10 @@ class MoELayer(nn.Module):
         simply join the exchange as more ranks: each expert is held once per dp replica instead of tp
         times, its gradient is whole where it lives (no tp sum), and the exchange spans ep·tp ranks,
         the tp ones the nearest.  Unfolded, every tp rank holds the ep rank's E/ep experts and runs them
-        on its own share of the samples.
+        on its own share of the samples.  With ``expert_tensor_parallel`` every tp rank holds ``1/tp`` of
+        the hidden width of each of the ep rank's experts, and the rows each tp rank received from its ep
+        exchange run on every tp rank's part of them (all-gathered over tp, the partial outputs summed back:
+        :class:`WidthSplit`).
 
         With sequence parallelism every tp rank holds ``1/tp`` of the positions of every sample, (B, T/tp,
         d): one all-to-all over tp turns that into ``1/tp`` of the samples at every position, (B/tp, T, d)
@@ -759,13 +944,14 @@ class MoELayer(nn.Module):
         if self.ep == 1:
             # index_select (not ``flat[token]``): its backward is an index_add, not a sorting index_put
             counts = r.counts.tolist()
-            rows = self.experts(inp.index_select(0, token), list(enumerate(counts)))
+            rows = self.experts.run_received(inp.index_select(0, token), [counts])
             shared = self._shared(inp)
             out = self._output(r, aux, z, sum(counts))
         else:
             send, recv, pending = self._send_counts(r.counts)
             shared = self._shared(inp)                         # while the counts are in flight
-            exchange = _Exchange(self.mesh, self.expert_axes, send, recv, pending, token)
+            exchange = _Exchange(self.mesh, self.expert_axes, send, recv, pending, token,
+                                 may_overlap=self.experts.width is None)
             rows = self.experts.forward_exchanged(inp, exchange)
             out = self._output(r, aux, z, exchange.rows_in)
         w = r.weight.reshape(-1).index_select(0, r.order).to(rows.dtype)
@@ -798,8 +984,9 @@ class MoELayer(nn.Module):
                           ) -> tuple[torch.Tensor, MoEOutput]:
         """GShard's einsum form with dispatch and combine tensors of shape (G, S, E, C); dropless uses
         C = S (an expert can get every token of a group at most once).  One process only (ep = 1)."""
-        if self.ep != 1:
-            raise ValueError("forward_reference holds every expert: build the layer without an ep axis")
+        if self.ep != 1 or self.experts.width is not None:
+            raise ValueError("forward_reference holds every expert whole: build the layer without an ep axis "
+                             "and without expert_tensor_parallel")
         flat, r, aux, z = self._route(x, keys)
         out = self._output(r, aux, z, int(r.counts.sum()))
         G, S, E, k = r.groups, r.group_size, self.num_experts, self.top_k
@@ -828,6 +1015,6 @@ class MoELayer(nn.Module):
         self.router.update_bias(load)
 
 
-__all__ = ["MoELayer", "MoEOutput", "Experts", "Expert", "expert_parameters", "dense_parameters", "expert_dtype",
+__all__ = ["MoELayer", "MoEOutput", "Experts", "Expert", "WidthSplit", "WIDTH_LAYOUTS", "expert_parameters", "dense_parameters", "expert_dtype",
            "reduce_gradients", "grad_norm",
            "check_moe_args"]
