@@ -323,7 +323,7 @@ def test_init_from_fine_tunes_at_another_layout_and_upcycles_a_dense_gpt(tmp_pat
     the trained weights' loss on the first batch.  A GPT-MoE of the same trunk at ep = 2, top-2 and dropless
     (every token's gates sum to one, nothing dropped), without aux and z losses, upcycled from the same
     checkpoint, computes the same function before its first step: the same first loss (fp32, the experts'
-    GELU evaluated differently: 1e-5); again at tp = 2.  A mismatched trunk is one line before any worker
+    GELU evaluated differently: 1e-5); again at tp = 2 with expert tensor parallelism.  A mismatched trunk is one line before any worker
     starts."""
     dense = _train_toml(tmp_path, "dense", 2, "", "").replace("gpt-moe", "gpt").replace(
         "experts = 4\nmoe_every = 2\n", "") + "warmup_steps = 0\nlr = 0.01\n"
@@ -349,8 +349,10 @@ def test_init_from_fine_tunes_at_another_layout_and_upcycles_a_dense_gpt(tmp_pat
     assert main(["train", str(moe)]) == 0
     assert "initialised with weights upcycled from the dense GPT" in capfd.readouterr().out
     assert _first_loss(tmp_path / "runs" / "upcycled") == pytest.approx(tuned, rel=1e-5)
-    # at tp = 2 each rank's share of a tensor is cut out of the whole one (sharded checkpoint tensors)
-    moe.write_text(text.replace('name = "upcycled"', 'name = "upcycled-tp"').replace("ep = 2", "tp = 2"))
+    # at tp = 2 with the experts' width split too, each rank's share of a tensor is cut out of the whole one
+    # (sharded checkpoint tensors: attention and expert parts)
+    moe.write_text(text.replace('name = "upcycled"', 'name = "upcycled-tp"').replace(
+        "ep = 2", "tp = 2\nexpert_tensor_parallel = true"))
     assert main(["train", str(moe)]) == 0
     assert _first_loss(tmp_path / "runs" / "upcycled-tp") == pytest.approx(tuned, rel=1e-5)
     # another trunk: one line, no worker started, no run directory made
