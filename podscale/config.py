@@ -744,24 +744,20 @@ class Config(_Section):
                 check_task_layout(self.model.task_class(), 1, False, 1, p.ep)
             except ValueError as err:
                 raise ConfigError(str(err)) from None
-        if p.fold_tp_into_ep:
-            if p.tp == 1:
-                raise ConfigError("parallel.fold_tp_into_ep needs parallel.tp > 1 (it folds the tp ranks into the "
-                                  "experts' group): set parallel.tp or fold_tp_into_ep = false")
-            if not self.model.task_class().supports_expert_parallel:
-                raise ConfigError(f"parallel.fold_tp_into_ep shards a mixture-of-experts model's experts, and "
-                                  f"model.kind={self.model.kind!r} has none: set fold_tp_into_ep = false")
-        if p.expert_tensor_parallel:
-            if p.tp == 1:
-                raise ConfigError("parallel.expert_tensor_parallel needs parallel.tp > 1 (it splits each expert's "
-                                  "hidden width over the tp ranks): set parallel.tp or expert_tensor_parallel = false")
-            if not self.model.task_class().supports_expert_parallel:
-                raise ConfigError(f"parallel.expert_tensor_parallel splits a mixture-of-experts model's experts, "
-                                  f"and model.kind={self.model.kind!r} has none: set expert_tensor_parallel = false")
-            if p.fold_tp_into_ep:
-                raise ConfigError("parallel.expert_tensor_parallel and parallel.fold_tp_into_ep both use the tp "
-                                  "ranks for the experts (splitting each expert, or sharding whole experts over "
-                                  "ep x tp): set one of them to false")
+        # the two ways of giving the tp ranks the experts (MoE parallel folding; expert tensor parallelism)
+        for key, on, what, how in (
+                ("fold_tp_into_ep", p.fold_tp_into_ep, "shards", "it folds the tp ranks into the experts' group"),
+                ("expert_tensor_parallel", p.expert_tensor_parallel, "splits",
+                 "it splits each expert's hidden width over the tp ranks")):
+            if on and p.tp == 1:
+                raise ConfigError(f"parallel.{key} needs parallel.tp > 1 ({how}): set parallel.tp or {key} = false")
+            if on and not self.model.task_class().supports_expert_parallel:
+                raise ConfigError(f"parallel.{key} {what} a mixture-of-experts model's experts, and "
+                                  f"model.kind={self.model.kind!r} has none: set {key} = false")
+        if p.expert_tensor_parallel and p.fold_tp_into_ep:
+            raise ConfigError("parallel.expert_tensor_parallel and parallel.fold_tp_into_ep both use the tp "
+                              "ranks for the experts (splitting each expert, or sharding whole experts over "
+                              "ep x tp): set one of them to false")
         if p.virtual_stages > 1 and p.schedule != "interleaved":
             raise ConfigError(f"parallel.virtual_stages={p.virtual_stages} needs parallel.schedule = "
                               "'interleaved': set the schedule or virtual_stages = 1")
