@@ -223,7 +223,8 @@ def cmd_systems(args) -> int:
 
 def _moe_summary(m, layout=None) -> str:
     """" experts 64 top2 +2 shared" for a GPT-MoE (the shared experts when it has any); with a ``layout`` that
-    sets ``fold_tp_into_ep`` also where its experts are (", folded: 4 a rank over ep*tp = 16"); "" otherwise."""
+    sets ``fold_tp_into_ep`` or ``expert_tensor_parallel`` also where its experts are (", folded: 4 a rank over
+    ep*tp = 16", ", split over tp: 8 a rank at 1/2 of their width"); "" otherwise."""
     from .gpt_cost import local_experts
     from .models import GPT
     if not isinstance(m, GPT) or m.experts < 2:
@@ -231,6 +232,8 @@ def _moe_summary(m, layout=None) -> str:
     out = f" experts {m.experts} top{m.top_k}" + (f" +{m.shared_experts} shared" if m.shared_experts else "")
     if layout is not None and layout.fold_tp_into_ep:
         out += f", folded: {local_experts(m, layout)} a rank over ep*tp = {layout.expert_group}"
+    if layout is not None and layout.expert_tensor_parallel:
+        out += f", split over tp: {local_experts(m, layout)} a rank at 1/{layout.tp} of their width"
     return out
 
 

@@ -30,6 +30,18 @@ ranks. Each tp rank still routes its own 1/tp of the samples, and the tp all-gat
 the outputs is unchanged; a rank runs the same expert rows as unfolded, on fewer experts with longer
 segments.
 
+With ``expert_tensor_parallel`` (expert tensor parallelism: Megatron-core's ``expert_tensor_parallel_size`` = tp
+with its alltoall token dispatcher; the experts' MLPs split as Shoeybi et al. 2019 split a dense one) the
+experts are sharded over ep as unfolded, but each tp rank holds 1/tp of every one of its E/ep experts' hidden
+width (``w_fc`` columns, ``b_fc``, ``w_proj`` rows; ``b_proj`` whole, its gradient summed over tp). Each tp rank
+routes its 1/tp of the samples and exchanges them over ep as unfolded; the tp ranks' received rows are then
+all-gathered over tp, every tp rank runs all of them through its width slice, and the partial outputs are
+reduce-scattered back over tp to their owners (the backward: an all-gather of the output gradients, a
+reduce-scatter of the input gradients). A rank's expert work is all tp ranks' rows at width ffn / tp (the
+FLOPs of the unsplit layout, on longer segments of narrower experts), its expert parameters, gradients and
+optimizer states 1/tp of the unsplit ones, its own rows never overlap the exchange, and the sliced
+parameters' gradients are whole on their holder (no tp sum).
+
 Ranks hold the layers the trainer gives them (``stages.py``: its parameter-balanced split, or the layout's
 ``pipeline_layers``), so pipelines need not divide the layers.
 
@@ -102,6 +114,20 @@ def check_gpt_layout(system: System, devices: int, model: GPT, layout: Layout, b
     if model.heads % layout.tp:
         raise LayoutError(f"tp={layout.tp} does not divide the {model.heads} attention heads; "
                           f"choose tp among {[d for d in range(1, model.heads + 1) if model.heads % d == 0][:12]}")
+    if layout.expert_tensor_parallel:
+        if layout.fold_tp_into_ep:
+            raise LayoutError("expert_tensor_parallel and fold_tp_into_ep exclude each other (an expert is either "
+                              "split over the tp ranks or whole on one of them): set one of them false")
+        if layout.tp == 1:
+            raise LayoutError("expert_tensor_parallel needs tp > 1 (it splits each expert's hidden width over the "
+                              "tp ranks): set tp > 1 or expert_tensor_parallel false")
+        if model.experts == 1:
+            raise LayoutError("expert_tensor_parallel needs an MoE model (experts > 1): set "
+                              "expert_tensor_parallel false")
+        if model.ffn % layout.tp:
+            raise LayoutError(f"expert_tensor_parallel splits each expert's hidden width ({model.ffn}) over tp="
+                              f"{layout.tp}, which does not divide it: choose tp among "
+                              f"{[d for d in range(2, 65) if model.ffn % d == 0][:8]} or expert_tensor_parallel false")
     if model.ffn % layout.tp:
         raise LayoutError(f"tp={layout.tp} does not divide ffn={model.ffn}")
     pipeline_chunks(model, layout)       # raises LayoutError for a split that cannot exist
@@ -133,7 +159,7 @@ def _layer_times(system: System, model: GPT, lay: Layout, moe: bool) -> dict:
     depend on (a search predicts thousands of layouts that share them)."""
     key = (system.topology, system.devices_per_node, system.device, system.intra, system.inter, system.ici,
            system.torus, system.stream, model, moe, lay.microbatch, lay.tp, lay.ep, lay.sequence_parallel,
-           lay.fold_tp_into_ep, lay.tp_overlap, lay.fused_attention, lay.parallel_block)
+           lay.fold_tp_into_ep, lay.expert_tensor_parallel, lay.tp_overlap, lay.fused_attention, lay.parallel_block)
     hit = _LAYER_CACHE.get(key)
     if hit is None:
         if len(_LAYER_CACHE) > 50_000:
@@ -156,17 +182,19 @@ def _layer_times_uncached(system: System, model: GPT, lay: Layout, moe: bool) ->
         # podscale's MoE layer under tp: each tp rank routes 1/tp of the micro-batch's samples, exchanges
         # them over its expert group (its ep group; folded, ep x tp) and runs them through whole experts
         # (MoELayer.forward). Folding leaves a rank's rows as they are (own x scale): E/(ep tp) experts,
-        # each on tp times the rows of an unfolded rank's E/ep.
+        # each on tp times the rows of an unfolded rank's E/ep. Expert tensor parallelism gathers the tp ranks'
+        # received rows: E/ep experts on tp times the rows, each 1/tp of the width.
         own = tokens / t
         n_local = local_experts(model, lay)
-        m_exp = own * scale * group / model.experts          # rows each local expert runs (busiest rank)
-        experts = _mlp_gemms(dev, m_exp, f, h, e, batch=n_local)
+        etp = lay.expert_tensor_parallel_size
+        m_exp = etp * own * scale * group / model.experts    # rows each local expert runs (busiest rank)
+        experts = _mlp_gemms(dev, m_exp, f / etp, h, e, batch=n_local)
         gemms += experts
         gemms.append(linear_time(dev, own, model.experts, h, bytes_per_element=e))   # router
         if model.shared_experts:   # the shared experts: one dense MLP, whole, on the rank's own tokens
             gemms += _mlp_gemms(dev, own, model.shared_ffn, h, e)
         # a rank receives about own x top_k rows in (source rank, local expert) segments: group x E/group = E
-        if group > 1 and overlaps_exchange(own * model.top_k, model.experts):
+        if group > 1 and etp == 1 and overlaps_exchange(own * model.top_k, model.experts):
             # the layer runs a rank's own rows (1/group of its experts' work) in two halves while the two
             # exchanges of each pass are in flight (podscale.parallel.moe.layer._ExpertParallelFFN)
             hide = tuple(sum(x[i] for x in experts) / (2 * group) for i in (0, 1))
@@ -225,6 +253,12 @@ def _layer_times_uncached(system: System, model: GPT, lay: Layout, moe: bool) ->
             moe_tp = 2 * net.all_to_all_time(system, act_bytes / t, t, 1)
         else:
             moe_tp = net.all_gather_time(system, act_bytes, t, 1)
+        if lay.expert_tensor_parallel:
+            # the exchanged rows all-gathered over tp before the experts and their partial outputs
+            # reduce-scattered after (the backward: output gradients gathered, input gradients reduce-scattered):
+            # tp times a rank's own rows, whole width, gathered / reduced over the tp neighbours
+            rows_bytes = act_bytes * scale
+            moe_tp += net.all_gather_time(system, rows_bytes, t, 1) + net.reduce_scatter_time(system, rows_bytes, t, 1)
         tp_fwd = tp_ar + moe_tp
         tp_bwd = _tp_backward(lay, tp_ar, wgrad, dev, collectives=1) + moe_tp
     else:
@@ -250,9 +284,10 @@ def _mlp_gemms(dev, rows: float, width: float, hidden: int, dtype_bytes: int, ba
 
 
 def local_experts(model: GPT, lay: Layout) -> int:
-    """Experts of one MoE layer that a rank holds (whole): experts / ep, replicated over tp; with
-    ``fold_tp_into_ep`` experts / (ep x tp), each on one rank of its dp replica (Liu et al. 2025, "MoE Parallel
-    Folding"; rank (ep_i, tp_j) holds the global ids from (ep_i tp + tp_j) x E / (ep tp))."""
+    """Experts of one MoE layer that a rank holds: experts / ep, replicated over tp (whole, or with
+    ``expert_tensor_parallel`` 1/tp of each one's hidden width); with ``fold_tp_into_ep`` experts / (ep x tp),
+    whole, each on one rank of its dp replica (Liu et al. 2025, "MoE Parallel Folding"; rank (ep_i, tp_j)
+    holds the global ids from (ep_i tp + tp_j) x E / (ep tp))."""
     return model.experts // lay.expert_group
 
 
@@ -266,7 +301,8 @@ class RankParams:
     samples (an MoE layer's router and shared experts under tp > 1, and its experts unless folded), whose
     gradients are partial per tp rank and summed over tp every time they are reduced (they carry the
     ``sequence_parallel`` tag; a sequence-parallel layer norm's few h parameters do too, and are left
-    out). Folded experts are on one tp rank only: their gradients are complete there."""
+    out). Folded experts are on one tp rank only: their gradients are complete there; so are the width slices of
+    expert tensor parallelism, whose whole output biases (``b_proj``, on every tp rank) are summed over tp."""
 
     dense: float
     expert: float
@@ -291,12 +327,19 @@ def layer_rank_params(model: GPT, lay: Layout, moe: bool) -> RankParams:
     dense MLP: its attention and norms, sharded as a dense block's, and its MoE layer, which podscale does
     not shard over tp (podscale.parallel.moe.layer.MoELayer.forward: each tp rank runs 1/tp of the samples
     through whole experts): the router and the shared experts (dense: every ep and tp rank runs them, their
-    gradients summed over tp) and the rank's :func:`local_experts` whole experts: ``experts / ep``, the
-    same on every tp rank and summed over tp, or folded ``experts / (ep tp)``, on this rank alone."""
-    t = lay.tp
+    gradients summed over tp) and the rank's :func:`local_experts` experts: ``experts / ep`` whole, the
+    same on every tp rank and summed over tp; folded ``experts / (ep tp)`` whole, on this rank alone; or with
+    ``expert_tensor_parallel`` ``experts / ep`` at 1/tp of their width (``w_fc``'s columns, ``b_fc``,
+    ``w_proj``'s rows: Megatron-core's expert tensor parallelism) with the whole output bias ``b_proj``, of
+    which only ``b_proj`` is summed over tp."""
+    t, h = lay.tp, model.hidden
     if not moe:
         return RankParams(model.layer_params() / t, 0.0)
-    moe_dense, experts = model.moe_dense_params, local_experts(model, lay) * model.mlp_params()
+    n_local, moe_dense = local_experts(model, lay), model.moe_dense_params
+    if lay.expert_tensor_parallel:
+        experts = n_local * model.mlp_params(model.ffn // t)
+        return RankParams(model.attention_params / t + moe_dense, experts, moe_dense + n_local * h)
+    experts = n_local * model.mlp_params()
     summed = 0.0 if t == 1 else moe_dense + (0.0 if lay.fold_tp_into_ep else experts)
     return RankParams(model.attention_params / t + moe_dense, experts, summed)
 
@@ -548,7 +591,7 @@ def predict_gpt(system: System, devices: int, model: GPT, lay: Layout, batch: in
 
     # Memory of every pipeline rank; the fullest one is reported.
     mlp_scale = model.top_k * model.expert_load(lay.expert_group) if model.moe_layers else 1.0
-    moe_kw = dict(mlp_scale=mlp_scale, shared_ffn=model.shared_ffn)
+    moe_kw = dict(mlp_scale=mlp_scale, shared_ffn=model.shared_ffn, expert_rows_gathered=lay.expert_tensor_parallel_size)
     act_kw = dict(seq=s, microbatch=b, hidden=h, heads=model.heads, tp=t,
                   sequence_parallel=lay.sequence_parallel, ffn=model.ffn)
     # a fused attention kernel keeps no s x s tensors for its backward, as selective recompute does
