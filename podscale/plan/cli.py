@@ -4,7 +4,7 @@ list systems and models.
     podscale plan --model gpt-175b --system dgx-a100-superpod --devices 1024 --batch 1536
     podscale plan predict --system NAME --devices N --batch B --model JSON --layout JSON --json
     podscale plan validate
-    podscale plan calibrate [--out PATH] [--quick] [--swap-dir FOLDER] [--table-only]
+    podscale plan calibrate [--out PATH] [--quick] [--swap-dir FOLDER] [--table-only | --moe-routing-only]
     podscale plan systems | podscale plan models
 
 Errors print one line ``podscale: error: ...`` on stderr and exit with status 2.
@@ -195,7 +195,11 @@ def cmd_validate(args) -> int:
 
 
 def cmd_calibrate(args) -> int:
-    from .calibrate import calibrate, calibrate_gpu, calibrate_table
+    from .calibrate import calibrate, calibrate_gpu, calibrate_moe_routing, calibrate_table
+    if args.moe_routing_only:
+        path = calibrate_moe_routing(args.out, quick=args.quick, ranks=args.ranks, log=print)
+        print(f"wrote {path}")
+        return 0
     if args.table_only:
         path = calibrate_table(args.out, quick=args.quick, ranks=args.ranks, log=print)
     elif args.gpu:
@@ -289,6 +293,8 @@ def add_plan_parser(subparsers) -> None:
                                       "system's nvme_gbps (default: the temporary directory's disk)")
     p.add_argument("--table-only", action="store_true", help="measure only the sharded-table rates (seconds) and "
                                                               "write them into the existing system file")
+    p.add_argument("--moe-routing-only", action="store_true", help="measure only an MoE layer's routing, dispatch "
+                   "and combine rates and write them into the existing system file")
     p.set_defaults(plan_func=_guarded(cmd_calibrate))
 
     p = sub.add_parser("systems", help="list the hardware catalog")

@@ -42,6 +42,16 @@ FLOPs of the unsplit layout, on longer segments of narrower experts), its expert
 optimizer states 1/tp of the unsplit ones, its own rows never overlap the exchange, and the sliced
 parameters' gradients are whole on their holder (no tp sum).
 
+Beyond its GEMMs and exchanges an MoE layer pays, on every system: its routing, dispatch and combine
+(``moe_routing_bytes``: the gate's softmax, top-k passes, sort and slot counting, the aux and z losses, the
+gather of the kept choices' rows and their scaled index_add back, forward and backward), memory-bound passes
+priced at the rate ``plan calibrate`` measures for those very kernels (``compute.routing_time``; on a CPU
+they run far below the element-wise rate), else at the memory bandwidth; the count exchange that precedes
+the token exchange (an all-to-all of E integers, exposed but for the shared experts it runs under, so its
+latency); under tp the all-reduce of its aux and z loss over tp; and its token all-to-alls overlapped with
+its own rows' expert work as every overlapped collective is (``compute.overlapped_exposed``: at least the
+measured fraction a CPU's cores do not hide).
+
 Ranks hold the layers the trainer gives them (``stages.py``: its parameter-balanced split, or the layout's
 ``pipeline_layers``), so pipelines need not divide the layers.
 
@@ -77,7 +87,7 @@ from dataclasses import dataclass
 
 from . import network as net
 from .compute import (attention_time, elementwise_time, gemm_rate as _gemm_rate, gemm_time, grad_pass_time, linear_time,
-                      optimizer_time, overlapped_exposed, stream_time, weight_grad_time)
+                      optimizer_time, overlapped_exposed, routing_time, stream_time, weight_grad_time)
 from .hardware import System
 from .layout import Layout, LayoutError
 from .memory import (activation_bytes_per_layer, pipeline_inflight_layers, precision_of, zero3_gathered_bytes,
@@ -178,6 +188,8 @@ def _layer_times_uncached(system: System, model: GPT, lay: Layout, moe: bool) ->
     gemms = [linear_time(dev, tokens, 3 * h / t, h, bytes_per_element=e),      # QKV
              linear_time(dev, tokens, h, h / t, bytes_per_element=e)]          # attention output
     hide = (0.0, 0.0)       # expert work each all-to-all of a forward / backward runs behind
+    routing = (0.0, 0.0)    # the MoE layer's routing, dispatch and combine, forward and backward
+    counts = 0.0            # its count exchange, exposed
     if moe:
         # podscale's MoE layer under tp: each tp rank routes 1/tp of the micro-batch's samples, exchanges
         # them over its expert group (its ep group; folded, ep x tp) and runs them through whole experts
@@ -191,13 +203,21 @@ def _layer_times_uncached(system: System, model: GPT, lay: Layout, moe: bool) ->
         experts = _mlp_gemms(dev, m_exp, f / etp, h, e, batch=n_local)
         gemms += experts
         gemms.append(linear_time(dev, own, model.experts, h, bytes_per_element=e))   # router
-        if model.shared_experts:   # the shared experts: one dense MLP, whole, on the rank's own tokens
-            gemms += _mlp_gemms(dev, own, model.shared_ffn, h, e)
+        shared = _mlp_gemms(dev, own, model.shared_ffn, h, e) if model.shared_experts else []
+        gemms += shared            # the shared experts: one dense MLP, whole, on the rank's own tokens
         # a rank receives about own x top_k rows in (source rank, local expert) segments: group x E/group = E
         if group > 1 and etp == 1 and overlaps_exchange(own * model.top_k, model.experts):
             # the layer runs a rank's own rows (1/group of its experts' work) in two halves while the two
             # exchanges of each pass are in flight (podscale.parallel.moe.layer._ExpertParallelFFN)
             hide = tuple(sum(x[i] for x in experts) / (2 * group) for i in (0, 1))
+        route_bytes = moe_routing_bytes(own, model.experts, model.top_k, h, e)
+        routing = tuple(routing_time(dev, x, sum(route_bytes)) for x in route_bytes)
+        if group > 1:
+            # the counts (E integers) exchanged over the expert group before the tokens, while the shared
+            # experts run (MoELayer._forward_local)
+            counts = overlapped_exposed(dev, net.all_to_all_time(system, 8 * model.experts, group,
+                                                                 1 if lay.fold_tp_into_ep else t),
+                                        sum(x[0] for x in shared))
     else:
         gemms += _mlp_gemms(dev, tokens, f / t, h, e)           # column- then row-parallel
     dense, dense_bwd = sum(g[0] for g in gemms), sum(g[1] for g in gemms)
@@ -253,13 +273,15 @@ def _layer_times_uncached(system: System, model: GPT, lay: Layout, moe: bool) ->
             moe_tp = 2 * net.all_to_all_time(system, act_bytes / t, t, 1)
         else:
             moe_tp = net.all_gather_time(system, act_bytes, t, 1)
+        # the layer's aux and z loss averaged over tp in its forward (ReduceFromTP: one float)
+        loss_mean = net.all_reduce_time(system, 4, t, 1)
         if lay.expert_tensor_parallel:
             # the exchanged rows all-gathered over tp before the experts and their partial outputs
             # reduce-scattered after (the backward: output gradients gathered, input gradients reduce-scattered):
             # tp times a rank's own rows, whole width, gathered / reduced over the tp neighbours
             rows_bytes = act_bytes * scale
             moe_tp += net.all_gather_time(system, rows_bytes, t, 1) + net.reduce_scatter_time(system, rows_bytes, t, 1)
-        tp_fwd = tp_ar + moe_tp
+        tp_fwd = tp_ar + moe_tp + loss_mean
         tp_bwd = _tp_backward(lay, tp_ar, wgrad, dev, collectives=1) + moe_tp
     else:
         wgrad.append(weight_grad_time(dev, tokens, f / t, h, bytes_per_element=e))
@@ -271,7 +293,8 @@ def _layer_times_uncached(system: System, model: GPT, lay: Layout, moe: bool) ->
                 (FUSED_ATTN_BWD_OVER_FWD if lay.fused_attention else BWD_OVER_FWD) * (attn + ew_attn))
     return {"gemm": dense, "gemm_bwd": dense_bwd, "attn": attn + ew_attn, "attn_bwd": attn_bwd, "ew": ew,
             "tp_fwd": tp_fwd, "tp_bwd": tp_bwd, "a2a": a2a, "expert_recompute": gelu_again,
-            "a2a_exposed": (max(0.0, a2a - hide[0]), max(0.0, a2a - hide[1])),
+            "a2a_exposed": tuple(overlapped_exposed(dev, a2a, x) for x in hide), "counts": counts,
+            "routing": routing[0], "routing_bwd": routing[1],
             "kernels": KERNELS_PER_LAYER * dev.kernel_overhead}
 
 
@@ -399,6 +422,31 @@ def layer_elementwise_bytes(tokens: float, hidden: float, ffn: float, tp: int = 
     return (replicated + sharded) * dtype_bytes / 2
 
 
+def moe_routing_bytes(tokens: float, experts: int, top_k: int, hidden: int, dtype_bytes: int) -> tuple[float, float]:
+    """(forward, backward) bytes an MoE layer's routing, dispatch and combine move on a rank routing ``tokens``
+    tokens, counted kernel by kernel as podscale runs them (podscale.parallel.moe.gate.route, the aux and z
+    losses, MoELayer._forward_local), with every choice kept (C = tokens x top_k choices and rows, the planner's
+    unit before the busiest rank's load). Probabilities are fp32 (the router's selective precision, Fedus et
+    al. 2021, Sec. 2.4), indices int64, rows ``dtype_bytes`` x ``hidden``:
+
+    forward   softmax (read + write the N x E probabilities), top_k max passes and the masked copy, the aux
+              loss's mean and the z loss's logsumexp (2): (top_k + 7) passes over N x E; the choices' index
+              work (keys, the stable sort and its permutation, bincount, slots, token-major ids, position
+              scatter, kept selection, tokens of the kept choices): 34 int64 passes over C; the dispatch's
+              gather of C rows (read + write), the combine's scaling (read + write) and index_add (read the rows,
+              read + write the zeroed token rows): 5 C + 3 N rows
+    backward  softmax's, the gates' gather's and the losses' gradients: 8 passes over N x E; the combine's
+              row gradients gathered (2 C), both gradients of the scaling (4 C), the dispatch's index_add into
+              zeroed token gradients (C + 3 N): 7 C + 3 N rows
+
+    These counts are fixed, not fitted; a calibrated CPU measures the rate of these kernels in these bytes
+    (``plan calibrate``: ``compute.routing_time``)."""
+    n, c, row = tokens, tokens * top_k, dtype_bytes * hidden
+    forward = 4 * (top_k + 7) * n * experts + 8 * 34 * c + row * (5 * c + 3 * n)
+    backward = 4 * 8 * n * experts + row * (7 * c + 3 * n)
+    return forward, backward
+
+
 def _tp_collectives_per_pass(lay: Layout) -> int:
     """Tensor-parallel all-reduces (or reduce-scatter/all-gather pairs) of one layer in one pass: two in
     Megatron's sequential block (after attention, after the MLP: Shoeybi et al. 2019, Fig. 3); one in the
@@ -455,9 +503,9 @@ def predict_gpt(system: System, devices: int, model: GPT, lay: Layout, batch: in
         return (1 - moe_frac) * dense_t[key] + moe_frac * moe_t[key]
 
     gemm, attn, ew = per_layer("gemm"), per_layer("attn"), per_layer("ew")
-    launch = per_layer("kernels")
-    fwd = gemm + attn + ew + launch
-    bwd = per_layer("gemm_bwd") + per_layer("attn_bwd") + BWD_OVER_FWD * (ew + launch)
+    launch, routing = per_layer("kernels"), per_layer("routing")
+    fwd = gemm + attn + ew + launch + routing
+    bwd = per_layer("gemm_bwd") + per_layer("attn_bwd") + BWD_OVER_FWD * (ew + launch) + per_layer("routing_bwd")
     # selective recompute re-runs the attention core's forward (fused or not) before its backward
     recompute = {"none": 0.0, "selective": attn, "full": fwd}[lay.recompute]
     # the experts' GELU evaluated again (model.expert_recompute; a full recompute re-runs it anyway)
@@ -468,7 +516,7 @@ def predict_gpt(system: System, devices: int, model: GPT, lay: Layout, batch: in
     # dispatch and combine in every forward (twice with full recompute) and backward, each less the own
     # rows' expert work it overlaps
     exposed_fwd, exposed_bwd = moe_t["a2a_exposed"]
-    ep_comm = 2 * moe_frac * ((2 if lay.recompute == "full" else 1) * exposed_fwd + exposed_bwd)
+    ep_comm = 2 * moe_frac * (n_fwd * exposed_fwd + exposed_bwd) + moe_frac * n_fwd * moe_t["counts"]
     # Last stage: vocabulary projection and cross-entropy (Megatron places them there).
     logits_elems = b * s * V / t
     head_gemm = 3 * gemm_time(dev, b * s, V / t, h, bytes_per_element=dev.dtype_bytes)
@@ -576,9 +624,9 @@ def predict_gpt(system: System, devices: int, model: GPT, lay: Layout, batch: in
     step = sum(breakdown.values())
     # The same step split by kind of work, to set beside a profile (bench/plan_profile_step.py).
     nl = m * n_slow
-    fwd_c = {"gemm": gemm, "attention": attn, "elementwise": ew, "host": launch}
+    fwd_c = {"gemm": gemm, "attention": attn, "elementwise": ew, "host": launch, "routing": routing}
     bwd_c = {"gemm": per_layer("gemm_bwd"), "attention": per_layer("attn_bwd"),
-             "elementwise": BWD_OVER_FWD * ew, "host": BWD_OVER_FWD * launch}
+             "elementwise": BWD_OVER_FWD * ew, "host": BWD_OVER_FWD * launch, "routing": per_layer("routing_bwd")}
     rec_c = dict({"none": {}, "selective": {"attention": attn}, "full": fwd_c}[lay.recompute])
     rec_c["elementwise"] = rec_c.get("elementwise", 0.0) + expert_rec
     components = {k: nl * (fwd_c[k] + bwd_c[k] + rec_c.get(k, 0.0)) for k in fwd_c}
