@@ -3,7 +3,8 @@
 Like GShard's automatic sharding and DeepSpeed's autotuning, but by prediction rather than by trial:
 every layout the planner can enumerate for the config's GPT, world size and global batch
 (:func:`podscale.plan.search.candidate_layouts`: tp x pp x dp x ep (a GPT-MoE's experts, and whether tp is
-folded into ep or splits each expert's width), ZeRO stage, optimizer offload, micro-batch, recompute, sequence parallelism, schedule) is
+folded into ep or splits each expert's width), ZeRO stage, optimizer offload, micro-batch, recompute, sequence
+parallelism, schedule) is
 predicted on the system (the calibrated ``local`` one by
 default), the ones that do not fit are dropped, and the fastest that the trainer's own config validator
 accepts is returned as config overrides. Nothing is measured here; the choice is as good as the

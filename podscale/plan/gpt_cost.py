@@ -14,8 +14,8 @@ device's measured ``overlap_exposed`` fraction of its own time (0 on GPUs; on a 
 takes the cores the compute uses). On a CPU system (``device_is_host``) "offload to the CPU" moves nothing:
 the step runs as without offload plus podscale's copy of the updated partition into the compute buffers.
 
-MoE layers are priced as podscale's MoELayer runs them (podscale/parallel/moe/layer.py), not as Megatron's
-expert tensor parallelism: under tp each tp rank routes 1/tp of the micro-batch's samples (whole sequences),
+MoE layers are priced as podscale's MoELayer runs them (podscale/parallel/moe/layer.py), by default with whole
+experts (``expert_tensor_parallel`` below prices Megatron's split ones): under tp each tp rank routes 1/tp of the micro-batch's samples (whole sequences),
 exchanges them over its own ep group and runs them through whole experts (width ffn), so a rank holds
 experts / ep whole experts and the whole router, their gradients partial per tp rank and summed over tp
 each time they are reduced; the outputs are all-gathered over tp (with sequence parallelism, one all-to-all
@@ -639,7 +639,8 @@ def predict_gpt(system: System, devices: int, model: GPT, lay: Layout, batch: in
 
     # Memory of every pipeline rank; the fullest one is reported.
     mlp_scale = model.top_k * model.expert_load(lay.expert_group) if model.moe_layers else 1.0
-    moe_kw = dict(mlp_scale=mlp_scale, shared_ffn=model.shared_ffn, expert_rows_gathered=lay.expert_tensor_parallel_size)
+    moe_kw = dict(mlp_scale=mlp_scale, shared_ffn=model.shared_ffn,
+                  expert_rows_gathered=lay.expert_tensor_parallel_size)
     act_kw = dict(seq=s, microbatch=b, hidden=h, heads=model.heads, tp=t,
                   sequence_parallel=lay.sequence_parallel, ffn=model.ffn)
     # a fused attention kernel keeps no s x s tensors for its backward, as selective recompute does

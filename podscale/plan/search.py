@@ -1,6 +1,6 @@
 """Layout search: enumerate tp x pp x dp x ep x ZeRO stage x micro-batch x recompute x schedule x
-interleave (x sequence parallelism x MoE parallel folding or expert tensor parallelism x optimizer offload), drop layouts that do not fit
-in device memory, rank the rest by predicted throughput (tokens/s; samples/s for DLRM).
+interleave (x sequence parallelism x MoE parallel folding or expert tensor parallelism x optimizer offload),
+drop layouts that do not fit in device memory, rank the rest by predicted throughput (tokens/s; samples/s for DLRM).
 
 Tensor parallelism is limited to one node's fast domain on switched systems (tp <= devices per node),
 as Narayanan et al. SC'21 (Sec. 3.3, takeaway #1) recommend; every other axis is unrestricted apart
