@@ -15,11 +15,11 @@ takes the cores the compute uses). On a CPU system (``device_is_host``) "offload
 the step runs as without offload plus podscale's copy of the updated partition into the compute buffers.
 
 MoE layers are priced as podscale's MoELayer runs them (podscale/parallel/moe/layer.py), by default with whole
-experts (``expert_tensor_parallel`` below prices Megatron's split ones): under tp each tp rank routes 1/tp of the micro-batch's samples (whole sequences),
-exchanges them over its own ep group and runs them through whole experts (width ffn), so a rank holds
-experts / ep whole experts and the whole router, their gradients partial per tp rank and summed over tp
-each time they are reduced; the outputs are all-gathered over tp (with sequence parallelism, one all-to-all
-over tp in and one out). The attention of an MoE block is tensor-parallel as a dense block's.
+experts (``expert_tensor_parallel`` below prices Megatron's split ones): under tp each tp rank routes 1/tp of
+the micro-batch's samples (whole sequences), exchanges them over its own ep group and runs them through whole
+experts (width ffn), so a rank holds experts / ep whole experts and the whole router, their gradients partial
+per tp rank and summed over tp each time they are reduced; the outputs are all-gathered over tp (with
+sequence parallelism, one all-to-all over tp in and one out). The attention of an MoE block is tensor-parallel as a dense block's.
 
 With ``fold_tp_into_ep`` (MoE parallel folding: Liu et al. 2025, "MoE Parallel Folding"; Megatron-core's
 expert_tensor_parallel_size = 1 with the expert-parallel group spanning the tp ranks; torchtitan's ETP = 1)
