@@ -90,15 +90,17 @@ def test_the_gradient_sum_over_tp_is_paid_once_per_reduction():
 
 def test_an_moe_blocks_tp_collectives_are_the_attentions_and_the_gather_of_its_samples():
     """Per MoE block and micro-batch, without sequence parallelism: the attention's all-reduce in each pass
-    (Megatron's), and the MoE layer's all-gather over tp of its samples' outputs (forward) and of their
-    input gradients (backward); no MLP all-reduce. Every block MoE, no overlap, one micro-batch: the tp
+    (Megatron's), the MoE layer's all-gather over tp of its samples' outputs (forward) and of their
+    input gradients (backward), and the forward's all-reduce of its aux and z loss over tp (one float); no
+    MLP all-reduce. Every block MoE, no overlap, one micro-batch: the tp
     communication of a step is these and the one gradient sum (the loss's are the output layer's)."""
     system = as_system("dgx-a100-80g")
     model = planner_model(n_layer=4, n_embd=1024, n_head=16, experts=8, block_size=1024, moe_every=1)
     lay = Layout(tp=2, dp=8, microbatch=2)
     pred = predict(system, 16, model, lay, 16)
     act = system.device.dtype_bytes * 2 * model.seq * model.hidden
-    per_block = 2 * (net.all_reduce_time(system, act, 2, 1) + net.all_gather_time(system, act, 2, 1))
+    per_block = (2 * (net.all_reduce_time(system, act, 2, 1) + net.all_gather_time(system, act, 2, 1))
+                 + net.all_reduce_time(system, 4, 2, 1))
     grads = net.all_reduce_time(system, system.device.dtype_bytes * gpt_cost.rank_params(model, lay).tp_summed, 2, 1)
     assert pred.time_breakdown_s["tp_communication"] == pytest.approx(model.layers * per_block + grads,
                                                                       rel=1e-9)
@@ -155,7 +157,10 @@ def test_shared_experts_are_priced_as_one_more_dense_mlp_per_moe_layer():
     # its gradient joins the experts' and the router's in the one sum over tp
     grad_sum = [net.all_reduce_time(system, dev.dtype_bytes * rp.tp_summed, tp, 1) for rp in (rp_s, rp_0)]
     assert t_s["tp_communication"] - t_0["tp_communication"] == pytest.approx(grad_sum[0] - grad_sum[1], rel=1e-9)
-    assert t_s["ep_communication"] == t_0["ep_communication"]     # not routed: nothing more exchanged
+    # not routed: nothing more exchanged; the count exchange now runs under the shared experts' forward
+    counts = net.all_to_all_time(system, 8 * base.experts, 2, tp)
+    assert counts < fc[0] + proj[0]
+    assert t_0["ep_communication"] - t_s["ep_communication"] == pytest.approx(m * n_moe * counts, rel=1e-9)
 
 
 def test_plan_predict_names_the_shared_experts(capsys):
@@ -254,8 +259,10 @@ def test_folding_exchanges_over_ep_x_tp_and_drops_the_expert_gradient_sum():
     sent = dev.dtype_bytes * rows * h
     a2a_u, a2a_f = net.all_to_all_time(system, sent, ep, tp), net.all_to_all_time(system, sent, ep * tp, 1)
     assert a2a_f != a2a_u
-    assert p_u["ep_communication"] == pytest.approx(m * n_moe * 4 * a2a_u, rel=1e-9)
-    assert p_f["ep_communication"] == pytest.approx(m * n_moe * 4 * a2a_f, rel=1e-9)
+    # and the count exchange before them (E int64 a rank), over the same group
+    counts_u, counts_f = net.all_to_all_time(system, 8 * e, ep, tp), net.all_to_all_time(system, 8 * e, ep * tp, 1)
+    assert p_u["ep_communication"] == pytest.approx(m * n_moe * (4 * a2a_u + counts_u), rel=1e-9)
+    assert p_f["ep_communication"] == pytest.approx(m * n_moe * (4 * a2a_f + counts_f), rel=1e-9)
 
     def grad_sum(params):
         return net.all_reduce_time(system, dev.dtype_bytes * params, tp, 1)
@@ -309,3 +316,200 @@ def test_plan_predict_says_the_experts_are_folded(capsys):
     assert capsys.readouterr().out.splitlines()[0] == (
         "custom (experts 8 top2, folded: 2 a rank over ep*tp = 4) on 16 x dgx-a100-80g, batch 64, "
         "tp2 pp1 dp4 ep2 mb2 fold")
+
+
+# Expert tensor parallelism (Megatron-core's expert_tensor_parallel_size = tp, alltoall token dispatcher): each tp
+# rank holds its ep rank's experts at 1/tp of their hidden width (w_fc's columns, b_fc, w_proj's rows; b_proj
+# whole), runs all the tp ranks' exchanged rows through them (all-gathered over tp) and reduce-scatters the
+# partial outputs back.
+
+def test_expert_tensor_parallelism_halves_the_expert_parameters_at_tp_2():
+    """At tp 2 a rank's expert parameters are, per expert, w_fc (h x f/2), b_fc (f/2), w_proj (f/2 x h) and the
+    whole b_proj (h), written out from the design, not from the planner's helpers; their model states (16
+    bytes each, ZeRO 0, mixed precision) shrink accordingly; of them only b_proj is summed over tp, beside the
+    routers; the GELU keeps the same bytes (tp times the rows at half the width) and the experts keep the other
+    tp rank's gathered input rows (2 bytes x h each) for their weight gradients."""
+    system = as_system("dgx-a100-80g")
+    model = planner_model(n_layer=8, n_embd=1024, n_head=16, experts=8, block_size=1024)
+    h, f, e, n_moe, s = 1024, 4096, 8, 4, 1024
+    tp, dp, ep, b, batch = 2, 4, 2, 2, 64
+    whole = e // ep * (h * f + f + f * h + h)                    # a rank's experts of one layer, replicated
+    split = e // ep * (h * (f // 2) + f // 2 + (f // 2) * h + h)     # ... split over tp 2 by width
+    assert 2 * split - whole == e // ep * h                       # half, but for the whole output biases
+    lay = Layout(tp=tp, dp=dp, ep=ep, microbatch=b)
+    etp = Layout(tp=tp, dp=dp, ep=ep, microbatch=b, expert_tensor_parallel=True)
+    rp_r, rp_e = gpt_cost.rank_params(model, lay), gpt_cost.rank_params(model, etp)
+    assert (rp_r.expert, rp_e.expert) == (n_moe * whole, n_moe * split)
+    assert rp_r.dense == rp_e.dense
+    assert rp_e.tp_summed == n_moe * (h * e + e // ep * h)       # the routers and the whole output biases
+    p_r, p_e = (predict(system, 16, model, x, batch).memory_breakdown_bytes for x in (lay, etp))
+    assert p_r["model_states"] - p_e["model_states"] == pytest.approx(16 * n_moe * (whole - split), rel=1e-12)
+    rows_other_rank = b * s // tp * 2 * 1.0                       # top-2, capacity factor 1
+    assert p_e["activations"] - p_r["activations"] == pytest.approx(n_moe * 2 * rows_other_rank * h, rel=1e-9)
+
+
+def test_expert_tensor_parallelism_gathers_and_reduce_scatters_the_rows_over_tp():
+    """Per MoE layer and micro-batch: an all-gather over tp of the exchanged rows before the experts and a
+    reduce-scatter of their partial outputs after, in the forward, and again in the backward (output gradients
+    gathered, input gradients reduce-scattered), each of tp x a rank's rows, whole width; the tp sum of
+    gradients is the routers' and the output biases' alone; the ep exchange is the unsplit one (32 experts:
+    short segments, so no expert work hides it in either layout); the experts run tp times the rows at 1/tp
+    of the width."""
+    from podscale.plan.compute import linear_time
+    system = as_system("dgx-a100-80g")
+    dev = system.device
+    model = planner_model(n_layer=8, n_embd=1024, n_head=16, experts=32, block_size=1024)
+    h, f, s, e, n_moe, top_k = 1024, 4096, 1024, 32, 4, 2
+    tp, dp, ep, b, batch = 2, 4, 2, 2, 64
+    m = batch // (dp * ep * b)
+    lay = Layout(tp=tp, dp=dp, ep=ep, microbatch=b)
+    etp = Layout(tp=tp, dp=dp, ep=ep, microbatch=b, expert_tensor_parallel=True)
+    p_r, p_e = (predict(system, 16, model, x, batch).time_breakdown_s for x in (lay, etp))
+    assert p_e["ep_communication"] == pytest.approx(p_r["ep_communication"], rel=1e-12)
+    assert p_r["ep_communication"] > 0
+
+    gathered = dev.dtype_bytes * tp * (b * s // tp) * top_k * h          # every tp rank's rows, whole width
+    rows_tp = net.all_gather_time(system, gathered, tp, 1) + net.reduce_scatter_time(system, gathered, tp, 1)
+    assert rows_tp > 0
+
+    def grad_sum(params):
+        return net.all_reduce_time(system, dev.dtype_bytes * params, tp, 1)
+    router, experts, out_bias = n_moe * h * e, n_moe * e // ep * _mlp(h, f), n_moe * e // ep * h
+    assert p_e["tp_communication"] - p_r["tp_communication"] == pytest.approx(
+        m * n_moe * 2 * rows_tp + grad_sum(router + out_bias) - grad_sum(router + experts), rel=1e-9)
+
+    rows = b * s // tp * top_k                                   # a rank's own routed rows (capacity factor 1)
+
+    def expert_gemms(rows_per_rank, width):      # E/ep experts side by side
+        local = e // ep
+        return [linear_time(dev, rows_per_rank / local, width, h, batch=local, bytes_per_element=dev.dtype_bytes),
+                linear_time(dev, rows_per_rank / local, h, width, batch=local, bytes_per_element=dev.dtype_bytes)]
+    g_r, g_e = expert_gemms(rows, f), expert_gemms(tp * rows, f // tp)
+    for i, phase in enumerate(("forward", "backward")):
+        assert p_e[phase] - p_r[phase] == pytest.approx(m * n_moe * sum(v[i] - u[i] for u, v in zip(g_r, g_e)),
+                                                        rel=1e-9, abs=1e-12)
+
+
+@pytest.mark.parametrize("layout, model_kw, message", [
+    (dict(tp=1, dp=16), {}, "expert_tensor_parallel needs tp > 1 (it splits each expert's hidden width over the tp "
+                            "ranks): set tp > 1 or expert_tensor_parallel false"),
+    (dict(tp=2, dp=4, ep=2, fold_tp_into_ep=True), {}, "expert_tensor_parallel and fold_tp_into_ep exclude each "
+                                                       "other"),
+    (dict(tp=2, dp=8), dict(experts=1), "expert_tensor_parallel needs an MoE model (experts > 1): set "
+                                        "expert_tensor_parallel false"),
+    (dict(tp=4, dp=4), dict(ffn=1026), "expert_tensor_parallel splits each expert's hidden width (1026) over tp=4, "
+                                       "which does not divide it: choose tp among [2, 3, 6, 9"),
+])
+def test_expert_tensor_parallelism_refusals_are_one_line_naming_the_key_and_the_fix(layout, model_kw, message):
+    kw = {**dict(layers=4, hidden=256, heads=4, seq=64, vocab=512, experts=4, top_k=2, moe_every=2), **model_kw}
+    with pytest.raises(LayoutError) as err:
+        predict("dgx-a100-80g", 16, GPT(**kw), Layout(microbatch=4, expert_tensor_parallel=True, **layout), 64)
+    assert str(err.value).startswith(message) and "\n" not in str(err.value)
+    assert ("set" in str(err.value) or "choose" in str(err.value))
+
+
+def test_the_search_tries_expert_tensor_parallelism_and_auto_passes_it_on():
+    """Split layouts are candidates for an MoE model at every tp > 1 that divides the experts' width, also
+    where the experts are fewer than ep x tp (no folding: splitting is then the one way to shard them over
+    tp), never for a dense model or at tp 1, never folded too; ``--layout auto``'s overrides set
+    parallel.expert_tensor_parallel = true on them (checked as overrides, not loaded into a config)."""
+    from podscale.plan.auto import layout_overrides
+    from podscale.plan.search import candidate_layouts
+    system = as_system("dgx-a100-80g")
+    moe = list(candidate_layouts(system, 16, planner_model(experts=4), 64, microbatches=(2,)))
+    split = {(x.tp, x.ep) for x in moe if x.expert_tensor_parallel}
+    assert split == {(x.tp, x.ep) for x in moe if x.tp > 1}
+    assert (4, 4) in split and (4, 4) not in {(x.tp, x.ep) for x in moe if x.fold_tp_into_ep}   # 16 > 4 experts
+    assert not any(x.expert_tensor_parallel and x.fold_tp_into_ep for x in moe)
+    assert not any(x.expert_tensor_parallel for x in candidate_layouts(system, 16, planner_model(experts=1), 64,
+                                                                       microbatches=(2,)))
+    for x in moe:
+        if x.expert_tensor_parallel:
+            predict(system, 16, planner_model(experts=4), x, 64)      # every candidate is a valid layout
+            break
+    lay = Layout(tp=2, dp=4, ep=2, microbatch=2, expert_tensor_parallel=True)
+    assert "parallel.expert_tensor_parallel=true" in layout_overrides(lay)
+    assert "parallel.fold_tp_into_ep=false" in layout_overrides(lay)
+    assert not any("expert_tensor_parallel" in o for o in layout_overrides(Layout(tp=2, dp=8, microbatch=2)))
+
+
+def test_plan_predict_says_the_experts_are_split(capsys):
+    from podscale.plan.cli import main
+    model = '{"layers": 8, "hidden": 1024, "heads": 16, "seq": 1024, "vocab": 32000, "experts": 8, "top_k": 2}'
+    layout = '{"tp": 2, "pp": 1, "dp": 4, "ep": 2, "microbatch": 2, "expert_tensor_parallel": true}'
+    assert main(["plan", "predict", "--system", "dgx-a100-80g", "--devices", "16", "--batch", "64", "--model", model,
+                 "--layout", layout]) == 0
+    assert capsys.readouterr().out.splitlines()[0] == (
+        "custom (experts 8 top2, split over tp: 4 a rank at 1/2 of their width) on 16 x dgx-a100-80g, batch 64, "
+        "tp2 pp1 dp4 ep2 mb2 etp")
+
+
+# What an MoE layer costs beyond its GEMMs and token exchanges: its routing, dispatch and combine, its count
+# exchange, and its token exchanges' overlap with its own rows as every overlapped collective is priced.
+
+def test_the_routing_dispatch_and_combine_are_priced_as_their_counted_bytes():
+    """Each MoE layer's forward and backward pay ``moe_routing_bytes`` of its rank's own tokens (1/tp of the
+    samples) at the device's memory bandwidth (no measured routing rate on a GPU): the ``routing`` component is
+    exactly that, on every micro-batch; the count grows linearly with the tokens, and a dense model has none."""
+    from podscale.plan.compute import stream_time
+    system = as_system("dgx-a100-80g")
+    dev = system.device
+    model = planner_model(n_layer=8, n_embd=1024, n_head=16, experts=8, block_size=1024)
+    tp, dp, ep, b, batch = 2, 4, 2, 2, 64
+    m, n_moe, own = batch // (dp * ep * b), 4, b * 1024 // tp
+    fwd, bwd = gpt_cost.moe_routing_bytes(own, 8, 2, 1024, dev.dtype_bytes)
+    assert gpt_cost.moe_routing_bytes(2 * own, 8, 2, 1024, dev.dtype_bytes) == (2 * fwd, 2 * bwd)
+    # the rows dominate: the dispatch's and combine's 5 C + 3 N, and 7 C + 3 N back, rows of 2 x 1024 bytes
+    assert fwd > 2 * 1024 * (5 * 2 * own + 3 * own) and bwd > 2 * 1024 * (7 * 2 * own + 3 * own)
+    pred = predict(system, 16, model, Layout(tp=tp, dp=dp, ep=ep, microbatch=b), batch)
+    assert pred.components_s["routing"] == pytest.approx(m * n_moe * (stream_time(dev, fwd) + stream_time(dev, bwd)),
+                                                         rel=1e-9)
+    assert sum(pred.components_s.values()) == pytest.approx(pred.step_time_s, rel=1e-12)    # and in the step
+    dense = predict(system, 16, planner_model(experts=1, n_layer=8, n_embd=1024, n_head=16, block_size=1024),
+                    Layout(tp=tp, dp=8, microbatch=b), batch)
+    assert dense.components_s["routing"] == 0.0
+
+
+def test_a_calibrated_routing_rate_is_read_at_the_layers_bytes():
+    """A measured ``routing_table`` (bytes, bytes/s) prices a layer's routing bytes at the rate interpolated
+    (log-log) at its forward + backward bytes, the end rates beyond the measured sizes."""
+    import dataclasses
+    from podscale.plan.compute import routing_time
+    dev = as_system("dgx-a100-80g").device
+    cpu = dataclasses.replace(dev, routing_table=((1e6, 2e9), (1e8, 8e9)))
+    assert routing_time(cpu, 3e6, 1e7) == pytest.approx(3e6 / 4e9, rel=1e-12)        # halfway in log: 4 GB/s
+    assert routing_time(cpu, 1e5, 1e5) == pytest.approx(1e5 / 2e9, rel=1e-12)
+    assert routing_time(cpu, 1e9, 1e9) == pytest.approx(1e9 / 8e9, rel=1e-12)
+    assert routing_time(dev, 1e6, 1e6) == pytest.approx(1e6 / (dev.memory_bw * dev.memory_efficiency), rel=1e-12)
+
+
+def test_the_token_exchange_under_its_own_rows_pays_the_measured_exposed_share():
+    """The own rows' expert work hides the token all-to-alls only as far as the device lets an overlapped
+    collective hide (``overlap_exposed``, measured on a CPU, 0 on GPUs): at 1 the exchanges cost what they cost
+    with no overlap at all, at 0 the long segments hide them (8 experts, long segments)."""
+    import dataclasses
+    from podscale.parallel.moe.layer import overlaps_exchange
+    system = as_system("dgx-a100-80g")
+    model = planner_model(n_layer=8, n_embd=1024, n_head=16, experts=8, block_size=1024)
+    tp, dp, ep, b, batch = 1, 8, 2, 4, 64
+    m, n_moe, rows = batch // (dp * ep * b), 4, b * 1024 * 2
+    assert overlaps_exchange(rows, 8)
+    lay = Layout(tp=tp, dp=dp, ep=ep, microbatch=b)
+    exposed = dataclasses.replace(system, device=dataclasses.replace(system.device, overlap_exposed=1.0))
+    a2a = net.all_to_all_time(system, system.device.dtype_bytes * rows * 1024, ep, tp)
+    counts = net.all_to_all_time(system, 8 * 8, ep, tp)
+    assert predict(exposed, 16, model, lay, batch).time_breakdown_s["ep_communication"] == pytest.approx(
+        m * n_moe * (4 * a2a + counts), rel=1e-9)
+    assert predict(system, 16, model, lay, batch).time_breakdown_s["ep_communication"] < m * n_moe * (4 * a2a)
+
+
+def test_calibration_measures_the_routing_rate_in_the_planners_bytes():
+    """``plan calibrate``'s microbenchmark of the routing, dispatch and combine (forward and backward through
+    autograd): one [bytes, bytes/s] row per size, the bytes the planner's count; and its line in the system
+    file's [device] section."""
+    import torch
+    from podscale.plan.calibrate import moe_routing_table, routing_line
+    from podscale.plan.hardware import GB
+    rows = moe_routing_table(torch, 0.001, sizes=((256, 8, 32),))
+    assert len(rows) == 1 and rows[0][0] == sum(gpt_cost.moe_routing_bytes(256, 8, 2, 32, 4)) and rows[0][1] > 0
+    assert routing_line([[1000, 2.5 * GB]]).startswith("moe_routing_table = [[1000, 2.5]]")

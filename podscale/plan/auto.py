@@ -3,7 +3,8 @@
 Like GShard's automatic sharding and DeepSpeed's autotuning, but by prediction rather than by trial:
 every layout the planner can enumerate for the config's GPT, world size and global batch
 (:func:`podscale.plan.search.candidate_layouts`: tp x pp x dp x ep (a GPT-MoE's experts, and whether tp is
-folded into ep), ZeRO stage, optimizer offload, micro-batch, recompute, sequence parallelism, schedule) is
+folded into ep or splits each expert's width), ZeRO stage, optimizer offload, micro-batch, recompute, sequence
+parallelism, schedule) is
 predicted on the system (the calibrated ``local`` one by
 default), the ones that do not fit are dropped, and the fastest that the trainer's own config validator
 accepts is returned as config overrides. Nothing is measured here; the choice is as good as the
@@ -62,10 +63,13 @@ def gpt_of(cfg: Config) -> GPT:
 
 
 def layout_overrides(lay: Layout) -> list:
-    """Config overrides that make ``podscale train`` run ``lay``."""
+    """Config overrides that make ``podscale train`` run ``lay``. ``parallel.expert_tensor_parallel`` is set
+    only on the layouts that use it (``= true``), the config's default being false: a config that does not
+    know the key yet then refuses those layouts alone (``_runnable``), not every layout."""
+    etp = ["parallel.expert_tensor_parallel=true"] if lay.expert_tensor_parallel else []
     return [f"parallel.tp={lay.tp}", f"parallel.pp={lay.pp}", f"parallel.dp={lay.dp}", f"parallel.ep={lay.ep}",
             f"parallel.sequence_parallel={'true' if lay.sequence_parallel else 'false'}",
-            f"parallel.fold_tp_into_ep={'true' if lay.fold_tp_into_ep else 'false'}",
+            f"parallel.fold_tp_into_ep={'true' if lay.fold_tp_into_ep else 'false'}", *etp,
             f"parallel.schedule='{lay.schedule}'", f"parallel.virtual_stages={lay.interleave}",
             f"parallel.recompute='{lay.recompute}'", f"train.micro_batch={lay.microbatch}",
             f"zero.stage={lay.zero_stage}", f"zero.offload_optimizer='{lay.offload_optimizer}'",

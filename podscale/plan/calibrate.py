@@ -124,6 +124,8 @@ def _worker(rank: int, ranks: int, port: int, quick: bool, out_path: str) -> Non
         torch, budget * 4, ELEMENTWISE_SIZES[:2] if quick else ELEMENTWISE_SIZES)
     ref = 4 * ELEMENTWISE_REFERENCE[0] * ELEMENTWISE_REFERENCE[1]
     elementwise_bw = next(r for b, r in elementwise_table if b == ref)
+    dist.barrier()
+    routing_table = moe_routing_table(torch, budget * 4, ROUTING_SIZES[::2] if quick else ROUTING_SIZES)
     sizes = ALLREDUCE_BYTES[::2] if quick else ALLREDUCE_BYTES
     ar = []
     for nbytes in sizes:
@@ -146,7 +148,7 @@ def _worker(rank: int, ranks: int, port: int, quick: bool, out_path: str) -> Non
     if rank == 0:
         with open(out_path, "w") as f:
             json.dump({"matmul": table, "attention": attention, "memory_bw": mem_bw, "elementwise_bw": elementwise_bw,
-                       "elementwise": elementwise_table,
+                       "elementwise": elementwise_table, "routing": routing_table,
                        "kernel_overhead": kernel_overhead, "allreduce": ar, "threads": threads,
                        "optimizer_bw": optimizer_bw, "grad_pass_bw": grad_pass_bw, "first_touch_bw": first_touch_bw,
                        "sync": sync, **sharded}, f)
@@ -314,6 +316,44 @@ def _layer_elementwise_and_host(torch, budget: float, sizes=ELEMENTWISE_SIZES) -
         nbytes = (1 + BWD_OVER_FWD) * layer_elementwise_bytes(tokens, hidden, 4 * hidden, dtype_bytes=4)
         rows.append([4 * tokens * hidden, nbytes / max(big - small, 1e-9)])
     return rows, host / (KERNELS_PER_LAYER * (1 + BWD_OVER_FWD))
+
+
+# (tokens, experts, hidden) at which an MoE layer's routing, dispatch and combine are timed (top-2, capacity 1.25,
+# groups of 128 tokens): none of the benchmarks' models (bench/plan_local_vs_train.py's GPT-MoE routes 1,024 or
+# 512 tokens a rank over 8 experts, 128 wide), so that those measure the interpolation, not a calibrated point.
+ROUTING_SIZES = ((256, 16, 256), (2048, 16, 256), (8192, 32, 384))
+
+
+def moe_routing_table(torch, budget: float, sizes=ROUTING_SIZES) -> list:
+    """[[bytes, bytes/s], ...]: an MoE layer's routing, dispatch and combine as podscale's layer runs them
+    (``gate.route`` with top-2 and capacity 1.25 over groups of 128 tokens, the aux and z losses, the kept
+    choices' rows gathered with ``index_select``, scaled by their gate values and added back with
+    ``index_add_``), forward and backward through autograd, on fp32 router logits and rows that are leaves (the
+    router's and experts' GEMMs are priced as GEMMs), at each of ``sizes``; the bytes are the planner's count of
+    those kernels (``gpt_cost.moe_routing_bytes``, forward + backward). On a CPU these many small sorting,
+    counting and indexing kernels run far below the element-wise rate, and faster per byte the larger they
+    are, so the rate is a table by size."""
+    from podscale.parallel.moe.gate import expert_capacity, load_balancing_loss, route, router_z_loss
+    from .gpt_cost import moe_routing_bytes
+    rows, k, seq = [], 2, 128
+    for tokens, experts, hidden in sizes:
+        logits = torch.randn(tokens // seq, seq, experts, requires_grad=True)
+        x = torch.randn(tokens, hidden, requires_grad=True)
+        gy = torch.randn(tokens, hidden)
+        cap = expert_capacity(1.25, k, seq, experts)
+
+        def step():
+            r, probs = route(logits, k, cap)
+            loss = load_balancing_loss(probs, r.expert[:, 0]) + router_z_loss(logits)
+            token = r.order // k
+            picked = x.index_select(0, token)
+            w = r.weight.reshape(-1).index_select(0, r.order).to(picked.dtype)
+            y = picked.new_zeros(tokens, hidden).index_add_(0, token, picked * w.unsqueeze(1))
+            torch.autograd.backward([y, loss], [gy, torch.ones(())])
+            logits.grad = x.grad = None
+        nbytes = sum(moe_routing_bytes(tokens, experts, k, hidden, 4))
+        rows.append([nbytes, nbytes / _timeit(step, budget)])
+    return rows
 
 
 def _optimizer_and_grad_passes(dist, torch, n: int, budget: float) -> tuple[float, float]:
@@ -586,6 +626,58 @@ def _total_memory() -> float:
         return 8 * GiB
 
 
+def routing_line(rows) -> str:
+    """The ``moe_routing_table`` line of a system file's [device] section (:func:`moe_routing_table`)."""
+    if not rows:
+        return "# moe_routing_table: not measured"
+    table = ", ".join(f"[{b:.0f}, {r / GB:.6g}]" for b, r in rows)
+    return (f"moe_routing_table = [{table}]      # [bytes, GB/s]: an MoE layer's routing, dispatch and combine, "
+            "fwd + bwd, planner's bytes")
+
+
+def _routing_worker(barrier, queue, quick: bool) -> None:
+    import torch
+    torch.set_num_threads(1)
+    barrier.wait()                       # start together: the ranks share the cores while they measure
+    try:
+        queue.put(moe_routing_table(torch, 0.04 if quick else 0.16, ROUTING_SIZES[::2] if quick else ROUTING_SIZES))
+    except Exception as e:  # (reported by the parent, one line)
+        queue.put(f"{type(e).__name__}: {e}")
+
+
+def calibrate_moe_routing(path: str | None = None, quick: bool = False, ranks: int = 2, log=print) -> Path:
+    """Measure the MoE routing rates alone (:func:`moe_routing_table`, in ``ranks`` processes at once, one
+    torch thread each, as the full calibration runs it; the mean rate over the ranks) and write them into an
+    existing system file (default the ``local`` one), replacing its ``moe_routing_table`` line:
+    ``podscale plan calibrate --moe-routing-only``."""
+    import multiprocessing as mp
+    import re
+    p = Path(path) if path else local_system_path()
+    if not p.is_file():
+        raise ValueError(f"no system file at {p}: run `podscale plan calibrate` first")
+    start = time.perf_counter()
+    ctx = mp.get_context("spawn")
+    barrier, queue = ctx.Barrier(ranks), ctx.Queue()
+    procs = [ctx.Process(target=_routing_worker, args=(barrier, queue, quick)) for _ in range(ranks)]
+    for proc in procs:
+        proc.start()
+    results = [queue.get(timeout=600) for _ in procs]
+    for proc in procs:
+        proc.join()
+    bad = [r for r in results if isinstance(r, str)]
+    if bad:
+        raise RuntimeError(f"MoE routing microbenchmark failed: {bad[0]}")
+    rows = [[results[0][i][0], sum(r[i][1] for r in results) / ranks] for i in range(len(results[0]))]
+    text = re.sub(r"\n(# )?moe_routing_table[^\n]*", "", p.read_text())
+    text = re.sub(r"(\nelementwise_table = [^\n]*)", lambda m: m.group(1) + "\n" + routing_line(rows), text, count=1)
+    tmp = p.with_suffix(".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, p)
+    log(f"MoE routing rates ({', '.join(f'{r / GB:.2f}' for _, r in rows)} GB/s) written to {p} in "
+        f"{time.perf_counter() - start:.1f} s")
+    return p
+
+
 def _rate_line(key: str, value, what: str) -> str:
     return f"{key} = {value / GB:.6g}      # {what}" if value else f"# {key}: not measured"
 
@@ -624,6 +716,7 @@ elementwise_gbps = {data["elementwise_bw"] / GB:.6g}      # a GPT layer's elemen
 # [bytes of one tokens x hidden activation, GB/s] of the same kernels at several sizes; the planner
 # interpolates by the layer's activation size (log space)
 elementwise_table = [{elementwise}]
+{routing_line(data.get("routing", ()))}
 kernel_overhead_us = {data["kernel_overhead"] * 1e6:.4g}      # host cost per kernel: a tiny GPT layer, fwd + bwd, per planner kernel
 overlap_penalty_us = {overlap_penalty(data) * 1e6:.4g}      # all-reduce under a matmul, beyond the longer of them
 overlap_exposed = {overlap_exposed(data):.4g}      # of an 8 MiB all-reduce under longer matmuls: what overlap still costs

@@ -4,7 +4,7 @@ list systems and models.
     podscale plan --model gpt-175b --system dgx-a100-superpod --devices 1024 --batch 1536
     podscale plan predict --system NAME --devices N --batch B --model JSON --layout JSON --json
     podscale plan validate
-    podscale plan calibrate [--out PATH] [--quick] [--swap-dir FOLDER] [--table-only]
+    podscale plan calibrate [--out PATH] [--quick] [--swap-dir FOLDER] [--table-only | --moe-routing-only]
     podscale plan systems | podscale plan models
 
 Errors print one line ``podscale: error: ...`` on stderr and exit with status 2.
@@ -195,7 +195,11 @@ def cmd_validate(args) -> int:
 
 
 def cmd_calibrate(args) -> int:
-    from .calibrate import calibrate, calibrate_gpu, calibrate_table
+    from .calibrate import calibrate, calibrate_gpu, calibrate_moe_routing, calibrate_table
+    if args.moe_routing_only:
+        path = calibrate_moe_routing(args.out, quick=args.quick, ranks=args.ranks, log=print)
+        print(f"wrote {path}")
+        return 0
     if args.table_only:
         path = calibrate_table(args.out, quick=args.quick, ranks=args.ranks, log=print)
     elif args.gpu:
@@ -223,7 +227,8 @@ def cmd_systems(args) -> int:
 
 def _moe_summary(m, layout=None) -> str:
     """" experts 64 top2 +2 shared" for a GPT-MoE (the shared experts when it has any); with a ``layout`` that
-    sets ``fold_tp_into_ep`` also where its experts are (", folded: 4 a rank over ep*tp = 16"); "" otherwise."""
+    sets ``fold_tp_into_ep`` or ``expert_tensor_parallel`` also where its experts are (", folded: 4 a rank over
+    ep*tp = 16", ", split over tp: 8 a rank at 1/2 of their width"); "" otherwise."""
     from .gpt_cost import local_experts
     from .models import GPT
     if not isinstance(m, GPT) or m.experts < 2:
@@ -231,6 +236,8 @@ def _moe_summary(m, layout=None) -> str:
     out = f" experts {m.experts} top{m.top_k}" + (f" +{m.shared_experts} shared" if m.shared_experts else "")
     if layout is not None and layout.fold_tp_into_ep:
         out += f", folded: {local_experts(m, layout)} a rank over ep*tp = {layout.expert_group}"
+    if layout is not None and layout.expert_tensor_parallel:
+        out += f", split over tp: {local_experts(m, layout)} a rank at 1/{layout.tp} of their width"
     return out
 
 
@@ -286,6 +293,8 @@ def add_plan_parser(subparsers) -> None:
                                       "system's nvme_gbps (default: the temporary directory's disk)")
     p.add_argument("--table-only", action="store_true", help="measure only the sharded-table rates (seconds) and "
                                                               "write them into the existing system file")
+    p.add_argument("--moe-routing-only", action="store_true", help="measure only an MoE layer's routing, dispatch "
+                   "and combine rates and write them into the existing system file")
     p.set_defaults(plan_func=_guarded(cmd_calibrate))
 
     p = sub.add_parser("systems", help="list the hardware catalog")

@@ -20,7 +20,8 @@ achievable fraction e_mm of the tensor-core peak and k0 are the system's GEMM pa
 the measured FLOP/s of the nearest measured shape (in log space) replaces the arithmetic side.
 
 Element-wise kernels (layer norm, bias + GeLU, softmax, dropout, residual adds) are pure memory
-traffic: T = bytes / (B_mem * e_mem).
+traffic: T = bytes / (B_mem * e_mem); so are an MoE layer's routing, dispatch and combine (sorting, counting
+and indexing over the tokens' choices and rows), each at its own measured rate on a calibrated CPU.
 """
 from __future__ import annotations
 
@@ -124,18 +125,35 @@ def elementwise_time(device: Device, nbytes: float, activation_bytes: float) -> 
     log-log linear between the two measured sizes around it, the end rates beyond them), else
     :func:`stream_time`. On a CPU these kernels run faster while the activations they pass between them
     stay in a core's cache, so one rate measured at one size misprices smaller and larger micro-batches."""
-    table = sorted(device.elementwise_table)
-    if not table:
+    if not device.elementwise_table:
         return stream_time(device, nbytes)
-    x = math.log(max(activation_bytes, 1.0))
+    return nbytes / _rate_at(device.elementwise_table, activation_bytes)
+
+
+def routing_time(device: Device, nbytes: float, size_bytes: float) -> float:
+    """Seconds of an MoE layer's routing, dispatch and combine kernels moving ``nbytes`` (a pass of them; the
+    layer's forward and backward together move ``size_bytes``, the size the rate is read at): at the rate
+    ``plan calibrate`` measured for those kernels (``routing_table``, log-log linear between the measured
+    sizes, the end rates beyond them), else :func:`stream_time`. On a CPU they are many small sorting,
+    counting and indexing kernels whose cost per byte falls with their size."""
+    if not device.routing_table:
+        return stream_time(device, nbytes)
+    return nbytes / _rate_at(device.routing_table, size_bytes)
+
+
+def _rate_at(rows, size: float) -> float:
+    """The rate of measured ``rows`` (size, rate) at ``size``: log-log linear between the two measured sizes
+    around it, the end rates beyond them."""
+    table = sorted(rows)
+    x = math.log(max(size, 1.0))
     if x <= math.log(table[0][0]) or len(table) == 1:
-        return nbytes / table[0][1]
+        return table[0][1]
     if x >= math.log(table[-1][0]):
-        return nbytes / table[-1][1]
+        return table[-1][1]
     for (a0, r0), (a1, r1) in zip(table, table[1:]):
         if x <= math.log(a1):
             w = (x - math.log(a0)) / (math.log(a1) - math.log(a0))
-            return nbytes / math.exp((1 - w) * math.log(r0) + w * math.log(r1))
+            return math.exp((1 - w) * math.log(r0) + w * math.log(r1))
     raise AssertionError("unreachable")
 
 

@@ -14,12 +14,12 @@ device's measured ``overlap_exposed`` fraction of its own time (0 on GPUs; on a 
 takes the cores the compute uses). On a CPU system (``device_is_host``) "offload to the CPU" moves nothing:
 the step runs as without offload plus podscale's copy of the updated partition into the compute buffers.
 
-MoE layers are priced as podscale's MoELayer runs them (podscale/parallel/moe/layer.py), not as Megatron's
-expert tensor parallelism: under tp each tp rank routes 1/tp of the micro-batch's samples (whole sequences),
-exchanges them over its own ep group and runs them through whole experts (width ffn), so a rank holds
-experts / ep whole experts and the whole router, their gradients partial per tp rank and summed over tp
-each time they are reduced; the outputs are all-gathered over tp (with sequence parallelism, one all-to-all
-over tp in and one out). The attention of an MoE block is tensor-parallel as a dense block's.
+MoE layers are priced as podscale's MoELayer runs them (podscale/parallel/moe/layer.py), by default with whole
+experts (``expert_tensor_parallel`` below prices Megatron's split ones): under tp each tp rank routes 1/tp of
+the micro-batch's samples (whole sequences), exchanges them over its own ep group and runs them through whole
+experts (width ffn), so a rank holds experts / ep whole experts and the whole router, their gradients partial
+per tp rank and summed over tp each time they are reduced; the outputs are all-gathered over tp (with
+sequence parallelism, one all-to-all over tp in and one out). The attention of an MoE block is tensor-parallel as a dense block's.
 
 With ``fold_tp_into_ep`` (MoE parallel folding: Liu et al. 2025, "MoE Parallel Folding"; Megatron-core's
 expert_tensor_parallel_size = 1 with the expert-parallel group spanning the tp ranks; torchtitan's ETP = 1)
@@ -29,6 +29,28 @@ shared experts, still on every tp rank, keep theirs), and the tokens are exchang
 ranks. Each tp rank still routes its own 1/tp of the samples, and the tp all-gather (or all-to-alls) of
 the outputs is unchanged; a rank runs the same expert rows as unfolded, on fewer experts with longer
 segments.
+
+With ``expert_tensor_parallel`` (expert tensor parallelism: Megatron-core's ``expert_tensor_parallel_size`` = tp
+with its alltoall token dispatcher; the experts' MLPs split as Shoeybi et al. 2019 split a dense one) the
+experts are sharded over ep as unfolded, but each tp rank holds 1/tp of every one of its E/ep experts' hidden
+width (``w_fc`` columns, ``b_fc``, ``w_proj`` rows; ``b_proj`` whole, its gradient summed over tp). Each tp rank
+routes its 1/tp of the samples and exchanges them over ep as unfolded; the tp ranks' received rows are then
+all-gathered over tp, every tp rank runs all of them through its width slice, and the partial outputs are
+reduce-scattered back over tp to their owners (the backward: an all-gather of the output gradients, a
+reduce-scatter of the input gradients). A rank's expert work is all tp ranks' rows at width ffn / tp (the
+FLOPs of the unsplit layout, on longer segments of narrower experts), its expert parameters, gradients and
+optimizer states 1/tp of the unsplit ones, its own rows never overlap the exchange, and the sliced
+parameters' gradients are whole on their holder (no tp sum).
+
+Beyond its GEMMs and exchanges an MoE layer pays, on every system: its routing, dispatch and combine
+(``moe_routing_bytes``: the gate's softmax, top-k passes, sort and slot counting, the aux and z losses, the
+gather of the kept choices' rows and their scaled index_add back, forward and backward), memory-bound passes
+priced at the rate ``plan calibrate`` measures for those very kernels (``compute.routing_time``; on a CPU
+they run far below the element-wise rate), else at the memory bandwidth; the count exchange that precedes
+the token exchange (an all-to-all of E integers, exposed but for the shared experts it runs under, so its
+latency); under tp the all-reduce of its aux and z loss over tp; and its token all-to-alls overlapped with
+its own rows' expert work as every overlapped collective is (``compute.overlapped_exposed``: at least the
+measured fraction a CPU's cores do not hide).
 
 Ranks hold the layers the trainer gives them (``stages.py``: its parameter-balanced split, or the layout's
 ``pipeline_layers``), so pipelines need not divide the layers.
@@ -65,7 +87,7 @@ from dataclasses import dataclass
 
 from . import network as net
 from .compute import (attention_time, elementwise_time, gemm_rate as _gemm_rate, gemm_time, grad_pass_time, linear_time,
-                      optimizer_time, overlapped_exposed, stream_time, weight_grad_time)
+                      optimizer_time, overlapped_exposed, routing_time, stream_time, weight_grad_time)
 from .hardware import System
 from .layout import Layout, LayoutError
 from .memory import (activation_bytes_per_layer, pipeline_inflight_layers, precision_of, zero3_gathered_bytes,
@@ -102,6 +124,20 @@ def check_gpt_layout(system: System, devices: int, model: GPT, layout: Layout, b
     if model.heads % layout.tp:
         raise LayoutError(f"tp={layout.tp} does not divide the {model.heads} attention heads; "
                           f"choose tp among {[d for d in range(1, model.heads + 1) if model.heads % d == 0][:12]}")
+    if layout.expert_tensor_parallel:
+        if layout.fold_tp_into_ep:
+            raise LayoutError("expert_tensor_parallel and fold_tp_into_ep exclude each other (an expert is either "
+                              "split over the tp ranks or whole on one of them): set one of them false")
+        if layout.tp == 1:
+            raise LayoutError("expert_tensor_parallel needs tp > 1 (it splits each expert's hidden width over the "
+                              "tp ranks): set tp > 1 or expert_tensor_parallel false")
+        if model.experts == 1:
+            raise LayoutError("expert_tensor_parallel needs an MoE model (experts > 1): set "
+                              "expert_tensor_parallel false")
+        if model.ffn % layout.tp:
+            raise LayoutError(f"expert_tensor_parallel splits each expert's hidden width ({model.ffn}) over tp="
+                              f"{layout.tp}, which does not divide it: choose tp among "
+                              f"{[d for d in range(2, 65) if model.ffn % d == 0][:8]} or expert_tensor_parallel false")
     if model.ffn % layout.tp:
         raise LayoutError(f"tp={layout.tp} does not divide ffn={model.ffn}")
     pipeline_chunks(model, layout)       # raises LayoutError for a split that cannot exist
@@ -133,7 +169,7 @@ def _layer_times(system: System, model: GPT, lay: Layout, moe: bool) -> dict:
     depend on (a search predicts thousands of layouts that share them)."""
     key = (system.topology, system.devices_per_node, system.device, system.intra, system.inter, system.ici,
            system.torus, system.stream, model, moe, lay.microbatch, lay.tp, lay.ep, lay.sequence_parallel,
-           lay.fold_tp_into_ep, lay.tp_overlap, lay.fused_attention, lay.parallel_block)
+           lay.fold_tp_into_ep, lay.expert_tensor_parallel, lay.tp_overlap, lay.fused_attention, lay.parallel_block)
     hit = _LAYER_CACHE.get(key)
     if hit is None:
         if len(_LAYER_CACHE) > 50_000:
@@ -152,24 +188,36 @@ def _layer_times_uncached(system: System, model: GPT, lay: Layout, moe: bool) ->
     gemms = [linear_time(dev, tokens, 3 * h / t, h, bytes_per_element=e),      # QKV
              linear_time(dev, tokens, h, h / t, bytes_per_element=e)]          # attention output
     hide = (0.0, 0.0)       # expert work each all-to-all of a forward / backward runs behind
+    routing = (0.0, 0.0)    # the MoE layer's routing, dispatch and combine, forward and backward
+    counts = 0.0            # its count exchange, exposed
     if moe:
         # podscale's MoE layer under tp: each tp rank routes 1/tp of the micro-batch's samples, exchanges
         # them over its expert group (its ep group; folded, ep x tp) and runs them through whole experts
         # (MoELayer.forward). Folding leaves a rank's rows as they are (own x scale): E/(ep tp) experts,
-        # each on tp times the rows of an unfolded rank's E/ep.
+        # each on tp times the rows of an unfolded rank's E/ep. Expert tensor parallelism gathers the tp ranks'
+        # received rows: E/ep experts on tp times the rows, each 1/tp of the width.
         own = tokens / t
         n_local = local_experts(model, lay)
-        m_exp = own * scale * group / model.experts          # rows each local expert runs (busiest rank)
-        experts = _mlp_gemms(dev, m_exp, f, h, e, batch=n_local)
+        etp = lay.expert_tensor_parallel_size
+        m_exp = etp * own * scale * group / model.experts    # rows each local expert runs (busiest rank)
+        experts = _mlp_gemms(dev, m_exp, f / etp, h, e, batch=n_local)
         gemms += experts
         gemms.append(linear_time(dev, own, model.experts, h, bytes_per_element=e))   # router
-        if model.shared_experts:   # the shared experts: one dense MLP, whole, on the rank's own tokens
-            gemms += _mlp_gemms(dev, own, model.shared_ffn, h, e)
+        shared = _mlp_gemms(dev, own, model.shared_ffn, h, e) if model.shared_experts else []
+        gemms += shared            # the shared experts: one dense MLP, whole, on the rank's own tokens
         # a rank receives about own x top_k rows in (source rank, local expert) segments: group x E/group = E
-        if group > 1 and overlaps_exchange(own * model.top_k, model.experts):
+        if group > 1 and etp == 1 and overlaps_exchange(own * model.top_k, model.experts):
             # the layer runs a rank's own rows (1/group of its experts' work) in two halves while the two
             # exchanges of each pass are in flight (podscale.parallel.moe.layer._ExpertParallelFFN)
             hide = tuple(sum(x[i] for x in experts) / (2 * group) for i in (0, 1))
+        route_bytes = moe_routing_bytes(own, model.experts, model.top_k, h, e)
+        routing = tuple(routing_time(dev, x, sum(route_bytes)) for x in route_bytes)
+        if group > 1:
+            # the counts (E integers) exchanged over the expert group before the tokens, while the shared
+            # experts run (MoELayer._forward_local)
+            counts = overlapped_exposed(dev, net.all_to_all_time(system, 8 * model.experts, group,
+                                                                 1 if lay.fold_tp_into_ep else t),
+                                        sum(x[0] for x in shared))
     else:
         gemms += _mlp_gemms(dev, tokens, f / t, h, e)           # column- then row-parallel
     dense, dense_bwd = sum(g[0] for g in gemms), sum(g[1] for g in gemms)
@@ -225,7 +273,15 @@ def _layer_times_uncached(system: System, model: GPT, lay: Layout, moe: bool) ->
             moe_tp = 2 * net.all_to_all_time(system, act_bytes / t, t, 1)
         else:
             moe_tp = net.all_gather_time(system, act_bytes, t, 1)
-        tp_fwd = tp_ar + moe_tp
+        # the layer's aux and z loss averaged over tp in its forward (ReduceFromTP: one float)
+        loss_mean = net.all_reduce_time(system, 4, t, 1)
+        if lay.expert_tensor_parallel:
+            # the exchanged rows all-gathered over tp before the experts and their partial outputs
+            # reduce-scattered after (the backward: output gradients gathered, input gradients reduce-scattered):
+            # tp times a rank's own rows, whole width, gathered / reduced over the tp neighbours
+            rows_bytes = act_bytes * scale
+            moe_tp += net.all_gather_time(system, rows_bytes, t, 1) + net.reduce_scatter_time(system, rows_bytes, t, 1)
+        tp_fwd = tp_ar + moe_tp + loss_mean
         tp_bwd = _tp_backward(lay, tp_ar, wgrad, dev, collectives=1) + moe_tp
     else:
         wgrad.append(weight_grad_time(dev, tokens, f / t, h, bytes_per_element=e))
@@ -237,7 +293,8 @@ def _layer_times_uncached(system: System, model: GPT, lay: Layout, moe: bool) ->
                 (FUSED_ATTN_BWD_OVER_FWD if lay.fused_attention else BWD_OVER_FWD) * (attn + ew_attn))
     return {"gemm": dense, "gemm_bwd": dense_bwd, "attn": attn + ew_attn, "attn_bwd": attn_bwd, "ew": ew,
             "tp_fwd": tp_fwd, "tp_bwd": tp_bwd, "a2a": a2a, "expert_recompute": gelu_again,
-            "a2a_exposed": (max(0.0, a2a - hide[0]), max(0.0, a2a - hide[1])),
+            "a2a_exposed": tuple(overlapped_exposed(dev, a2a, x) for x in hide), "counts": counts,
+            "routing": routing[0], "routing_bwd": routing[1],
             "kernels": KERNELS_PER_LAYER * dev.kernel_overhead}
 
 
@@ -250,9 +307,10 @@ def _mlp_gemms(dev, rows: float, width: float, hidden: int, dtype_bytes: int, ba
 
 
 def local_experts(model: GPT, lay: Layout) -> int:
-    """Experts of one MoE layer that a rank holds (whole): experts / ep, replicated over tp; with
-    ``fold_tp_into_ep`` experts / (ep x tp), each on one rank of its dp replica (Liu et al. 2025, "MoE Parallel
-    Folding"; rank (ep_i, tp_j) holds the global ids from (ep_i tp + tp_j) x E / (ep tp))."""
+    """Experts of one MoE layer that a rank holds: experts / ep, replicated over tp (whole, or with
+    ``expert_tensor_parallel`` 1/tp of each one's hidden width); with ``fold_tp_into_ep`` experts / (ep x tp),
+    whole, each on one rank of its dp replica (Liu et al. 2025, "MoE Parallel Folding"; rank (ep_i, tp_j)
+    holds the global ids from (ep_i tp + tp_j) x E / (ep tp))."""
     return model.experts // lay.expert_group
 
 
@@ -266,7 +324,8 @@ class RankParams:
     samples (an MoE layer's router and shared experts under tp > 1, and its experts unless folded), whose
     gradients are partial per tp rank and summed over tp every time they are reduced (they carry the
     ``sequence_parallel`` tag; a sequence-parallel layer norm's few h parameters do too, and are left
-    out). Folded experts are on one tp rank only: their gradients are complete there."""
+    out). Folded experts are on one tp rank only: their gradients are complete there; so are the width slices of
+    expert tensor parallelism, whose whole output biases (``b_proj``, on every tp rank) are summed over tp."""
 
     dense: float
     expert: float
@@ -291,12 +350,19 @@ def layer_rank_params(model: GPT, lay: Layout, moe: bool) -> RankParams:
     dense MLP: its attention and norms, sharded as a dense block's, and its MoE layer, which podscale does
     not shard over tp (podscale.parallel.moe.layer.MoELayer.forward: each tp rank runs 1/tp of the samples
     through whole experts): the router and the shared experts (dense: every ep and tp rank runs them, their
-    gradients summed over tp) and the rank's :func:`local_experts` whole experts: ``experts / ep``, the
-    same on every tp rank and summed over tp, or folded ``experts / (ep tp)``, on this rank alone."""
-    t = lay.tp
+    gradients summed over tp) and the rank's :func:`local_experts` experts: ``experts / ep`` whole, the
+    same on every tp rank and summed over tp; folded ``experts / (ep tp)`` whole, on this rank alone; or with
+    ``expert_tensor_parallel`` ``experts / ep`` at 1/tp of their width (``w_fc``'s columns, ``b_fc``,
+    ``w_proj``'s rows: Megatron-core's expert tensor parallelism) with the whole output bias ``b_proj``, of
+    which only ``b_proj`` is summed over tp."""
+    t, h = lay.tp, model.hidden
     if not moe:
         return RankParams(model.layer_params() / t, 0.0)
-    moe_dense, experts = model.moe_dense_params, local_experts(model, lay) * model.mlp_params()
+    n_local, moe_dense = local_experts(model, lay), model.moe_dense_params
+    if lay.expert_tensor_parallel:
+        experts = n_local * model.mlp_params(model.ffn // t)
+        return RankParams(model.attention_params / t + moe_dense, experts, moe_dense + n_local * h)
+    experts = n_local * model.mlp_params()
     summed = 0.0 if t == 1 else moe_dense + (0.0 if lay.fold_tp_into_ep else experts)
     return RankParams(model.attention_params / t + moe_dense, experts, summed)
 
@@ -356,6 +422,31 @@ def layer_elementwise_bytes(tokens: float, hidden: float, ffn: float, tp: int = 
     return (replicated + sharded) * dtype_bytes / 2
 
 
+def moe_routing_bytes(tokens: float, experts: int, top_k: int, hidden: int, dtype_bytes: int) -> tuple[float, float]:
+    """(forward, backward) bytes an MoE layer's routing, dispatch and combine move on a rank routing ``tokens``
+    tokens, counted kernel by kernel as podscale runs them (podscale.parallel.moe.gate.route, the aux and z
+    losses, MoELayer._forward_local), with every choice kept (C = tokens x top_k choices and rows, the planner's
+    unit before the busiest rank's load). Probabilities are fp32 (the router's selective precision, Fedus et
+    al. 2021, Sec. 2.4), indices int64, rows ``dtype_bytes`` x ``hidden``:
+
+    forward   softmax (read + write the N x E probabilities), top_k max passes and the masked copy, the aux
+              loss's mean and the z loss's logsumexp (2): (top_k + 7) passes over N x E; the choices' index
+              work (keys, the stable sort and its permutation, bincount, slots, token-major ids, position
+              scatter, kept selection, tokens of the kept choices): 34 int64 passes over C; the dispatch's
+              gather of C rows (read + write), the combine's scaling (read + write) and index_add (read the rows,
+              read + write the zeroed token rows): 5 C + 3 N rows
+    backward  softmax's, the gates' gather's and the losses' gradients: 8 passes over N x E; the combine's
+              row gradients gathered (2 C), both gradients of the scaling (4 C), the dispatch's index_add into
+              zeroed token gradients (C + 3 N): 7 C + 3 N rows
+
+    These counts are fixed, not fitted; a calibrated CPU measures the rate of these kernels in these bytes
+    (``plan calibrate``: ``compute.routing_time``)."""
+    n, c, row = tokens, tokens * top_k, dtype_bytes * hidden
+    forward = 4 * (top_k + 7) * n * experts + 8 * 34 * c + row * (5 * c + 3 * n)
+    backward = 4 * 8 * n * experts + row * (7 * c + 3 * n)
+    return forward, backward
+
+
 def _tp_collectives_per_pass(lay: Layout) -> int:
     """Tensor-parallel all-reduces (or reduce-scatter/all-gather pairs) of one layer in one pass: two in
     Megatron's sequential block (after attention, after the MLP: Shoeybi et al. 2019, Fig. 3); one in the
@@ -412,9 +503,9 @@ def predict_gpt(system: System, devices: int, model: GPT, lay: Layout, batch: in
         return (1 - moe_frac) * dense_t[key] + moe_frac * moe_t[key]
 
     gemm, attn, ew = per_layer("gemm"), per_layer("attn"), per_layer("ew")
-    launch = per_layer("kernels")
-    fwd = gemm + attn + ew + launch
-    bwd = per_layer("gemm_bwd") + per_layer("attn_bwd") + BWD_OVER_FWD * (ew + launch)
+    launch, routing = per_layer("kernels"), per_layer("routing")
+    fwd = gemm + attn + ew + launch + routing
+    bwd = per_layer("gemm_bwd") + per_layer("attn_bwd") + BWD_OVER_FWD * (ew + launch) + per_layer("routing_bwd")
     # selective recompute re-runs the attention core's forward (fused or not) before its backward
     recompute = {"none": 0.0, "selective": attn, "full": fwd}[lay.recompute]
     # the experts' GELU evaluated again (model.expert_recompute; a full recompute re-runs it anyway)
@@ -425,7 +516,7 @@ def predict_gpt(system: System, devices: int, model: GPT, lay: Layout, batch: in
     # dispatch and combine in every forward (twice with full recompute) and backward, each less the own
     # rows' expert work it overlaps
     exposed_fwd, exposed_bwd = moe_t["a2a_exposed"]
-    ep_comm = 2 * moe_frac * ((2 if lay.recompute == "full" else 1) * exposed_fwd + exposed_bwd)
+    ep_comm = 2 * moe_frac * (n_fwd * exposed_fwd + exposed_bwd) + moe_frac * n_fwd * moe_t["counts"]
     # Last stage: vocabulary projection and cross-entropy (Megatron places them there).
     logits_elems = b * s * V / t
     head_gemm = 3 * gemm_time(dev, b * s, V / t, h, bytes_per_element=dev.dtype_bytes)
@@ -533,9 +624,9 @@ def predict_gpt(system: System, devices: int, model: GPT, lay: Layout, batch: in
     step = sum(breakdown.values())
     # The same step split by kind of work, to set beside a profile (bench/plan_profile_step.py).
     nl = m * n_slow
-    fwd_c = {"gemm": gemm, "attention": attn, "elementwise": ew, "host": launch}
+    fwd_c = {"gemm": gemm, "attention": attn, "elementwise": ew, "host": launch, "routing": routing}
     bwd_c = {"gemm": per_layer("gemm_bwd"), "attention": per_layer("attn_bwd"),
-             "elementwise": BWD_OVER_FWD * ew, "host": BWD_OVER_FWD * launch}
+             "elementwise": BWD_OVER_FWD * ew, "host": BWD_OVER_FWD * launch, "routing": per_layer("routing_bwd")}
     rec_c = dict({"none": {}, "selective": {"attention": attn}, "full": fwd_c}[lay.recompute])
     rec_c["elementwise"] = rec_c.get("elementwise", 0.0) + expert_rec
     components = {k: nl * (fwd_c[k] + bwd_c[k] + rec_c.get(k, 0.0)) for k in fwd_c}
@@ -548,7 +639,8 @@ def predict_gpt(system: System, devices: int, model: GPT, lay: Layout, batch: in
 
     # Memory of every pipeline rank; the fullest one is reported.
     mlp_scale = model.top_k * model.expert_load(lay.expert_group) if model.moe_layers else 1.0
-    moe_kw = dict(mlp_scale=mlp_scale, shared_ffn=model.shared_ffn)
+    moe_kw = dict(mlp_scale=mlp_scale, shared_ffn=model.shared_ffn,
+                  expert_rows_gathered=lay.expert_tensor_parallel_size)
     act_kw = dict(seq=s, microbatch=b, hidden=h, heads=model.heads, tp=t,
                   sequence_parallel=lay.sequence_parallel, ffn=model.ffn)
     # a fused attention kernel keeps no s x s tensors for its backward, as selective recompute does

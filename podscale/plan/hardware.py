@@ -45,6 +45,11 @@ class Device:
     # Measured (local only): the same rate at several activation sizes, tuples (bytes of one tokens x hidden
     # activation, bytes/s); a CPU runs them faster while a layer's activations stay in its caches.
     elementwise_table: tuple = ()
+    # Measured (local only): bytes/s of an MoE layer's routing, dispatch and combine (gate.route, the aux and
+    # z losses, the gathers and index_add of the rows, forward and backward: many small sorting, counting and
+    # indexing kernels) in the planner's byte count of them (``gpt_cost.moe_routing_bytes``), at several sizes,
+    # tuples (bytes, bytes/s); () -> memory_bw * memory_efficiency.
+    routing_table: tuple = ()
     # Host-side cost per kernel when kernels run synchronously (CPU); GPUs queue kernels asynchronously,
     # so it is 0 there.
     kernel_overhead: float = 0.0
@@ -215,6 +220,7 @@ def system_from_dict(data: dict, source: str = "") -> System:
             dtype_bytes=int(dev.get("dtype_bytes", 2)),
             elementwise_bw=float(dev.get("elementwise_gbps", 0.0)) * GB,
             elementwise_table=tuple((float(a), float(r) * GB) for a, r in dev.get("elementwise_table", ())),
+            routing_table=tuple((float(a), float(r) * GB) for a, r in dev.get("moe_routing_table", ())),
             kernel_overhead=float(dev.get("kernel_overhead_us", 0.0)) * 1e-6,
             overlap_penalty=float(dev.get("overlap_penalty_us", 0.0)) * 1e-6,
             overlap_exposed=float(dev.get("overlap_exposed", 0.0)),

@@ -2,7 +2,8 @@
 
 Mesh axes ``pp, dp, ep, tp`` (outermost to innermost), so devices = pp * dp * ep * tp. Expert
 parallelism splits the batch like data parallelism for the dense layers (they are replicated over
-dp * ep) and shards the experts over ep (with ``fold_tp_into_ep``, over ep x tp: :attr:`Layout.expert_group`).
+dp * ep) and shards the experts over ep (with ``fold_tp_into_ep``, over ep x tp: :attr:`Layout.expert_group`;
+with ``expert_tensor_parallel``, over ep and each expert's hidden width over tp).
 ``microbatch`` is the micro-batch size per pipeline micro-step, and the global batch = dp * ep * microbatch
 * num_microbatches.
 """
@@ -33,6 +34,10 @@ class Layout:
     fold_tp_into_ep: bool = False  # MoE parallel folding (Liu et al. 2025; Megatron-core's expert tensor
                                   # parallel size 1): each MoE layer's experts sharded over ep x tp and its
                                   # tokens exchanged over that group, not replicated over tp (expert_group)
+    expert_tensor_parallel: bool = False  # expert tensor parallelism (Megatron-core's expert_tensor_parallel_size
+                                  # = tp): each tp rank holds 1/tp of the hidden width of its ep rank's experts
+                                  # and runs all the tp ranks' exchanged rows through it (all-gathered over tp,
+                                  # partial outputs reduce-scattered back); exclusive with fold_tp_into_ep
     zero_stage: int = 0
     offload_optimizer: str = "none"
     offload_param: str = "none"
@@ -101,6 +106,12 @@ class Layout:
         experts (replicated over tp)."""
         return self.ep * self.tp if self.fold_tp_into_ep else self.ep
 
+    @property
+    def expert_tensor_parallel_size(self) -> int:
+        """Ranks one expert's hidden width is split over: tp with ``expert_tensor_parallel`` (Megatron-core's
+        expert_tensor_parallel_size = tp, its alltoall token dispatcher), else 1 (whole experts)."""
+        return self.tp if self.expert_tensor_parallel else 1
+
     def num_microbatches(self, batch: int) -> int:
         per = self.data_parallel * self.microbatch
         if batch % per:
@@ -133,6 +144,8 @@ class Layout:
             s += " sp"
         if self.fold_tp_into_ep:
             s += " fold"
+        if self.expert_tensor_parallel:
+            s += " etp"
         if self.fused_attention:
             s += " flash"
         if self.parallel_block:

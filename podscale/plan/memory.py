@@ -66,13 +66,16 @@ def zero3_gathered_bytes(largest_layer: float, precision: str = "bf16") -> float
 def activation_bytes_per_layer(seq: int, microbatch: int, hidden: int, heads: int, tp: int = 1,
                                sequence_parallel: bool = False, recompute: str = "none",
                                ffn: int | None = None, mlp_scale: float = 1.0, gelu_recompute: bool = False,
-                               shared_ffn: int = 0) -> float:
+                               shared_ffn: int = 0, expert_rows_gathered: int = 1) -> float:
     """Activation bytes one transformer layer keeps for its backward pass (Korthikanti et al. 2022,
     Table 2; module docstring). ``mlp_scale`` is top_k * ``GPT.expert_load(ep)`` for an MoE layer;
     ``gelu_recompute``: the MLP keeps its GELU's input only (the output is evaluated again in the backward:
     podscale's ``model.expert_recompute``, Megatron-core's ``recompute_modules = ["moe_act"]``);
     ``shared_ffn``: an MoE layer's shared-expert MLP, which every token passes through and which keeps its
-    GELU's input and output as a dense MLP of that width does (its input is the routed experts')."""
+    GELU's input and output as a dense MLP of that width does (its input is the routed experts');
+    ``expert_rows_gathered``: the tp ranks whose exchanged rows each rank's experts run (expert tensor
+    parallelism: tp, the experts 1/tp as wide, so their GELU keeps the same bytes as whole experts on a rank's
+    own rows), whose gathered inputs, beyond the rank's own, the experts keep for their weight gradients."""
     s, b, h, a, t = seq, microbatch, hidden, heads, tp
     f = 4 * h if ffn is None else ffn
     sbh = s * b * h
@@ -81,7 +84,7 @@ def activation_bytes_per_layer(seq: int, microbatch: int, hidden: int, heads: in
     replicated = 10 * sbh                                 # layer-norm inputs, linear inputs, dropout masks
     gelu = 2 if gelu_recompute else 4                     # the GeLU's input (and output): 2 bytes x f each
     # Q, K, V, attention-out input, MLP GeLU in/out (the routed rows', then the shared experts' on every token)
-    sharded = (8 + (gelu * f * mlp_scale + 4 * shared_ffn) / h) * sbh
+    sharded = (8 + (gelu * f * mlp_scale + 4 * shared_ffn) / h + 2 * mlp_scale * (expert_rows_gathered - 1)) * sbh
     attention = 5 * a * s * s * b                         # softmax output, dropout mask and output
     if recompute == "selective":
         attention = 0.0

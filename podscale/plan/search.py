@@ -1,6 +1,6 @@
 """Layout search: enumerate tp x pp x dp x ep x ZeRO stage x micro-batch x recompute x schedule x
-interleave (x sequence parallelism x MoE parallel folding x optimizer offload), drop layouts that do not fit
-in device memory, rank the rest by predicted throughput (tokens/s; samples/s for DLRM).
+interleave (x sequence parallelism x MoE parallel folding or expert tensor parallelism x optimizer offload),
+drop layouts that do not fit in device memory, rank the rest by predicted throughput (tokens/s; samples/s for DLRM).
 
 Tensor parallelism is limited to one node's fast domain on switched systems (tp <= devices per node),
 as Narayanan et al. SC'21 (Sec. 3.3, takeaway #1) recommend; every other axis is unrestricted apart
@@ -65,25 +65,33 @@ def candidate_layouts(system: System, devices: int, model, batch: int, microbatc
                                    if pp * v <= model.layers and m % pp == 0]
                     for sched, v in scheds:
                         for rc in ("none", "selective", "full"):
-                            for sp, fold in _tp_options(model, tp, ep):
+                            for sp, fold, etp in _tp_options(model, tp, ep):
                                 # Weight streaming keeps weights and optimizer in MemoryX: no ZeRO.
                                 for zero in ((0,) if ws else (0, 1, 2, 3)):
                                     for off in offloads if zero else ("none",):
                                         yield Layout(tp=tp, pp=pp, dp=dp, ep=ep, microbatch=mb, interleave=v,
                                                      schedule=sched, recompute=rc, sequence_parallel=sp,
-                                                     fold_tp_into_ep=fold, zero_stage=zero, offload_optimizer=off)
+                                                     fold_tp_into_ep=fold, expert_tensor_parallel=etp,
+                                                     zero_stage=zero, offload_optimizer=off)
 
 
-def _tp_options(model, tp: int, ep: int) -> list[tuple[bool, bool]]:
-    """(sequence_parallel, fold_tp_into_ep) pairs to try at this tp and ep: sequence parallelism whenever
-    tp > 1; folding tp into ep (MoE parallel folding, Liu et al. 2025: the experts sharded over ep x tp rather
-    than replicated over tp) for an MoE model whose experts ep x tp divides. Folding holds fewer experts a
-    rank and sums no expert gradient over tp, but exchanges tokens over a larger group: the cost model
-    weighs it like the other knobs."""
+def _tp_options(model, tp: int, ep: int) -> list[tuple[bool, bool, bool]]:
+    """(sequence_parallel, fold_tp_into_ep, expert_tensor_parallel) triples to try at this tp and ep:
+    sequence parallelism whenever tp > 1; for an MoE model, its experts either replicated over tp, folded
+    (MoE parallel folding, Liu et al. 2025: sharded over ep x tp, where ep x tp divides the experts) or split
+    over tp by width (expert tensor parallelism, Megatron-core's expert_tensor_parallel_size = tp, where tp
+    divides the experts' width: the one way to shard experts over tp when they are fewer than ep x tp).
+    Folding and splitting hold less of the experts a rank and sum no expert gradient over tp, but exchange
+    tokens over a larger group or gather them over tp: the cost model weighs them like the other knobs."""
     if tp == 1:
-        return [(False, False)]
-    folds = (False, True) if model.experts > 1 and model.experts % (ep * tp) == 0 else (False,)
-    return [(sp, fold) for sp in (False, True) for fold in folds]
+        return [(False, False, False)]
+    experts = [(False, False)]
+    if model.experts > 1:
+        if model.experts % (ep * tp) == 0:
+            experts.append((True, False))
+        if model.ffn % tp == 0:
+            experts.append((False, True))
+    return [(sp, fold, etp) for sp in (False, True) for fold, etp in experts]
 
 
 def search(system: System | str, devices: int, model, batch: int, top: int = 10,
