@@ -22,15 +22,16 @@ def planner_model(**kw) -> GPT:
                vocab=c["vocab_size"], experts=c["experts"], top_k=c["top_k"], moe_every=c["moe_every"])
 
 
-def real_rank(tp: int, ep: int, rank: int, fold: bool = False) -> dict:
+def real_rank(tp: int, ep: int, rank: int, fold: bool = False, split: bool = False) -> dict:
     """Parameter counts of global rank ``rank`` of a tp x ep mesh, as podscale builds it: the GPT-MoE on the
     meta device with the rank's mesh coordinates (its experts; ``fold``: MoE parallel folding, experts sharded
-    over ep x tp), then sharded over tp. Building needs no process group (no collective runs until the first
-    forward). ``expert_tags``: the (tensor_parallel, sequence_parallel) marks its experts carry."""
+    over ep x tp; ``split``: expert tensor parallelism, each expert's width split over tp), then sharded over
+    tp. Building needs no process group (no collective runs until the first forward). ``expert_tags``: the
+    (tensor_parallel, sequence_parallel) marks its experts carry."""
     from podscale.runtime.mesh import Mesh
     mesh = Mesh(sizes={"pp": 1, "dp": 1, "ep": ep, "tp": tp}, rank=rank)
     with torch.device("meta"):
-        model = GPTMoE(GPTMoEConfig(**CFG), mesh, False, fold_tp=True) if fold else GPTMoE(GPTMoEConfig(**CFG), mesh)
+        model = GPTMoE(GPTMoEConfig(**CFG), mesh, False, fold_tp=fold, expert_tensor_parallel=split)
     apply_tensor_parallel(model, mesh)
     out = {"total": 0, "expert": 0, "tp_summed": 0, "tp_replicated_dense": 0, "expert_tags": set()}
     for name, p in model.named_parameters():
@@ -66,6 +67,20 @@ def test_a_ranks_parameters_under_tp_are_what_podscale_builds(ep):
     # at tp = 1 nothing is summed over tp, and the experts are the same
     one = gpt_cost.rank_params(model, Layout(tp=1, dp=1, ep=ep, microbatch=2))
     assert one.tp_summed == 0 and one.expert == planned.expert
+
+
+@pytest.mark.parametrize("ep", [1, 2])
+def test_a_ranks_split_experts_are_what_podscale_builds(ep):
+    """Expert tensor parallelism at tp = 2: the planner's per-rank expert parameters and the ones summed over
+    tp (router and the whole ``b_proj``s) are a real rank's, to the parameter, on every rank of the mesh."""
+    tp = 2
+    planned = gpt_cost.rank_params(planner_model(), Layout(tp=tp, dp=1, ep=ep, microbatch=2,
+                                                           expert_tensor_parallel=True))
+    for rank in range(tp * ep):
+        real = real_rank(tp, ep, rank, split=True)
+        assert planned.expert == real["expert"]
+        assert planned.tp_summed == real["tp_summed"]
+        assert planned.total == real["total"] - real["tp_replicated_dense"] * (1 - 1 / tp)
 
 
 def test_the_gradient_sum_over_tp_is_paid_once_per_reduction():
@@ -412,7 +427,8 @@ def test_the_search_tries_expert_tensor_parallelism_and_auto_passes_it_on():
     """Split layouts are candidates for an MoE model at every tp > 1 that divides the experts' width, also
     where the experts are fewer than ep x tp (no folding: splitting is then the one way to shard them over
     tp), never for a dense model or at tp 1, never folded too; ``--layout auto``'s overrides set
-    parallel.expert_tensor_parallel = true on them (checked as overrides, not loaded into a config)."""
+    parallel.expert_tensor_parallel either way, and the trainer's config accepts an ETP layout's overrides
+    (and refuses them for a dense model)."""
     from podscale.plan.auto import layout_overrides
     from podscale.plan.search import candidate_layouts
     system = as_system("dgx-a100-80g")
@@ -430,7 +446,14 @@ def test_the_search_tries_expert_tensor_parallelism_and_auto_passes_it_on():
     lay = Layout(tp=2, dp=4, ep=2, microbatch=2, expert_tensor_parallel=True)
     assert "parallel.expert_tensor_parallel=true" in layout_overrides(lay)
     assert "parallel.fold_tp_into_ep=false" in layout_overrides(lay)
-    assert not any("expert_tensor_parallel" in o for o in layout_overrides(Layout(tp=2, dp=8, microbatch=2)))
+    assert "parallel.expert_tensor_parallel=false" in layout_overrides(Layout(tp=2, dp=8, microbatch=2))
+    from podscale.config import ConfigError, load_config
+    cfg = load_config("examples/gpt-moe.toml", ["parallel.nproc=16", "train.global_batch=64"] + layout_overrides(lay))
+    assert (cfg.parallel.tp, cfg.parallel.ep, cfg.parallel.expert_tensor_parallel) == (2, 2, True)
+    cfg.check_layout(16)
+    with pytest.raises(ConfigError, match="parallel.expert_tensor_parallel splits a mixture-of-experts model's"):
+        dense = Layout(tp=2, dp=8, microbatch=2, expert_tensor_parallel=True)
+        load_config("examples/gpt-small.toml", ["parallel.nproc=16"] + layout_overrides(dense)).check_layout(16)
 
 
 def test_plan_predict_says_the_experts_are_split(capsys):

@@ -63,13 +63,12 @@ def gpt_of(cfg: Config) -> GPT:
 
 
 def layout_overrides(lay: Layout) -> list:
-    """Config overrides that make ``podscale train`` run ``lay``. ``parallel.expert_tensor_parallel`` is set
-    only on the layouts that use it (``= true``), the config's default being false: a config that does not
-    know the key yet then refuses those layouts alone (``_runnable``), not every layout."""
-    etp = ["parallel.expert_tensor_parallel=true"] if lay.expert_tensor_parallel else []
+    """Config overrides that make ``podscale train`` run ``lay`` (every key of the layout set, so a config's
+    own setting cannot contradict the chosen layout)."""
     return [f"parallel.tp={lay.tp}", f"parallel.pp={lay.pp}", f"parallel.dp={lay.dp}", f"parallel.ep={lay.ep}",
             f"parallel.sequence_parallel={'true' if lay.sequence_parallel else 'false'}",
-            f"parallel.fold_tp_into_ep={'true' if lay.fold_tp_into_ep else 'false'}", *etp,
+            f"parallel.fold_tp_into_ep={'true' if lay.fold_tp_into_ep else 'false'}",
+            f"parallel.expert_tensor_parallel={'true' if lay.expert_tensor_parallel else 'false'}",
             f"parallel.schedule='{lay.schedule}'", f"parallel.virtual_stages={lay.interleave}",
             f"parallel.recompute='{lay.recompute}'", f"train.micro_batch={lay.microbatch}",
             f"zero.stage={lay.zero_stage}", f"zero.offload_optimizer='{lay.offload_optimizer}'",
