@@ -650,23 +650,12 @@ def calibrate_moe_routing(path: str | None = None, quick: bool = False, ranks: i
     torch thread each, as the full calibration runs it; the mean rate over the ranks) and write them into an
     existing system file (default the ``local`` one), replacing its ``moe_routing_table`` line:
     ``podscale plan calibrate --moe-routing-only``."""
-    import multiprocessing as mp
     import re
     p = Path(path) if path else local_system_path()
     if not p.is_file():
         raise ValueError(f"no system file at {p}: run `podscale plan calibrate` first")
     start = time.perf_counter()
-    ctx = mp.get_context("spawn")
-    barrier, queue = ctx.Barrier(ranks), ctx.Queue()
-    procs = [ctx.Process(target=_routing_worker, args=(barrier, queue, quick)) for _ in range(ranks)]
-    for proc in procs:
-        proc.start()
-    results = [queue.get(timeout=600) for _ in procs]
-    for proc in procs:
-        proc.join()
-    bad = [r for r in results if isinstance(r, str)]
-    if bad:
-        raise RuntimeError(f"MoE routing microbenchmark failed: {bad[0]}")
+    results = _concurrently(_routing_worker, (quick,), ranks, "MoE routing microbenchmark")
     rows = [[results[0][i][0], sum(r[i][1] for r in results) / ranks] for i in range(len(results[0]))]
     text = re.sub(r"\n(# )?moe_routing_table[^\n]*", "", p.read_text())
     text = re.sub(r"(\nelementwise_table = [^\n]*)", lambda m: m.group(1) + "\n" + routing_line(rows), text, count=1)
@@ -1098,6 +1087,24 @@ def measure_table_rates(quick: bool = False, ranks: int = 2, folder: str | None 
     return out
 
 
+def _concurrently(worker, args: tuple, ranks: int, what: str) -> list:
+    """``worker(barrier, queue, *args)`` in ``ranks`` spawned processes at once (each puts one result, or one
+    line saying what failed); their results, or a RuntimeError naming ``what``."""
+    import multiprocessing as mp
+    ctx = mp.get_context("spawn")
+    barrier, queue = ctx.Barrier(ranks), ctx.Queue()
+    procs = [ctx.Process(target=worker, args=(barrier, queue, *args)) for _ in range(ranks)]
+    for proc in procs:
+        proc.start()
+    results = [queue.get(timeout=600) for _ in procs]
+    for proc in procs:
+        proc.join()
+    bad = [r for r in results if isinstance(r, str)]
+    if bad:
+        raise RuntimeError(f"{what} failed: {bad[0]}")
+    return results
+
+
 def _table_worker(barrier, queue, quick: bool, ranks: int, folder: str | None) -> None:
     barrier.wait()                       # start together: the ranks share the cores while they measure
     try:
@@ -1110,18 +1117,7 @@ def measure_table_rates_concurrently(quick: bool = False, ranks: int = 2, folder
     """:func:`measure_table_rates` in ``ranks`` processes at the same time, as `podscale train` runs its ranks
     (they share cores, caches and memory bandwidth, like the rest of calibration's measurements); each
     coefficient is the mean over the ranks."""
-    import multiprocessing as mp
-    ctx = mp.get_context("spawn")
-    barrier, queue = ctx.Barrier(ranks), ctx.Queue()
-    procs = [ctx.Process(target=_table_worker, args=(barrier, queue, quick, ranks, folder)) for _ in range(ranks)]
-    for p in procs:
-        p.start()
-    results = [queue.get(timeout=600) for _ in procs]
-    for p in procs:
-        p.join()
-    bad = [r for r in results if isinstance(r, str)]
-    if bad:
-        raise RuntimeError(f"table microbenchmark failed: {bad[0]}")
+    results = _concurrently(_table_worker, (quick, ranks, folder), ranks, "table microbenchmark")
     return {op: [sum(r[op][i] for r in results) / ranks for i in range(3)] for op in results[0]}
 
 
