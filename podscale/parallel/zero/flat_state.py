@@ -38,6 +38,7 @@ import torch.nn as nn
 
 from podscale.optim import flat_lamb
 from podscale.optim.flat_adam import FlatAdamW, Segment
+from podscale.parallel.param_tags import tags
 from podscale.parallel.zero.layout import Unit
 from podscale.runtime import comm
 from podscale.storage.aio import aligned_empty
@@ -100,16 +101,27 @@ class FlatState(ABC):
         """Sum the per-tensor squares ``t`` (2 x n_tensors) of the trust ratios over the ranks that hold
         pieces of each tensor: its unit's axes.  Under expert parallelism a dense tensor is sharded over dp x
         ep and an expert's over dp only (each ep rank's tensor at that index is another expert, so a sum over
-        ep would mix experts): one all-reduce per group of axes."""
+        ep would mix experts): one all-reduce per group of axes.  A tensor split over tp (it has a tp layout:
+        Megatron's shards, an expert's width split over tp) has pieces on the tp ranks too, so its squares are
+        then summed over tp as well: a trust ratio is the whole tensor's (You et al. 2020, LAMB's per-layer
+        norms), while a tensor each tp rank holds whole (a layer norm, a router) or another one of (an expert
+        folded over ep x tp) counts alone."""
+        params = [p for u in self.units for p in u.params]
         axes = [u.axes for u in self.units for _ in u.params]
         groups = sorted(set(axes))
         if len(groups) == 1:
             comm.all_reduce(t, self.mesh, groups[0])
-            return
-        for g in groups:
-            idx = torch.tensor([i for i, a in enumerate(axes) if a == g], device=t.device)
+        else:
+            for g in groups:
+                idx = torch.tensor([i for i, a in enumerate(axes) if a == g], device=t.device)
+                part = t.index_select(1, idx)
+                comm.all_reduce(part, self.mesh, g)
+                t.index_copy_(1, idx, part)
+        split = [i for i, p in enumerate(params) if tags(p).tp_layout is not None]
+        if split and self.mesh.size("tp") > 1:
+            idx = torch.tensor(split, device=t.device)
             part = t.index_select(1, idx)
-            comm.all_reduce(part, self.mesh, g)
+            comm.all_reduce(part, self.mesh, ("tp",))
             t.index_copy_(1, idx, part)
 
     # initial state ---------------------------------------------------------------------------------
