@@ -88,11 +88,11 @@ class Upcycling(WeightConversion):
     TRUNK = ("vocab_size", "block_size", "n_layer", "n_head", "n_embd", "bias")
 
     def __init__(self, source: ModelWeights, cfg: GPTMoEConfig):
-        theirs = source.model_config
+        theirs, mine = source.model_config, asdict(cfg)
         for key in self.TRUNK:
-            if theirs.get(key) != getattr(cfg, key):
+            if theirs.get(key) != mine[key]:
                 raise ValueError(f"train.init_from: the dense GPT in '{source.path}' has {key}={theirs.get(key)!r}, "
-                                 f"this GPT-MoE model.{key}={getattr(cfg, key)!r}: upcycling copies the trunk, "
+                                 f"this GPT-MoE model.{key}={mine[key]!r}: upcycling copies the trunk, "
                                  f"so set model.{key} = {theirs.get(key)!r}")
         if cfg.hidden != 4 * cfg.n_embd:
             raise ValueError(f"train.init_from: upcycling copies each MLP (width {4 * cfg.n_embd}) into the "

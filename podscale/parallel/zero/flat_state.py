@@ -29,6 +29,7 @@ forward needs, and :meth:`FlatState.finish_step` completes it; the in-memory bac
 """
 from __future__ import annotations
 
+import functools
 import math
 import time
 from abc import ABC, abstractmethod
@@ -106,23 +107,25 @@ class FlatState(ABC):
         then summed over tp as well: a trust ratio is the whole tensor's (You et al. 2020, LAMB's per-layer
         norms), while a tensor each tp rank holds whole (a layer norm, a router) or another one of (an expert
         folded over ep x tp) counts alone."""
+        for axes, idx in self._trust_groups:
+            part = t if idx is None else t.index_select(1, idx.to(t.device))
+            comm.all_reduce(part, self.mesh, axes)
+            if idx is not None:
+                t.index_copy_(1, idx.to(t.device), part)
+
+    @functools.cached_property
+    def _trust_groups(self) -> list[tuple[tuple[str, ...], torch.Tensor | None]]:
+        """(mesh axes, tensor indices or None for all) of :meth:`_allreduce_trust`'s all-reduces, in order,
+        fixed by the units: one per group of unit axes, then one over tp for the tensors split over it."""
         params = [p for u in self.units for p in u.params]
         axes = [u.axes for u in self.units for _ in u.params]
-        groups = sorted(set(axes))
-        if len(groups) == 1:
-            comm.all_reduce(t, self.mesh, groups[0])
-        else:
-            for g in groups:
-                idx = torch.tensor([i for i, a in enumerate(axes) if a == g], device=t.device)
-                part = t.index_select(1, idx)
-                comm.all_reduce(part, self.mesh, g)
-                t.index_copy_(1, idx, part)
+        distinct = sorted(set(axes))
+        out = [(distinct[0], None)] if len(distinct) == 1 else [
+            (g, torch.tensor([i for i, a in enumerate(axes) if a == g])) for g in distinct]
         split = [i for i, p in enumerate(params) if tags(p).tp_layout is not None]
         if split and self.mesh.size("tp") > 1:
-            idx = torch.tensor(split, device=t.device)
-            part = t.index_select(1, idx)
-            comm.all_reduce(part, self.mesh, ("tp",))
-            t.index_copy_(1, idx, part)
+            out.append((("tp",), torch.tensor(split)))
+        return out
 
     # initial state ---------------------------------------------------------------------------------
     @abstractmethod
