@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import itertools
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -94,9 +96,11 @@ def as_trained(lay: Layout) -> Layout:
     return dataclasses.replace(lay, fused_attention=True, tp_overlap=lay.tp > 1, grad_accumulation_fusion=False)
 
 
-def choose_layout(cfg, world_size: int, system: System | str = "local", keep: int = 0) -> AutoChoice:
-    """The fastest predicted layout of ``cfg`` on ``world_size`` devices of ``system`` that fits in device
-    memory and that the trainer accepts; ``keep`` > 0 also returns that many runners-up in ``ranked``."""
+def ranked_layouts(cfg, world_size: int, system: System | str = "local") -> tuple[int, Iterator]:
+    """Every layout of ``cfg`` on ``world_size`` devices of ``system`` that fits in device memory and that the
+    trainer accepts, fastest predicted first: (the number of layouts predicted, an iterator of
+    (Prediction, config overrides, Layout)).  Layouts are predicted up front and checked against the
+    trainer's config validator lazily, in rank order (the check parses a config: most callers stop early)."""
     system = as_system(system)
     system.check_devices(world_size)
     model = gpt_of(cfg)
@@ -113,13 +117,21 @@ def choose_layout(cfg, world_size: int, system: System | str = "local", keep: in
         if pred.fits:
             preds.append((pred.step_time_s, len(preds), pred, lay))
     preds.sort(key=lambda x: (x[0], x[1]))
-    ranked = []
-    for _, _, pred, lay in preds:
-        over = layout_overrides(lay)
-        if _runnable(cfg, world_size, over):
-            ranked.append((pred, over, lay))
-            if len(ranked) > max(keep, 0):
-                break
+
+    def runnable():
+        for _, _, pred, lay in preds:
+            over = layout_overrides(lay)
+            if _runnable(cfg, world_size, over):
+                yield pred, over, lay
+    return evaluated, runnable()
+
+
+def choose_layout(cfg, world_size: int, system: System | str = "local", keep: int = 0) -> AutoChoice:
+    """The fastest predicted layout of ``cfg`` on ``world_size`` devices of ``system`` that fits in device
+    memory and that the trainer accepts; ``keep`` > 0 also returns that many runners-up in ``ranked``."""
+    system = as_system(system)
+    evaluated, layouts = ranked_layouts(cfg, world_size, system)
+    ranked = list(itertools.islice(layouts, max(keep, 0) + 1))
     if not ranked:
         raise ValueError(f"--layout auto found no layout of this model that fits {world_size} devices of "
                          f"{system.name} ({evaluated} predicted): use more processes or a smaller model")
