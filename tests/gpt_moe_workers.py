@@ -157,6 +157,8 @@ def run_job(job: dict, mesh: Mesh) -> dict:
         out["biases"] = {n: b.clone() for n, b in buffers if n.endswith("selection_bias")}
         if job.get("stage", 0) <= 1:  # (ZeRO-1's compute parameters are whole on every rank)
             out["params"] = _full(_named(engine, mesh), mesh, lambda p: p.detach())
+            # the shared expert's tensors as this rank holds them (its tp part when its width is split)
+            out["shared_held"] = {n: p.detach().clone() for n, p in _named(engine, mesh) if ".moe.shared." in n}
     finally:
         engine.close()
     return out
