@@ -196,8 +196,8 @@ def test_lamb_and_lars_trust_ratios_under_tp2_with_split_experts_match_one_proce
     """ZeRO-1 LAMB and LARS at tp = 2 with the experts' width split over tp: a trust ratio is a whole tensor's, so the
     squared norms of a tensor split over tp (attention, the split experts' parts) are summed over tp too,
     while a tensor each tp rank holds whole (layer norms, routers, ``b_proj``) counts once (without the tp sum
-    the routing parts from one process's by step 3; LARS runs at :data:`SPLIT_TRUST_LR`, where its ratios
-    without the tp sum leave the losses 1e-6 apart).  Parameters within 2.5e-5 of one process's, except the
+    the routing parts from one process's by step 3; LARS runs at :data:`SPLIT_TRUST_LR`, a rate at which its
+    ratios without the tp sum move the run off one process's).  Parameters within 2.5e-5 of one process's, except the
     attention's key bias: its true gradient is zero (a softmax does not see a shift shared by every key), so
     it holds only fp32 rounding noise, different under tp, which the optimizer's trust-ratio-scaled step turns
     into updates of ~1e-7: it is checked to stay that small."""
