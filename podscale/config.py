@@ -572,8 +572,8 @@ class ParallelSection(_Section):
     expert_tensor_parallel: bool = Field(
         False, description="mixture-of-experts models under tp > 1: split each expert's hidden width over tp "
         "(Megatron-core's expert_tensor_parallel_size = tp): every tp rank holds 1/tp of each of its ep rank's "
-        "experts and runs every tp rank's tokens through it, for few large experts (model.expert_hidden a "
-        "multiple of tp; not with fold_tp_into_ep)")
+        "experts and of the shared experts and runs every tp rank's tokens through it, for few large experts "
+        "(model.expert_hidden a multiple of tp; not with fold_tp_into_ep)")
     schedule: Literal["gpipe", "1f1b", "interleaved"] = "1f1b"
     virtual_stages: int = Field(1, ge=1, description="model chunks per pipeline rank (interleaved 1F1B)")
     recompute: Literal["none", "selective", "full"] = "none"

@@ -65,11 +65,11 @@ class GPTMoETask64(GPTMoETask):
 def config(mode: str, dp: int, ep: int, stage: int = 0, steps: int = 20, pp: int = 1, tp: int = 1,
            micro_batch: int | None = None, schedule: str = "1f1b", optimizer: str = "adamw",
            sequence_parallel: bool = False, virtual_stages: int = 1, n_layer: int = 2, compile: str | None = None,
-           fold: bool = False, etp: bool = False, model: dict | None = None):
+           fold: bool = False, etp: bool = False, model: dict | None = None, lr: float = 3e-3):
     """The test model on a (pp, dp, ep, tp) layout; ``micro_batch`` default: one micro-batch per step;
     ``compile``: a torch.compile backend for ``train.compile`` (None: eager); ``fold``:
     ``parallel.fold_tp_into_ep``; ``etp``: ``parallel.expert_tensor_parallel``; ``model``: more keys of the
-    model section."""
+    model section; ``lr``: the peak learning rate."""
     return parse_config({
         "run": {"name": "moe", "steps": steps, "seed": 7},
         "model": {"kind": "gpt-moe", "n_layer": n_layer, "n_head": 2, "n_embd": 32, "block_size": 32, "experts": 8,
@@ -80,7 +80,7 @@ def config(mode: str, dp: int, ep: int, stage: int = 0, steps: int = 20, pp: int
                      "sequence_parallel": sequence_parallel, "virtual_stages": virtual_stages,
                      "fold_tp_into_ep": fold, "expert_tensor_parallel": etp},
         # (decay_steps fixed: a run resumed with fewer steps keeps the same learning-rate schedule)
-        "train": {"global_batch": 8, "micro_batch": micro_batch or 8 // (dp * ep), "lr": 3e-3, "warmup_steps": 2,
+        "train": {"global_batch": 8, "micro_batch": micro_batch or 8 // (dp * ep), "lr": lr, "warmup_steps": 2,
                   "decay_steps": 20, "grad_clip": 1.0, "compile": compile is not None,
                   "compile_backend": compile or "inductor"},
         "zero": {"stage": stage, "param_persistence_threshold": 100, "optimizer": optimizer},
@@ -95,7 +95,7 @@ def run_job(job: dict, mesh: Mesh) -> dict:
     cfg = config(job["mode"], job["dp"], job["ep"], job.get("stage", 0), job["steps"], job.get("pp", 1),
                  job.get("tp", 1), job.get("micro_batch"), job.get("schedule", "1f1b"), job.get("optimizer", "adamw"),
                  job.get("sp", False), job.get("virtual_stages", 1), job.get("n_layer", 2), job.get("compile"),
-                 job.get("fold", False), job.get("etp", False), job.get("model"))
+                 job.get("fold", False), job.get("etp", False), job.get("model"), job.get("lr", 3e-3))
     task = GPTMoETask64(cfg)
     graphs = counters["stats"]["unique_graphs"]
     torch.manual_seed(cfg.run.seed)
@@ -157,6 +157,8 @@ def run_job(job: dict, mesh: Mesh) -> dict:
         out["biases"] = {n: b.clone() for n, b in buffers if n.endswith("selection_bias")}
         if job.get("stage", 0) <= 1:  # (ZeRO-1's compute parameters are whole on every rank)
             out["params"] = _full(_named(engine, mesh), mesh, lambda p: p.detach())
+            # the shared expert's tensors as this rank holds them (its tp part when its width is split)
+            out["shared_held"] = {n: p.detach().clone() for n, p in _named(engine, mesh) if ".moe.shared." in n}
     finally:
         engine.close()
     return out

@@ -76,18 +76,20 @@ LAYOUTS = [
     ("pp=2 1f1b", _cfg(2, pp=2, dp=1)),
 ]
 MOE_STEPS = 6
-# the GPT-MoE (tests/gpt_moe_workers.py: fp64, both blocks MoE), top-1 beside a shared expert, at ep = 2
+# the GPT-MoE (tests/gpt_moe_workers.py: fp64, both blocks MoE), top-1 beside a shared expert, at ep = 2; and
+# at tp = 2 with the experts' width (the shared expert's too) split over tp (parallel.expert_tensor_parallel)
 MOE_JOB = dict(mode="shared", dp=1, ep=2, steps=MOE_STEPS, eval=True)
+MOE_SPLIT_JOB = dict(MOE_JOB, ep=1, tp=2, etp=True)
 
 
 @pytest.fixture(scope="module")
 def launched(compile_env):
     """One launch of 2 ranks for every compiled run: rank 0 first trains the plain loop of the reference with
     its blocks compiled as train.compile compiles them (one process, micro-batches of MICRO), then both ranks
-    train the GPT layouts, then the compiled GPT-MoE job."""
-    moe = dict(MOE_JOB, compile="aot_eager")
+    train the GPT layouts, then the compiled GPT-MoE jobs (ep = 2; tp = 2 with split experts)."""
+    moe = [dict(job, compile="aot_eager") for job in (MOE_JOB, MOE_SPLIT_JOB)]
     return launch(compiled_one_process_then_layouts, (_base(GLOBAL_BATCH, 1), GLOBAL_BATCH // MICRO, "inductor",
-                                                      [d for _, d in LAYOUTS], [moe]), nproc=2)
+                                                      [d for _, d in LAYOUTS], moe), nproc=2)
 
 
 def test_compiled_one_process_dp_zero3_tp_sp_pp_match_eager(reference, launched):
@@ -108,7 +110,15 @@ def test_compiled_one_process_dp_zero3_tp_sp_pp_match_eager(reference, launched)
     assert all(1 < g <= 10 for g in graphs["tp=2 sp"]), graphs
 
 
-def test_compiled_gpt_moe_under_expert_parallelism_matches_eager_one_process(launched):
+@pytest.fixture(scope="module")
+def moe_reference():
+    """The eager single-process run of the GPT-MoE job that every compiled MoE layout is compared with."""
+    import gpt_moe_workers as W
+    from podscale.runtime.mesh import Mesh
+    return W.run_job(dict(MOE_JOB, ep=1), Mesh.build())
+
+
+def test_compiled_gpt_moe_under_expert_parallelism_matches_eager_one_process(launched, moe_reference):
     """The GPT-MoE with its blocks compiled (``train.compile``; both blocks MoE, top-1 beside a shared expert)
     at ep = 2 against the eager single-process run: the same routing statistics, losses, gradient norms,
     step-0 gradients, parameters after the steps and evaluation loss (fp64, tests/gpt_moe_workers.py, with the
@@ -117,18 +127,34 @@ def test_compiled_gpt_moe_under_expert_parallelism_matches_eager_one_process(lau
     blocks.  The backend is ``aot_eager``: Dynamo's capture, the graph breaks at the MoE layer and AOTAutograd's
     forward/backward graphs are what is new here; inductor's code generation for the same attention and layer
     norm operations is what the test above checks on the GPT (and costs a minute of C++ compiles per dtype)."""
-    import gpt_moe_workers as W
-    from podscale.runtime.mesh import Mesh
     from test_gpt_moe_task import _matches
 
-    ref = W.run_job(dict(MOE_JOB, ep=1), Mesh.build())
+    ref = moe_reference
     assert ref["compiled_graphs"] == 0
     for rank, res in launched.items():
-        (ours,) = res[4]
+        ours = res[4][0]
         _matches(ours, ref, f"compiled ep=2 rank {rank}")
         assert ours["eval"] == pytest.approx(ref["eval"], rel=1e-6), rank
         assert any(".moe.shared." in n for n in ours["grads"]), rank
         assert ours["compiled_graphs"] == 4, ours["compiled_graphs"]
+
+
+def test_compiled_gpt_moe_with_split_experts_matches_eager_one_process(launched, moe_reference):
+    """The same compiled GPT-MoE at tp = 2 with expert tensor parallelism (every expert's width and the shared
+    expert's split over tp; attention tensor-parallel, whose collectives break the blocks' graphs, so Dynamo
+    traces more pieces) against the eager single-process run, with the same tolerances: it trains (the loss
+    falls) and matches step by step, gradients gathered from the tp parts."""
+    from test_gpt_moe_task import _matches
+
+    ref = moe_reference
+    for rank, res in launched.items():
+        ours = res[4][1]
+        assert ours["losses"][-1] < ours["losses"][0], rank
+        _matches(ours, ref, f"compiled tp=2 split experts rank {rank}", ep=1)
+        assert ours["eval"] == pytest.approx(ref["eval"], rel=1e-6), rank
+        assert any(".moe.shared." in n for n in ours["grads"]), rank
+        assert any(".moe.experts." in n for n in ours["grads"]), rank
+        assert ours["compiled_graphs"] > 0, rank
 
 
 def test_compile_config_errors():

@@ -575,15 +575,17 @@ def test_gating_names_match_the_config_and_bad_gating_is_one_line():
     (dict(capacity_factor=0.0), r"model.capacity_factor=0.0 must be > 0"),
     (dict(eval_capacity_factor=-1.0), r"model.eval_capacity_factor=-1.0 must be > 0"),
     (dict(shared_hidden=-8), r"shared_hidden=-8 must be >= 0"),
+    (dict(shared_hidden=10, tp=4, etp=True), r"shared_hidden=10 is not divisible by tp=4 \(expert_tensor_parallel "
+                                             r"splits the shared expert's width over tp too\): make it a multiple"),
 ])
 def test_bad_input_is_one_line_naming_the_key(kwargs, match):
-    ep = kwargs.pop("ep", 1)
+    ep, tp = kwargs.pop("ep", 1), kwargs.pop("tp", 1)
     args = dict(experts=4, top_k=2, capacity_factor=1.0) | kwargs
-    mesh = Mesh(sizes={"pp": 1, "dp": 1, "ep": ep, "tp": 1}) if ep > 1 else None
+    mesh = Mesh(sizes={"pp": 1, "dp": 1, "ep": ep, "tp": tp}) if ep * tp > 1 else None
     with pytest.raises(ValueError, match=match) as e:
         MoELayer(8, 8, args["experts"], top_k=args["top_k"], capacity_factor=args["capacity_factor"],
                  eval_capacity_factor=args.get("eval_capacity_factor", 2.0), mesh=mesh,
-                 shared_hidden=args.get("shared_hidden", 0))
+                 shared_hidden=args.get("shared_hidden", 0), expert_tensor_parallel=args.get("etp", False))
     assert "\n" not in str(e.value)
 
 
@@ -617,6 +619,36 @@ def test_gpt_moe_expert_shards_materialise_their_single_process_values():
     shared = sum(p.numel() for n, p in full.named_parameters() if ".moe.shared." in n)
     assert shared == 2 * 16 * 64 + 64 + 16
     assert full.active_params_per_token() - plain.active_params_per_token() == shared
+
+
+def test_split_experts_and_shared_expert_materialise_their_part_of_the_single_process_values():
+    """Expert tensor parallelism at tp = 2 (the trainer's build: the meta device, then ``materialize``): each tp
+    rank holds, of every routed expert and of the shared expert, the part of the one-process tensor that its tp
+    coordinate names (``w_fc``'s columns, ``b_fc``, ``w_proj``'s rows: h/2 each; ``Expert.own_part``) and
+    ``b_proj`` whole.  The parts are tagged ``tensor_parallel`` with their layout (the norm sums them over tp,
+    checkpoints store the one-process tensor), ``b_proj`` ``sequence_parallel`` (its gradient summed over tp);
+    the shared expert's tensors are dense (not ``expert_parallel``), the routed ones' are."""
+    cfg = GPTMoEConfig(n_layer=2, n_head=2, n_embd=16, block_size=8, experts=4, moe_every=2, shared_experts=1)
+    torch.manual_seed(3)
+    full = dict(GPTMoE(cfg).named_parameters())
+    dims = {"w_fc": 1, "b_fc": 0, "w_proj": 0}
+    for t in (0, 1):
+        with torch.device("meta"):
+            torch.manual_seed(3)
+            meta = GPTMoE(cfg, Mesh(sizes={"pp": 1, "dp": 1, "ep": 1, "tp": 2}, rank=t), expert_tensor_parallel=True)
+        meta.materialize()
+        parts = {n: p for n, p in meta.named_parameters() if ".moe.shared." in n or ".moe.experts." in n}
+        assert {n for n in parts if ".moe.shared." in n} == {f"blocks.1.moe.shared.{w}" for w in dims} | \
+            {"blocks.1.moe.shared.b_proj"}
+        for name, p in parts.items():
+            leaf = name.rpartition(".")[2]
+            want = full[name].chunk(2, dim=dims[leaf])[t] if leaf in dims else full[name]
+            assert p.shape[dims[leaf]] == 64 // 2 if leaf in dims else p.shape == full[name].shape, name
+            assert torch.equal(p, want), name
+            tg = tags(p)
+            assert (tg.tp_layout, tg.tensor_parallel, tg.sequence_parallel) == \
+                ((moe_layer.WIDTH_LAYOUTS[leaf], True, False) if leaf in dims else (None, False, True)), name
+            assert tg.expert_parallel == (".moe.experts." in name), name
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -20,9 +20,10 @@ gradients through that stage's backward; four blocks for the interleaved schedul
   experts sharded over tp alone), 1F1B, top-2; tp = 2 x ep = 2 with sequence parallelism, top-1 with a shared
   expert, ZeRO-3;
 * split (``parallel.expert_tensor_parallel``: each expert's hidden width over tp, the rows each tp rank
-  received all-gathered over tp and the partial outputs reduce-scattered back): see :func:`etp_jobs` (with
-  sequence parallelism, a shared expert and ZeRO-3; with balance biases; ZeRO-2; a pipeline; every token on one
-  ep rank; checkpoints to and from ep = 4, one process, folded and split layouts).
+  received all-gathered over tp and the partial outputs reduce-scattered back; a shared expert split the same
+  way, every tp rank's tokens through it): see :func:`etp_jobs` (with sequence parallelism, a shared expert and
+  ZeRO-3; a shared expert, replicated; with balance biases; ZeRO-2; a pipeline; every token on one ep rank;
+  checkpoints to and from ep = 4, one process, folded and split layouts).
 
 Tolerances: the replicated runs are fp64 end to end, so routing statistics (functions of the global integer
 counts) are identical, reduced gradients at step 0 and parameters after the steps agree to 1e-9 relative
@@ -41,7 +42,7 @@ import gpt_moe_workers as W
 from podscale.config import ConfigError, parse_config
 from podscale.runtime.launcher import launch
 from podscale.runtime.mesh import Mesh
-from test_gpt_moe_task import _matches, _same_routing
+from test_gpt_moe_task import _matches, _rel, _same_routing
 
 STEPS = 8
 JOBS = [
@@ -85,7 +86,9 @@ def etp_jobs(root) -> list[dict]:
     (ep = 1) under ZeRO-2 (18); tp = 2 x ep = 2 split, resuming the folded checkpoint of job 7 (20);
     pp = 2 x tp = 2 (ep = 1), 1F1B, top-2 (21); tp = 2 x ep = 2, dropless, every router zeroed so that all
     tokens choose ep rank 0's experts (22: the other ep rank's tp pair gathers no rows); tp = 2 x ep = 2
-    folded, resuming the split checkpoint of job 16 (23)."""
+    folded, resuming the split checkpoint of job 16 (23); tp = 2 x ep = 2, top-1 beside a shared expert whose
+    width is split over tp too, replicated (fp64: gradients and parameters compared), saving a checkpoint (24)
+    that ep = 4 resumes (25)."""
     return [dict(mode="shared", tp=2, dp=1, ep=2, sp=True, etp=True, stage=3, steps=STEPS, micro_batch=4,
                  sample=True),
             dict(mode="bias", tp=2, dp=1, ep=2, etp=True, steps=STEPS, micro_batch=4, eval=True, sample=True,
@@ -99,7 +102,10 @@ def etp_jobs(root) -> list[dict]:
             dict(mode="top2", pp=2, tp=2, dp=1, ep=1, etp=True, steps=STEPS, micro_batch=4, eval=True),
             dict(mode="dropless", tp=2, dp=1, ep=2, etp=True, steps=STEPS, micro_batch=4, collapse=True),
             dict(mode="bias", tp=2, dp=1, ep=2, fold=True, steps=STEPS, micro_batch=4,
-                 load=str(root / "etp" / f"step_{CKPT_AT:08d}"))]
+                 load=str(root / "etp" / f"step_{CKPT_AT:08d}")),
+            dict(mode="shared", tp=2, dp=1, ep=2, etp=True, steps=STEPS, micro_batch=4, eval=True, sample=True,
+                 save_at=CKPT_AT, save_root=str(root / "etp_shared")),
+            dict(mode="shared", dp=1, ep=4, steps=STEPS, load=str(root / "etp_shared" / f"step_{CKPT_AT:08d}"))]
 
 
 def _cfg(**parallel):
@@ -215,7 +221,8 @@ def resumed(runs, root):
                                      (16, "tp=2 ep=2 split experts top2 with balance biases"),
                                      (18, "dp=2 tp=2 split experts top2 ZeRO-2"),
                                      (21, "pp=2 tp=2 split experts 1f1b top2"),
-                                     (22, "tp=2 ep=2 split experts dropless, every token to ep rank 0")])
+                                     (22, "tp=2 ep=2 split experts dropless, every token to ep rank 0"),
+                                     (24, "tp=2 ep=2 split experts top1 + split shared expert")])
 def test_moe_layout_matches_one_process(runs, single, i, label, tmp_path):
     job = (JOBS + fold_jobs(tmp_path) + etp_jobs(tmp_path))[i]
     ref = single["collapsed" if job.get("collapse") else (job["mode"], job.get("n_layer", 2))]
@@ -319,8 +326,10 @@ def test_split_experts_checkpoints_resume_at_other_layouts(runs, single, resumed
     """The split experts' checkpoint of job 16 (tp = 2 x ep = 2, replicated, after step CKPT_AT) resumed by
     ep = 4 (17), by dp = 2 x tp = 2 split again under ZeRO-1 (19), by tp = 2 x ep = 2 folded (23) and by one
     process: their next steps' losses and routing are the one process's, and so are the balance biases they
-    step; and the other way, the split layout resumes the folded checkpoint of job 7 (20)."""
-    biased = single[("bias", 2)]
+    step; and the other way, the split layout resumes the folded checkpoint of job 7 (20).  The split shared
+    expert's checkpoint (job 24) holds its one-process tensors: ep = 4 resumes it (25) and trains on as one
+    process does, to the parameter."""
+    biased, shared = single[("bias", 2)], single[("shared", 2)]
     for rank, res in list(runs.items()) + [("one process", {0: resumed})]:
         for i in (17, 19, 20, 23) if rank != "one process" else (0,):
             ours = res[i]
@@ -329,6 +338,36 @@ def test_split_experts_checkpoints_resume_at_other_layouts(runs, single, resumed
             assert ours["biases"].keys() == biased["biases"].keys(), (i, rank)
             for name, b in ours["biases"].items():
                 assert torch.equal(b.double(), biased["biases"][name].double()), (i, rank, name)
+        if rank != "one process":
+            ours = res[25]
+            assert ours["losses"] == pytest.approx(shared["losses"][CKPT_AT:], rel=1e-6), rank
+            _same_routing(ours["metrics"], shared["metrics"][CKPT_AT:], f"job 25 rank {rank}", 4)
+            assert any(".moe.shared." in n for n in ours["params"]), rank
+            for name, p in ours["params"].items():
+                assert _rel(p, shared["params"][name]) <= 1e-9, (rank, name)
+
+
+def test_the_split_shared_expert_is_held_in_part_by_both_tp_ranks(runs, single):
+    """With expert tensor parallelism the shared expert's width is split over tp as the routed experts' is
+    (job 24: tp = 2 x ep = 2, ranks (ep, tp) = (rank // 2, rank % 2)): after the steps, tp rank t holds the
+    columns of ``w_fc`` and entries of ``b_fc`` [t h/2, (t+1) h/2) of the one-process tensors and the same rows
+    of ``w_proj`` (h/2 wide each), and ``b_proj`` whole; its checkpoint tensors are tp shards whose pieces lie
+    on the two tp ranks of the rank's ep coordinate, ``b_proj`` a plain tensor."""
+    ref = single[("shared", 2)]["params"]
+    h = W.config("shared", 1, 1).model.expert_hidden
+    for rank, res in runs.items():
+        t, pair = rank % 2, sorted({2 * (rank // 2), 2 * (rank // 2) + 1})
+        held = res[24]["shared_held"]
+        for block in (0, 1):
+            name = f"blocks.{block}.moe.shared."
+            assert held[name + "w_fc"].shape[1] == held[name + "b_fc"].shape[0] == held[name + "w_proj"].shape[0] \
+                == h // 2, rank
+            for leaf, dim in (("w_fc", 1), ("b_fc", 0), ("w_proj", 0)):
+                part = ref[name + leaf].chunk(2, dim=dim)[t]
+                assert _rel(held[name + leaf], part) <= 1e-9, (rank, block, leaf)
+                assert res[24]["placements"][name + leaf] == pair, (rank, block, leaf)
+            assert _rel(held[name + "b_proj"], ref[name + "b_proj"]) <= 1e-9, (rank, block)
+            assert name + "b_proj" not in res[24]["placements"], (rank, block)
 
 
 def test_split_experts_with_every_token_on_one_ep_rank(runs, single):

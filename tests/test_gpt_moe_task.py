@@ -23,6 +23,10 @@ from podscale.runtime.mesh import Mesh
 
 STEPS = 20
 TRUST_STEPS = 4  # LAMB / LARS under ZeRO-1 at ep = 2
+# the peak learning rate of the tp = 2 trust-ratio runs with split experts: the config's for LAMB; for LARS, whose
+# trust coefficient (0.001) scales its steps a thousandfold down (You et al. 2017 train with global rates of
+# several units), one at which its steps move the parameters by more than the runs' fp32 tolerance
+SPLIT_TRUST_LR = {"lamb": 3e-3, "lars": 0.3}
 CKPT_AT = 4  # the ep=2 run saves after this step; ep=1 continues one step and saves; ep=4 continues one more
 
 
@@ -118,13 +122,15 @@ def ckpt_root(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def ep2(ckpt_root):
     """ep = 2 on 2 ranks: the three routing modes; top-2 saving a checkpoint after step CKPT_AT; ZeRO-1
-    resuming that checkpoint for one step; LAMB and LARS under ZeRO-1."""
+    resuming that checkpoint for one step; LAMB and LARS under ZeRO-1; LAMB and LARS under ZeRO-1 at tp = 2
+    with the experts' width split over tp."""
     first = str(ckpt_root / "ep2" / f"step_{CKPT_AT:08d}")
     jobs = _jobs(1, 2, ckpt_root) + [
         dict(mode="top2", dp=1, ep=2, steps=CKPT_AT + 2, save_at=CKPT_AT, save_root=str(ckpt_root / "ep2")),
         dict(mode="top2", dp=1, ep=2, steps=CKPT_AT + 1, stage=1, load=first)] + [
         dict(mode="top2", dp=1, ep=2, steps=TRUST_STEPS, stage=1, optimizer=o) for o in ("lamb", "lars")] + [
-        dict(mode="top2", dp=1, ep=1, tp=2, steps=TRUST_STEPS, stage=1, optimizer="lamb", etp=True)]
+        dict(mode="top2", dp=1, ep=1, tp=2, steps=TRUST_STEPS, stage=1, optimizer=o, etp=True, lr=lr)
+        for o, lr in SPLIT_TRUST_LR.items()]
     return launch(W.run_jobs, (jobs,), nproc=2)
 
 
@@ -135,6 +141,8 @@ def single(ep2, ckpt_root):
     out = {m: W.run_job(dict(mode=m, dp=1, ep=1, steps=STEPS), mesh) for m in W.MODES}
     for o in ("lamb", "lars"):
         out[o] = W.run_job(dict(mode="top2", dp=1, ep=1, steps=TRUST_STEPS, stage=1, optimizer=o), mesh)
+    out["lars", SPLIT_TRUST_LR["lars"]] = W.run_job(dict(mode="top2", dp=1, ep=1, steps=TRUST_STEPS, stage=1,
+                                                         optimizer="lars", lr=SPLIT_TRUST_LR["lars"]), mesh)
     out["resumed"] = W.run_job(dict(mode="top2", dp=1, ep=1, steps=CKPT_AT + 1, save_at=CKPT_AT + 1,
                                     save_root=str(ckpt_root / "ep1"),
                                     load=str(ckpt_root / "ep2" / f"step_{CKPT_AT:08d}")), mesh)
@@ -183,18 +191,21 @@ def test_lamb_and_lars_trust_ratios_under_ep2_match_one_process(ep2, single):
                      param_rel=2.5e-5)
 
 
-def test_lamb_trust_ratios_under_tp2_with_split_experts_match_one_process(ep2, single):
-    """ZeRO-1 LAMB at tp = 2 with the experts' width split over tp: a trust ratio is a whole tensor's, so the
+@pytest.mark.parametrize("i,optimizer", [(0, "lamb"), (1, "lars")])
+def test_lamb_and_lars_trust_ratios_under_tp2_with_split_experts_match_one_process(ep2, single, i, optimizer):
+    """ZeRO-1 LAMB and LARS at tp = 2 with the experts' width split over tp: a trust ratio is a whole tensor's, so the
     squared norms of a tensor split over tp (attention, the split experts' parts) are summed over tp too,
     while a tensor each tp rank holds whole (layer norms, routers, ``b_proj``) counts once (without the tp sum
-    the routing parts from one process's by step 3).  Parameters within 2.5e-5 of one process's, except the
+    the routing parts from one process's by step 3; LARS runs at :data:`SPLIT_TRUST_LR`, a rate at which its
+    ratios without the tp sum move the run off one process's).  Parameters within 2.5e-5 of one process's, except the
     attention's key bias: its true gradient is zero (a softmax does not see a shift shared by every key), so
-    it holds only fp32 rounding noise, different under tp, which LAMB's normalised step turns into updates of
-    ~1e-7: it is checked to stay that small."""
-    n = single["lamb"]["params"]["blocks.0.attn.qkv.bias"].numel() // 3
+    it holds only fp32 rounding noise, different under tp, which the optimizer's trust-ratio-scaled step turns
+    into updates of ~1e-7: it is checked to stay that small."""
+    ref = single[optimizer] if optimizer == "lamb" else single[optimizer, SPLIT_TRUST_LR[optimizer]]
+    n = ref["params"]["blocks.0.attn.qkv.bias"].numel() // 3
     for rank, res in ep2.items():
-        label = f"tp=2 split ZeRO-1 lamb rank {rank}"
-        ours, ref = res[len(W.MODES) + 4], single["lamb"]
+        label = f"tp=2 split ZeRO-1 {optimizer} rank {rank}"
+        ours = res[len(W.MODES) + 4 + i]
         _matches(ours, ref, label, norm_rel=2e-5, param_rel=None, ep=1)
         for name, p in ours["params"].items():
             q = ref["params"][name]

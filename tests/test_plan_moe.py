@@ -19,21 +19,24 @@ CFG = dict(vocab_size=512, block_size=64, n_layer=4, n_head=4, n_embd=256, exper
 def planner_model(**kw) -> GPT:
     c = {**CFG, **kw}
     return GPT(layers=c["n_layer"], hidden=c["n_embd"], heads=c["n_head"], seq=c["block_size"],
-               vocab=c["vocab_size"], experts=c["experts"], top_k=c["top_k"], moe_every=c["moe_every"])
+               vocab=c["vocab_size"], experts=c["experts"], top_k=c["top_k"], moe_every=c["moe_every"],
+               shared_experts=c.get("shared_experts", 0))
 
 
-def real_rank(tp: int, ep: int, rank: int, fold: bool = False, split: bool = False) -> dict:
+def real_rank(tp: int, ep: int, rank: int, fold: bool = False, split: bool = False, shared: int = 0) -> dict:
     """Parameter counts of global rank ``rank`` of a tp x ep mesh, as podscale builds it: the GPT-MoE on the
     meta device with the rank's mesh coordinates (its experts; ``fold``: MoE parallel folding, experts sharded
-    over ep x tp; ``split``: expert tensor parallelism, each expert's width split over tp), then sharded over
-    tp. Building needs no process group (no collective runs until the first forward). ``expert_tags``: the
-    (tensor_parallel, sequence_parallel) marks its experts carry."""
+    over ep x tp; ``split``: expert tensor parallelism, each expert's width split over tp; ``shared``: shared
+    experts), then sharded over tp. Building needs no process group (no collective runs until the first
+    forward). ``expert_tags``: the (tensor_parallel, sequence_parallel) marks its experts carry; ``shared``:
+    the shared experts' parameters."""
     from podscale.runtime.mesh import Mesh
     mesh = Mesh(sizes={"pp": 1, "dp": 1, "ep": ep, "tp": tp}, rank=rank)
     with torch.device("meta"):
-        model = GPTMoE(GPTMoEConfig(**CFG), mesh, False, fold_tp=fold, expert_tensor_parallel=split)
+        model = GPTMoE(GPTMoEConfig(**CFG, shared_experts=shared), mesh, False, fold_tp=fold,
+                       expert_tensor_parallel=split)
     apply_tensor_parallel(model, mesh)
-    out = {"total": 0, "expert": 0, "tp_summed": 0, "tp_replicated_dense": 0, "expert_tags": set()}
+    out = {"total": 0, "expert": 0, "tp_summed": 0, "tp_replicated_dense": 0, "expert_tags": set(), "shared": 0}
     for name, p in model.named_parameters():
         n, tg = p.numel(), tags(p)
         out["total"] += n
@@ -43,6 +46,7 @@ def real_rank(tp: int, ep: int, rank: int, fold: bool = False, split: bool = Fal
         out["tp_replicated_dense"] += n * (tg.tp_layout is None and ".moe." not in name)
         if tg.expert_parallel:
             out["expert_tags"].add((tg.tensor_parallel, tg.sequence_parallel))
+        out["shared"] += n * (".moe.shared." in name)
     return out
 
 
@@ -70,14 +74,19 @@ def test_a_ranks_parameters_under_tp_are_what_podscale_builds(ep):
 
 
 @pytest.mark.parametrize("ep", [1, 2])
-def test_a_ranks_split_experts_are_what_podscale_builds(ep):
-    """Expert tensor parallelism at tp = 2: the planner's per-rank expert parameters and the ones summed over
-    tp (router and the whole ``b_proj``s) are a real rank's, to the parameter, on every rank of the mesh."""
+@pytest.mark.parametrize("shared", [0, 1])
+def test_a_ranks_split_experts_are_what_podscale_builds(ep, shared):
+    """Expert tensor parallelism at tp = 2: the planner's per-rank expert parameters, the ones summed over tp
+    (router and the whole ``b_proj``s) and the total are a real rank's, to the parameter, on every rank of the
+    mesh; with a shared expert too, which is split over tp like the routed ones (its part of the width and its
+    whole ``b_proj``: half its one-process parameters but h/2), dense (not an expert parameter)."""
     tp = 2
-    planned = gpt_cost.rank_params(planner_model(), Layout(tp=tp, dp=1, ep=ep, microbatch=2,
-                                                           expert_tensor_parallel=True))
+    planned = gpt_cost.rank_params(planner_model(shared_experts=shared),
+                                   Layout(tp=tp, dp=1, ep=ep, microbatch=2, expert_tensor_parallel=True))
+    h, f = CFG["n_embd"], 4 * CFG["n_embd"]
     for rank in range(tp * ep):
-        real = real_rank(tp, ep, rank, split=True)
+        real = real_rank(tp, ep, rank, split=True, shared=shared)
+        assert real["shared"] == shared * 2 * (2 * h * f // tp + f // tp + h)   # two MoE blocks
         assert planned.expert == real["expert"]
         assert planned.tp_summed == real["tp_summed"]
         assert planned.total == real["total"] - real["tp_replicated_dense"] * (1 - 1 / tp)
@@ -403,6 +412,52 @@ def test_expert_tensor_parallelism_gathers_and_reduce_scatters_the_rows_over_tp(
     for i, phase in enumerate(("forward", "backward")):
         assert p_e[phase] - p_r[phase] == pytest.approx(m * n_moe * sum(v[i] - u[i] for u, v in zip(g_r, g_e)),
                                                         rel=1e-9, abs=1e-12)
+
+
+def test_a_split_shared_expert_is_priced_at_1_over_tp_of_its_width_with_its_tokens_gathered_over_tp():
+    """With expert tensor parallelism the shared experts' MLP (width s x ffn) is split over tp like the routed
+    experts (podscale.parallel.moe.layer.WidthSplit.run_dense): the prediction is the same model's without it
+    plus exactly, per MoE layer, written out here: its parameters at 1/tp of the width with the whole output
+    bias (dense; of them only b_proj summed over tp), 16 bytes of model states each; its GELU's input and
+    output (2 bytes each) on every tp rank's tokens at 1/tp of the width, and the other tp rank's gathered
+    tokens (2 bytes x h) kept for its weight gradients; its two linears on tp x a rank's tokens at width
+    s x ffn / tp; and an all-gather of the tokens over tp and a reduce-scatter of the partial outputs, in each
+    pass, of every tp rank's tokens at whole width."""
+    from dataclasses import replace
+
+    from podscale.plan.compute import linear_time, stream_time
+    system = as_system("dgx-a100-80g")
+    dev = system.device
+    base = planner_model(n_layer=8, n_embd=1024, n_head=16, experts=8, block_size=1024)
+    s, tp, b, batch = 2, 2, 2, 64
+    shared = replace(base, shared_experts=s)
+    h, fs, n_moe, seq = base.hidden, s * base.ffn, base.moe_layers, base.seq
+    lay = Layout(tp=tp, dp=4, ep=2, microbatch=b, expert_tensor_parallel=True)
+    m = batch // (4 * 2 * b)
+    rows = b * seq // tp                                        # a rank's own tokens
+    part = 2 * h * (fs // tp) + fs // tp + h                    # w_fc, w_proj, b_fc at 1/tp; b_proj whole
+    with_s, without = (predict(system, 16, x, lay, batch) for x in (shared, base))
+    rp_s, rp_0 = (gpt_cost.rank_params(x, lay) for x in (shared, base))
+    assert (rp_s.dense - rp_0.dense, rp_s.expert - rp_0.expert, rp_s.tp_summed - rp_0.tp_summed) == \
+        (n_moe * part, 0, n_moe * h)
+
+    mem_s, mem_0 = with_s.memory_breakdown_bytes, without.memory_breakdown_bytes
+    assert mem_s["model_states"] - mem_0["model_states"] == pytest.approx(16 * n_moe * part, rel=1e-12)
+    assert mem_s["activations"] - mem_0["activations"] == pytest.approx(
+        n_moe * (2 * 2 * tp * rows * fs / tp + 2 * (tp - 1) * rows * h), rel=1e-9)
+
+    fc, proj = linear_time(dev, tp * rows, fs / tp, h), linear_time(dev, tp * rows, h, fs / tp)
+    gelu = stream_time(dev, 4 * tp * rows * fs / tp)             # bias + GELU: read and write, 2 bytes each
+    t_s, t_0 = with_s.time_breakdown_s, without.time_breakdown_s
+    assert t_s["forward"] - t_0["forward"] == pytest.approx(m * n_moe * (fc[0] + proj[0] + gelu), rel=1e-9)
+    assert t_s["backward"] - t_0["backward"] == pytest.approx(m * n_moe * (fc[1] + proj[1] + 2 * gelu), rel=1e-9)
+    tokens = dev.dtype_bytes * tp * rows * h                    # every tp rank's tokens, whole width
+    rows_tp = net.all_gather_time(system, tokens, tp, 1) + net.reduce_scatter_time(system, tokens, tp, 1)
+    grad_sum = [net.all_reduce_time(system, dev.dtype_bytes * rp.tp_summed, tp, 1) for rp in (rp_s, rp_0)]
+    assert t_s["tp_communication"] - t_0["tp_communication"] == pytest.approx(
+        m * n_moe * 2 * rows_tp + grad_sum[0] - grad_sum[1], rel=1e-9)
+    assert with_s.model_flops_per_step - without.model_flops_per_step == \
+        pytest.approx(3 * n_moe * 4 * batch * seq * h * fs, rel=1e-12)
 
 
 @pytest.mark.parametrize("layout, model_kw, message", [

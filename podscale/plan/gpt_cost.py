@@ -40,7 +40,10 @@ reduce-scattered back over tp to their owners (the backward: an all-gather of th
 reduce-scatter of the input gradients). A rank's expert work is all tp ranks' rows at width ffn / tp (the
 FLOPs of the unsplit layout, on longer segments of narrower experts), its expert parameters, gradients and
 optimizer states 1/tp of the unsplit ones, its own rows never overlap the exchange, and the sliced
-parameters' gradients are whole on their holder (no tp sum).
+parameters' gradients are whole on their holder (no tp sum). The shared experts are split the same way
+(Megatron-core's SharedExpertMLP is a tensor-parallel MLP): 1/tp of their width on every tp rank, run on every
+tp rank's tokens, which are all-gathered over tp before them and their partial outputs reduce-scattered
+after, in each pass (``width_split_rows_time``, the experts' formula), only their ``b_proj`` summed over tp.
 
 Beyond its GEMMs and exchanges an MoE layer pays, on every system: its routing, dispatch and combine
 (``moe_routing_bytes``: the gate's softmax, top-k passes, sort and slot counting, the aux and z losses, the
@@ -203,8 +206,10 @@ def _layer_times_uncached(system: System, model: GPT, lay: Layout, moe: bool) ->
         experts = _mlp_gemms(dev, m_exp, f / etp, h, e, batch=n_local)
         gemms += experts
         gemms.append(linear_time(dev, own, model.experts, h, bytes_per_element=e))   # router
-        shared = _mlp_gemms(dev, own, model.shared_ffn, h, e) if model.shared_experts else []
-        gemms += shared            # the shared experts: one dense MLP, whole, on the rank's own tokens
+        # the shared experts: one dense MLP on the rank's own tokens, whole; split as the experts are, on
+        # every tp rank's tokens at 1/tp of its width (WidthSplit.run_dense)
+        shared = _mlp_gemms(dev, etp * own, model.shared_ffn / etp, h, e) if model.shared_experts else []
+        gemms += shared
         # a rank receives about own x top_k rows in (source rank, local expert) segments: group x E/group = E
         if group > 1 and etp == 1 and overlaps_exchange(own * model.top_k, model.experts):
             # the layer runs a rank's own rows (1/group of its experts' work) in two halves while the two
@@ -276,11 +281,12 @@ def _layer_times_uncached(system: System, model: GPT, lay: Layout, moe: bool) ->
         # the layer's aux and z loss averaged over tp in its forward (ReduceFromTP: one float)
         loss_mean = net.all_reduce_time(system, 4, t, 1)
         if lay.expert_tensor_parallel:
-            # the exchanged rows all-gathered over tp before the experts and their partial outputs
-            # reduce-scattered after (the backward: output gradients gathered, input gradients reduce-scattered):
-            # tp times a rank's own rows, whole width, gathered / reduced over the tp neighbours
-            rows_bytes = act_bytes * scale
-            moe_tp += net.all_gather_time(system, rows_bytes, t, 1) + net.reduce_scatter_time(system, rows_bytes, t, 1)
+            # the experts' exchanged rows (scale x a rank's tokens) and, with shared experts, the tokens
+            # themselves, each gathered over tp before their split MLP and the partial outputs
+            # reduce-scattered after
+            moe_tp += width_split_rows_time(system, act_bytes * scale, t)
+            if model.shared_experts:
+                moe_tp += width_split_rows_time(system, act_bytes, t)
         tp_fwd = tp_ar + moe_tp + loss_mean
         tp_bwd = _tp_backward(lay, tp_ar, wgrad, dev, collectives=1) + moe_tp
     else:
@@ -296,6 +302,15 @@ def _layer_times_uncached(system: System, model: GPT, lay: Layout, moe: bool) ->
             "a2a_exposed": tuple(overlapped_exposed(dev, a2a, x) for x in hide), "counts": counts,
             "routing": routing[0], "routing_bwd": routing[1],
             "kernels": KERNELS_PER_LAYER * dev.kernel_overhead}
+
+
+def width_split_rows_time(system: System, nbytes: float, tp: int) -> float:
+    """Seconds of one pass's tp collectives of an MLP whose hidden width is split over the ``tp`` neighbours
+    while each tp rank holds other rows (expert tensor parallelism: the routed experts' exchanged rows, and
+    the shared experts' tokens; podscale.parallel.moe.layer.WidthSplit): every tp rank's rows all-gathered
+    before it and their partial outputs reduce-scattered after (the backward: output gradients gathered,
+    input gradients reduce-scattered). ``nbytes``: the rows of the whole tp group, whole width."""
+    return net.all_gather_time(system, nbytes, tp, 1) + net.reduce_scatter_time(system, nbytes, tp, 1)
 
 
 def _mlp_gemms(dev, rows: float, width: float, hidden: int, dtype_bytes: int, batch: float = 1) -> list:
@@ -325,7 +340,8 @@ class RankParams:
     gradients are partial per tp rank and summed over tp every time they are reduced (they carry the
     ``sequence_parallel`` tag; a sequence-parallel layer norm's few h parameters do too, and are left
     out). Folded experts are on one tp rank only: their gradients are complete there; so are the width slices of
-    expert tensor parallelism, whose whole output biases (``b_proj``, on every tp rank) are summed over tp."""
+    expert tensor parallelism (the experts' and the shared experts'), whose whole output biases (``b_proj``, on
+    every tp rank) are summed over tp."""
 
     dense: float
     expert: float
@@ -354,17 +370,22 @@ def layer_rank_params(model: GPT, lay: Layout, moe: bool) -> RankParams:
     same on every tp rank and summed over tp; folded ``experts / (ep tp)`` whole, on this rank alone; or with
     ``expert_tensor_parallel`` ``experts / ep`` at 1/tp of their width (``w_fc``'s columns, ``b_fc``,
     ``w_proj``'s rows: Megatron-core's expert tensor parallelism) with the whole output bias ``b_proj``, of
-    which only ``b_proj`` is summed over tp."""
+    which only ``b_proj`` is summed over tp; the shared experts are then split the same way (dense still:
+    replicated over dp x ep), only their ``b_proj`` summed over tp."""
     t, h = lay.tp, model.hidden
     if not moe:
         return RankParams(model.layer_params() / t, 0.0)
-    n_local, moe_dense = local_experts(model, lay), model.moe_dense_params
+    n_local, w = local_experts(model, lay), lay.expert_tensor_parallel_size
+    router = h * model.experts
+    # a rank's part of each MLP: whole, or 1/w of its hidden width with its whole output bias
+    shared = model.mlp_params(model.shared_ffn // w) if model.shared_experts else 0
+    experts = n_local * model.mlp_params(model.ffn // w)
+    dense = model.attention_params / t + router + shared
     if lay.expert_tensor_parallel:
-        experts = n_local * model.mlp_params(model.ffn // t)
-        return RankParams(model.attention_params / t + moe_dense, experts, moe_dense + n_local * h)
-    experts = n_local * model.mlp_params()
-    summed = 0.0 if t == 1 else moe_dense + (0.0 if lay.fold_tp_into_ep else experts)
-    return RankParams(model.attention_params / t + moe_dense, experts, summed)
+        # the width slices' gradients are whole on their holders: only the router and the output biases
+        return RankParams(dense, experts, router + (n_local + (1 if model.shared_experts else 0)) * h)
+    summed = 0.0 if t == 1 else router + shared + (0.0 if lay.fold_tp_into_ep else experts)
+    return RankParams(dense, experts, summed)
 
 
 def rank_params(model: GPT, lay: Layout, rank: int = 0) -> RankParams:

@@ -75,7 +75,8 @@ def activation_bytes_per_layer(seq: int, microbatch: int, hidden: int, heads: in
     GELU's input and output as a dense MLP of that width does (its input is the routed experts');
     ``expert_rows_gathered``: the tp ranks whose exchanged rows each rank's experts run (expert tensor
     parallelism: tp, the experts 1/tp as wide, so their GELU keeps the same bytes as whole experts on a rank's
-    own rows), whose gathered inputs, beyond the rank's own, the experts keep for their weight gradients."""
+    own rows), whose gathered inputs, beyond the rank's own, the experts keep for their weight gradients, and
+    so does the shared-expert MLP, split the same way, of its gathered tokens."""
     s, b, h, a, t = seq, microbatch, hidden, heads, tp
     f = 4 * h if ffn is None else ffn
     sbh = s * b * h
@@ -84,7 +85,8 @@ def activation_bytes_per_layer(seq: int, microbatch: int, hidden: int, heads: in
     replicated = 10 * sbh                                 # layer-norm inputs, linear inputs, dropout masks
     gelu = 2 if gelu_recompute else 4                     # the GeLU's input (and output): 2 bytes x f each
     # Q, K, V, attention-out input, MLP GeLU in/out (the routed rows', then the shared experts' on every token)
-    sharded = (8 + (gelu * f * mlp_scale + 4 * shared_ffn) / h + 2 * mlp_scale * (expert_rows_gathered - 1)) * sbh
+    gathered = mlp_scale + (1 if shared_ffn else 0)      # rows per token that split MLPs gather over tp
+    sharded = (8 + (gelu * f * mlp_scale + 4 * shared_ffn) / h + 2 * gathered * (expert_rows_gathered - 1)) * sbh
     attention = 5 * a * s * s * b                         # softmax output, dropout mask and output
     if recompute == "selective":
         attention = 0.0

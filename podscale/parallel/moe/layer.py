@@ -24,7 +24,8 @@ folding: see :meth:`MoELayer.forward`); "the ep group" below is then the ep x tp
 hidden width can be split over the tp ranks (``expert_tensor_parallel``, Megatron-core's expert tensor
 parallelism: :class:`WidthSplit`), which adds, after the rows exchange, an all-gather of the counts and
 one all-to-all of the rows over tp per forward, one more all-to-all over tp before the outputs go back, and
-the same two over tp in the backward.
+the same two over tp in the backward; a shared expert's width is then split too, and its tokens gathered
+and outputs reduce-scattered over tp the same way (:meth:`WidthSplit.run_dense`).
 A rank's own rows (those for its own experts) stay out of the exchanges and run while they are in flight
 (:class:`_ExpertParallelFFN`), unless the experts' segments are short (:data:`MIN_SEGMENT_ROWS`).
 Every rank issues exactly these three collectives per layer and forward and two per backward (one when the
@@ -120,7 +121,7 @@ WIDTH_LAYOUTS = {"w_fc": "cols", "b_fc": "rows", "w_proj": "rows"}
 class Expert(nn.Module):
     """One GELU feed-forward expert ``x -> gelu(x w_fc + b_fc) w_proj + b_proj`` (``w_fc`` (d, h),
     ``w_proj`` (h, d)).  A routed expert (``routed``) has every parameter tagged ``expert_parallel``; a
-    shared one (:attr:`MoELayer.shared`) is a dense parameter like any other.  ``width``: expert tensor
+    shared one (:attr:`MoELayer.shared`) has dense parameters (replicated over dp x ep).  ``width``: expert tensor
     parallelism (:class:`WidthSplit`): this rank holds its tp rank's ``h/tp`` of the hidden width, each
     split tensor tagged with its tp layout (:data:`WIDTH_LAYOUTS`), so checkpoints store the single-process
     tensor and :meth:`own_part` cuts this rank's part out of its initial value."""
@@ -157,6 +158,14 @@ class Expert(nn.Module):
         """``w_fc, w_proj`` and, with biases, ``b_fc, b_proj``: an :class:`ExpertKernel`'s order for one
         expert."""
         return [self.w_fc, self.w_proj] + ([self.b_fc, self.b_proj] if self.b_fc is not None else [])
+
+    def run(self, x: torch.Tensor, kernel: ExpertKernel) -> torch.Tensor:
+        """The expert on every row of ``x`` on ``kernel`` (the shared expert's path; routed experts run
+        grouped, :class:`Experts`); with the width split, every tp rank's rows through this rank's part
+        (:meth:`WidthSplit.run_dense`)."""
+        if self.width is not None:
+            return self.width.run_dense(self, x, kernel)
+        return _GroupedFFN.apply(x, [(0, x.shape[0])], kernel, 1, self.b_fc is not None, *self.weights())
 
     def reference(self, x: torch.Tensor) -> torch.Tensor:
         """The expert in plain autograd operations (the tests' reference for the kernels)."""
@@ -658,7 +667,8 @@ class WidthSplit:
     :class:`_ReduceScatterRowsTP` are each other's backward).  Every tp rank enters the same collectives in
     the same order whatever the routing (an all-gather of counts and two all-to-alls per forward, two per
     backward), zero rows included.  The exchange's overlap of a rank's own rows
-    (:class:`_ExpertParallelFFN`) is not used: every tp rank's rows run together.
+    (:class:`_ExpertParallelFFN`) is not used: every tp rank's rows run together.  A shared expert is split
+    the same way and runs every tp rank's tokens by :meth:`run_dense`.
 
     Gradients: a split tensor's gradient is whole on its holder (every row of the tp group passed through
     it), so it is tagged ``tensor_parallel`` (the global norm sums its squares over tp, as a tp shard's);
@@ -694,6 +704,26 @@ class WidthSplit:
         expert_of_row = torch.arange(El).repeat(mine.shape[0]).repeat_interleave(mine.view(-1)).to(x.device)
         b_proj = torch.stack([e.b_proj for e in ex]).to(y.dtype)
         return y + b_proj.index_select(0, expert_of_row)
+
+    def run_dense(self, expert: "Expert", x: torch.Tensor, kernel: ExpertKernel) -> torch.Tensor:
+        """A dense feed-forward (the MoE layer's shared expert, :attr:`MoELayer.shared`) whose hidden width is
+        split over tp as the routed experts' is, on every row of ``x``, this tp rank's tokens; returns their
+        whole outputs, row for row.  Megatron-core's ``SharedExpertMLP`` is such a tensor-parallel MLP
+        (column-parallel ``fc1``, row-parallel ``fc2``: Shoeybi et al. 2019, section 3).  Here each tp rank
+        holds other samples (:meth:`MoELayer.forward`), so the rows of every tp rank are all-gathered over tp
+        (:class:`_GatherRowsTP`), run through this rank's ``h/tp`` of the width, and the partial outputs
+        reduce-scattered back to their tp rank (:class:`_ReduceScatterRowsTP`, a sum over tp), where ``b_proj``
+        is added once: the same two collectives and the same gradient rule as :meth:`run` (the split tensors'
+        gradients whole on their holder, ``b_proj``'s partial and summed over tp)."""
+        sizes = [x.shape[0]] * self.tp          # every tp rank holds as many samples (MoELayer.forward)
+        rows = _GatherRowsTP.apply(x, self.mesh, sizes)
+        weights = [expert.w_fc, expert.w_proj]
+        bias = expert.b_fc is not None
+        if bias:   # b_proj is added after the sum over tp: zeros stand in for it in the kernel
+            weights += [expert.b_fc, x.new_zeros(expert.b_proj.shape)]
+        y = _GroupedFFN.apply(rows, [(0, rows.shape[0])], kernel, 1, bias, *weights)
+        y = _ReduceScatterRowsTP.apply(y, self.mesh, sizes)
+        return y + expert.b_proj.to(y.dtype) if bias else y
 
 
 def _tp_all_to_all(x: torch.Tensor, mesh, split_dim: int, cat_dim: int) -> torch.Tensor:
@@ -786,8 +816,10 @@ class MoELayer(nn.Module):
     section 3.2, which isolates common knowledge there so the routed experts can specialise; DeepSpeed-MoE's
     residual MoE, Rajbhandari et al. 2022, section 4.1.2; Megatron-core's
     ``moe_shared_expert_intermediate_size``).  Its parameters are dense (replicated over dp×ep, reduced
-    there); it runs on the same kernel as the experts, under expert parallelism while the token counts
-    are in flight (Megatron-core's ``moe_shared_expert_overlap``).  ``fold_tp``: under tp > 1, shard the
+    there; with ``expert_tensor_parallel`` its width is split over tp as the routed experts' are, as
+    Megatron-core's ``SharedExpertMLP`` is a tensor-parallel MLP); it runs on the same kernel as the experts,
+    under expert parallelism while the token counts are in flight (Megatron-core's
+    ``moe_shared_expert_overlap``).  ``fold_tp``: under tp > 1, shard the
     experts over ep x tp instead of holding the same ones on every tp rank (MoE parallel folding, see
     :meth:`forward`).  ``expert_tensor_parallel``: under tp > 1, split each expert's hidden width over tp
     instead (Megatron-core's expert tensor parallelism, :class:`WidthSplit`; ``d_hidden`` a multiple of tp;
@@ -827,20 +859,26 @@ class MoELayer(nn.Module):
         self.random_routing, self.seed = random_routing, seed
         self.aux_loss_coef, self.z_loss_coef = aux_loss_coef, z_loss_coef
         self.router = Router(d_model, experts, bias_balancing, bias_update_rate)
+        if split and shared_hidden % self.tp:
+            raise ValueError(f"shared_hidden={shared_hidden} is not divisible by tp={self.tp} (expert_tensor_parallel "
+                             f"splits the shared expert's width over tp too): make it a multiple of {self.tp} or "
+                             "set expert_tensor_parallel = false")
         ep_rank = mesh.local_rank(*self.expert_axes) if mesh is not None else 0
-        self.experts = Experts(d_model, d_hidden, experts, ep, ep_rank, bias, kernel, recompute_activation,
-                               WidthSplit(mesh) if split else None)
-        #: the shared expert (None without one): dense, every token through it
-        self.shared = Expert(d_model, shared_hidden, bias, routed=False) if shared_hidden else None
+        width = WidthSplit(mesh) if split else None
+        self.experts = Experts(d_model, d_hidden, experts, ep, ep_rank, bias, kernel, recompute_activation, width)
+        #: the shared expert (None without one): dense over dp x ep, every token through it; with the experts'
+        #: width split over tp, its width split too (Megatron-core's SharedExpertMLP: a tensor-parallel MLP)
+        self.shared = Expert(d_model, shared_hidden, bias, routed=False, width=width) if shared_hidden else None
         if self.tp > 1:
             # each tp rank routes its own share of the samples (see forward): the router's gradient is
             # partial over tp and summed there, as a sequence-parallel layer norm's is, and so are the
             # experts' when every tp rank holds them; folded, each tp rank holds other experts, whose
             # gradients are whole (every token routed to them came through the exchange), so the norm sums
             # their squares over tp as a tp shard's; with the width split, likewise each tp rank's part of
-            # an expert (every row of the tp group runs through it), but not b_proj, which each tp rank
-            # adds to its own rows
-            own = {id(p) for p in self.experts.parameters() if folded or tags(p).tp_layout is not None}
+            # an expert, routed or shared (every row of the tp group runs through it), but not b_proj,
+            # which each tp rank adds to its own rows
+            own = {id(p) for p in self.parameters()
+                   if tags(p).tp_layout is not None or (folded and tags(p).expert_parallel)}
             for p in self.parameters():
                 tag(p, **({"tensor_parallel": True} if id(p) in own else {"sequence_parallel": True}))
 
@@ -972,12 +1010,13 @@ class MoELayer(nn.Module):
         return send.tolist(), recv, handle
 
     def _shared(self, inp: torch.Tensor) -> torch.Tensor | None:
-        """The shared expert on every token of ``inp`` (None without one), on the experts' kernel."""
+        """The shared expert on every token of ``inp`` (None without one), on the experts' kernel (with
+        expert tensor parallelism, split over tp as they are: :meth:`WidthSplit.run_dense`)."""
         if self.shared is None:
             return None
         e = self.experts
         kernel = pick_kernel(e.kernel, inp, e.d_model, self.shared.w_fc.shape[1], e.recompute_activation)
-        return _GroupedFFN.apply(inp, [(0, inp.shape[0])], kernel, 1, e.bias, *self.shared.weights())
+        return self.shared.run(inp, kernel)
 
     # the reference -------------------------------------------------------------------------------------
     def forward_reference(self, x: torch.Tensor, keys: torch.Tensor | None = None
