@@ -17,7 +17,11 @@ prints for each the mean over steps and MoE layers of the dropped share and of t
 the mean (Wang et al.'s MaxVio, ``load_max x E - 1``).  ``--router-score both`` likewise trains it with
 GShard's softmax scores and with DeepSeek-V3's sigmoid affinities (``model.router_score``; with
 ``--router-groups``, ``--router-group-top-k`` and ``--router-scale`` its node-limited routing and gate
-scale, for every variant).  Both models run through podscale's trunk (task, engine, AdamW, cosine schedule) in
+scale, for every variant).  ``--aux-loss-scope both`` trains it with the load-balancing loss's first-choice
+shares counted per sequence (``group``: Switch, GShard) and over the whole batch (``global``: Qiu et al. 2025,
+"Demons in the Detail"; Megatron-core's ``global_aux_loss``; ``model.aux_loss_scope``), and prints for each
+the last step's per-expert load spread (the least and the most loaded expert's share of the dispatched
+choices, per MoE layer).  Both models run through podscale's trunk (task, engine, AdamW, cosine schedule) in
 one process, on the byte-level corpus (``--data``: a text file; default the Python standard library's
 source, the embedded corpus), with the same seed — hence the same initial attention/embedding weights and
 the same sequence of training batches (the loader's order is a function of the seed) — the same tokens per
@@ -60,6 +64,7 @@ def train(model_section: dict, args) -> dict:
     loader, val = task.train_data(0, 1), task.eval_data(0, 1)
     t0 = time.perf_counter()
     losses, step_s, drops, maxvio = [], [], [], []
+    metrics = {}
     with engine:
         for _ in range(args.steps):
             t = time.perf_counter()
@@ -83,7 +88,10 @@ def train(model_section: dict, args) -> dict:
             "step_ms": 1e3 * statistics.median(step_s),
             "last_dropped_share": sum(dropped) / len(dropped) if dropped else None,
             "mean_dropped_share": statistics.fmean(drops) if drops else None,
-            "mean_maxvio": statistics.fmean(maxvio) if maxvio else None}
+            "mean_maxvio": statistics.fmean(maxvio) if maxvio else None,
+            # the last step's per-expert load spread of each MoE layer: (least, most) loaded expert's share
+            "last_load": {k.removesuffix("/load_min"): (v, metrics[k.removesuffix("min") + "max"])
+                          for k, v in metrics.items() if k.endswith("/load_min")}}
 
 
 def main() -> None:
@@ -111,6 +119,9 @@ def main() -> None:
     ap.add_argument("--router-score", choices=("softmax", "sigmoid", "both"), default="softmax",
                     help="the router's scores (model.router_score): GShard's softmax, DeepSeek-V3's sigmoid "
                          "affinities, or the GPT-MoE trained once with each")
+    ap.add_argument("--aux-loss-scope", choices=("group", "global", "both"), default="group",
+                    help="where the load-balancing loss counts f_e (model.aux_loss_scope): per sequence, over the "
+                         "whole batch (Qiu et al. 2025), or the GPT-MoE trained once with each")
     ap.add_argument("--router-groups", type=int, default=1, help="model.router_groups (node-limited routing)")
     ap.add_argument("--router-group-top-k", type=int, default=1, help="model.router_group_top_k")
     ap.add_argument("--router-scale", type=float, default=1.0, help="model.router_scale (gate values times this)")
@@ -129,8 +140,10 @@ def main() -> None:
                                          bias_update_rate=args.bias_update_rate)}
     balancings = ("aux", "bias") if args.balancing == "both" else (args.balancing,)
     scores = ("softmax", "sigmoid") if args.router_score == "both" else (args.router_score,)
-    variants = {(b if s == "softmax" else f"{b}-{s}"): dict(moe, **balancing[b], router_score=s)
-                for b in balancings for s in scores}
+    scopes = ("group", "global") if args.aux_loss_scope == "both" else (args.aux_loss_scope,)
+    variants = {b + ("" if s == "softmax" else f"-{s}") + ("" if a == "group" else f"-{a}"):
+                dict(moe, **balancing[b], router_score=s, aux_loss_scope=a)
+                for b in balancings for s in scores for a in scopes}
     dense = train(dict(gpt, kind="gpt"), args)
     sparse = {name: train(v, args) for name, v in variants.items()}
     print(f"{args.steps} steps of {args.batch} x {args.block_size} = {args.batch * args.block_size} tokens, "
@@ -142,11 +155,16 @@ def main() -> None:
         print(f"{name:9s} params {r['params'] / 1e6:6.2f}M  FLOPs/token {r['flops_per_token'] / 1e6:7.2f}M  "
               f"step {r['step_ms']:6.1f} ms (median)  train loss {r['train_loss']:.4f}  val loss "
               f"{r['val_loss']:.4f}  ({r['seconds']:.0f} s){drop}")
+        for layer, (lo, hi) in r.get("last_load", {}).items():
+            print(f"{'':9s} {layer}: expert load share at the last step min {lo:.3f} max {hi:.3f} "
+                  f"(uniform {1 / args.experts:.3f})")
     shared = f" + {args.shared_experts} shared" if args.shared_experts else ""
     for name, r in sparse.items():
         how = (f"aux loss {args.aux_loss_coef:g}" if name.startswith("aux") else
                f"selection biases, rate {args.bias_update_rate:g}, no aux loss")
         how += f", {variants[name]['router_score']} scores"
+        if name.startswith("aux"):
+            how += f", f_e per {'sequence' if variants[name]['aux_loss_scope'] == 'group' else 'batch (global)'}"
         if args.router_groups > 1:
             how += f", top {args.router_group_top_k} of {args.router_groups} expert groups"
         if args.router_scale != 1.0:

@@ -8,7 +8,9 @@ It is the GPT task (same corpus, loader, evaluation, sampling, throughput unit) 
   experts, each named by its global expert id and initialised to its single-process value, so checkpoints
   and ``podscale export`` carry the same names at every ep size (export builds the one-process model);
 * the loss is the cross-entropy plus every MoE layer's ``aux_loss_coef * aux + z_loss_coef * z`` (the model
-  adds them);
+  adds them); with ``model.aux_loss_scope = "global"`` the load-balancing loss counts its first-choice shares
+  over the whole micro-batch of every data-, expert- and tensor-parallel rank (Qiu et al. 2025; Megatron-core's
+  ``"global_aux_loss"``), so a layout's loss is one process's on the same global batch;
 * :meth:`GPTMoETask.ep_sharded_parameters` names the experts, which the data-parallel strategies replicate
   and reduce over dp only (dense parameters over dp x ep);
 * :meth:`GPTMoETask.step_metrics` reports per step and MoE layer the dropped share of the choices, the
@@ -43,7 +45,7 @@ import torch
 import torch.nn as nn
 
 from podscale.models.gpt_moe import GPTMoE, GPTMoEConfig, MoEMetrics
-from podscale.parallel.moe import MoEStats, expert_parameters
+from podscale.parallel.moe import MoEStats, expert_parameters, token_axis_groups
 from podscale.runtime import comm
 from podscale.tasks.base import WeightConversion
 from podscale.tasks.gpt import GPTTask
@@ -58,6 +60,7 @@ def gpt_moe_config(cfg) -> GPTMoEConfig:
                         moe_every=m.moe_every, capacity_factor=m.capacity_factor,
                         eval_capacity_factor=m.eval_capacity_factor, dropless=m.dropless,
                         random_routing=m.random_routing, aux_loss_coef=m.aux_loss_coef,
+                        aux_loss_scope=m.aux_loss_scope,
                         bias_balancing=m.bias_balancing, bias_update_rate=m.bias_update_rate,
                         z_loss_coef=m.z_loss_coef, expert_hidden=m.expert_hidden,
                         expert_recompute=m.expert_recompute, expert_kernel=m.expert_kernel,
@@ -130,12 +133,6 @@ def _moe_modules(model: nn.Module) -> list[GPTMoE]:
     return [m for m in model.modules() if isinstance(m, GPTMoE)]
 
 
-def _routing_groups(mesh) -> tuple[tuple[str, ...], ...]:
-    """The axis groups over which the ranks route different tokens: dp x ep, and tp, whose ranks route
-    different samples (summed over in turn: a group over all three would be one more process group)."""
-    return (("dp", "ep"),) + ((("tp",),) if mesh.size("tp") > 1 else ())
-
-
 def _gpt_moe(module: nn.Module) -> GPTMoE:
     if not isinstance(module, GPTMoE):
         raise TypeError(f"the GPT-MoE task trains a GPTMoE, got {type(module).__name__}")
@@ -194,7 +191,7 @@ class GPTMoETask(GPTTask):
         step's demand per expert summed over the data ranks (:meth:`GPTMoE.update_balance_bias`)."""
         if self.gpt.bias_balancing:
             for m in _moe_modules(model):
-                m.update_balance_bias(mesh, _routing_groups(mesh))
+                m.update_balance_bias(mesh, token_axis_groups(mesh))
 
     def step_metrics(self, model: nn.Module, mesh) -> dict[str, float]:
         """Routing statistics of the step's training forwards, summed over dp x ep (and tp, whose ranks
@@ -204,7 +201,7 @@ class GPTMoETask(GPTTask):
         metrics = MoEMetrics()
         for m in _moe_modules(model):
             metrics.take(m.moe_metrics)
-        summaries = metrics.pop(mesh, _routing_groups(mesh))
+        summaries = metrics.pop(mesh, token_axis_groups(mesh))
         if mesh.size("pp") > 1:
             names = [f"blocks.{i}" for i in range(self.gpt.n_layer) if self.gpt.is_moe(i)]
             table = torch.zeros(len(names), len(MoEStats.SUMMARY_KEYS), dtype=torch.float64, device=mesh.device)

@@ -22,6 +22,12 @@ References (equation numbers are the papers'):
   highest affinities (Megatron-core's ``moe_router_score_function = "sigmoid"``,
   ``moe_router_num_groups``, ``moe_router_group_topk``, ``moe_router_topk_scaling_factor``): see
   :class:`Gating`.
+* Global-batch balancing — Qiu et al. 2025, "Demons in the Detail: On Implementing Load Balancing Loss for
+  Training Specialized Mixture-of-Expert Models": the load-balancing loss with ``f_e`` counted over the whole
+  global batch (every data-, expert- and tensor-parallel rank's tokens) instead of each group's, ``P_e`` staying
+  local, so experts are balanced over the batch rather than inside every sequence and can specialise by
+  domain (Megatron-core's ``moe_router_load_balancing_type = "global_aux_loss"``; Qwen3-MoE): see
+  :func:`first_choice_counts` and :func:`load_balancing_loss`.
 
 Groups: GShard splits the tokens into G groups of S tokens and applies the capacity per group.  Here the
 second-to-last dimension of the layer's input is the group (a GPT's (B, T, d) input: one group per sequence),
@@ -37,6 +43,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+
+from podscale.runtime import comm
 
 
 def expert_capacity(capacity_factor: float, top_k: int, group_size: int, experts: int) -> int:
@@ -273,17 +281,66 @@ def route(logits: torch.Tensor, top_k: int, capacity: int | None, second_uniform
     return r, probs
 
 
-def load_balancing_loss(probs: torch.Tensor, first_choice: torch.Tensor) -> torch.Tensor:
+#: where the load-balancing loss counts its ``f_e`` (``model.aux_loss_scope``; a test holds the two equal):
+#: ``"group"``, each routing group's own tokens (Switch, GShard); ``"global"``, every token of the global batch
+#: of this micro-batch step (Qiu et al. 2025; Megatron-core's ``"global_aux_loss"``)
+AUX_LOSS_SCOPES = ("group", "global")
+
+
+def check_aux_loss_scope(scope: str) -> None:
+    """A one-line ValueError naming the key and the choices for an unknown scope."""
+    if scope not in AUX_LOSS_SCOPES:
+        raise ValueError(f"model.aux_loss_scope={scope!r} is not one of {', '.join(AUX_LOSS_SCOPES)}")
+
+
+def token_axis_groups(mesh) -> tuple[tuple[str, ...], ...]:
+    """The mesh axis groups over which the ranks of an MoE layer route different tokens: dp x ep (the data
+    ranks), and tp, whose ranks route different samples (:meth:`podscale.parallel.moe.MoELayer.forward`).
+    Summed over in turn: one group over all three would be one more process group.  Under pipeline
+    parallelism these are the ranks of one stage (the mesh's groups never span pp)."""
+    return (("dp", "ep"),) + ((("tp",),) if mesh.size("tp") > 1 else ())
+
+
+def first_choice_counts(first_choice: torch.Tensor, experts: int, mesh=None) -> torch.Tensor:
+    """(E + 1,) int64: how many tokens chose each expert first, then how many tokens were counted.
+
+    Without ``mesh``, this rank's ``first_choice`` (N,) alone (one process: the whole batch).  With it, summed
+    over every rank that routes other tokens of this layer in this forward (:func:`token_axis_groups`: an
+    all-reduce of E + 1 integers over dp x ep, then one over tp), so the shares ``counts[:E] / counts[E]`` are
+    the global batch's: the ``f_e`` of the global-batch load-balancing loss (Qiu et al. 2025; Megatron-core's
+    ``moe_router_load_balancing_type = "global_aux_loss"``), taken per micro-batch as Megatron-core does (the
+    paper's variant that also accumulates them over the micro-batches of a step is not built).  Collective on
+    the mesh: every rank of those groups calls it once per forward of the layer, in the same order, whatever
+    its routing (a rank without tokens too).  Counts are integers and carry no gradient."""
+    counts = torch.bincount(first_choice.reshape(-1), minlength=experts)
+    both = torch.cat([counts, counts.new_tensor([first_choice.numel()])])
+    if mesh is not None:
+        for axes in token_axis_groups(mesh):
+            comm.all_reduce(both, mesh, axes)
+    return both
+
+
+def load_balancing_loss(probs: torch.Tensor, first_choice: torch.Tensor,
+                        counts: torch.Tensor | None = None) -> torch.Tensor:
     """Switch eq. 4-6 (GShard's l_aux up to its constant): ``E * sum_e f_e * P_e`` per group, averaged over
     groups; ``f_e`` is the share of the group's tokens whose first choice is e (not differentiable), ``P_e``
-    the group's mean router probability for e.  Equals 1 for perfectly uniform routing."""
+    the group's mean router probability for e.  Equals 1 for perfectly uniform routing.
+
+    ``counts`` (E + 1,): first-choice counts and their token count (:func:`first_choice_counts`) that give
+    every group the same ``f_e = counts[e] / counts[E]`` instead of its own: the global-batch loss of Qiu et
+    al. 2025 (Megatron-core's ``"global_aux_loss"``) when they are summed over the ranks, ``P_e`` still each
+    group's own (so the loss is ``E * sum_e f_e^global * P_e^local``, averaged over groups; its gradient
+    reaches the router through ``P`` only)."""
     G, S, E = probs.shape
     if G == 0:
         return probs.sum()
-    cell = first_choice.reshape(G, S)
-    if G > 1:
-        cell = cell + torch.arange(0, G * E, E, device=probs.device).view(G, 1)
-    f = torch.bincount(cell.reshape(-1), minlength=G * E).view(G, E).to(probs.dtype) / S
+    if counts is None:
+        cell = first_choice.reshape(G, S)
+        if G > 1:
+            cell = cell + torch.arange(0, G * E, E, device=probs.device).view(G, 1)
+        f = torch.bincount(cell.reshape(-1), minlength=G * E).view(G, E).to(probs.dtype) / S
+    else:
+        f = counts[:E].to(probs.dtype) / counts[E].clamp_min(1)                # (E,), the same for every group
     P = probs.mean(1)                                                          # (G, E)
     return E * (f * P).sum(-1).mean()
 
@@ -339,7 +396,6 @@ class MoEStats:
     def all_reduce(self, mesh, axes) -> "MoEStats":
         """The counts summed over ``axes`` (collective: every rank on them calls it); losses averaged, the
         peak rows the largest."""
-        from podscale.runtime import comm
         E = self.wanted.numel()
         flat = torch.cat([t.to(torch.float64).view(-1)
                           for t in (self.tokens, self.wanted, self.kept, self.aux_loss, self.z_loss)])

@@ -67,8 +67,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from podscale.parallel.moe.gate import Gating, MoEStats, Router, Routing, expert_capacity, load_balancing_loss, \
-    route, routing_uniform, router_z_loss
+from podscale.parallel.moe.gate import Gating, MoEStats, Router, Routing, check_aux_loss_scope, expert_capacity, \
+    first_choice_counts, load_balancing_loss, route, routing_uniform, router_z_loss
 from podscale.config import expert_width_split_problem
 from podscale.parallel.param_tags import tag, tags
 from podscale.parallel.sharded_state import global_shape
@@ -825,7 +825,12 @@ class MoELayer(nn.Module):
     instead (Megatron-core's expert tensor parallelism, :class:`WidthSplit`; ``d_hidden`` a multiple of tp;
     not with ``fold_tp``).  ``gating``: the score function, group limit and gate scale
     (:class:`~podscale.parallel.moe.gate.Gating`: GShard's softmax by default, DeepSeek-V3's sigmoid
-    affinities with node-limited routing as an option).
+    affinities with node-limited routing as an option).  ``aux_loss_scope``: where the load-balancing loss
+    counts its first-choice shares ``f_e``: ``"group"`` (Switch, GShard: each group's own tokens) or
+    ``"global"`` (Qiu et al. 2025, "Demons in the Detail"; Megatron-core's ``moe_router_load_balancing_type =
+    "global_aux_loss"``; Qwen3-MoE): over every token of the micro-batch on every rank that routes other
+    tokens of the layer (dp x ep, and tp), an all-reduce of E + 1 integers per forward, ``P_e`` staying this
+    rank's own (:func:`~podscale.parallel.moe.gate.first_choice_counts`); on one process, the whole batch.
     """
 
     def __init__(self, d_model: int, d_hidden: int, experts: int, top_k: int = 2, capacity_factor: float = 1.25,
@@ -834,7 +839,7 @@ class MoELayer(nn.Module):
                  bias_update_rate: float = 1e-3, mesh=None, seed: int = 0, bias: bool = True,
                  sequence_parallel: bool = False, kernel: ExpertKernel | None = None,
                  recompute_activation: bool = False, shared_hidden: int = 0, fold_tp: bool = False,
-                 expert_tensor_parallel: bool = False, gating: Gating = Gating()):
+                 expert_tensor_parallel: bool = False, gating: Gating = Gating(), aux_loss_scope: str = "group"):
         super().__init__()
         self.tp = mesh.sizes["tp"] if mesh is not None else 1
         #: the mesh axes the experts are sharded over and the tokens exchanged over: ``("ep",)``, or with
@@ -858,6 +863,9 @@ class MoELayer(nn.Module):
         self.capacity_factor, self.eval_capacity_factor, self.dropless = capacity_factor, eval_capacity_factor, dropless
         self.random_routing, self.seed = random_routing, seed
         self.aux_loss_coef, self.z_loss_coef = aux_loss_coef, z_loss_coef
+        check_aux_loss_scope(aux_loss_scope)
+        #: ``"group"`` or ``"global"``: the tokens the load-balancing loss's ``f_e`` is counted over
+        self.aux_loss_scope = aux_loss_scope
         self.router = Router(d_model, experts, bias_balancing, bias_update_rate)
         if split and shared_hidden % self.tp:
             raise ValueError(f"shared_hidden={shared_hidden} is not divisible by tp={self.tp} (expert_tensor_parallel "
@@ -902,7 +910,11 @@ class MoELayer(nn.Module):
                                  "or build the layer with random_routing=False")
             uniform = routing_uniform(keys.reshape(G, S), self.seed)
         r, probs = route(logits, self.top_k, self.capacity(S), uniform, self.router.selection_bias, self.gating)
-        return flat, r, load_balancing_loss(probs, r.expert[:, 0]), router_z_loss(logits)
+        # the global scope's shares: counted over every rank that routes other tokens (collective: every rank
+        # of those groups, once per forward, whatever its routing; without a mesh, this process's whole batch)
+        counts = first_choice_counts(r.expert[:, 0], self.num_experts, self.mesh) \
+            if self.aux_loss_scope == "global" else None
+        return flat, r, load_balancing_loss(probs, r.expert[:, 0], counts), router_z_loss(logits)
 
     def _output(self, r: Routing, aux: torch.Tensor, z: torch.Tensor, rows: int) -> "MoEOutput":
         """The losses and statistics of a forward whose experts ran ``rows`` rows on this rank."""
