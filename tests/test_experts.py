@@ -767,3 +767,58 @@ def test_lopsided_routing_finishes_with_the_right_gradients(no_hang):
                 assert results[0][i]["peak"][1] == 2.0   # rank 0 ran every choice: twice the mean
         if case == "no_remote":
             assert results[0][i]["kept"][2:].sum() == 0   # rank 0 sent nothing to rank 1's experts
+
+
+# ---------------------------------------------------------------------------------------------------
+# global-batch load balancing (model.aux_loss_scope; Qiu et al. 2025; Megatron-core's "global_aux_loss")
+
+
+def _scoped_layers(E: int = 8):
+    """Two layers with the same weights, the load-balancing loss counted per group and over the batch."""
+    torch.manual_seed(5)
+    group = MoELayer(16, 24, E, top_k=2, capacity_factor=1.25, aux_loss_scope="group").double()
+    glob = MoELayer(16, 24, E, top_k=2, capacity_factor=1.25, aux_loss_scope="global").double()
+    glob.load_state_dict(group.state_dict())
+    return group, glob
+
+
+def test_global_aux_loss_with_one_group_is_the_group_loss():
+    """One group of tokens: the batch's first-choice shares are the group's, so the two scopes agree."""
+    group, glob = _scoped_layers()
+    x = torch.randn(1, 40, 16, dtype=torch.float64)
+    a, b = group(x)[1], glob(x)[1]
+    assert b.aux_loss == a.aux_loss
+    assert torch.equal(b.routing.expert, a.routing.expert)
+
+
+def test_global_aux_loss_counts_the_shares_over_every_group():
+    """Several groups, each leaning to its own expert: the global loss is ``E * sum_e f_e * P_{g,e}`` averaged
+    over the groups g with ``f`` the whole batch's first-choice shares (computed here from the softmax of the
+    router's logits) and ``P_g`` each group's mean probabilities; its router gradient is that expression's
+    (``f`` carries none); the group loss, whose shares are each group's own, differs."""
+    E, G, S = 8, 4, 30
+    group, glob = _scoped_layers(E)
+    w = glob.router.weight.detach()
+    x = torch.randn(G, S, 16, dtype=torch.float64)
+    x = x + 2.0 * (w[:G] / w[:G].norm(dim=1, keepdim=True)).view(G, 1, 16)   # group g leans to expert g
+    out = glob(x)[1]
+    probs = torch.softmax(x.reshape(-1, 16) @ glob.router.weight.t(), -1).view(G, S, E)
+    f_all = F.one_hot(probs.detach().argmax(-1).reshape(-1), E).double().mean(0)           # (E,): all G*S tokens
+    by_hand = (E * (f_all * probs.mean(1)).sum(-1)).mean()
+    torch.testing.assert_close(out.aux_loss, by_hand, rtol=1e-12, atol=0)
+    f_own = F.one_hot(probs.detach().argmax(-1), E).double().mean(1)                      # (G, E): per group
+    assert not torch.allclose(f_own, f_all.expand(G, E))                                 # the groups differ
+    assert abs(group(x)[1].aux_loss.item() - out.aux_loss.item()) > 1e-3
+    got, = torch.autograd.grad(out.aux_loss, glob.router.weight)
+    want, = torch.autograd.grad(by_hand, glob.router.weight)
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-14)
+
+
+def test_an_unknown_aux_loss_scope_is_one_line_naming_the_key_and_the_choices():
+    import typing
+
+    from podscale.config import GPTMoEModelSection
+    from podscale.parallel.moe import AUX_LOSS_SCOPES
+    assert typing.get_args(GPTMoEModelSection.model_fields["aux_loss_scope"].annotation) == AUX_LOSS_SCOPES
+    with pytest.raises(ValueError, match=r"^model.aux_loss_scope='batch' is not one of group, global$"):
+        MoELayer(8, 8, 8, aux_loss_scope="batch")
