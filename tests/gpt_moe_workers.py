@@ -42,6 +42,9 @@ MODES = {
     "v3": dict(top_k=2, capacity_factor=1.25, random_routing=False, aux_loss_coef=0.001, bias_balancing=True,
                bias_update_rate=0.01, router_score="sigmoid", router_groups=2, router_group_top_k=1,
                router_scale=2.5),
+    # top-2 with the load-balancing loss's first-choice shares counted over the global batch (Qiu et al. 2025;
+    # Megatron-core's global_aux_loss): all-reduced over the ranks that route other tokens, P_e each rank's own
+    "global": dict(top_k=2, capacity_factor=1.25, random_routing=True, aux_loss_scope="global"),
 }
 
 

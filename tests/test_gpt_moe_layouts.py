@@ -24,6 +24,9 @@ gradients through that stage's backward; four blocks for the interleaved schedul
   way, every tp rank's tokens through it): see :func:`etp_jobs` (with sequence parallelism, a shared expert and
   ZeRO-3; a shared expert, replicated; with balance biases; ZeRO-2; a pipeline; every token on one ep rank;
   checkpoints to and from ep = 4, one process, folded and split layouts).
+* the load-balancing loss over the global batch (``model.aux_loss_scope = "global"``, Qiu et al. 2025): see
+  :func:`global_jobs` (dp = 2 x ep = 2; dp = 2 x tp = 2; tp = 2 x ep = 2 with sequence parallelism), each
+  against one process with the same scope, whose shares are its whole batch's.
 
 Tolerances: the replicated runs are fp64 end to end, so routing statistics (functions of the global integer
 counts) are identical, reduced gradients at step 0 and parameters after the steps agree to 1e-9 relative
@@ -108,6 +111,21 @@ def etp_jobs(root) -> list[dict]:
             dict(mode="shared", dp=1, ep=4, steps=STEPS, load=str(root / "etp_shared" / f"step_{CKPT_AT:08d}"))]
 
 
+def global_jobs() -> list[dict]:
+    """The load-balancing loss with its first-choice shares counted over the global batch (mode "global":
+    top-2, random routing, ``model.aux_loss_scope = "global"``; indices from 26): dp = 2 x ep = 2 (26), dp = 2 x
+    tp = 2 (27: each tp rank routes its half of the samples, so the counts are summed over tp too; sampling one
+    sequence, which every rank routes whole), tp = 2 x ep = 2 with sequence parallelism (28).  One micro-batch
+    per step, so each step's global batch is one process's batch and its shares the one process's."""
+    return [dict(mode="global", dp=2, ep=2, steps=STEPS, eval=True),
+            dict(mode="global", tp=2, dp=2, ep=1, steps=STEPS, micro_batch=4, eval=True, sample=True),
+            dict(mode="global", tp=2, dp=1, ep=2, sp=True, steps=STEPS, micro_batch=4, eval=True)]
+
+
+def _all_jobs(root) -> list[dict]:
+    return JOBS + fold_jobs(root) + etp_jobs(root) + global_jobs()
+
+
 def _cfg(**parallel):
     train = {"global_batch": 8, "micro_batch": parallel.pop("micro_batch", 2)}
     model = {"expert_hidden": parallel.pop("expert_hidden")} if "expert_hidden" in parallel else {}
@@ -190,14 +208,15 @@ def root(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def runs(root):
-    return launch(W.run_jobs, (JOBS + fold_jobs(root) + etp_jobs(root),), nproc=4)
+    return launch(W.run_jobs, (_all_jobs(root),), nproc=4)
 
 
 @pytest.fixture(scope="module")
 def single():
     mesh = Mesh.build()
     out = {(m, n): W.run_job(dict(mode=m, dp=1, ep=1, steps=STEPS, eval=True, sample=True, n_layer=n), mesh)
-           for m, n in (("top2", 2), ("dropless", 2), ("top1", 2), ("shared", 2), ("top2", 4), ("bias", 2))}
+           for m, n in (("top2", 2), ("dropless", 2), ("top1", 2), ("shared", 2), ("top2", 4), ("bias", 2),
+                        ("global", 2))}
     out["collapsed"] = W.run_job(dict(mode="dropless", dp=1, ep=1, steps=STEPS, collapse=True), mesh)
     return out
 
@@ -222,9 +241,12 @@ def resumed(runs, root):
                                      (18, "dp=2 tp=2 split experts top2 ZeRO-2"),
                                      (21, "pp=2 tp=2 split experts 1f1b top2"),
                                      (22, "tp=2 ep=2 split experts dropless, every token to ep rank 0"),
-                                     (24, "tp=2 ep=2 split experts top1 + split shared expert")])
+                                     (24, "tp=2 ep=2 split experts top1 + split shared expert"),
+                                     (26, "dp=2 ep=2 top2 global aux loss"),
+                                     (27, "dp=2 tp=2 top2 global aux loss"),
+                                     (28, "tp=2 sp ep=2 top2 global aux loss")])
 def test_moe_layout_matches_one_process(runs, single, i, label, tmp_path):
-    job = (JOBS + fold_jobs(tmp_path) + etp_jobs(tmp_path))[i]
+    job = _all_jobs(tmp_path)[i]
     ref = single["collapsed" if job.get("collapse") else (job["mode"], job.get("n_layer", 2))]
     for rank, res in runs.items():
         ours = res[i]
@@ -378,3 +400,13 @@ def test_split_experts_with_every_token_on_one_ep_rank(runs, single):
     assert first["blocks.0/load_min"] == 0 and first["blocks.0/load_max"] == 0.5, first
     for rank, res in runs.items():
         assert res[22]["metrics"][0]["blocks.0/peak_rank_load"] == 2.0, rank
+
+
+def test_the_global_aux_loss_is_not_the_group_loss(single):
+    """The one-process references of the global-scope layouts: the same model, data and routing settings as
+    mode "top2" but the shares counted over the batch, not per sequence, so the aux losses differ from the first
+    step (and with them the training), which is what lets the layouts' comparison tell a rank's own shares
+    from the global batch's."""
+    glob, group = single[("global", 2)], single[("top2", 2)]
+    aux = [(g["blocks.0/aux_loss"], p["blocks.0/aux_loss"]) for g, p in zip(glob["metrics"], group["metrics"])]
+    assert all(abs(a - b) > 1e-4 * abs(b) for a, b in aux), aux
