@@ -591,3 +591,47 @@ def test_calibration_measures_the_routing_rate_in_the_planners_bytes():
     rows = moe_routing_table(torch, 0.001, sizes=((256, 8, 32),))
     assert len(rows) == 1 and rows[0][0] == sum(gpt_cost.moe_routing_bytes(256, 8, 2, 32, 4)) and rows[0][1] > 0
     assert routing_line([[1000, 2.5 * GB]]).startswith("moe_routing_table = [[1000, 2.5]]")
+
+
+# the global-batch load-balancing loss (Qiu et al. 2025; Megatron-core's global_aux_loss): E + 1 counts all-reduced
+# over the ranks that route other tokens in every MoE layer's forward
+
+@pytest.mark.parametrize("tp,dp,ep", [(1, 8, 2), (2, 4, 2), (2, 8, 1)])
+def test_the_global_aux_loss_pays_an_all_reduce_of_the_counts_per_moe_layer_and_micro_batch(tp, dp, ep):
+    """With ``aux_loss_scope = "global"`` every MoE layer's forward of every micro-batch sums E + 1 int64 over the
+    dp x ep ranks (stride tp) and over tp; nothing else changes, and the group scope pays none of it."""
+    system = as_system("dgx-a100-80g")
+    experts, n_moe, b, batch = 8, 4, 2, 64
+    m = batch // (dp * ep * b)
+    group = planner_model(n_layer=8, n_embd=1024, n_head=16, experts=experts, block_size=1024)
+    glob = GPT(**{**group.to_dict(), "aux_loss_scope": "global"})
+    lay = Layout(tp=tp, dp=dp, ep=ep, microbatch=b)
+    p_group, p_glob = (predict(system, tp * dp * ep, x, lay, batch).time_breakdown_s for x in (group, glob))
+    nbytes = 8 * (experts + 1)
+    reduce = net.all_reduce_time(system, nbytes, dp * ep, tp) + (net.all_reduce_time(system, nbytes, tp, 1)
+                                                                 if tp > 1 else 0.0)
+    assert reduce > 0
+    assert p_glob["ep_communication"] - p_group["ep_communication"] == pytest.approx(m * n_moe * reduce, rel=1e-9)
+    for key in p_group.keys() - {"ep_communication", "collective", "total"}:
+        assert p_glob[key] == pytest.approx(p_group[key], rel=1e-12, abs=1e-15), key
+
+
+def test_the_global_aux_loss_on_one_rank_costs_nothing():
+    """One device: the counts are the whole batch's already, no all-reduce."""
+    system = as_system("dgx-a100-80g")
+    group = planner_model()
+    glob = GPT(**{**group.to_dict(), "aux_loss_scope": "global"})
+    lay = Layout(microbatch=2)
+    assert predict(system, 1, glob, lay, 8).step_time_s == predict(system, 1, group, lay, 8).step_time_s
+
+
+def test_gpt_of_passes_the_aux_loss_scope_through_and_the_planner_refuses_an_unknown_one():
+    from podscale.config import parse_config
+    from podscale.plan.auto import gpt_of
+    from podscale.plan.models import ModelError
+    section = {"kind": "gpt-moe", "n_layer": 4, "n_head": 2, "n_embd": 32, "block_size": 32, "experts": 8}
+    assert gpt_of(parse_config({"run": {"name": "moe"}, "model": section})).aux_loss_scope == "group"
+    cfg = parse_config({"run": {"name": "moe"}, "model": {**section, "aux_loss_scope": "global"}})
+    assert gpt_of(cfg).aux_loss_scope == "global"
+    with pytest.raises(ModelError, match=r"^aux_loss_scope 'batch' must be one of group, global$"):
+        GPT(**{**planner_model().to_dict(), "aux_loss_scope": "batch"})

@@ -59,7 +59,8 @@ def gpt_of(cfg: Config) -> GPT:
                              f"{4 * m.n_embd}); got {m.expert_hidden}: set the layout by hand")
         moe = dict(experts=m.experts, top_k=m.top_k, moe_every=m.moe_every, capacity_factor=m.capacity_factor,
                    dropless=m.dropless, dropless_peak_load=m.dropless_peak_load,
-                   expert_recompute=m.expert_recompute, shared_experts=m.shared_experts)
+                   expert_recompute=m.expert_recompute, shared_experts=m.shared_experts,
+                   aux_loss_scope=m.aux_loss_scope)
     return GPT(layers=m.n_layer, hidden=m.n_embd, heads=m.n_head, seq=m.block_size, vocab=m.vocab_size,
                name=cfg.run.name, **moe)
 

@@ -51,7 +51,9 @@ gather of the kept choices' rows and their scaled index_add back, forward and ba
 priced at the rate ``plan calibrate`` measures for those very kernels (``compute.routing_time``; on a CPU
 they run far below the element-wise rate), else at the memory bandwidth; the count exchange that precedes
 the token exchange (an all-to-all of E integers, exposed but for the shared experts it runs under, so its
-latency); under tp the all-reduce of its aux and z loss over tp; and its token all-to-alls overlapped with
+latency), and with the global-batch load-balancing loss (``aux_loss_scope = "global"``, Qiu et al. 2025) the
+all-reduce of E + 1 first-choice counts over dp x ep and tp beside it (``global_balance_time``); under tp the
+all-reduce of its aux and z loss over tp; and its token all-to-alls overlapped with
 its own rows' expert work as every overlapped collective is (``compute.overlapped_exposed``: at least the
 measured fraction a CPU's cores do not hide).
 
@@ -468,6 +470,18 @@ def moe_routing_bytes(tokens: float, experts: int, top_k: int, hidden: int, dtyp
     return forward, backward
 
 
+def global_balance_time(system: System, model: GPT, lay: Layout) -> float:
+    """One MoE layer's forward's all-reduce of the global-batch load-balancing loss (``aux_loss_scope =
+    "global"``: Qiu et al. 2025; Megatron-core's ``global_aux_loss``): its experts + 1 first-choice counts
+    (int64) summed over the dp x ep ranks (stride tp), then over tp, before the loss, nothing to hide behind
+    (podscale.parallel.moe.gate.first_choice_counts); priced beside the count exchange, per forward.  0 for
+    the group scope.  Under pipelines the groups are a stage's ranks, as the layout's dp, ep and tp are."""
+    if model.aux_loss_scope != "global":
+        return 0.0
+    nbytes = 8 * (model.experts + 1)
+    return net.all_reduce_time(system, nbytes, lay.dp * lay.ep, lay.tp) + net.all_reduce_time(system, nbytes, lay.tp, 1)
+
+
 def _tp_collectives_per_pass(lay: Layout) -> int:
     """Tensor-parallel all-reduces (or reduce-scatter/all-gather pairs) of one layer in one pass: two in
     Megatron's sequential block (after attention, after the MLP: Shoeybi et al. 2019, Fig. 3); one in the
@@ -537,7 +551,8 @@ def predict_gpt(system: System, devices: int, model: GPT, lay: Layout, batch: in
     # dispatch and combine in every forward (twice with full recompute) and backward, each less the own
     # rows' expert work it overlaps
     exposed_fwd, exposed_bwd = moe_t["a2a_exposed"]
-    ep_comm = 2 * moe_frac * (n_fwd * exposed_fwd + exposed_bwd) + moe_frac * n_fwd * moe_t["counts"]
+    ep_comm = 2 * moe_frac * (n_fwd * exposed_fwd + exposed_bwd) + \
+        moe_frac * n_fwd * (moe_t["counts"] + global_balance_time(system, model, lay))
     # Last stage: vocabulary projection and cross-entropy (Megatron places them there).
     logits_elems = b * s * V / t
     head_gemm = 3 * gemm_time(dev, b * s, V / t, h, bytes_per_element=dev.dtype_bytes)

@@ -12,6 +12,8 @@ import tomllib
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
+from podscale.parallel.moe.gate import AUX_LOSS_SCOPES
+
 
 class ModelError(ValueError):
     pass
@@ -25,7 +27,10 @@ class GPT:
     ``expert_recompute``: its experts keep only the GELU's input for the backward and evaluate the GELU
     again there. ``shared_experts`` = s > 0: every MoE layer also has one dense GELU MLP of width
     s x ``ffn`` that every token passes through, unrouted, its output added to the routed experts' (DeepSeekMoE's
-    shared expert isolation, Dai et al. 2024; DeepSpeed-MoE's residual MoE, Rajbhandari et al. 2022)."""
+    shared expert isolation, Dai et al. 2024; DeepSpeed-MoE's residual MoE, Rajbhandari et al. 2022).
+    ``aux_loss_scope``: ``"global"`` (Qiu et al. 2025; Megatron-core's ``global_aux_loss``; podscale's
+    ``model.aux_loss_scope``) adds to every MoE layer's forward an all-reduce of its experts + 1 first-choice
+    counts over the ranks that route other tokens (dp x ep, then tp); ``"group"`` needs none."""
 
     layers: int
     hidden: int
@@ -41,6 +46,7 @@ class GPT:
     dropless_peak_load: float = 2.0
     moe_every: int = 1
     expert_recompute: bool = False
+    aux_loss_scope: str = "group"
     name: str = "custom"
     kind: str = "gpt"
 
@@ -61,6 +67,8 @@ class GPT:
                              f"> 1, or shared_experts: 0")
         if not self.capacity_factor > 0:
             raise ModelError(f"capacity_factor must be > 0, got {self.capacity_factor!r} (or dropless: true)")
+        if self.aux_loss_scope not in AUX_LOSS_SCOPES:
+            raise ModelError(f"aux_loss_scope {self.aux_loss_scope!r} must be one of {', '.join(AUX_LOSS_SCOPES)}")
         if not self.dropless_peak_load >= 1:
             raise ModelError(f"dropless_peak_load must be >= 1 (the busiest rank's rows over its even share), got "
                              f"{self.dropless_peak_load!r}")
