@@ -960,7 +960,13 @@ class MoELayer(nn.Module):
         The aux and z losses are means over groups and tokens, so the layer's loss is the tp-mean of the
         ranks' (``ReduceFromTP``: all-reduce forward, identity backward), and the router's and experts'
         gradients, partial per tp rank, are summed over tp by the strategy (they carry the
-        ``sequence_parallel`` marker).  ``MoEOutput.aux_loss``/``z_loss``/``stats`` are this rank's."""
+        ``sequence_parallel`` marker).  ``MoEOutput.aux_loss``/``z_loss``/``stats`` are this rank's.
+
+        With ``aux_loss_scope = "global"`` the routing of every forward (training, evaluation and sampling alike)
+        adds, before the exchanges, one all-reduce of E + 1 integers over dp x ep and one over tp (Qiu et al.
+        2025: the first-choice counts of the global batch, :func:`~podscale.parallel.moe.gate.first_choice_counts`),
+        which every rank of those groups enters whatever its routing; ranks that route the same tokens (a
+        sample every rank routes whole) add the same counts, which leaves the shares as they are."""
         if self.tp == 1:
             return self._forward_local(x, keys)
         if x.dim() < 3 or x.shape[0] % self.tp:
