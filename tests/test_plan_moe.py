@@ -635,3 +635,12 @@ def test_gpt_of_passes_the_aux_loss_scope_through_and_the_planner_refuses_an_unk
     assert gpt_of(cfg).aux_loss_scope == "global"
     with pytest.raises(ModelError, match=r"^aux_loss_scope 'batch' must be one of group, global$"):
         GPT(**{**planner_model().to_dict(), "aux_loss_scope": "batch"})
+
+
+def test_plan_predict_names_the_global_aux_loss(capsys):
+    from podscale.plan.cli import main
+    model = ('{"layers": 8, "hidden": 1024, "heads": 16, "seq": 1024, "vocab": 32000, "experts": 8, "top_k": 2, '
+             '"aux_loss_scope": "global"}')
+    assert main(["plan", "predict", "--system", "dgx-a100-80g", "--devices", "16", "--batch", "64", "--model", model,
+                 "--layout", '{"tp": 2, "pp": 1, "dp": 4, "ep": 2, "microbatch": 2}']) == 0
+    assert capsys.readouterr().out.startswith("custom (experts 8 top2, global aux loss) on 16 x dgx-a100-80g")
