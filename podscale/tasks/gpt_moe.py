@@ -10,7 +10,9 @@ It is the GPT task (same corpus, loader, evaluation, sampling, throughput unit) 
 * the loss is the cross-entropy plus every MoE layer's ``aux_loss_coef * aux + z_loss_coef * z`` (the model
   adds them); with ``model.aux_loss_scope = "global"`` the load-balancing loss counts its first-choice shares
   over the whole micro-batch of every data-, expert- and tensor-parallel rank (Qiu et al. 2025; Megatron-core's
-  ``"global_aux_loss"``), so a layout's loss is one process's on the same global batch;
+  ``"global_aux_loss"``), so a layout that runs a step as one micro-batch has the loss one process has on
+  the same global batch (with several micro-batches the counts are each micro-batch's, summed over the ranks,
+  as Megatron-core takes them; the paper's accumulation over a step's micro-batches is not built);
 * :meth:`GPTMoETask.ep_sharded_parameters` names the experts, which the data-parallel strategies replicate
   and reduce over dp only (dense parameters over dp x ep);
 * :meth:`GPTMoETask.step_metrics` reports per step and MoE layer the dropped share of the choices, the
