@@ -125,19 +125,19 @@ def layer_inputs(case: str, rank: int) -> torch.Tensor:
     return x
 
 
-def build_layer(top_k: int, dropless: bool, mesh=None, kernel=None) -> MoELayer:
+def build_layer(top_k: int, dropless: bool, mesh=None, kernel=None, aux_loss_scope: str = "group") -> MoELayer:
     """The layer with the same weights in every layout: one process builds all experts, a rank of an
     ep layout copies its experts' slices."""
     torch.manual_seed(5)
     full = MoELayer(D, 16, E, top_k=top_k, capacity_factor=1.0, dropless=dropless,
-                    aux_loss_coef=0.1, z_loss_coef=0.01).double()
+                    aux_loss_coef=0.1, z_loss_coef=0.01, aux_loss_scope=aux_loss_scope).double()
     with torch.no_grad():
         full.router.weight.zero_()
         full.router.weight[:, :E] = 10 * torch.eye(E, dtype=torch.float64)
     if mesh is None:
         return full
     layer = MoELayer(D, 16, E, top_k=top_k, capacity_factor=1.0, dropless=dropless, mesh=mesh,
-                     aux_loss_coef=0.1, z_loss_coef=0.01, kernel=kernel).double()
+                     aux_loss_coef=0.1, z_loss_coef=0.01, kernel=kernel, aux_loss_scope=aux_loss_scope).double()
     with torch.no_grad():
         layer.router.weight.copy_(full.router.weight)
         for name, p in layer.experts.named_parameters():   # names carry the global expert id
@@ -193,7 +193,29 @@ def no_hang_worker(cases: list[tuple[str, int, bool]]) -> list[dict]:
             out[-1]["no_input_grad"] = {"grads": {n: p.grad.clone() for n, p in layer.named_parameters()},
                                         "calls": mesh.stats.snapshot()["ep/all_to_all"]["calls"]}
             mesh.stats.reset()
+    out.append(global_scope(mesh, info.rank))
     out.append(split_rows(Mesh.build(info.device, tp=2), info.rank))
+    return out
+
+
+#: the no-hang inputs the global aux-loss scope runs on (empty_rank: rank 1 has no token)
+GLOBAL_CASES = ("one_expert", "no_remote", "empty_rank")
+
+
+def global_scope(mesh: Mesh, rank: int) -> list[dict]:
+    """The load-balancing loss over the global batch (``aux_loss_scope = "global"``; Qiu et al. 2025) on the
+    ep = 2 mesh for each of :data:`GLOBAL_CASES`, top-2 with capacity: this rank's aux loss, the all-reduces its
+    forward entered, and the router's gradient of the mean of the ranks' losses (:func:`layer_loss`)."""
+    out = []
+    for case in GLOBAL_CASES:
+        mesh.stats.reset()
+        layer = build_layer(2, False, mesh, SegmentKernel(), aux_loss_scope="global")
+        loss, _, o = layer_loss(layer, layer_inputs(case, rank))
+        reduces = {k: v["calls"] for k, v in mesh.stats.snapshot().items() if k.endswith("/all_reduce")}
+        loss.backward()
+        reduce_gradients(layer, mesh)
+        out.append({"aux": o.aux_loss.detach(), "reduces": reduces, "router_grad": layer.router.weight.grad.clone()})
+    mesh.stats.reset()
     return out
 
 

@@ -722,6 +722,36 @@ def test_split_experts_row_collectives_with_empty_and_uneven_ranks(no_hang):
             torch.testing.assert_close(ours["x_grad"], 3 * c.expand(sizes[rank], W.D), rtol=1e-15, atol=0)
 
 
+def test_the_global_aux_loss_sums_both_ranks_counts_whatever_the_routing(no_hang):
+    """ep = 2 with ``aux_loss_scope = "global"`` (Qiu et al. 2025) on lopsided inputs, a rank without tokens
+    included (empty_rank): every rank's forward enters exactly one all-reduce, of the first-choice counts over
+    dp x ep; a rank's aux loss is ``E * sum_e f_e * P_e`` with ``f`` the shares of both ranks' tokens and ``P``
+    its own groups' mean probabilities (0 without tokens), and the router's gradient is that of the mean of
+    the ranks' losses, all computed here on one process from the router's logits."""
+    c = torch.linspace(-1, 1, W.D, dtype=torch.float64)
+    for i, case in enumerate(W.GLOBAL_CASES):
+        ref = W.build_layer(2, False)
+        xs = [W.layer_inputs(case, r) for r in (0, 1)]
+        logits = [x.reshape(-1, W.D) @ ref.router.weight.t() for x in xs]
+        first = torch.cat([lg.detach().argmax(-1) for lg in logits])              # both ranks' first choices
+        f = torch.bincount(first, minlength=W.E).double() / first.numel()
+        if case == "no_remote":  # rank 0's own shares are not the batch's (half its tokens prefer expert 1)
+            assert not torch.equal(torch.bincount(logits[0].detach().argmax(-1), minlength=W.E).double() / (2 * W.S), f)
+        losses = []
+        for rank, (x, lg) in enumerate(zip(xs, logits)):
+            G = x.shape[0]
+            aux = (W.E * (f * torch.softmax(lg, -1).view(G, W.S, W.E).mean(1)).sum(-1)).mean() if G else lg.sum()
+            ours = no_hang[rank][-2][i]
+            torch.testing.assert_close(ours["aux"], aux.detach(), rtol=1e-12, atol=0, msg=f"{case} rank {rank}")
+            assert ours["reduces"] == {"dp+ep/all_reduce": 1}, (case, rank, ours["reduces"])
+            y, out = ref(x)
+            losses.append((y * c).sum() + out.loss + ref.aux_loss_coef * (aux - out.aux_loss))
+        (sum(losses) / 2).backward()
+        for rank in (0, 1):
+            torch.testing.assert_close(no_hang[rank][-2][i]["router_grad"], ref.router.weight.grad, rtol=1e-10,
+                                       atol=1e-12, msg=f"{case} rank {rank}")
+
+
 def test_lopsided_routing_finishes_with_the_right_gradients(no_hang):
     results = no_hang
     for i, ((case, top_k, dropless), rows, kernel) in enumerate(itertools.product(NO_HANG, W.OVERLAP, W.KERNELS)):
