@@ -5,6 +5,7 @@ three in one run.
     python bench/moe_fold.py                        # tp 2 (2 ranks), 8 experts of 4 x 256 in every block
     python bench/moe_fold.py --ep 2 --nproc 4       # tp 2 x ep 2: folded over 4 ranks, split over 2
     python bench/moe_fold.py --sp --zero 1          # any layout of the trainer
+    python bench/moe_fold.py --shared-experts 1     # a shared expert beside the routed ones
 
 Each rank builds three engines with ``podscale.parallel.compose.build_engine`` from the same seed, each on a
 mesh of its own, and feeds them the same batches: experts replicated over tp (every tp rank holds the ep
@@ -39,7 +40,7 @@ def _config(a, layout: dict) -> dict:
     return {"run": {"steps": a.steps, "seed": 1},
             "model": {"kind": "gpt-moe", "n_layer": a.n_layer, "n_head": a.n_head, "n_embd": a.n_embd,
                       "block_size": a.block, "experts": a.experts, "moe_every": a.moe_every, "top_k": a.top_k,
-                      "random_routing": False},
+                      "random_routing": False, "shared_experts": a.shared_experts},
             "parallel": {"nproc": a.nproc, "tp": a.tp, "ep": a.ep, "sequence_parallel": a.sp, **layout},
             "zero": {"stage": a.zero},
             "train": {"global_batch": a.batch, "micro_batch": a.micro, "lr": 1e-3, "min_lr": 1e-4,
@@ -108,6 +109,8 @@ def main() -> None:
     ap.add_argument("--experts", type=int, default=8)
     ap.add_argument("--top-k", type=int, default=2)
     ap.add_argument("--moe-every", type=int, default=1)
+    ap.add_argument("--shared-experts", type=int, default=0,
+                    help="model.shared_experts (split over tp too by expert tensor parallelism, whole otherwise)")
     ap.add_argument("--n-layer", type=int, default=4)
     ap.add_argument("--n-head", type=int, default=4)
     ap.add_argument("--n-embd", type=int, default=256)
@@ -124,7 +127,8 @@ def main() -> None:
     slowest = {n: [max(res[r]["times"][n][i] for r in res) for i in range(a.steps)] for n in names}
     med = {n: statistics.median(t) for n, t in slowest.items()}
     load = os.getloadavg()
-    print(f"GPT-MoE {a.n_layer} x {a.n_embd}, {a.experts} experts top-{a.top_k} every {a.moe_every} block(s), seq "
+    print(f"GPT-MoE {a.n_layer} x {a.n_embd}, {a.experts} experts top-{a.top_k} (+{a.shared_experts} shared) every "
+          f"{a.moe_every} block(s), seq "
           f"{a.block}, global batch {a.batch}, micro {a.micro}, nproc {a.nproc} (tp {a.tp}, ep {a.ep}, sp {a.sp}, "
           f"ZeRO-{a.zero}), {a.steps} timed steps each; load average {load[0]:.1f}")
     print("median step: " + ", ".join(f"{n} {med[n] * 1e3:.1f} ms" for n in names))
