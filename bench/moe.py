@@ -70,7 +70,7 @@ class _SavedBytes:
         return sum(self.seen.values())
 
 
-def _copy_weights(ours: MoELayer, theirs) -> None:
+def copy_weights(ours: MoELayer, theirs) -> None:
     with torch.no_grad():
         theirs.deepspeed_moe.gate.wg.weight.copy_(ours.router.weight)
         for mine, expert in zip(ours.experts.values(), theirs.deepspeed_moe.experts.deepspeed_experts):
@@ -155,7 +155,7 @@ def _worker(args) -> list[dict]:
                      min_capacity=0, noisy_gate_policy=None, drop_tokens=True, use_rts=False,
                      top2_2nd_expert_sampling=False).to(dev)
         theirs.set_deepspeed_parallelism()
-        _copy_weights(ours, theirs)
+        copy_weights(ours, theirs)
         g = torch.Generator().manual_seed(100 + info.rank)
         x = torch.randn(1, S, args.d_model, generator=g).to(dev).requires_grad_(not args.no_input_grad)
         gy = torch.randn(1, S, args.d_model, generator=g).to(dev)

@@ -33,7 +33,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 sys.path.insert(0, os.path.dirname(__file__))
-from moe import _copy_weights  # noqa: E402  (bench/moe.py: the same weights in both layers)
+from moe import copy_weights  # noqa: E402  (bench/moe.py: the same weights in both layers)
 
 from podscale.parallel.moe import MoELayer  # noqa: E402
 from podscale.parallel.moe.kernels import CacheTiledKernel  # noqa: E402
@@ -126,7 +126,7 @@ def worker(a) -> dict:
                  capacity_factor=a.capacity_factor, eval_capacity_factor=a.capacity_factor, min_capacity=0,
                  noisy_gate_policy=None, drop_tokens=True, use_rts=False, top2_2nd_expert_sampling=False)
     theirs.set_deepspeed_parallelism()
-    _copy_weights(ours, theirs)
+    copy_weights(ours, theirs)
     _hook_module(theirs.deepspeed_moe.experts, "experts")
     g = torch.Generator().manual_seed(100 + info.rank)
     x = torch.randn(1, a.tokens, a.d_model, generator=g).requires_grad_(True)
