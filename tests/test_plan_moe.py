@@ -187,13 +187,28 @@ def test_shared_experts_are_priced_as_one_more_dense_mlp_per_moe_layer():
     assert t_0["ep_communication"] - t_s["ep_communication"] == pytest.approx(m * n_moe * counts, rel=1e-9)
 
 
-def test_plan_predict_names_the_shared_experts(capsys):
+@pytest.mark.parametrize("model_extra,layout_extra,line,whole", [
+    (', "shared_experts": 2', "", "custom (experts 8 top2 +2 shared) on 16 x dgx-a100-80g", False),
+    ("", ', "fold_tp_into_ep": true', "custom (experts 8 top2, folded: 2 a rank over ep*tp = 4) on 16 x dgx-a100-80g, "
+     "batch 64, tp2 pp1 dp4 ep2 mb2 fold", True),
+    ("", ', "expert_tensor_parallel": true', "custom (experts 8 top2, split over tp: 4 a rank at 1/2 of their width) on "
+     "16 x dgx-a100-80g, batch 64, tp2 pp1 dp4 ep2 mb2 etp", True),
+    (', "aux_loss_scope": "global"', "", "custom (experts 8 top2, global aux loss) on 16 x dgx-a100-80g", False),
+], ids=["shared", "folded", "split", "global-aux-loss"])
+def test_plan_predict_names_the_moe_model_and_where_its_experts_are(capsys, model_extra, layout_extra, line, whole):
+    """`plan predict`'s first line names an MoE model's shared experts and global aux loss, and where a layout
+    puts its experts (folded over ep x tp, or split over tp)."""
     from podscale.plan.cli import main
-    model = ('{"layers": 8, "hidden": 1024, "heads": 16, "seq": 1024, "vocab": 32000, "experts": 8, "top_k": 2, '
-             '"shared_experts": 2}')
+    model = '{"layers": 8, "hidden": 1024, "heads": 16, "seq": 1024, "vocab": 32000, "experts": 8, "top_k": 2' + \
+        model_extra + "}"
+    layout = '{"tp": 2, "pp": 1, "dp": 4, "ep": 2, "microbatch": 2' + layout_extra + "}"
     assert main(["plan", "predict", "--system", "dgx-a100-80g", "--devices", "16", "--batch", "64", "--model", model,
-                 "--layout", '{"tp": 2, "pp": 1, "dp": 4, "ep": 2, "microbatch": 2}']) == 0
-    assert capsys.readouterr().out.startswith("custom (experts 8 top2 +2 shared) on 16 x dgx-a100-80g")
+                 "--layout", layout]) == 0
+    out = capsys.readouterr().out
+    if whole:
+        assert out.splitlines()[0] == line
+    else:
+        assert out.startswith(line)
 
 
 def test_gpt_of_passes_the_shared_experts_through():
@@ -329,17 +344,6 @@ def test_the_search_tries_folding_where_ep_x_tp_divides_the_experts_and_auto_pas
     lay = Layout(tp=2, dp=4, ep=2, microbatch=2, fold_tp_into_ep=True)
     assert "parallel.fold_tp_into_ep=true" in layout_overrides(lay)
     assert "parallel.fold_tp_into_ep=false" in layout_overrides(Layout(tp=2, dp=8, microbatch=2))
-
-
-def test_plan_predict_says_the_experts_are_folded(capsys):
-    from podscale.plan.cli import main
-    model = '{"layers": 8, "hidden": 1024, "heads": 16, "seq": 1024, "vocab": 32000, "experts": 8, "top_k": 2}'
-    layout = '{"tp": 2, "pp": 1, "dp": 4, "ep": 2, "microbatch": 2, "fold_tp_into_ep": true}'
-    assert main(["plan", "predict", "--system", "dgx-a100-80g", "--devices", "16", "--batch", "64", "--model", model,
-                 "--layout", layout]) == 0
-    assert capsys.readouterr().out.splitlines()[0] == (
-        "custom (experts 8 top2, folded: 2 a rank over ep*tp = 4) on 16 x dgx-a100-80g, batch 64, "
-        "tp2 pp1 dp4 ep2 mb2 fold")
 
 
 # Expert tensor parallelism (Megatron-core's expert_tensor_parallel_size = tp, alltoall token dispatcher): each tp
@@ -511,17 +515,6 @@ def test_the_search_tries_expert_tensor_parallelism_and_auto_passes_it_on():
         load_config("examples/gpt-small.toml", ["parallel.nproc=16"] + layout_overrides(dense)).check_layout(16)
 
 
-def test_plan_predict_says_the_experts_are_split(capsys):
-    from podscale.plan.cli import main
-    model = '{"layers": 8, "hidden": 1024, "heads": 16, "seq": 1024, "vocab": 32000, "experts": 8, "top_k": 2}'
-    layout = '{"tp": 2, "pp": 1, "dp": 4, "ep": 2, "microbatch": 2, "expert_tensor_parallel": true}'
-    assert main(["plan", "predict", "--system", "dgx-a100-80g", "--devices", "16", "--batch", "64", "--model", model,
-                 "--layout", layout]) == 0
-    assert capsys.readouterr().out.splitlines()[0] == (
-        "custom (experts 8 top2, split over tp: 4 a rank at 1/2 of their width) on 16 x dgx-a100-80g, batch 64, "
-        "tp2 pp1 dp4 ep2 mb2 etp")
-
-
 # What an MoE layer costs beyond its GEMMs and token exchanges: its routing, dispatch and combine, its count
 # exchange, and its token exchanges' overlap with its own rows as every overlapped collective is priced.
 
@@ -635,12 +628,3 @@ def test_gpt_of_passes_the_aux_loss_scope_through_and_the_planner_refuses_an_unk
     assert gpt_of(cfg).aux_loss_scope == "global"
     with pytest.raises(ModelError, match=r"^aux_loss_scope 'batch' must be one of group, global$"):
         GPT(**{**planner_model().to_dict(), "aux_loss_scope": "batch"})
-
-
-def test_plan_predict_names_the_global_aux_loss(capsys):
-    from podscale.plan.cli import main
-    model = ('{"layers": 8, "hidden": 1024, "heads": 16, "seq": 1024, "vocab": 32000, "experts": 8, "top_k": 2, '
-             '"aux_loss_scope": "global"}')
-    assert main(["plan", "predict", "--system", "dgx-a100-80g", "--devices", "16", "--batch", "64", "--model", model,
-                 "--layout", '{"tp": 2, "pp": 1, "dp": 4, "ep": 2, "microbatch": 2}']) == 0
-    assert capsys.readouterr().out.startswith("custom (experts 8 top2, global aux loss) on 16 x dgx-a100-80g")

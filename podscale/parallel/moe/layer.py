@@ -647,6 +647,16 @@ class _ReduceScatterRowsTP(torch.autograd.Function):
         return _gather_rows(grad, ctx.mesh, ctx.sizes), None, None
 
 
+def _width_part_weights(experts: list["Expert"], bias: bool, like: torch.Tensor) -> list:
+    """The kernel's weights (:class:`ExpertKernel` order) of these experts' tp parts under :class:`WidthSplit`:
+    ``w_fc``, ``w_proj`` and ``b_fc`` as held, and zeros standing in for ``b_proj``, which is added once after
+    the partial outputs are summed over tp."""
+    weights = [e.w_fc for e in experts] + [e.w_proj for e in experts]
+    if bias:
+        weights += [e.b_fc for e in experts] + [like.new_zeros(e.b_proj.shape) for e in experts]
+    return weights
+
+
 class WidthSplit:
     """Expert tensor parallelism: every expert's hidden width split over the mesh's tp ranks (Megatron-core's
     ``expert_tensor_parallel_size = tp``, its default, with the alltoall token dispatcher; the column/row
@@ -692,10 +702,8 @@ class WidthSplit:
         if perm is not None:
             rows = _PermuteRows.apply(rows, perm, inverse)
         ex = list(experts.values())
-        weights = [e.w_fc for e in ex] + [e.w_proj for e in ex]
-        if experts.bias:   # b_proj is added after the sum over tp: zeros stand in for it in the kernel
-            weights += [e.b_fc for e in ex] + [x.new_zeros(experts.d_model)] * El
-        y = _GroupedFFN.apply(rows, segments, experts._kernel(rows), El, experts.bias, *weights)
+        y = _GroupedFFN.apply(rows, segments, experts._kernel(rows), El, experts.bias,
+                              *_width_part_weights(ex, experts.bias, x))
         if perm is not None:
             y = _PermuteRows.apply(y, inverse, perm)
         y = _ReduceScatterRowsTP.apply(y, self.mesh, sizes)
@@ -717,11 +725,8 @@ class WidthSplit:
         gradients whole on their holder, ``b_proj``'s partial and summed over tp)."""
         sizes = [x.shape[0]] * self.tp          # every tp rank holds as many samples (MoELayer.forward)
         rows = _GatherRowsTP.apply(x, self.mesh, sizes)
-        weights = [expert.w_fc, expert.w_proj]
         bias = expert.b_fc is not None
-        if bias:   # b_proj is added after the sum over tp: zeros stand in for it in the kernel
-            weights += [expert.b_fc, x.new_zeros(expert.b_proj.shape)]
-        y = _GroupedFFN.apply(rows, [(0, rows.shape[0])], kernel, 1, bias, *weights)
+        y = _GroupedFFN.apply(rows, [(0, rows.shape[0])], kernel, 1, bias, *_width_part_weights([expert], bias, x))
         y = _ReduceScatterRowsTP.apply(y, self.mesh, sizes)
         return y + expert.b_proj.to(y.dtype) if bias else y
 
