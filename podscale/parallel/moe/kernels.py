@@ -73,52 +73,101 @@ def cast_weights(ws, dt):
 class WeightGrads:
     """The experts' weight and bias gradients, summed over every piece of rows the backward visits (an
     expert's rows may come in several pieces: segments from several ranks, the parts of an overlapped
-    exchange)."""
+    exchange).
+
+    Gradients the kernel asks this to compute (:meth:`add_fc`, :meth:`add_proj`, :meth:`add_biases`) are written
+    into views of one buffer for all El experts, allocated at the first of them: on a CPU a step's expert
+    gradients are fresh memory (the previous step's were freed by ``zero_grad``), and one buffer in whole
+    huge pages (:func:`~podscale.runtime.hostmem.empty_on_huge_pages`) faults in once per 2 MiB where El x 4
+    separate outputs would each be faulted in page by page (64 experts' 256 KiB matrices: 16 MiB a layer;
+    BENCHMARKS.md, the MoE section); every expert's bias gradient is one row of a block, summed over all the
+    segments in one ``index_add`` rather than one sum per segment (a small block of its own, fp32 for 16-bit
+    rows).  Autograd takes the views as the parameters' ``.grad`` as they are (contiguous, the parameters'
+    strides).  Gradients a kernel computes itself (:meth:`put_fc`, :meth:`put_proj`: the grouped-GEMM kernel's) are kept as given."""
+
+    #: the gradient kinds in the kernel's parameter order
+    KINDS = ("fc", "proj", "b_fc", "b_proj")
 
     def __init__(self, El: int, bias: bool):
         self.El, self.bias = El, bias
-        self.fc, self.proj, self.b_fc, self.b_proj = [None] * El, [None] * El, [None] * El, [None] * El
+        self.grads: dict[str, list[torch.Tensor | None]] = {kind: [None] * El for kind in self.KINDS}
+        #: ``fc``, ``proj``: every expert's weight gradient, one block each of the one buffer; ``b_fc``, ``b_proj``:
+        #: the bias blocks (None until the first add)
+        self._blocks: dict[str, torch.Tensor] | None = None
+        self._bias_blocks: dict[str, torch.Tensor] | None = None
 
     def add_proj(self, j: int, act: torch.Tensor, grad: torch.Tensor) -> None:
-        """Expert ``j``'s second linear: ``d w_proj += act^T grad``, ``d b_proj += sum(grad)``."""
-        self._add(self.proj, self.b_proj, j, act, grad)
+        """Expert ``j``'s second linear: ``d w_proj += act^T grad`` (its bias: :meth:`add_biases`)."""
+        self._add("proj", j, act, grad, hidden=act.shape[1], d_model=grad.shape[1])
 
     def add_fc(self, j: int, x: torch.Tensor, d_pre: torch.Tensor) -> None:
-        """Expert ``j``'s first linear: ``d w_fc += x^T d_pre``, ``d b_fc += sum(d_pre)``."""
-        self._add(self.fc, self.b_fc, j, x, d_pre)
+        """Expert ``j``'s first linear: ``d w_fc += x^T d_pre`` (its bias: :meth:`add_biases`)."""
+        self._add("fc", j, x, d_pre, hidden=d_pre.shape[1], d_model=x.shape[1])
+
+    def add_biases(self, grad: torch.Tensor, d_pre: torch.Tensor, bounds: Bounds) -> None:
+        """Every segment's bias gradients, ``d b_proj += sum(grad)`` and ``d b_fc += sum(d_pre)`` over its
+        rows, into its expert's row of the two bias blocks: one ``index_add`` each over all the rows
+        (``bounds`` lie end to end, as :func:`segment_bounds` lays them), accumulated in fp32 for 16-bit rows
+        (as ``sum`` accumulates).  Nothing without biases."""
+        if not self.bias or not bounds:
+            return
+        if self._bias_blocks is None:
+            wide = grad.dtype if grad.dtype in (torch.float32, torch.float64) else torch.float32
+            self._bias_blocks = {"b_fc": grad.new_zeros(self.El, d_pre.shape[1], dtype=wide),
+                                 "b_proj": grad.new_zeros(self.El, grad.shape[1], dtype=wide)}
+            for kind, block in self._bias_blocks.items():
+                self.grads[kind] = list(block.unbind(0))
+        first, end = bounds[0][1], bounds[-1][2]
+        lengths = torch.tensor([b - a for _, a, b in bounds])
+        expert = torch.repeat_interleave(torch.tensor([j for j, _, _ in bounds]), lengths, output_size=end - first)
+        expert = expert.to(grad.device)
+        for kind, rows in (("b_proj", grad), ("b_fc", d_pre)):
+            block = self._bias_blocks[kind]
+            block.index_add_(0, expert, rows[first:end].to(block.dtype))
 
     def put_proj(self, j: int, d_w: torch.Tensor, d_b: torch.Tensor | None) -> None:
         """Expert ``j``'s second linear's gradients for one piece of rows, computed by the caller."""
-        self._put(self.proj, self.b_proj, j, d_w, d_b)
+        self._put("proj", j, d_w, d_b)
 
     def put_fc(self, j: int, d_w: torch.Tensor, d_b: torch.Tensor | None) -> None:
         """Expert ``j``'s first linear's gradients for one piece of rows, computed by the caller."""
-        self._put(self.fc, self.b_fc, j, d_w, d_b)
+        self._put("fc", j, d_w, d_b)
 
-    def _add(self, w: list, b: list, j: int, inp: torch.Tensor, grad_out: torch.Tensor) -> None:
-        if w[j] is None:
-            w[j] = torch.mm(inp.t(), grad_out)
-            if self.bias:
-                b[j] = grad_out.sum(0)
+    def _buffer(self, like: torch.Tensor, hidden: int, d_model: int) -> dict[str, torch.Tensor]:
+        """The weight-gradient blocks of the one buffer, (El, d, h) for ``w_fc`` and (El, h, d) for ``w_proj``,
+        in ``like``'s dtype and device (allocated at the first call)."""
+        if self._blocks is None:
+            size = self.El * d_model * hidden
+            flat = hostmem.empty_on_huge_pages(2 * size, like.dtype, like.device)
+            self._blocks = {"fc": flat[:size].view(self.El, d_model, hidden),
+                            "proj": flat[size:].view(self.El, hidden, d_model)}
+        return self._blocks
+
+    def _add(self, kind: str, j: int, inp: torch.Tensor, grad_out: torch.Tensor, hidden: int, d_model: int) -> None:
+        held = self.grads[kind]
+        if held[j] is None:
+            held[j] = torch.mm(inp.t(), grad_out, out=self._buffer(inp, hidden, d_model)[kind][j])
         else:
-            w[j].addmm_(inp.t(), grad_out)
-            if self.bias:
-                b[j].add_(grad_out.sum(0))
+            held[j].addmm_(inp.t(), grad_out)
 
-    def _put(self, w: list, b: list, j: int, d_w: torch.Tensor, d_b: torch.Tensor | None) -> None:
-        w[j] = d_w if w[j] is None else w[j].add_(d_w)
-        if self.bias:
-            b[j] = d_b if b[j] is None else b[j].add_(d_b)
+    def _put(self, kind: str, j: int, d_w: torch.Tensor, d_b: torch.Tensor | None) -> None:
+        for k, g in ((kind, d_w), ("b_" + kind, d_b)):
+            if k == kind or self.bias:
+                held = self.grads[k]
+                held[j] = g if held[j] is None else held[j].add_(g)
 
     def result(self, params, like: torch.Tensor) -> list[torch.Tensor]:
         """The gradients in ``params``' order and dtype (w_fc..., w_proj..., then b_fc..., b_proj...); an
         expert without rows gets a zero gradient, never a missing one."""
-        weights = params[:2 * self.El]
-        out = [g if g is not None else like.new_zeros(w.shape) for g, w in zip(self.fc + self.proj, weights)]
-        if self.bias:
-            out += [g if g is not None else like.new_zeros(b.shape)
-                    for g, b in zip(self.b_fc + self.b_proj, params[2 * self.El:])]
-        return [g if g.dtype == p.dtype else g.to(p.dtype) for g, p in zip(out, params)]
+        kinds = self.KINDS if self.bias else self.KINDS[:2]
+        out = []
+        for i, kind in enumerate(kinds):
+            for j, (g, p) in enumerate(zip(self.grads[kind], params[i * self.El:(i + 1) * self.El])):
+                if g is None:
+                    g = self._blocks[kind][j].zero_() if self._blocks is not None and kind in self._blocks \
+                        else like.new_zeros(p.shape)
+                out.append(g if g.dtype == p.dtype else g.to(p.dtype))
+        return out
 
 
 class ExpertKernel(Protocol):
@@ -242,11 +291,10 @@ class CacheTiledKernel:
         w_fc, w_proj, b_fc, b_proj = _split_weights(weights, El, bias)
         M, H = x.shape[0], w_fc[0].shape[1]
         T = min(self.row_tile, M)
-        saved = x.new_empty(1 if self.recompute else 2, M, H)
-        if saved.device.type == "cpu":
-            # fresh pages every step (glibc returns large freed blocks to the OS): one fault per 2 MiB
-            # instead of one per 4 KiB on first touch
-            hostmem.advise_huge_pages(saved)
+        # fresh pages every step (glibc returns large freed blocks to the OS): one fault per 2 MiB instead of
+        # one per 4 KiB on first touch
+        n_kept = 1 if self.recompute else 2
+        saved = hostmem.empty_on_huge_pages(n_kept * M * H, x.dtype, x.device).view(n_kept, M, H)
         tmp_buf = _gelu_scratch(x, T, H)
         if self.recompute:
             # the pre-activation is kept; the activation and derivative live one tile at a time
@@ -302,6 +350,7 @@ class CacheTiledKernel:
             acc.add_fc(j, x[a:b], d_pre[a:b])
             if not self.recompute:
                 acc.add_proj(j, act[a:b], grad[a:b])
+        acc.add_biases(grad, d_pre, bounds)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -357,6 +406,7 @@ class SegmentKernel:
             if g_x is not None:
                 torch.mm(d_pre[a:b], w_fc[j].t(), out=g_x[a:b])
             acc.add_fc(j, x[a:b], d_pre[a:b])
+        acc.add_biases(grad, d_pre, bounds)
 
 
 # ---------------------------------------------------------------------------------------------------
