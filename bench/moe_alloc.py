@@ -1,0 +1,81 @@
+"""One MoE layer alone in one process: forward + backward time and the minor page faults a step takes.
+
+A CPU step allocates its expert gradients afresh (the previous step's were freed by `zero_grad`), and glibc
+returns large freed blocks to the OS, so fresh memory is faulted in again page by page. This prints, per step,
+the median time and the minor faults (`getrusage`), and the share of the time spent in the expert kernel, for
+the checkout it runs from; compare two commits by running it from a worktree of each, alternately.
+
+    python bench/moe_alloc.py [--experts 32] [--tokens 950] [--top-k 1] [--steps 40]
+"""
+from __future__ import annotations
+
+import argparse
+import resource
+import statistics
+import time
+
+import torch
+
+from podscale.parallel.moe import MoELayer
+from podscale.parallel.moe.kernels import CacheTiledKernel
+
+
+class _TimedKernel(CacheTiledKernel):
+    """The CPU kernel, its calls' time added to ``spent``."""
+
+    def __init__(self):
+        super().__init__()
+        self.spent = 0.0
+
+    def forward(self, *args):
+        t = time.perf_counter()
+        out = super().forward(*args)
+        self.spent += time.perf_counter() - t
+        return out
+
+    def backward(self, *args):
+        t = time.perf_counter()
+        super().backward(*args)
+        self.spent += time.perf_counter() - t
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--experts", type=int, default=32)
+    ap.add_argument("--tokens", type=int, default=950)
+    ap.add_argument("--top-k", type=int, default=1)
+    ap.add_argument("--d-model", type=int, default=128)
+    ap.add_argument("--d-hidden", type=int, default=512)
+    ap.add_argument("--steps", type=int, default=40)
+    a = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    torch.manual_seed(1)
+    kernel = _TimedKernel()
+    layer = MoELayer(a.d_model, a.d_hidden, a.experts, top_k=a.top_k, capacity_factor=1.25, random_routing=False,
+                     kernel=kernel)
+    with torch.no_grad():       # bench/moe.py's uneven router
+        layer.router.weight.normal_(0.0, 0.1)
+    x = torch.randn(1, a.tokens, a.d_model, requires_grad=True)
+    gy = torch.randn(1, a.tokens, a.d_model)
+    times, faults, kernel_times = [], [], []
+    for step in range(a.steps + 5):
+        layer.zero_grad(set_to_none=True)
+        x.grad = None
+        kernel.spent = 0.0
+        f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        t0 = time.perf_counter()
+        (layer(x)[0] * gy).sum().backward()
+        if step >= 5:    # the first steps warm up
+            times.append(time.perf_counter() - t0)
+            faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)
+            kernel_times.append(kernel.spent)
+    res = {"step_ms": 1e3 * statistics.median(times), "kernel_ms": 1e3 * statistics.median(kernel_times),
+           "faults_median": statistics.median(faults), "faults_mean": statistics.fmean(faults)}
+    print(f"E={a.experts} tokens={a.tokens} k={a.top_k}: step {res['step_ms']:.2f} ms (expert kernel "
+          f"{res['kernel_ms']:.2f}), minor faults a step: median {res['faults_median']:.0f}, mean "
+          f"{res['faults_mean']:.0f}")
+    return res
+
+
+if __name__ == "__main__":
+    main()
