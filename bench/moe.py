@@ -20,6 +20,7 @@ top-2 renormalises the gate values after dropping where GShard normalises before
                         [--kernel auto|tiled|segment|grouped]   # podscale's expert kernel (default: the device's)
                         [--row-tile N]   # the CPU kernel's row tile (an ablation; default: the library's)
                         [--ablate-overlap]   # also podscale with its own rows never overlapped with the exchange
+                        [--bind-cores]   # each rank pinned to its own share of the cores (both layers)
                         [--keep-heap]    # freed memory stays resident (no page faults on new activations)
                         [--recompute-activation]   # podscale keeps only the experts' pre-activation
     python bench/moe.py --kernels [NAME ...] [--device cpu|cuda] [--dtype fp32 bf16] [--threads N] ...
@@ -48,7 +49,7 @@ from podscale.parallel.moe.kernels import CacheTiledKernel
 from podscale.runtime import hostmem
 from podscale.runtime.launcher import launch
 from podscale.runtime.mesh import Mesh
-from podscale.runtime.process import init_process
+from podscale.runtime.process import bind_local_cores, init_process
 
 
 class _SavedBytes:
@@ -127,7 +128,8 @@ def _worker(args) -> list[dict]:
         hostmem.mallopt(_M_MMAP_MAX, 0)
         hostmem.mallopt(hostmem.M_TRIM_THRESHOLD, 2**30)
     info = init_process()
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // info.world_size))
+    cores = bind_local_cores(info.local_rank, info.world_size) if args.bind_cores else None
+    torch.set_num_threads(len(cores) if cores else max(1, (os.cpu_count() or 1) // info.world_size))
     import deepspeed
     from deepspeed.moe.layer import MoE
     from deepspeed.utils import logger as ds_logger
@@ -297,6 +299,9 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--ablate-overlap", action="store_true",
                     help="a third contestant in the same rounds: podscale with every rank's own rows sent through "
                          "the exchange and regrouped (MIN_SEGMENT_ROWS huge), never run while it is in flight")
+    ap.add_argument("--bind-cores", action="store_true",
+                    help="pin each rank to its own share of the cores (podscale's parallel.bind_cores; both layers run "
+                         "in the same processes, so both get it)")
     ap.add_argument("--keep-heap", action="store_true",
                     help="glibc: serve every allocation from the heap and never trim it (both layers; takes "
                          "page faults on freshly allocated activations out of the times)")

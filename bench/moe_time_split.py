@@ -16,7 +16,11 @@ Printed per rank: the medians over the rounds (ms), the rows each layer's expert
 bound on podscale's time ratio at this point: its experts and all-to-alls alone (as if everything else in the
 layer cost nothing) over DeepSpeed's measured total.
 
+Also printed: each exchange's median time, in the order of the step. `--bind-cores` pins each rank to its own share
+of the cores, as `parallel.bind_cores` does in training (both layers run in the same processes).
+
     python bench/moe_time_split.py [--experts 64] [--tokens 1024] [--top-k 1] [--capacity-factor 1.25] [--rounds 15]
+                                   [--bind-cores]
 """
 from __future__ import annotations
 
@@ -39,11 +43,13 @@ from podscale.parallel.moe import MoELayer  # noqa: E402
 from podscale.parallel.moe.kernels import CacheTiledKernel  # noqa: E402
 from podscale.runtime.launcher import launch  # noqa: E402
 from podscale.runtime.mesh import Mesh  # noqa: E402
-from podscale.runtime.process import init_process  # noqa: E402
+from podscale.runtime.process import bind_local_cores, init_process  # noqa: E402
 
 #: milliseconds per piece of the round in progress
 SPENT: dict[str, float] = collections.defaultdict(float)
 ROWS: dict[str, int] = collections.defaultdict(int)
+#: each exchange of the round in progress, in order: seconds from its call until its wait returned
+EXCHANGES: list[float] = []
 
 
 class TimedKernel:
@@ -75,6 +81,7 @@ class _TimedWork:
     def wait(self, *a, **k):
         out = self.work.wait(*a, **k)
         SPENT["all-to-all"] += time.perf_counter() - self.start
+        EXCHANGES.append(time.perf_counter() - self.start)
         return out
 
     def is_completed(self):
@@ -91,6 +98,7 @@ def _timed_all_to_all(raw):
         if async_op:
             return _TimedWork(work, start)
         SPENT["all-to-all"] += time.perf_counter() - start
+        EXCHANGES.append(time.perf_counter() - start)
         return work
     return call
 
@@ -106,6 +114,8 @@ def _hook_module(module, name: str) -> None:
 def worker(a) -> dict:
     logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
     info = init_process()
+    if a.bind_cores:
+        bind_local_cores(info.local_rank, info.world_size)
     torch.set_num_threads(1)
     import deepspeed
     from deepspeed.moe.layer import MoE
@@ -133,6 +143,7 @@ def worker(a) -> dict:
     gy = torch.randn(1, a.tokens, a.d_model, generator=g)
     layers = {"podscale": lambda t: ours(t)[0], "deepspeed": lambda t: theirs(t)[0]}
     out = {n: collections.defaultdict(list) for n in layers}
+    exchanges: dict[str, list[list[float]]] = {n: [] for n in layers}
     for r in range(a.rounds + 1):
         names = list(layers)[::1 if r % 2 else -1]
         for name in names:
@@ -140,6 +151,7 @@ def worker(a) -> dict:
             theirs.zero_grad(set_to_none=True)
             x.grad = None
             SPENT.clear()
+            EXCHANGES.clear()
             ROWS.clear()
             dist.barrier()
             t0 = time.perf_counter()
@@ -152,10 +164,14 @@ def worker(a) -> dict:
                     split["rows"] = ROWS["podscale"]
                 for k, v in split.items():
                     out[name][k].append(v)
+                exchanges[name].append(list(EXCHANGES))
     # DeepSpeed's experts run every slot: E/ep experts x ep ranks x C on every rank
     C = ours.capacity(a.tokens)
+    # each exchange's median over the rounds, in the order of the step (every round runs the same ones)
     return {n: {k: statistics.median(v) for k, v in d.items()} for n, d in out.items()} | \
-        {"deepspeed_rows": a.experts * C}
+        {"deepspeed_rows": a.experts * C,
+         "exchanges": {n: [statistics.median(r[i] for r in rounds) for i in range(len(rounds[0]))]
+                       for n, rounds in exchanges.items()}}
 
 
 def main(argv=None) -> dict:
@@ -167,6 +183,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--d-model", type=int, default=128)
     ap.add_argument("--d-hidden", type=int, default=512)
     ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--bind-cores", action="store_true",
+                    help="pin each rank to its own share of the cores (podscale's parallel.bind_cores; both layers)")
     a = ap.parse_args(argv)
     res = launch(worker, (a,), nproc=2)
     print(f"E={a.experts} tokens/rank={a.tokens} k={a.top_k} cf={a.capacity_factor}, {a.rounds} rounds, medians in ms "
@@ -179,6 +197,9 @@ def main(argv=None) -> dict:
               f"({rows} rows) + all-to-all {1e3 * p['all-to-all']:5.2f} + rest {1e3 * p['rest']:5.2f}   |   "
               f"DeepSpeed total {1e3 * d['total']:6.2f} = experts {1e3 * d['experts']:6.2f} "
               f"({res[rank]['deepspeed_rows']} rows) + all-to-all {1e3 * d['all-to-all']:5.2f} + rest {1e3 * d['rest']:5.2f}")
+    for rank in sorted(res):
+        print(f"rank {rank}: each exchange, from its call to its wait's return (ms): " + "; ".join(
+            f"{name} " + ", ".join(f"{1e3 * t:.2f}" for t in ts) for name, ts in res[rank]["exchanges"].items()))
     bound = max(res[r]["podscale"]["experts"] + res[r]["podscale"]["all-to-all"] for r in res) / ds_total
     ratio = max(res[r]["podscale"]["total"] for r in res) / ds_total
     print(f"time ratio (slowest rank's medians) {ratio:.2f}; podscale's experts and all-to-alls alone over "

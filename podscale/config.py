@@ -567,6 +567,10 @@ class DataSection(_Section):
 
 class ParallelSection(_Section):
     nproc: int = Field(2, ge=1, le=4096, description="local worker processes spawned by `podscale train`")
+    bind_cores: bool = Field(
+        False, description="CPU runs: pin each local worker to its own equal share of the cores it may use, one "
+        "thread per core (DeepSpeed's --bind_cores_to_rank); off by default because two bound jobs on one machine "
+        "would share the same cores; no effect with more workers than cores or on GPUs")
     dp: int | None = Field(None, ge=1, description="data-parallel size; default: what pp, ep and tp leave")
     tp: int = Field(1, ge=1)
     pp: int = Field(1, ge=1)

@@ -92,17 +92,48 @@ def test_podscale_launch_runs_a_script_with_a_loopback_rendezvous(tmp_path):
 
 def test_train_with_no_config_uses_the_standard_library_corpus(tmp_path, capfd):
     """``podscale train`` without a config, through its entry point in this process (test_train_cli.py runs
-    the command line as a subprocess)."""
+    the command line as a subprocess); its two workers bound to a core each where there are two."""
     from podscale.cli import main
     capfd.readouterr()
     code = main(["train", "--steps", "4", "--out-dir", str(tmp_path), "--set", "run.eval_every=0",
-                 "--set", "run.sample_tokens=16", "--set", "model.n_layer=1"])
+                 "--set", "run.sample_tokens=16", "--set", "model.n_layer=1", "--set", "parallel.bind_cores=true"])
     out = capfd.readouterr()
     assert code == 0, out.err[-2000:]
     assert "podscale: done: 4 steps" in out.out
+    cores = len(os.sched_getaffinity(0))
+    assert ("local ranks bound to " + f"{cores // 2} core(s) each" in out.out) == (cores >= 2)
     rows = [json.loads(x) for x in (tmp_path / "gpt-small" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     assert (tmp_path / "gpt-small" / "sample.txt").stat().st_size > 0
+
+
+def _bind_in_child(local_rank: int, local_world: int, queue) -> None:
+    from podscale.runtime.process import bind_local_cores
+    queue.put((bind_local_cores(local_rank, local_world), sorted(os.sched_getaffinity(0))))
+
+
+def test_bind_local_cores_gives_each_local_rank_its_own_slice_of_the_cores():
+    """Each local rank gets the next equal, contiguous slice of the process's affinity mask, and more local ranks
+    than cores bind nothing (run in forked children: binding is process-wide)."""
+    import multiprocessing
+    cpus = sorted(os.sched_getaffinity(0))
+    ctx = multiprocessing.get_context("fork")
+    seen = {}
+    for world in (1, 2, len(cpus), len(cpus) + 1):
+        for rank in range(world):
+            queue = ctx.Queue()
+            child = ctx.Process(target=_bind_in_child, args=(rank, world, queue))
+            child.start()
+            seen[rank, world] = queue.get(timeout=60)
+            child.join(60)
+            assert child.exitcode == 0
+    for (rank, world), (bound, affinity) in seen.items():
+        per = len(cpus) // world
+        if per == 0:
+            assert bound is None and affinity == cpus
+        else:
+            assert bound == affinity == cpus[rank * per:(rank + 1) * per]
+    assert seen[0, 1][0] == cpus
 
 
 def test_python_api(tmp_path):

@@ -42,6 +42,27 @@ def device_kind(choice: str = "auto", local_ranks: int = 1) -> str:
     return "cuda"
 
 
+def bind_local_cores(local_rank: int, local_world: int) -> list[int] | None:
+    """Pin this process to its share of the CPUs it may run on: the ``local_rank``-th of ``local_world`` equal,
+    contiguous slices of its affinity mask (the whole machine, or the cpuset a scheduler gave the job).
+    Returns the cores, or None, changing nothing, when there are fewer cores than local workers or the
+    platform has no ``sched_setaffinity``.
+
+    A CPU worker left to the kernel's scheduler migrates between cores and shares them with its peers'
+    communication threads; bound, each keeps its caches and its core (DeepSpeed's launcher
+    ``--bind_cores_to_rank``, Intel's ``ipexrun``).  Two jobs bound on one machine would share the same cores,
+    hence ``parallel.bind_cores`` is off unless asked for."""
+    if not hasattr(os, "sched_setaffinity"):
+        return None
+    cpus = sorted(os.sched_getaffinity(0))
+    per = len(cpus) // max(1, local_world)
+    if per < 1 or not 0 <= local_rank < local_world:
+        return None
+    mine = cpus[local_rank * per:(local_rank + 1) * per]
+    os.sched_setaffinity(0, mine)
+    return mine
+
+
 DEFAULT_TIMEOUT_S = 600.0  # torch's process-group timeout when no config sets one
 
 

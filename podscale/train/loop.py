@@ -20,18 +20,23 @@ from podscale.parallel.sharded_state import fill_from_full
 from podscale.runtime import comm, watchdog
 from podscale.runtime.mesh import AXES, Mesh
 from podscale.runtime.metrics import MetricsLog, matmul_peak, peak_memory_bytes
-from podscale.runtime.process import init_process
+from podscale.runtime.process import bind_local_cores, init_process
 from podscale.tasks import task_for
 from podscale.train import checkpoint, faults
 from podscale.train.progress import Progress
 
 
-def _set_cpu_threads(device: torch.device) -> None:
-    """Local workers on a CPU share its cores instead of each spawning a thread per core."""
-    if device.type != "cpu" or "OMP_NUM_THREADS" in os.environ:
-        return
+def _set_cpu_threads(device: torch.device, bind: bool) -> list[int] | None:
+    """Local workers on a CPU share its cores instead of each spawning a thread per core; with ``bind``
+    (``parallel.bind_cores``) each is pinned to its own share of them (:func:`bind_local_cores`) and runs a thread
+    per core of it.  Returns the bound cores (None: not bound)."""
+    if device.type != "cpu":
+        return None
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("PODSCALE_LOCAL_WORLD", "1")))
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, local_world)))
+    cores = bind_local_cores(int(os.environ.get("LOCAL_RANK", "0")), local_world) if bind else None
+    if "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(len(cores) if cores else max(1, (os.cpu_count() or 1) // max(1, local_world)))
+    return cores
 
 
 def _gather_per_rank(value: float, mesh: Mesh) -> list[float]:
@@ -64,7 +69,7 @@ def run_worker(cfg: Config, resume: bool = False) -> dict:
     # torch's process-group timeout is the backstop of the hang watchdog (see podscale.runtime.watchdog)
     backstop = watchdog.backstop_s(cfg.run.collective_timeout_s)
     info = init_process(timeout_s=backstop, device=cfg.run.device)
-    _set_cpu_threads(info.device)
+    cores = _set_cpu_threads(info.device, cfg.parallel.bind_cores)
     cfg.check_layout(info.world_size)
     mesh = Mesh.build(info.device, timeout_s=backstop, **cfg.mesh_sizes())
     dog = watchdog.start(mesh, cfg.run.collective_timeout_s)
@@ -130,6 +135,7 @@ def run_worker(cfg: Config, resume: bool = False) -> dict:
         if rank == 0:
             progress.print(f"podscale: {cfg.run.name}: {task.describe(model)}, mesh {mesh.describe()}, "
                            f"accumulation {cfg.grad_accum}, {cfg.train.precision}, device {info.device}"
+                           + (f", local ranks bound to {len(cores)} core(s) each" if cores else "")
                            + (f", resumed from {restored.name}" if restored is not None else "")
                            + (f", initialised with {initialised}" if initialised is not None else ""))
 
