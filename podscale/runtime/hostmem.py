@@ -21,8 +21,6 @@ import ctypes.util
 import functools
 import os
 
-import torch
-
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # <malloc.h>
 # ZeRO-3's mmap threshold on a CPU unless zero.host_mmap_threshold_mb says otherwise: glibc's cap on 64-bit
 DEFAULT_MMAP_THRESHOLD = 32 << 20
@@ -97,24 +95,6 @@ def advise_huge_pages(t) -> None:
     lo, hi = (ptr + _HUGE - 1) & ~(_HUGE - 1), (ptr + t.numel() * t.element_size()) & ~(_HUGE - 1)
     if hi > lo:
         madvise(lo, hi - lo, MADV_HUGEPAGE)
-
-
-def empty_on_huge_pages(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """An uninitialised 1-D tensor of ``numel`` elements for a buffer allocated afresh every step: on a CPU,
-    placed in whole 2 MiB-aligned pages advised onto transparent huge pages (:func:`advise_huge_pages`), so
-    its first touch costs one fault per 2 MiB where an unaligned buffer's head and tail still take one per
-    4 KiB (up to 1,024 faults); the allocation is up to 4 MiB larger than asked, never touched beyond the
-    last page in use.  Elsewhere, or under 2 MiB, a plain ``torch.empty``."""
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    nbytes = numel * itemsize
-    if torch.device(device).type != "cpu" or nbytes < _HUGE:
-        return torch.empty(numel, dtype=dtype, device=device)
-    padded = (nbytes + _HUGE - 1) & ~(_HUGE - 1)
-    raw = torch.empty(padded + _HUGE, dtype=torch.uint8)
-    start = -raw.data_ptr() % _HUGE
-    pages = raw[start:start + padded]
-    advise_huge_pages(pages)
-    return pages.view(dtype)[:numel]
 
 
 def trim_heap() -> None:

@@ -77,8 +77,8 @@ class WeightGrads:
 
     Gradients the kernel asks this to compute (:meth:`add_fc`, :meth:`add_proj`, :meth:`add_biases`) are written
     into views of one buffer for all El experts, allocated at the first of them: on a CPU a step's expert
-    gradients are fresh memory (the previous step's were freed by ``zero_grad``), and one buffer in whole
-    huge pages (:func:`~podscale.runtime.hostmem.empty_on_huge_pages`) faults in once per 2 MiB where El x 4
+    gradients are fresh memory (the previous step's were freed by ``zero_grad``), and one buffer advised onto
+    huge pages (:func:`~podscale.runtime.hostmem.advise_huge_pages`) faults in once per 2 MiB where El x 4
     separate outputs would each be faulted in page by page (64 experts' 256 KiB matrices: 16 MiB a layer;
     BENCHMARKS.md, the MoE section); every expert's bias gradient is one row of a block, summed over all the
     segments in one ``index_add`` rather than one sum per segment (a small block of its own, fp32 for 16-bit
@@ -138,7 +138,9 @@ class WeightGrads:
         in ``like``'s dtype and device (allocated at the first call)."""
         if self._blocks is None:
             size = self.El * d_model * hidden
-            flat = hostmem.empty_on_huge_pages(2 * size, like.dtype, like.device)
+            flat = like.new_empty(2 * size)
+            if flat.device.type == "cpu":
+                hostmem.advise_huge_pages(flat)
             self._blocks = {"fc": flat[:size].view(self.El, d_model, hidden),
                             "proj": flat[size:].view(self.El, hidden, d_model)}
         return self._blocks
@@ -291,10 +293,11 @@ class CacheTiledKernel:
         w_fc, w_proj, b_fc, b_proj = _split_weights(weights, El, bias)
         M, H = x.shape[0], w_fc[0].shape[1]
         T = min(self.row_tile, M)
-        # fresh pages every step (glibc returns large freed blocks to the OS): one fault per 2 MiB instead of
-        # one per 4 KiB on first touch
-        n_kept = 1 if self.recompute else 2
-        saved = hostmem.empty_on_huge_pages(n_kept * M * H, x.dtype, x.device).view(n_kept, M, H)
+        saved = x.new_empty(1 if self.recompute else 2, M, H)
+        if saved.device.type == "cpu":
+            # fresh pages every step (glibc returns large freed blocks to the OS): one fault per 2 MiB
+            # instead of one per 4 KiB on first touch
+            hostmem.advise_huge_pages(saved)
         tmp_buf = _gelu_scratch(x, T, H)
         if self.recompute:
             # the pre-activation is kept; the activation and derivative live one tile at a time
