@@ -920,9 +920,9 @@ def _accumulated_grads(layer: MoELayer, batches: list[torch.Tensor], recompute: 
 def test_a_recomputed_forward_repeats_the_step_counts_its_first_forward_used():
     """Activation recomputation runs each micro-batch's forward again in its backward: it must take the counts
     its first forward took, neither adding them again nor reading a later micro-batch's, so the step's
-    gradients are those without recomputation (exactly, fp64), and the step's sum is the micro-batches'.
-    Run both in the order of a step of two micro-batches at a time (1F1B, GPipe): both forwards, then both
-    backwards, the recomputations in the forwards' order."""
+    gradients are those without recomputation (exactly, fp64), and the step's sum is the micro-batches'; also
+    when both forwards of a two-micro-batch step run before both backwards (GPipe's order, 1F1B's warm-up),
+    the recomputations then coming in the forwards' order, after micro-batch 2 has added its counts."""
     from torch.utils.checkpoint import checkpoint
     layer = _step_layer()
     batches = _leaning_batches(layer, [0, 3, 5])

@@ -926,11 +926,12 @@ class MoELayer(nn.Module, StepState):
                                  "or build the layer with random_routing=False")
             uniform = routing_uniform(keys.reshape(G, S), self.seed)
         r, probs = route(logits, self.top_k, self.capacity(S), uniform, self.router.selection_bias, self.gating)
-        counts = self._shared_counts(r.expert[:, 0])
+        counts = self._balance_counts(r.expert[:, 0])
         return flat, r, load_balancing_loss(probs, r.expert[:, 0], counts), router_z_loss(logits)
 
-    def _shared_counts(self, first_choice: torch.Tensor) -> torch.Tensor | None:
-        """The first-choice counts every group's ``f_e`` comes from (None: each group its own, ``"group"``).
+    def _balance_counts(self, first_choice: torch.Tensor) -> torch.Tensor | None:
+        """The first-choice counts the load-balancing loss takes every group's ``f_e`` from (None: each group its
+        own, ``"group"``).
 
         The global scopes count over every rank that routes other tokens (collective: every rank of those groups,
         once per forward, whatever its routing; without a mesh, this process's whole batch); ``"global_step"``
