@@ -22,7 +22,8 @@ shares counted per sequence (``group``: Switch, GShard) and over the whole batch
 "Demons in the Detail"; Megatron-core's ``global_aux_loss``; ``model.aux_loss_scope``); ``all`` adds
 ``global_step``, the counts summed over the micro-batches of the step so far (the paper's buffer for gradient
 accumulation), which differs from ``global`` only when a step runs as several micro-batches
-(``--micro-batches N``: the ``--batch`` sequences of a step in N micro-batches, gradients accumulated); it prints
+(``--micro-batches N``: the ``--batch`` sequences of a step in N micro-batches, gradients accumulated, and the
+validation set the same ``--eval-batches`` x ``--batch`` windows, in N times as many batches); it prints
 for each the last step's per-expert load spread (the least and the most loaded expert's share of the dispatched
 choices, per MoE layer).  Both models run through podscale's trunk (task, engine, AdamW, cosine schedule) in
 one process, on the byte-level corpus (``--data``: a text file; default the Python standard library's
@@ -58,7 +59,9 @@ SCOPE_WORDS = {"group": "sequence", "global": "batch (global)", "global_step": "
 
 def train(model_section: dict, args) -> dict:
     cfg = parse_config({
-        "run": {"name": "moe-vs-dense", "steps": args.steps, "seed": args.seed, "eval_batches": args.eval_batches},
+        # (the GPT task's validation batches hold micro_batch sequences: as many more of them, the same windows)
+        "run": {"name": "moe-vs-dense", "steps": args.steps, "seed": args.seed,
+                "eval_batches": args.eval_batches * args.micro_batches},
         "model": model_section,
         "data": {"path": args.data} if args.data else {},
         "parallel": {"nproc": 1},
