@@ -335,7 +335,7 @@ class StepCounts:
 
     A running sum of E + 1 integers that lives for one step: :meth:`reset` at the step's start (the MoE layer's
     ``start_step``), :meth:`add` after each micro-batch's count, no state-dict entry (a checkpoint is taken
-    between steps, where the sum is empty).  Activation recomputation runs a micro-batch's forward again in its
+    between steps, and the step after it starts its own sum).  Activation recomputation runs a micro-batch's forward again in its
     backward, when later micro-batches may have added theirs: :meth:`replay` gives it the sum its first forward
     used, without adding (per layer the backwards run in the order of the forwards, in every schedule)."""
 
