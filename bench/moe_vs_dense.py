@@ -19,8 +19,12 @@ GShard's softmax scores and with DeepSeek-V3's sigmoid affinities (``model.route
 ``--router-groups``, ``--router-group-top-k`` and ``--router-scale`` its node-limited routing and gate
 scale, for every variant).  ``--aux-loss-scope both`` trains it with the load-balancing loss's first-choice
 shares counted per sequence (``group``: Switch, GShard) and over the whole batch (``global``: Qiu et al. 2025,
-"Demons in the Detail"; Megatron-core's ``global_aux_loss``; ``model.aux_loss_scope``), and prints for each
-the last step's per-expert load spread (the least and the most loaded expert's share of the dispatched
+"Demons in the Detail"; Megatron-core's ``global_aux_loss``; ``model.aux_loss_scope``); ``all`` adds
+``global_step``, the counts summed over the micro-batches of the step so far (the paper's buffer for gradient
+accumulation), which differs from ``global`` only when a step runs as several micro-batches
+(``--micro-batches N``: the ``--batch`` sequences of a step in N micro-batches, gradients accumulated, and the
+validation set the same ``--eval-batches`` x ``--batch`` windows, in N times as many batches); it prints
+for each the last step's per-expert load spread (the least and the most loaded expert's share of the dispatched
 choices, per MoE layer).  Both models run through podscale's trunk (task, engine, AdamW, cosine schedule) in
 one process, on the byte-level corpus (``--data``: a text file; default the Python standard library's
 source, the embedded corpus), with the same seed — hence the same initial attention/embedding weights and
@@ -43,17 +47,25 @@ import torch
 
 import podscale
 from podscale.config import parse_config
+from podscale.parallel.moe import AUX_LOSS_SCOPES
 from podscale.runtime.mesh import Mesh
 from podscale.tasks import task_for
+
+#: ``--aux-loss-scope`` values that train the GPT-MoE once with each of several scopes
+SCOPE_SETS = {"both": ("group", "global"), "all": AUX_LOSS_SCOPES}
+#: what the summary line says f_e is counted over, per scope
+SCOPE_WORDS = {"group": "sequence", "global": "batch (global)", "global_step": "step (global, over its micro-batches)"}
 
 
 def train(model_section: dict, args) -> dict:
     cfg = parse_config({
-        "run": {"name": "moe-vs-dense", "steps": args.steps, "seed": args.seed, "eval_batches": args.eval_batches},
+        # (the GPT task's validation batches hold micro_batch sequences: as many more of them, the same windows)
+        "run": {"name": "moe-vs-dense", "steps": args.steps, "seed": args.seed,
+                "eval_batches": args.eval_batches * args.micro_batches},
         "model": model_section,
         "data": {"path": args.data} if args.data else {},
         "parallel": {"nproc": 1},
-        "train": {"global_batch": args.batch, "micro_batch": args.batch, "lr": args.lr, "min_lr": args.lr / 10,
+        "train": {"global_batch": args.batch, "micro_batch": args.batch // args.micro_batches, "lr": args.lr, "min_lr": args.lr / 10,
                   "warmup_steps": max(1, args.steps // 20)},
     })
     mesh = Mesh.build()
@@ -107,6 +119,8 @@ def main() -> None:
     ap.add_argument("--n-embd", type=int, default=128)
     ap.add_argument("--block-size", type=int, default=128)
     ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--micro-batches", type=int, default=1,
+                    help="run each step's --batch sequences as this many micro-batches (gradient accumulation)")
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--eval-batches", type=int, default=32)
     ap.add_argument("--seed", type=int, default=1337)
@@ -119,13 +133,16 @@ def main() -> None:
     ap.add_argument("--router-score", choices=("softmax", "sigmoid", "both"), default="softmax",
                     help="the router's scores (model.router_score): GShard's softmax, DeepSeek-V3's sigmoid "
                          "affinities, or the GPT-MoE trained once with each")
-    ap.add_argument("--aux-loss-scope", choices=("group", "global", "both"), default="group",
+    ap.add_argument("--aux-loss-scope", choices=AUX_LOSS_SCOPES + tuple(SCOPE_SETS), default="group",
                     help="where the load-balancing loss counts f_e (model.aux_loss_scope): per sequence, over the "
-                         "whole batch (Qiu et al. 2025), or the GPT-MoE trained once with each")
+                         "whole micro-batch (Qiu et al. 2025), over the step's micro-batches so far; or the GPT-MoE "
+                         "trained once with each of group and global (both) or of the three (all)")
     ap.add_argument("--router-groups", type=int, default=1, help="model.router_groups (node-limited routing)")
     ap.add_argument("--router-group-top-k", type=int, default=1, help="model.router_group_top_k")
     ap.add_argument("--router-scale", type=float, default=1.0, help="model.router_scale (gate values times this)")
     args = ap.parse_args()
+    if args.micro_batches < 1 or args.batch % args.micro_batches:
+        raise SystemExit(f"--micro-batches {args.micro_batches} must divide --batch {args.batch}")
     torch.set_num_threads(max(1, torch.get_num_threads()))
     gpt = {"n_layer": args.n_layer, "n_head": args.n_head, "n_embd": args.n_embd, "block_size": args.block_size}
     active = args.top_k + args.shared_experts
@@ -140,14 +157,14 @@ def main() -> None:
                                          bias_update_rate=args.bias_update_rate)}
     balancings = ("aux", "bias") if args.balancing == "both" else (args.balancing,)
     scores = ("softmax", "sigmoid") if args.router_score == "both" else (args.router_score,)
-    scopes = ("group", "global") if args.aux_loss_scope == "both" else (args.aux_loss_scope,)
+    scopes = SCOPE_SETS.get(args.aux_loss_scope, (args.aux_loss_scope,))
     variants = {b + ("" if s == "softmax" else f"-{s}") + ("" if a == "group" else f"-{a}"):
                 dict(moe, **balancing[b], router_score=s, aux_loss_scope=a)
                 for b in balancings for s in scores for a in scopes}
     dense = train(dict(gpt, kind="gpt"), args)
     sparse = {name: train(v, args) for name, v in variants.items()}
-    print(f"{args.steps} steps of {args.batch} x {args.block_size} = {args.batch * args.block_size} tokens, "
-          f"the same batches for all")
+    print(f"{args.steps} steps of {args.batch} x {args.block_size} = {args.batch * args.block_size} tokens "
+          f"({args.micro_batches} micro-batch{'es' if args.micro_batches > 1 else ''}), the same batches for all")
     for name, r in [("dense", dense)] + [(f"moe-{k}", v) for k, v in sparse.items()]:
         drop = "" if r["last_dropped_share"] is None else (
             f"  dropped {r['last_dropped_share']:.1%} (last step), {r['mean_dropped_share']:.1%} (mean); MaxVio "
@@ -164,7 +181,7 @@ def main() -> None:
                f"selection biases, rate {args.bias_update_rate:g}, no aux loss")
         how += f", {variants[name]['router_score']} scores"
         if name.startswith("aux"):
-            how += f", f_e per {'sequence' if variants[name]['aux_loss_scope'] == 'group' else 'batch (global)'}"
+            how += f", f_e per {SCOPE_WORDS[variants[name]['aux_loss_scope']]}"
         if args.router_groups > 1:
             how += f", top {args.router_group_top_k} of {args.router_groups} expert groups"
         if args.router_scale != 1.0:

@@ -172,13 +172,15 @@ class GPTMoEModelSection(GPTModelSection):
     random_routing: bool = Field(True, description="GShard: keep the second choice with probability 2*g2")
     aux_loss_coef: float = Field(1e-2, ge=0.0, description="weight of the load-balancing loss")
     # podscale.parallel.moe.AUX_LOSS_SCOPES (a test holds them equal)
-    aux_loss_scope: Literal["group", "global"] = Field(
+    aux_loss_scope: Literal["group", "global", "global_step"] = Field(
         "group", description="the tokens the load-balancing loss counts each expert's first-choice share f_e "
         "over: group, each routing group's (a sequence: Switch, GShard); global, every token of the micro-batch "
         "on every data-, expert- and tensor-parallel rank (Qiu et al. 2025, 'Demons in the Detail'; Megatron-"
         "core's moe_router_load_balancing_type = 'global_aux_loss'), which balances the experts over the batch "
-        "instead of inside every sequence so they can specialise; the router probabilities P_e stay each rank's, "
-        "and the shares are summed by one all-reduce of experts + 1 integers per MoE layer and micro-batch")
+        "instead of inside every sequence so they can specialise; global_step, those of every micro-batch of the "
+        "optimizer step so far (the paper's buffer for gradient accumulation: micro-batch m's f_e from "
+        "micro-batches 1..m, reset each step); the router probabilities P_e stay each rank's, and the shares are "
+        "summed by one all-reduce of experts + 1 integers per MoE layer and micro-batch")
     bias_balancing: bool = Field(False, description="DeepSeek-V3's auxiliary-loss-free balancing: a per-expert "
                                  "bias added to the router's scores for choosing experts only (gates stay the "
                                  "softmax's), after every step moved by bias_update_rate towards the experts "

@@ -19,6 +19,7 @@ from torch.distributed._shard.sharded_tensor import ShardedTensor
 import podscale
 from podscale.config import parse_config
 from podscale.models.gpt_moe import GPTMoE
+from podscale.parallel.moe import MoELayer
 from podscale.parallel.param_tags import tags
 from podscale.parallel.tensor import unshard
 from podscale.runtime.mesh import Mesh
@@ -45,6 +46,9 @@ MODES = {
     # top-2 with the load-balancing loss's first-choice shares counted over the global batch (Qiu et al. 2025;
     # Megatron-core's global_aux_loss): all-reduced over the ranks that route other tokens, P_e each rank's own
     "global": dict(top_k=2, capacity_factor=1.25, random_routing=True, aux_loss_scope="global"),
+    # the same shares summed over the micro-batches of the step so far (Qiu et al. 2025's buffer for gradient
+    # accumulation): micro-batch m's f_e from micro-batches 1..m of every rank
+    "global_step": dict(top_k=2, capacity_factor=1.25, random_routing=True, aux_loss_scope="global_step"),
 }
 
 
@@ -68,11 +72,12 @@ class GPTMoETask64(GPTMoETask):
 def config(mode: str, dp: int, ep: int, stage: int = 0, steps: int = 20, pp: int = 1, tp: int = 1,
            micro_batch: int | None = None, schedule: str = "1f1b", optimizer: str = "adamw",
            sequence_parallel: bool = False, virtual_stages: int = 1, n_layer: int = 2, compile: str | None = None,
-           fold: bool = False, etp: bool = False, model: dict | None = None, lr: float = 3e-3):
+           fold: bool = False, etp: bool = False, model: dict | None = None, lr: float = 3e-3,
+           recompute: str = "none"):
     """The test model on a (pp, dp, ep, tp) layout; ``micro_batch`` default: one micro-batch per step;
     ``compile``: a torch.compile backend for ``train.compile`` (None: eager); ``fold``:
     ``parallel.fold_tp_into_ep``; ``etp``: ``parallel.expert_tensor_parallel``; ``model``: more keys of the
-    model section; ``lr``: the peak learning rate."""
+    model section; ``lr``: the peak learning rate; ``recompute``: ``parallel.recompute``."""
     return parse_config({
         "run": {"name": "moe", "steps": steps, "seed": 7},
         "model": {"kind": "gpt-moe", "n_layer": n_layer, "n_head": 2, "n_embd": 32, "block_size": 32, "experts": 8,
@@ -81,7 +86,7 @@ def config(mode: str, dp: int, ep: int, stage: int = 0, steps: int = 20, pp: int
         "data": {"path": DATA},
         "parallel": {"nproc": pp * dp * ep * tp, "dp": dp, "ep": ep, "pp": pp, "tp": tp, "schedule": schedule,
                      "sequence_parallel": sequence_parallel, "virtual_stages": virtual_stages,
-                     "fold_tp_into_ep": fold, "expert_tensor_parallel": etp},
+                     "fold_tp_into_ep": fold, "expert_tensor_parallel": etp, "recompute": recompute},
         # (decay_steps fixed: a run resumed with fewer steps keeps the same learning-rate schedule)
         "train": {"global_batch": 8, "micro_batch": micro_batch or 8 // (dp * ep), "lr": lr, "warmup_steps": 2,
                   "decay_steps": 20, "grad_clip": 1.0, "compile": compile is not None,
@@ -94,11 +99,13 @@ def run_job(job: dict, mesh: Mesh) -> dict:
     """One layout: ``job`` = mode, dp, ep, stage, steps; optionally ``load`` (a checkpoint folder to start
     from), ``save_at`` (a step after which to save under ``save_root``) and ``collapse`` (every router's
     weights zeroed before the first step: every token's scores tie, so all of them choose the same experts,
-    those of ep rank 0, and every other rank's experts get no rows; replicated only)."""
+    those of ep rank 0, and every other rank's experts get no rows; replicated only), ``recompute``
+    (``parallel.recompute``)."""
     cfg = config(job["mode"], job["dp"], job["ep"], job.get("stage", 0), job["steps"], job.get("pp", 1),
                  job.get("tp", 1), job.get("micro_batch"), job.get("schedule", "1f1b"), job.get("optimizer", "adamw"),
                  job.get("sp", False), job.get("virtual_stages", 1), job.get("n_layer", 2), job.get("compile"),
-                 job.get("fold", False), job.get("etp", False), job.get("model"), job.get("lr", 3e-3))
+                 job.get("fold", False), job.get("etp", False), job.get("model"), job.get("lr", 3e-3),
+                 job.get("recompute", "none"))
     task = GPTMoETask64(cfg)
     graphs = counters["stats"]["unique_graphs"]
     torch.manual_seed(cfg.run.seed)
@@ -112,7 +119,7 @@ def run_job(job: dict, mesh: Mesh) -> dict:
                 if ".moe.router." in n:
                     p.zero_()
     state = engine.model_state()
-    out = {"losses": [], "grad_norms": [], "metrics": [], "grads": None, "held": sorted(state),
+    out = {"losses": [], "grad_norms": [], "metrics": [], "grads": None, "held": sorted(state), "step_tokens": [],
            # the ranks a sharded checkpoint tensor's metadata names as holding its pieces
            "placements": {n: sorted({md.placement.rank() for md in t.metadata().shards_metadata})
                           for n, t in state.items() if isinstance(t, ShardedTensor)}}
@@ -140,6 +147,9 @@ def run_job(job: dict, mesh: Mesh) -> dict:
             out["losses"].append(res.loss)
             out["grad_norms"].append(res.grad_norm)
             out["metrics"].append(task.step_metrics(engine.model, mesh))
+            # the tokens each of this rank's MoE layers counted into its step sum ("global_step"; none otherwise)
+            out["step_tokens"].append([int(m.step_counts.total[-1]) for m in engine.model.modules()
+                                       if isinstance(m, MoELayer) and m.step_counts.total is not None])
             if job.get("save_at") == res.step:
                 meta = {"step": res.step, "loader": loader.state_dict(), "task": "gpt-moe"}
                 checkpoint.save(Path(job["save_root"]), res.step,

@@ -105,7 +105,7 @@ HOLES = [
     ("vocabulary smaller than the bytes", {"model": {"vocab_size": 100}},
      ["model.vocab_size=100", "256"]),
     ("unknown load-balancing loss scope", {"model": {"kind": "gpt-moe", "aux_loss_scope": "batch"}},
-     ["model.aux_loss_scope", "'group' or 'global'", "'batch'"]),
+     ["model.aux_loss_scope", "'group', 'global' or 'global_step'", "'batch'"]),
     ("vocabulary smaller than the bytes, with a corpus file", {"model": {"vocab_size": 255}, "data": {"path": "{corpus}"}},
      ["model.vocab_size=255", "256"]),
 ]

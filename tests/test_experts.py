@@ -867,5 +867,95 @@ def test_an_unknown_aux_loss_scope_is_one_line_naming_the_key_and_the_choices():
     from podscale.config import GPTMoEModelSection
     from podscale.parallel.moe import AUX_LOSS_SCOPES
     assert typing.get_args(GPTMoEModelSection.model_fields["aux_loss_scope"].annotation) == AUX_LOSS_SCOPES
-    with pytest.raises(ValueError, match=r"^model.aux_loss_scope='batch' is not one of group, global$"):
+    with pytest.raises(ValueError, match=r"^model.aux_loss_scope='batch' is not one of group, global, global_step$"):
         MoELayer(8, 8, 8, aux_loss_scope="batch")
+
+
+# the global batch of a step of several micro-batches (model.aux_loss_scope = "global_step"; Qiu et al. 2025's
+# buffer for gradient accumulation)
+
+
+def _step_layer(E: int = 8) -> MoELayer:
+    torch.manual_seed(5)
+    return MoELayer(16, 24, E, top_k=2, capacity_factor=1.25, aux_loss_scope="global_step").double()
+
+
+def _leaning_batches(layer: MoELayer, lean: list[int], S: int = 30) -> list[torch.Tensor]:
+    """One single-sequence micro-batch per entry of ``lean``, its tokens leaning to that expert."""
+    w = layer.router.weight.detach()
+    torch.manual_seed(11)
+    return [torch.randn(1, S, 16, dtype=torch.float64) + 2.0 * w[e] / w[e].norm() for e in lean]
+
+
+def _by_hand(layer: MoELayer, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """``E * sum_e f_e * P_e`` of one single-group micro-batch with ``f`` from ``counts`` (E,)."""
+    probs = torch.softmax(x.reshape(-1, 16) @ layer.router.weight.t(), -1)
+    return layer.num_experts * (counts / counts.sum() * probs.mean(0)).sum()
+
+
+def _first_counts(layer: MoELayer, x: torch.Tensor) -> torch.Tensor:
+    probs = torch.softmax(x.reshape(-1, 16) @ layer.router.weight.t(), -1).detach()
+    return torch.bincount(probs.argmax(-1), minlength=layer.num_experts).double()
+
+
+def test_step_scope_counts_micro_batch_two_over_micro_batches_one_and_two():
+    """Micro-batch 2's ``f_e`` is the first-choice counts of micro-batches 1 and 2 over their tokens (not its
+    own: the two micro-batches lean to different experts), micro-batch 1's its own; the engine's
+    :meth:`MoELayer.start_step` empties the sum, so the next step's first micro-batch counts only itself, and
+    a forward without autograd (evaluation) neither reads nor adds to it."""
+    layer = _step_layer()
+    first, second, third = _leaning_batches(layer, [0, 3, 5])
+    c1, c2, c3 = (_first_counts(layer, x) for x in (first, second, third))
+    assert not torch.equal(c1, c2)
+    layer.start_step()
+    a1 = layer(first)[1].aux_loss
+    with torch.no_grad():   # evaluation between micro-batches: its own counts, the step's sum untouched
+        torch.testing.assert_close(layer(third)[1].aux_loss, _by_hand(layer, third, c3), rtol=1e-12, atol=0)
+    a2 = layer(second)[1].aux_loss
+    torch.testing.assert_close(a1, _by_hand(layer, first, c1), rtol=1e-12, atol=0)
+    torch.testing.assert_close(a2, _by_hand(layer, second, c1 + c2), rtol=1e-12, atol=0)
+    assert abs(a2.item() - _by_hand(layer, second, c2).item()) > 1e-3   # not micro-batch 2's own shares
+    assert torch.equal(layer.step_counts.total, torch.cat([c1 + c2, c1.new_tensor([60])]).long())
+    layer.start_step()
+    torch.testing.assert_close(layer(third)[1].aux_loss, _by_hand(layer, third, c3), rtol=1e-12, atol=0)
+
+
+def _accumulated_grads(layer: MoELayer, batches: list[torch.Tensor], recompute: bool) -> dict[str, torch.Tensor]:
+    """The gradients of one step of gradient accumulation over ``batches`` (each loss / M), with every forward
+    run again in its backward (``torch.utils.checkpoint``, as ``parallel.recompute = "full"`` wraps a block)
+    when ``recompute``."""
+    from torch.utils.checkpoint import checkpoint
+    layer.zero_grad(set_to_none=True)
+    layer.start_step()
+    for x in batches:
+        run = (lambda t: checkpoint(layer, t, use_reentrant=False)) if recompute else layer
+        y, out = run(x)
+        ((y.square().sum() + out.loss) / len(batches)).backward()
+    return {n: p.grad.clone() for n, p in layer.named_parameters()}
+
+
+def test_a_recomputed_forward_repeats_the_step_counts_its_first_forward_used():
+    """Activation recomputation runs each micro-batch's forward again in its backward: it must take the counts
+    its first forward took, neither adding them again nor reading a later micro-batch's, so the step's
+    gradients are those without recomputation (exactly, fp64), and the step's sum is the micro-batches'; also
+    when both forwards of a two-micro-batch step run before both backwards (GPipe's order, 1F1B's warm-up),
+    the recomputations then coming in the forwards' order, after micro-batch 2 has added its counts."""
+    from torch.utils.checkpoint import checkpoint
+    layer = _step_layer()
+    batches = _leaning_batches(layer, [0, 3, 5])
+    plain = _accumulated_grads(layer, batches, recompute=False)
+    total = layer.step_counts.total.clone()
+    again = _accumulated_grads(layer, batches, recompute=True)
+    assert torch.equal(layer.step_counts.total, total)
+    for n, g in plain.items():
+        assert torch.equal(again[n], g), n
+    # both forwards before both backwards: micro-batch 1's recomputation comes after micro-batch 2 added its
+    layer.zero_grad(set_to_none=True)
+    layer.start_step()
+    outs = [checkpoint(layer, x, use_reentrant=False) for x in batches[:2]]
+    for y, out in outs:
+        ((y.square().sum() + out.loss) / 2).backward()
+    got = {n: p.grad.clone() for n, p in layer.named_parameters()}
+    ref = _accumulated_grads(layer, batches[:2], recompute=False)
+    for n, g in ref.items():
+        assert torch.equal(got[n], g), n

@@ -26,7 +26,11 @@ gradients through that stage's backward; four blocks for the interleaved schedul
   checkpoints to and from ep = 4, one process, folded and split layouts).
 * the load-balancing loss over the global batch (``model.aux_loss_scope = "global"``, Qiu et al. 2025): see
   :func:`global_jobs` (dp = 2 x ep = 2; dp = 2 x tp = 2; tp = 2 x ep = 2 with sequence parallelism), each
-  against one process with the same scope, whose shares are its whole batch's.
+  against one process with the same scope, whose shares are its whole batch's;
+* the same shares summed over the micro-batches of the step so far (``model.aux_loss_scope = "global_step"``,
+  Qiu et al. 2025's buffer for gradient accumulation): see :func:`step_jobs` (two micro-batches a step on
+  dp = 2 x ep = 2, pp = 2 x ep = 2 and dp = 2 x tp = 2, and with every block recomputed in the backward under
+  GPipe and on dp = 2 x ep = 2), each against one process running the same two global micro-batches a step.
 
 Tolerances: the replicated runs are fp64 end to end, so routing statistics (functions of the global integer
 counts) are identical, reduced gradients at step 0 and parameters after the steps agree to 1e-9 relative
@@ -122,8 +126,24 @@ def global_jobs() -> list[dict]:
             dict(mode="global", tp=2, dp=1, ep=2, sp=True, steps=STEPS, micro_batch=4, eval=True)]
 
 
+def step_jobs() -> list[dict]:
+    """The load-balancing loss with its first-choice shares summed over the step's micro-batches so far (mode
+    "global_step"; indices from 29), two micro-batches a step, each of them one global micro-batch of 4
+    sequences (the loader gives micro-step k the same samples on every layout): dp = 2 x ep = 2 (29);
+    pp = 2 x ep = 2, 1F1B (30: each stage's layers add their micro-batches' counts in the order their forwards
+    run); dp = 2 x tp = 2 (31: each tp rank routes half of a micro-batch's samples); pp = 2 x ep = 2 under GPipe
+    with every block recomputed in the backward (32: both forwards run before the recomputations, which must
+    take their first forwards' sums); dp = 2 x ep = 2 with every block recomputed (33)."""
+    return [dict(mode="global_step", dp=2, ep=2, steps=STEPS, micro_batch=1, eval=True),
+            dict(mode="global_step", pp=2, dp=1, ep=2, steps=STEPS, micro_batch=2, schedule="1f1b", eval=True),
+            dict(mode="global_step", tp=2, dp=2, ep=1, steps=STEPS, micro_batch=2, eval=True, sample=True),
+            dict(mode="global_step", pp=2, dp=1, ep=2, steps=STEPS, micro_batch=2, schedule="gpipe",
+                 recompute="full"),
+            dict(mode="global_step", dp=2, ep=2, steps=STEPS, micro_batch=1, recompute="full")]
+
+
 def _all_jobs(root) -> list[dict]:
-    return JOBS + fold_jobs(root) + etp_jobs(root) + global_jobs()
+    return JOBS + fold_jobs(root) + etp_jobs(root) + global_jobs() + step_jobs()
 
 
 def _cfg(**parallel):
@@ -218,6 +238,11 @@ def single():
            for m, n in (("top2", 2), ("dropless", 2), ("top1", 2), ("shared", 2), ("top2", 4), ("bias", 2),
                         ("global", 2))}
     out["collapsed"] = W.run_job(dict(mode="dropless", dp=1, ep=1, steps=STEPS, collapse=True), mesh)
+    # two micro-batches of 4 sequences a step (gradient accumulation), as the step_jobs layouts' global ones;
+    # the micro-batch scope on the same split, which the step scope must differ from
+    out[("global_step", 2)] = W.run_job(dict(mode="global_step", dp=1, ep=1, steps=STEPS, micro_batch=4, eval=True,
+                                             sample=True), mesh)
+    out["global_m2"] = W.run_job(dict(mode="global", dp=1, ep=1, steps=STEPS, micro_batch=4), mesh)
     return out
 
 
@@ -244,7 +269,12 @@ def resumed(runs, root):
                                      (24, "tp=2 ep=2 split experts top1 + split shared expert"),
                                      (26, "dp=2 ep=2 top2 global aux loss"),
                                      (27, "dp=2 tp=2 top2 global aux loss"),
-                                     (28, "tp=2 sp ep=2 top2 global aux loss")])
+                                     (28, "tp=2 sp ep=2 top2 global aux loss"),
+                                     (29, "dp=2 ep=2 top2 step-global aux loss, 2 micro-batches"),
+                                     (30, "pp=2 ep=2 1f1b top2 step-global aux loss, 2 micro-batches"),
+                                     (31, "dp=2 tp=2 top2 step-global aux loss, 2 micro-batches"),
+                                     (32, "pp=2 ep=2 gpipe recompute top2 step-global aux loss"),
+                                     (33, "dp=2 ep=2 recompute top2 step-global aux loss")])
 def test_moe_layout_matches_one_process(runs, single, i, label, tmp_path):
     job = _all_jobs(tmp_path)[i]
     ref = single["collapsed" if job.get("collapse") else (job["mode"], job.get("n_layer", 2))]
@@ -410,3 +440,23 @@ def test_the_global_aux_loss_is_not_the_group_loss(single):
     glob, group = single[("global", 2)], single[("top2", 2)]
     aux = [(g["blocks.0/aux_loss"], p["blocks.0/aux_loss"]) for g, p in zip(glob["metrics"], group["metrics"])]
     assert all(abs(a - b) > 1e-4 * abs(b) for a, b in aux), aux
+
+
+def test_the_step_aux_loss_is_not_the_micro_batch_one(single):
+    """The one-process reference of the step-scope layouts, two micro-batches a step: each step's first
+    micro-batch counts its own shares, as the micro-batch scope does, and its second one those of both, which
+    the micro-batch scope does not (so the step's mean aux loss differs from the first step on, and with it the
+    training): what lets the layouts' comparison tell a sum over the step from each micro-batch's own."""
+    step, micro = single[("global_step", 2)], single["global_m2"]
+    aux = [(s["blocks.0/aux_loss"], m["blocks.0/aux_loss"]) for s, m in zip(step["metrics"], micro["metrics"])]
+    assert all(abs(a - b) > 1e-4 * abs(b) for a, b in aux), aux
+
+
+def test_the_step_sum_starts_again_at_every_step(runs, single):
+    """After every step each MoE layer's sum holds the step's tokens alone, 8 sequences x 32 (on every rank:
+    the counts are summed over the ranks that route other tokens), not those of the steps before: the engine
+    empties it when a step starts, whoever calls ``Engine.step``.  (Layouts and one process would agree
+    without the reset too, each summing over all steps; this is the check that they do not.)"""
+    for res in [single[("global_step", 2)]] + [runs[r][i] for r in runs for i in range(29, 34)]:
+        assert res["step_tokens"] and all(t and set(t) == {8 * 32} for t in res["step_tokens"]), res["step_tokens"]
+    assert runs[0][26]["step_tokens"] == [[]] * STEPS   # the micro-batch scope keeps no sum

@@ -194,9 +194,12 @@ def test_shared_experts_are_priced_as_one_more_dense_mlp_per_moe_layer():
     ("", ', "expert_tensor_parallel": true', "custom (experts 8 top2, split over tp: 4 a rank at 1/2 of their width) on "
      "16 x dgx-a100-80g, batch 64, tp2 pp1 dp4 ep2 mb2 etp", True),
     (', "aux_loss_scope": "global"', "", "custom (experts 8 top2, global aux loss) on 16 x dgx-a100-80g", False),
-], ids=["shared", "folded", "split", "global-aux-loss"])
+    (', "aux_loss_scope": "global_step"', "", "custom (experts 8 top2, step-global aux loss) on 16 x dgx-a100-80g",
+     False),
+], ids=["shared", "folded", "split", "global-aux-loss", "step-global-aux-loss"])
 def test_plan_predict_names_the_moe_model_and_where_its_experts_are(capsys, model_extra, layout_extra, line, whole):
-    """`plan predict`'s first line names an MoE model's shared experts and global aux loss, and where a layout
+    """`plan predict`'s first line names an MoE model's shared experts and global (or step-global) aux loss, and
+    where a layout
     puts its experts (folded over ep x tp, or split over tp)."""
     from podscale.plan.cli import main
     model = '{"layers": 8, "hidden": 1024, "heads": 16, "seq": 1024, "vocab": 32000, "experts": 8, "top_k": 2' + \
@@ -589,15 +592,17 @@ def test_calibration_measures_the_routing_rate_in_the_planners_bytes():
 # the global-batch load-balancing loss (Qiu et al. 2025; Megatron-core's global_aux_loss): E + 1 counts all-reduced
 # over the ranks that route other tokens in every MoE layer's forward
 
+@pytest.mark.parametrize("scope", ["global", "global_step"])
 @pytest.mark.parametrize("tp,dp,ep", [(1, 8, 2), (2, 4, 2), (2, 8, 1)])
-def test_the_global_aux_loss_pays_an_all_reduce_of_the_counts_per_moe_layer_and_micro_batch(tp, dp, ep):
+def test_the_global_aux_loss_pays_an_all_reduce_of_the_counts_per_moe_layer_and_micro_batch(tp, dp, ep, scope):
     """With ``aux_loss_scope = "global"`` every MoE layer's forward of every micro-batch sums E + 1 int64 over the
-    dp x ep ranks (stride tp) and over tp; nothing else changes, and the group scope pays none of it."""
+    dp x ep ranks (stride tp) and over tp; nothing else changes, and the group scope pays none of it.
+    ``"global_step"`` adds those counts up over the step's micro-batches: the same one all-reduce a forward."""
     system = as_system("dgx-a100-80g")
     experts, n_moe, b, batch = 8, 4, 2, 64
     m = batch // (dp * ep * b)
     group = planner_model(n_layer=8, n_embd=1024, n_head=16, experts=experts, block_size=1024)
-    glob = GPT(**{**group.to_dict(), "aux_loss_scope": "global"})
+    glob = GPT(**{**group.to_dict(), "aux_loss_scope": scope})
     lay = Layout(tp=tp, dp=dp, ep=ep, microbatch=b)
     p_group, p_glob = (predict(system, tp * dp * ep, x, lay, batch).time_breakdown_s for x in (group, glob))
     nbytes = 8 * (experts + 1)
@@ -624,7 +629,8 @@ def test_gpt_of_passes_the_aux_loss_scope_through_and_the_planner_refuses_an_unk
     from podscale.plan.models import ModelError
     section = {"kind": "gpt-moe", "n_layer": 4, "n_head": 2, "n_embd": 32, "block_size": 32, "experts": 8}
     assert gpt_of(parse_config({"run": {"name": "moe"}, "model": section})).aux_loss_scope == "group"
-    cfg = parse_config({"run": {"name": "moe"}, "model": {**section, "aux_loss_scope": "global"}})
-    assert gpt_of(cfg).aux_loss_scope == "global"
-    with pytest.raises(ModelError, match=r"^aux_loss_scope 'batch' must be one of group, global$"):
+    for scope in ("global", "global_step"):
+        cfg = parse_config({"run": {"name": "moe"}, "model": {**section, "aux_loss_scope": scope}})
+        assert gpt_of(cfg).aux_loss_scope == scope
+    with pytest.raises(ModelError, match=r"^aux_loss_scope 'batch' must be one of group, global, global_step$"):
         GPT(**{**planner_model().to_dict(), "aux_loss_scope": "batch"})

@@ -5,7 +5,8 @@ Transformer becomes an MoE layer; Switch, Fedus et al. 2021, likewise).
 Block ``i`` is an MoE block when ``(i + 1) % moe_every == 0`` (``moe_every = 2``: blocks 1, 3, ...).  The
 loss is the language-model cross-entropy plus, for every MoE layer, ``aux_loss_coef`` times its
 load-balancing loss (its first-choice shares counted per sequence or, with ``aux_loss_scope = "global"``, over
-the global batch: Qiu et al. 2025) and ``z_loss_coef`` times its router z-loss.  Initialisation is the GPT's, per
+the global batch: Qiu et al. 2025; ``"global_step"``, over the micro-batches of the step so far, the paper's
+buffer for gradient accumulation) and ``z_loss_coef`` times its router z-loss.  Initialisation is the GPT's, per
 parameter from (``init_seed``, name); expert parameters are named by global expert id, so a rank that holds
 experts ``[first, first + El)`` of an expert-parallel layout materialises exactly their single-process
 values, and the names (hence checkpoints) are the same at every ep size.
@@ -38,7 +39,7 @@ class GPTMoEConfig(GPTConfig):
     dropless: bool = False
     random_routing: bool = True
     aux_loss_coef: float = 1e-2
-    aux_loss_scope: str = "group"      # or "global": f_e over the global batch (Qiu et al. 2025), MoELayer
+    aux_loss_scope: str = "group"      # "global"/"global_step": f_e over the batch/step (Qiu et al. 2025), MoELayer
     z_loss_coef: float = 1e-3
     bias_balancing: bool = False       # DeepSeek-V3's auxiliary-loss-free selection bias, stepped after each step
     bias_update_rate: float = 1e-3

@@ -14,6 +14,10 @@ attributes (the strategy seam, :mod:`podscale.parallel.strategy`, follows the sa
 * :class:`GatherUnits` — lists the modules ZeRO-3 gathers and releases together (DeepSpeed's and FSDP's
   wrapping policy: one transformer block per unit).  The GPT lists its blocks, a pipeline rank's chunks
   every block of every chunk.
+* :class:`StepState` — a module (anywhere in the model) whose training forwards keep state over the
+  micro-batches of one optimizer step, which the engine clears at the start of every step (the MoE layer's
+  load-balancing counts accumulated over the step: :class:`~podscale.parallel.moe.gate.StepCounts`).  Such a
+  module tells a forward recomputed in the backward (activation recomputation) by :func:`recomputing`.
 """
 from __future__ import annotations
 
@@ -44,3 +48,21 @@ class GatherUnits(ABC):
     def gather_units(self) -> list[nn.Module]:
         """The modules whose parameters ZeRO-3 gathers just before use and releases after, in forward
         order (parameters outside them form the root unit, gathered for the whole step)."""
+
+
+class StepState(ABC):
+    """A module whose training forwards keep state over the micro-batches of one optimizer step (gradient
+    accumulation).  :class:`~podscale.train.engine.Engine` calls :meth:`start_step` on every such module of the
+    model it trains (a pipeline rank: of its chunks) before the step's first forward, whoever calls
+    ``Engine.step``, so the state never spans two steps."""
+
+    @abstractmethod
+    def start_step(self) -> None:
+        """Clear what the forwards of the previous step kept: a new optimizer step begins."""
+
+
+def recomputing() -> bool:
+    """True while the autograd engine runs a backward pass: a forward then is activation recomputation
+    (``torch.utils.checkpoint`` running a block again for its saved tensors), which must repeat the first
+    forward, not count as another one."""
+    return torch._C._current_graph_task_id() != -1

@@ -225,9 +225,14 @@ def cmd_systems(args) -> int:
     return 0
 
 
+#: what ``plan predict``'s summary says of each load-balancing loss scope (``model.aux_loss_scope``)
+_AUX_LOSS_SCOPE_WORDS = {"group": "", "global": ", global aux loss", "global_step": ", step-global aux loss"}
+
+
 def _moe_summary(m, layout=None) -> str:
     """" experts 64 top2 +2 shared" for a GPT-MoE (the shared experts when it has any; ", global aux loss" with
-    the global-batch load-balancing loss, Qiu et al. 2025); with a ``layout`` that
+    the global-batch load-balancing loss, Qiu et al. 2025, ", step-global aux loss" with its counts summed over
+    the step's micro-batches); with a ``layout`` that
     sets ``fold_tp_into_ep`` or ``expert_tensor_parallel`` also where its experts are (", folded: 4 a rank over
     ep*tp = 16", ", split over tp: 8 a rank at 1/2 of their width"); "" otherwise."""
     from .gpt_cost import local_experts
@@ -235,8 +240,7 @@ def _moe_summary(m, layout=None) -> str:
     if not isinstance(m, GPT) or m.experts < 2:
         return ""
     out = f" experts {m.experts} top{m.top_k}" + (f" +{m.shared_experts} shared" if m.shared_experts else "")
-    if m.aux_loss_scope == "global":
-        out += ", global aux loss"
+    out += _AUX_LOSS_SCOPE_WORDS[m.aux_loss_scope]
     if layout is not None and layout.fold_tp_into_ep:
         out += f", folded: {local_experts(m, layout)} a rank over ep*tp = {layout.expert_group}"
     if layout is not None and layout.expert_tensor_parallel:

@@ -51,7 +51,8 @@ gather of the kept choices' rows and their scaled index_add back, forward and ba
 priced at the rate ``plan calibrate`` measures for those very kernels (``compute.routing_time``; on a CPU
 they run far below the element-wise rate), else at the memory bandwidth; the count exchange that precedes
 the token exchange (an all-to-all of E integers, exposed but for the shared experts it runs under, so its
-latency), and with the global-batch load-balancing loss (``aux_loss_scope = "global"``, Qiu et al. 2025) the
+latency), and with the global-batch load-balancing loss (``aux_loss_scope`` ``"global"`` or ``"global_step"``,
+Qiu et al. 2025) the
 all-reduce of E + 1 first-choice counts over dp x ep and tp beside it (``global_balance_time``); under tp the
 all-reduce of its aux and z loss over tp; and its token all-to-alls overlapped with
 its own rows' expert work as every overlapped collective is (``compute.overlapped_exposed``: at least the
@@ -472,11 +473,12 @@ def moe_routing_bytes(tokens: float, experts: int, top_k: int, hidden: int, dtyp
 
 def global_balance_time(system: System, model: GPT, lay: Layout) -> float:
     """One MoE layer's forward's all-reduce of the global-batch load-balancing loss (``aux_loss_scope =
-    "global"``: Qiu et al. 2025; Megatron-core's ``global_aux_loss``): its experts + 1 first-choice counts
+    "global"``: Qiu et al. 2025; Megatron-core's ``global_aux_loss``; ``"global_step"`` sums the same counts
+    over the step's micro-batches, one all-reduce per forward as well): its experts + 1 first-choice counts
     (int64) summed over the dp x ep ranks (stride tp), then over tp, before the loss, nothing to hide behind
     (podscale.parallel.moe.gate.first_choice_counts); priced beside the count exchange, per forward.  0 for
     the group scope.  Under pipelines the groups are a stage's ranks, as the layout's dp, ep and tp are."""
-    if model.aux_loss_scope != "global":
+    if model.aux_loss_scope == "group":
         return 0.0
     nbytes = 8 * (model.experts + 1)
     return net.all_reduce_time(system, nbytes, lay.dp * lay.ep, lay.tp) + net.all_reduce_time(system, nbytes, lay.tp, 1)

@@ -29,8 +29,9 @@ class GPT:
     s x ``ffn`` that every token passes through, unrouted, its output added to the routed experts' (DeepSeekMoE's
     shared expert isolation, Dai et al. 2024; DeepSpeed-MoE's residual MoE, Rajbhandari et al. 2022).
     ``aux_loss_scope``: ``"global"`` (Qiu et al. 2025; Megatron-core's ``global_aux_loss``; podscale's
-    ``model.aux_loss_scope``) adds to every MoE layer's forward an all-reduce of its experts + 1 first-choice
-    counts over the ranks that route other tokens (dp x ep, then tp); ``"group"`` needs none."""
+    ``model.aux_loss_scope``) and ``"global_step"`` (the same counts added up over the step's micro-batches)
+    add to every MoE layer's forward an all-reduce of its experts + 1 first-choice counts over the ranks that
+    route other tokens (dp x ep, then tp); ``"group"`` needs none."""
 
     layers: int
     hidden: int

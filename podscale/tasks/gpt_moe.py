@@ -12,7 +12,10 @@ It is the GPT task (same corpus, loader, evaluation, sampling, throughput unit) 
   over the whole micro-batch of every data-, expert- and tensor-parallel rank (Qiu et al. 2025; Megatron-core's
   ``"global_aux_loss"``), so a layout that runs a step as one micro-batch has the loss one process has on
   the same global batch (with several micro-batches the counts are each micro-batch's, summed over the ranks,
-  as Megatron-core takes them; the paper's accumulation over a step's micro-batches is not built);
+  as Megatron-core takes them); with ``"global_step"`` they are also summed over the step's micro-batches so
+  far (the paper's buffer for gradient accumulation: micro-batch m's shares from micro-batches 1..m), a sum the
+  engine empties at every step's start (:class:`~podscale.parallel.model_protocols.StepState`), so a layout has
+  the loss one process has running the same global micro-batches;
 * :meth:`GPTMoETask.ep_sharded_parameters` names the experts, which the data-parallel strategies replicate
   and reduce over dp only (dense parameters over dp x ep);
 * :meth:`GPTMoETask.step_metrics` reports per step and MoE layer the dropped share of the choices, the

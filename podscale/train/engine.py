@@ -1,7 +1,8 @@
 """The training engine: one optimizer step over a list of micro-batches, on any layout of the mesh.
 
-``Engine.step`` runs forward/backward on each micro-batch (communication only on the last, through the
-strategy's ``no_sync``), waits for the gradient reduction, unscales and checks fp16 overflow, clips by the
+``Engine.step`` first tells every module of the model that keeps state over a step's micro-batches that a
+step begins (:class:`~podscale.parallel.model_protocols.StepState`), then runs forward/backward on each
+micro-batch (communication only on the last, through the strategy's ``no_sync``), waits for the gradient reduction, unscales and checks fp16 overflow, clips by the
 global gradient norm, steps the optimizer with the scheduled learning rate and returns the loss averaged
 over the whole global batch.
 
@@ -22,6 +23,7 @@ import torch.nn as nn
 
 from podscale.config import TrainSection
 from podscale.optim import cosine_lr
+from podscale.parallel.model_protocols import StepState
 from podscale.parallel.strategy import LossFn, Strategy
 from podscale.runtime import comm
 from podscale.runtime.exit import at_exit
@@ -101,6 +103,9 @@ class Engine:
             raise RuntimeError("Engine.step after close(): build a new engine with podscale.parallelize")
         t0 = time.perf_counter()
         self.model.train()
+        for m in self.model.modules():
+            if isinstance(m, StepState):
+                m.start_step()
         lr = self.lr_at(self.step_count)
         n = len(micro_batches)
         loss_scale = self.scaler.scale if self.scaler is not None else None

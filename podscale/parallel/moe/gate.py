@@ -27,7 +27,9 @@ References (equation numbers are the papers'):
   global batch (every data-, expert- and tensor-parallel rank's tokens) instead of each group's, ``P_e`` staying
   local, so experts are balanced over the batch rather than inside every sequence and can specialise by
   domain (Megatron-core's ``moe_router_load_balancing_type = "global_aux_loss"``; Qwen3-MoE): see
-  :func:`first_choice_counts` and :func:`load_balancing_loss`.
+  :func:`first_choice_counts` and :func:`load_balancing_loss`.  The paper also reaches the global batch of a
+  step run as several micro-batches (gradient accumulation) with a buffer of the counts of the step's
+  micro-batches so far, micro-batch m's loss taking its ``f_e`` from micro-batches 1..m: see :class:`StepCounts`.
 
 Groups: GShard splits the tokens into G groups of S tokens and applies the capacity per group.  Here the
 second-to-last dimension of the layer's input is the group (a GPT's (B, T, d) input: one group per sequence),
@@ -37,6 +39,7 @@ expert-parallel layout.
 from __future__ import annotations
 
 import math
+from collections import deque
 from dataclasses import dataclass
 
 import torch
@@ -283,8 +286,10 @@ def route(logits: torch.Tensor, top_k: int, capacity: int | None, second_uniform
 
 #: where the load-balancing loss counts its ``f_e`` (``model.aux_loss_scope``; a test holds the two equal):
 #: ``"group"``, each routing group's own tokens (Switch, GShard); ``"global"``, every token of the global batch
-#: of this micro-batch step (Qiu et al. 2025; Megatron-core's ``"global_aux_loss"``)
-AUX_LOSS_SCOPES = ("group", "global")
+#: of this micro-batch step (Qiu et al. 2025; Megatron-core's ``"global_aux_loss"``); ``"global_step"``, every
+#: token of the step's micro-batches so far, on every rank (Qiu et al. 2025's buffer over the micro-batches of
+#: gradient accumulation: :class:`StepCounts`)
+AUX_LOSS_SCOPES = ("group", "global", "global_step")
 
 
 def check_aux_loss_scope(scope: str) -> None:
@@ -309,7 +314,8 @@ def first_choice_counts(first_choice: torch.Tensor, experts: int, mesh=None) -> 
     all-reduce of E + 1 integers over dp x ep, then one over tp), so the shares ``counts[:E] / counts[E]`` are
     the global batch's: the ``f_e`` of the global-batch load-balancing loss (Qiu et al. 2025; Megatron-core's
     ``moe_router_load_balancing_type = "global_aux_loss"``), taken per micro-batch as Megatron-core does (the
-    paper's variant that also accumulates them over the micro-batches of a step is not built).  Collective on
+    paper's variant that also accumulates them over the micro-batches of a step adds them up in
+    :class:`StepCounts`).  Collective on
     the mesh: every rank of those groups calls it once per forward of the layer, in the same order, whatever
     its routing (a rank without tokens too).  Counts are integers and carry no gradient."""
     counts = torch.bincount(first_choice.reshape(-1), minlength=experts)
@@ -318,6 +324,41 @@ def first_choice_counts(first_choice: torch.Tensor, experts: int, mesh=None) -> 
         for axes in token_axis_groups(mesh):
             comm.all_reduce(both, mesh, axes)
     return both
+
+
+class StepCounts:
+    """The first-choice counts (:func:`first_choice_counts`, summed over the ranks) of the micro-batches of one
+    optimizer step so far: the buffer of Qiu et al. 2025 ("Demons in the Detail"), which, when the
+    global batch is reached by gradient accumulation, keeps the counts of the step's micro-batches so that the
+    loss of micro-batch m takes its ``f_e`` from micro-batches 1..m (the whole step's batch at the last one).
+    ``P_e`` stays each group's own, so each micro-batch's gradient still reaches the router through ``P`` only.
+
+    A running sum of E + 1 integers that lives for one step: :meth:`reset` at the step's start (the MoE layer's
+    ``start_step``), :meth:`add` after each micro-batch's count, no state-dict entry (a checkpoint is taken
+    between steps, and the step after it starts its own sum).  Activation recomputation runs a micro-batch's forward again in its
+    backward, when later micro-batches may have added theirs: :meth:`replay` gives it the sum its first forward
+    used, without adding (per layer the backwards run in the order of the forwards, in every schedule)."""
+
+    def __init__(self):
+        self.total: torch.Tensor | None = None
+        self._used: deque[torch.Tensor] = deque()   # the sum each forward used, oldest first, until replayed
+
+    def reset(self) -> None:
+        """Forget the counts: the next micro-batch starts a step."""
+        self.total = None
+        self._used.clear()
+
+    def add(self, counts: torch.Tensor) -> torch.Tensor:
+        """The sum with this micro-batch's ``counts`` (E + 1,) added: the counts its loss uses."""
+        self.total = counts if self.total is None else self.total + counts
+        self._used.append(self.total)
+        return self.total
+
+    def replay(self) -> torch.Tensor:
+        """For a recomputed forward: the sum the oldest forward not yet recomputed used."""
+        if not self._used:
+            raise RuntimeError("a recomputed MoE forward has no first forward in this step to repeat")
+        return self._used.popleft()
 
 
 def load_balancing_loss(probs: torch.Tensor, first_choice: torch.Tensor,

@@ -67,8 +67,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from podscale.parallel.moe.gate import Gating, MoEStats, Router, Routing, check_aux_loss_scope, expert_capacity, \
-    first_choice_counts, load_balancing_loss, route, routing_uniform, router_z_loss
+from podscale.parallel.moe.gate import Gating, MoEStats, Router, Routing, StepCounts, check_aux_loss_scope, \
+    expert_capacity, first_choice_counts, load_balancing_loss, route, routing_uniform, router_z_loss
+from podscale.parallel.model_protocols import StepState, recomputing
 from podscale.config import expert_width_split_problem
 from podscale.parallel.param_tags import tag, tags
 from podscale.parallel.sharded_state import global_shape
@@ -800,7 +801,7 @@ class MoEOutput:
     stats: MoEStats
 
 
-class MoELayer(nn.Module):
+class MoELayer(nn.Module, StepState):
     """A sparsely gated mixture-of-experts feed-forward layer (GShard / Switch), expert-parallel over
     ``mesh``'s ep axis.
 
@@ -835,7 +836,14 @@ class MoELayer(nn.Module):
     ``"global"`` (Qiu et al. 2025, "Demons in the Detail"; Megatron-core's ``moe_router_load_balancing_type =
     "global_aux_loss"``; Qwen3-MoE): over every token of the micro-batch on every rank that routes other
     tokens of the layer (dp x ep, and tp), an all-reduce of E + 1 integers per forward, ``P_e`` staying this
-    rank's own (:func:`~podscale.parallel.moe.gate.first_choice_counts`); on one process, the whole batch.
+    rank's own (:func:`~podscale.parallel.moe.gate.first_choice_counts`); on one process, the whole batch; or
+    ``"global_step"`` (Qiu et al. 2025's buffer for gradient accumulation): the same counts of every training
+    micro-batch of the step so far added up (:class:`~podscale.parallel.moe.gate.StepCounts`), so micro-batch m's
+    ``f_e`` is that of micro-batches 1..m of every rank, and the last one's the whole step's global batch; the
+    sum is cleared by :meth:`start_step` (the engine calls it at each step's start), a forward recomputed in the
+    backward reuses its first forward's sum without adding or communicating again, and a forward without
+    autograd or in eval mode (evaluation, sampling) neither reads nor adds to it: it takes its own
+    micro-batch's global counts, as ``"global"``.
     """
 
     def __init__(self, d_model: int, d_hidden: int, experts: int, top_k: int = 2, capacity_factor: float = 1.25,
@@ -869,8 +877,11 @@ class MoELayer(nn.Module):
         self.random_routing, self.seed = random_routing, seed
         self.aux_loss_coef, self.z_loss_coef = aux_loss_coef, z_loss_coef
         check_aux_loss_scope(aux_loss_scope)
-        #: ``"group"`` or ``"global"``: the tokens the load-balancing loss's ``f_e`` is counted over
+        #: ``"group"``, ``"global"`` or ``"global_step"``: the tokens the load-balancing loss's ``f_e`` is
+        #: counted over
         self.aux_loss_scope = aux_loss_scope
+        #: the first-choice counts of this step's training micro-batches so far (``"global_step"``)
+        self.step_counts = StepCounts()
         self.router = Router(d_model, experts, bias_balancing, bias_update_rate)
         if split and shared_hidden % self.tp:
             raise ValueError(f"shared_hidden={shared_hidden} is not divisible by tp={self.tp} (expert_tensor_parallel "
@@ -915,11 +926,28 @@ class MoELayer(nn.Module):
                                  "or build the layer with random_routing=False")
             uniform = routing_uniform(keys.reshape(G, S), self.seed)
         r, probs = route(logits, self.top_k, self.capacity(S), uniform, self.router.selection_bias, self.gating)
-        # the global scope's shares: counted over every rank that routes other tokens (collective: every rank
-        # of those groups, once per forward, whatever its routing; without a mesh, this process's whole batch)
-        counts = first_choice_counts(r.expert[:, 0], self.num_experts, self.mesh) \
-            if self.aux_loss_scope == "global" else None
+        counts = self._balance_counts(r.expert[:, 0])
         return flat, r, load_balancing_loss(probs, r.expert[:, 0], counts), router_z_loss(logits)
+
+    def _balance_counts(self, first_choice: torch.Tensor) -> torch.Tensor | None:
+        """The first-choice counts the load-balancing loss takes every group's ``f_e`` from (None: each group its
+        own, ``"group"``).
+
+        The global scopes count over every rank that routes other tokens (collective: every rank of those groups,
+        once per forward, whatever its routing; without a mesh, this process's whole batch); ``"global_step"``
+        adds a training forward's counts to the step's, and a recomputed one takes its first forward's sum
+        again (every rank recomputes the same forwards, so skipping the all-reduce there keeps them in step)."""
+        if self.aux_loss_scope == "group":
+            return None
+        accumulate = self.aux_loss_scope == "global_step" and self.training and torch.is_grad_enabled()
+        if accumulate and recomputing():
+            return self.step_counts.replay()
+        counts = first_choice_counts(first_choice, self.num_experts, self.mesh)
+        return self.step_counts.add(counts) if accumulate else counts
+
+    def start_step(self) -> None:
+        """A new optimizer step begins: forget the previous step's first-choice counts (``"global_step"``)."""
+        self.step_counts.reset()
 
     def _output(self, r: Routing, aux: torch.Tensor, z: torch.Tensor, rows: int) -> "MoEOutput":
         """The losses and statistics of a forward whose experts ran ``rows`` rows on this rank."""
@@ -967,8 +995,9 @@ class MoELayer(nn.Module):
         gradients, partial per tp rank, are summed over tp by the strategy (they carry the
         ``sequence_parallel`` marker).  ``MoEOutput.aux_loss``/``z_loss``/``stats`` are this rank's.
 
-        With ``aux_loss_scope = "global"`` the routing of every forward (training, evaluation and sampling alike)
-        adds, before the exchanges, one all-reduce of E + 1 integers over dp x ep and one over tp (Qiu et al.
+        With ``aux_loss_scope = "global"`` or ``"global_step"`` the routing of every forward (training, evaluation
+        and sampling alike; not a ``"global_step"`` forward recomputed in the backward) adds, before the
+        exchanges, one all-reduce of E + 1 integers over dp x ep and one over tp (Qiu et al.
         2025: the first-choice counts of the global batch, :func:`~podscale.parallel.moe.gate.first_choice_counts`),
         which every rank of those groups enters whatever its routing; ranks that route the same tokens (a
         sample every rank routes whole) add the same counts, which leaves the shares as they are."""

@@ -81,6 +81,7 @@ import functools
 import torch
 import torch.nn as nn
 
+from podscale.parallel.model_protocols import recomputing
 from podscale.parallel.param_tags import tags
 from podscale.parallel.sharded_state import CheckpointPublisher, copy_buffers, persistent_buffers
 from podscale.parallel.strategy import DataParallelStrategy, LocalMicroBatches
@@ -89,11 +90,6 @@ from podscale.parallel.zero.layout import ShardGroup, Unit, bucket_units, layer_
 from podscale.parallel.zero.memory import reduce_buffers
 from podscale.parallel.zero.state import ZeroSource
 from podscale.runtime import comm, hostmem
-
-
-def _in_backward() -> bool:
-    """True while the autograd engine runs a backward pass (e.g. activation checkpointing recomputes)."""
-    return torch._C._current_graph_task_id() != -1
 
 
 class _RegatherBeforeBackward(torch.autograd.Function):
@@ -311,7 +307,7 @@ class ZeroStrategy(LocalMicroBatches, DataParallelStrategy):
     def _make_pre(self, u: Unit):
         def hook(_m, _args):
             self._gather(u, async_op=False)
-            if _in_backward():  # activation recomputation: the block was gathered for its backward
+            if recomputing():  # activation recomputation: the block was gathered for its backward
                 return
             nxt = u.index + 1
             if nxt < len(self.layers):
@@ -321,7 +317,7 @@ class ZeroStrategy(LocalMicroBatches, DataParallelStrategy):
 
     def _make_post(self, u: Unit):
         def hook(_m, _args, out):
-            if _in_backward():  # recomputed forward inside backward: keep it for the backward that follows
+            if recomputing():  # recomputed forward inside backward: keep it for the backward that follows
                 return out
             if self.reshard_after_forward or not torch.is_grad_enabled():
                 self._free(u)  # (else it stays gathered until its gradients are reduce-scattered)
