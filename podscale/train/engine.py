@@ -3,8 +3,8 @@
 ``Engine.step`` first tells every module of the model that keeps state over a step's micro-batches that a
 step begins (:class:`~podscale.parallel.model_protocols.StepState`), then runs forward/backward on each
 micro-batch (communication only on the last, through the strategy's ``no_sync``), waits for the gradient
-reduction, unscales and checks fp16 overflow, clips by the global gradient norm, steps the optimizer with the scheduled learning rate and returns the loss averaged
-over the whole global batch.
+reduction, unscales and checks fp16 overflow, clips by the global gradient norm, steps the optimizer with
+the scheduled learning rate and returns the loss averaged over the whole global batch.
 
 A *strategy* (:class:`~podscale.parallel.strategy.Strategy`) owns how gradients are reduced and how the
 optimizer steps; the engine only sequences it, through the protocol's methods.
