@@ -79,11 +79,12 @@ class WeightGrads:
     into views of one buffer for all El experts, allocated at the first of them: on a CPU a step's expert
     gradients are fresh memory (the previous step's were freed by ``zero_grad``), and one buffer advised onto
     huge pages (:func:`~podscale.runtime.hostmem.advise_huge_pages`) faults in once per 2 MiB where El x 4
-    separate outputs would each be faulted in page by page (64 experts' 256 KiB matrices: 16 MiB a layer;
+    separate outputs would each be faulted in page by page (32 local experts' 256 KiB matrices: 16 MiB a layer;
     BENCHMARKS.md, the MoE section); every expert's bias gradient is one row of a block, summed over all the
     segments in one ``index_add`` rather than one sum per segment (a small block of its own, fp32 for 16-bit
     rows).  Autograd takes the views as the parameters' ``.grad`` as they are (contiguous, the parameters'
-    strides).  Gradients a kernel computes itself (:meth:`put_fc`, :meth:`put_proj`: the grouped-GEMM kernel's) are kept as given."""
+    strides).  Gradients a kernel computes itself (:meth:`put_fc`, :meth:`put_proj`: the grouped-GEMM kernel's)
+    are kept as given."""
 
     #: the gradient kinds in the kernel's parameter order
     KINDS = ("fc", "proj", "b_fc", "b_proj")
@@ -153,10 +154,9 @@ class WeightGrads:
             held[j].addmm_(inp.t(), grad_out)
 
     def _put(self, kind: str, j: int, d_w: torch.Tensor, d_b: torch.Tensor | None) -> None:
-        for k, g in ((kind, d_w), ("b_" + kind, d_b)):
-            if k == kind or self.bias:
-                held = self.grads[k]
-                held[j] = g if held[j] is None else held[j].add_(g)
+        for k, g in [(kind, d_w)] + ([("b_" + kind, d_b)] if self.bias else []):
+            held = self.grads[k]
+            held[j] = g if held[j] is None else held[j].add_(g)
 
     def result(self, params, like: torch.Tensor) -> list[torch.Tensor]:
         """The gradients in ``params``' order and dtype (w_fc..., w_proj..., then b_fc..., b_proj...); an
