@@ -16,7 +16,7 @@ Printed per rank: the medians over the rounds (ms), the rows each layer's expert
 bound on podscale's time ratio at this point: its experts and all-to-alls alone (as if everything else in the
 layer cost nothing) over DeepSpeed's measured total.
 
-Also printed: each exchange's median time, in the order of the step. `--bind-cores` pins each rank to its own share
+Also printed: each exchange's median time, in the order of the step, and each layer's minor page faults a step. `--bind-cores` pins each rank to its own share
 of the cores, as `parallel.bind_cores` does in training (both layers run in the same processes).
 
     python bench/moe_time_split.py [--experts 64] [--tokens 1024] [--top-k 1] [--capacity-factor 1.25] [--rounds 15]
@@ -28,6 +28,7 @@ import argparse
 import collections
 import logging
 import os
+import resource
 import statistics
 import sys
 import time
@@ -154,12 +155,15 @@ def worker(a) -> dict:
             EXCHANGES.clear()
             ROWS.clear()
             dist.barrier()
+            faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             t0 = time.perf_counter()
             (layers[name](x) * gy).sum().backward()
             total = time.perf_counter() - t0
+            faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
             if r:   # round 0 warms up
                 split = {"total": total, "experts": SPENT["experts"], "all-to-all": SPENT["all-to-all"]}
                 split["rest"] = total - split["experts"] - split["all-to-all"]
+                split["faults"] = faults
                 if name == "podscale":
                     split["rows"] = ROWS["podscale"]
                 for k, v in split.items():
@@ -199,7 +203,9 @@ def main(argv=None) -> dict:
               f"({res[rank]['deepspeed_rows']} rows) + all-to-all {1e3 * d['all-to-all']:5.2f} + rest {1e3 * d['rest']:5.2f}")
     for rank in sorted(res):
         print(f"rank {rank}: each exchange, from its call to its wait's return (ms): " + "; ".join(
-            f"{name} " + ", ".join(f"{1e3 * t:.2f}" for t in ts) for name, ts in res[rank]["exchanges"].items()))
+            f"{name} " + ", ".join(f"{1e3 * t:.2f}" for t in ts) for name, ts in res[rank]["exchanges"].items())
+            + f"; minor page faults a step: podscale {res[rank]['podscale']['faults']:.0f}, "
+            f"DeepSpeed {res[rank]['deepspeed']['faults']:.0f}")
     bound = max(res[r]["podscale"]["experts"] + res[r]["podscale"]["all-to-all"] for r in res) / ds_total
     ratio = max(res[r]["podscale"]["total"] for r in res) / ds_total
     print(f"time ratio (slowest rank's medians) {ratio:.2f}; podscale's experts and all-to-alls alone over "
