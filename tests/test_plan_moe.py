@@ -597,7 +597,8 @@ def test_calibration_measures_the_routing_rate_in_the_planners_bytes():
 def test_the_global_aux_loss_pays_an_all_reduce_of_the_counts_per_moe_layer_and_micro_batch(tp, dp, ep, scope):
     """With ``aux_loss_scope = "global"`` every MoE layer's forward of every micro-batch sums E + 1 int64 over the
     dp x ep ranks (stride tp) and over tp; nothing else changes, and the group scope pays none of it.
-    ``"global_step"`` adds those counts up over the step's micro-batches: the same one all-reduce a forward."""
+    ``"global_step"`` adds those counts up over the step's micro-batches: the same one all-reduce a forward, but
+    none in a forward recomputed in the backward (it replays its first forward's sum)."""
     system = as_system("dgx-a100-80g")
     experts, n_moe, b, batch = 8, 4, 2, 64
     m = batch // (dp * ep * b)
@@ -612,6 +613,12 @@ def test_the_global_aux_loss_pays_an_all_reduce_of_the_counts_per_moe_layer_and_
     assert p_glob["ep_communication"] - p_group["ep_communication"] == pytest.approx(m * n_moe * reduce, rel=1e-9)
     for key in p_group.keys() - {"ep_communication", "collective", "total"}:
         assert p_glob[key] == pytest.approx(p_group[key], rel=1e-12, abs=1e-15), key
+    # under full recomputation "global" all-reduces again in the recomputed forward; "global_step" replays its sum
+    full = Layout(tp=tp, dp=dp, ep=ep, microbatch=b, recompute="full")
+    f_group, f_glob = (predict(system, tp * dp * ep, x, full, batch).time_breakdown_s for x in (group, glob))
+    again = 2 if scope == "global" else 1
+    assert f_glob["ep_communication"] - f_group["ep_communication"] == pytest.approx(again * m * n_moe * reduce,
+                                                                                     rel=1e-9)
 
 
 def test_the_global_aux_loss_on_one_rank_costs_nothing():

@@ -484,6 +484,16 @@ def global_balance_time(system: System, model: GPT, lay: Layout) -> float:
     return net.all_reduce_time(system, nbytes, lay.dp * lay.ep, lay.tp) + net.all_reduce_time(system, nbytes, lay.tp, 1)
 
 
+def balance_all_reduces(model: GPT, lay: Layout) -> int:
+    """How many forwards of an MoE layer, per micro-batch, all-reduce the first-choice counts
+    (:func:`global_balance_time`): none for the group scope; every forward for ``"global"`` (two under full
+    recomputation); one for ``"global_step"``, whose forward recomputed in the backward takes its first forward's
+    sum again without communicating (podscale.parallel.moe.MoELayer._balance_counts)."""
+    if model.aux_loss_scope == "group":
+        return 0
+    return 1 if model.aux_loss_scope == "global_step" or lay.recompute != "full" else 2
+
+
 def _tp_collectives_per_pass(lay: Layout) -> int:
     """Tensor-parallel all-reduces (or reduce-scatter/all-gather pairs) of one layer in one pass: two in
     Megatron's sequential block (after attention, after the MLP: Shoeybi et al. 2019, Fig. 3); one in the
