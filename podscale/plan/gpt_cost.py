@@ -563,8 +563,8 @@ def predict_gpt(system: System, devices: int, model: GPT, lay: Layout, batch: in
     # dispatch and combine in every forward (twice with full recompute) and backward, each less the own
     # rows' expert work it overlaps
     exposed_fwd, exposed_bwd = moe_t["a2a_exposed"]
-    ep_comm = 2 * moe_frac * (n_fwd * exposed_fwd + exposed_bwd) + \
-        moe_frac * n_fwd * (moe_t["counts"] + global_balance_time(system, model, lay))
+    ep_comm = 2 * moe_frac * (n_fwd * exposed_fwd + exposed_bwd) + moe_frac * (
+        n_fwd * moe_t["counts"] + balance_all_reduces(model, lay) * global_balance_time(system, model, lay))
     # Last stage: vocabulary projection and cross-entropy (Megatron places them there).
     logits_elems = b * s * V / t
     head_gemm = 3 * gemm_time(dev, b * s, V / t, h, bytes_per_element=dev.dtype_bytes)
