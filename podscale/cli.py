@@ -134,7 +134,8 @@ def cmd_launch(args) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from podscale.runtime.launcher import launch
     try:
-        launch(sys.executable, (str(script), *args.script_args), nproc=args.nproc,
+        command = (("-m", "podscale.runtime.bind") if args.bind_cores else ()) + (str(script), *args.script_args)
+        launch(sys.executable, command, nproc=args.nproc,
                max_restarts=args.max_restarts, host=args.host, port=args.port)
     except ChildFailedError as err:
         failures = "; ".join(f"rank {r}: exit {f.exitcode}" for r, f in err.failures.items())
@@ -238,6 +239,9 @@ def build_parser() -> argparse.ArgumentParser:
     la.add_argument("--max-restarts", type=int, default=0)
     la.add_argument("--host", default="127.0.0.1")
     la.add_argument("--port", type=int, default=None)
+    la.add_argument("--bind-cores", action="store_true",
+                    help="pin each worker to its own share of the cores, one thread per core (CPU jobs; as "
+                         "parallel.bind_cores does for podscale train)")
     la.add_argument("script")
     la.add_argument("script_args", nargs=argparse.REMAINDER)
     la.set_defaults(func=cmd_launch)

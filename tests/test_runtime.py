@@ -90,6 +90,35 @@ def test_podscale_launch_runs_a_script_with_a_loopback_rendezvous(tmp_path):
         assert got["listening"] and set(got["listening"]) == {"127.0.0.1"}, got["listening"]
 
 
+def test_podscale_launch_binds_each_worker_to_its_own_cores(tmp_path):
+    """``podscale launch --bind-cores``: every worker's script runs as ``__main__`` with its own arguments and folder
+    on ``sys.path``, pinned to its local rank's slice of the cores, one thread per core."""
+    (tmp_path / "helper_mod.py").write_text("VALUE = 7\n")
+    script = tmp_path / "script.py"
+    script.write_text(textwrap.dedent(f"""
+        import json, os, sys
+        import torch
+        import helper_mod
+        if __name__ == "__main__":
+            out = {{"cores": sorted(os.sched_getaffinity(0)), "threads": torch.get_num_threads(), "args": sys.argv[1:],
+                   "value": helper_mod.VALUE}}
+            (open(r"{tmp_path}" + "/rank" + os.environ["LOCAL_RANK"] + ".json", "w")).write(json.dumps(out))
+    """))
+    out = subprocess.run([sys.executable, "-m", "podscale", "launch", "-n", "2", "--bind-cores", str(script), "--k", "v"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    cpus = sorted(os.sched_getaffinity(0))
+    per = len(cpus) // 2
+    for r in range(2):
+        got = json.loads((tmp_path / f"rank{r}.json").read_text())
+        assert (got["args"], got["value"]) == (["--k", "v"], 7)
+        if per:
+            assert got["cores"] == cpus[r * per:(r + 1) * per]
+            assert got["threads"] == per or "OMP_NUM_THREADS" in os.environ
+        else:
+            assert got["cores"] == cpus
+
+
 def test_train_with_no_config_uses_the_standard_library_corpus(tmp_path, capfd):
     """``podscale train`` without a config, through its entry point in this process (test_train_cli.py runs
     the command line as a subprocess); its two workers bound to a core each where there are two."""
