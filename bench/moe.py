@@ -300,8 +300,9 @@ def main(argv=None) -> list[dict]:
                     help="a third contestant in the same rounds: podscale with every rank's own rows sent through "
                          "the exchange and regrouped (MIN_SEGMENT_ROWS huge), never run while it is in flight")
     ap.add_argument("--bind-cores", action="store_true",
-                    help="pin each rank to its own share of the cores (podscale's parallel.bind_cores; both layers run "
-                         "in the same processes, so both get it)")
+                    help="pin each rank's main thread to its own share of the cores once the process group exists "
+                         "(podscale's bind_local_cores; gloo's threads stay unbound; both layers run in the same "
+                         "processes, so both get it)")
     ap.add_argument("--keep-heap", action="store_true",
                     help="glibc: serve every allocation from the heap and never trim it (both layers; takes "
                          "page faults on freshly allocated activations out of the times)")

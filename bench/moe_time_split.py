@@ -188,7 +188,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--d-hidden", type=int, default=512)
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--bind-cores", action="store_true",
-                    help="pin each rank to its own share of the cores (podscale's parallel.bind_cores; both layers)")
+                    help="pin each rank's main thread to its own share of the cores once the process group exists "
+                         "(podscale's bind_local_cores; gloo's threads stay unbound; both layers)")
     a = ap.parse_args(argv)
     res = launch(worker, (a,), nproc=2)
     print(f"E={a.experts} tokens/rank={a.tokens} k={a.top_k} cf={a.capacity_factor}, {a.rounds} rounds, medians in ms "

@@ -43,10 +43,12 @@ def device_kind(choice: str = "auto", local_ranks: int = 1) -> str:
 
 
 def bind_local_cores(local_rank: int, local_world: int) -> list[int] | None:
-    """Pin this process to its share of the CPUs it may run on: the ``local_rank``-th of ``local_world`` equal,
-    contiguous slices of its affinity mask (the whole machine, or the cpuset a scheduler gave the job).
-    Returns the cores, or None, changing nothing, when there are fewer cores than local workers or the
-    platform has no ``sched_setaffinity``.
+    """Pin the calling thread, and every thread it starts from then on, to this worker's share of the CPUs it may
+    run on: the ``local_rank``-th of ``local_world`` equal, contiguous slices of its affinity mask (the whole
+    machine, or the cpuset a scheduler gave the job).  Called before the process group is created, so its
+    communication threads are bound too (Linux binds threads: ones started earlier keep their mask).  Returns
+    the cores, or None, changing nothing, when there are fewer cores than local workers or the platform has no
+    ``sched_setaffinity``.
 
     A CPU worker left to the kernel's scheduler migrates between cores and shares them with its peers'
     communication threads; bound, each keeps its caches and its core (DeepSpeed's launcher

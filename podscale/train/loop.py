@@ -20,23 +20,31 @@ from podscale.parallel.sharded_state import fill_from_full
 from podscale.runtime import comm, watchdog
 from podscale.runtime.mesh import AXES, Mesh
 from podscale.runtime.metrics import MetricsLog, matmul_peak, peak_memory_bytes
-from podscale.runtime.process import bind_local_cores, init_process
+from podscale.runtime.process import bind_local_cores, device_kind, init_process
 from podscale.tasks import task_for
 from podscale.train import checkpoint, faults
 from podscale.train.progress import Progress
 
 
-def _set_cpu_threads(device: torch.device, bind: bool) -> list[int] | None:
-    """Local workers on a CPU share its cores instead of each spawning a thread per core; with ``bind``
-    (``parallel.bind_cores``) each is pinned to its own share of them (:func:`bind_local_cores`) and runs a thread
-    per core of it.  Returns the bound cores (None: not bound)."""
-    if device.type != "cpu":
+def _local_world() -> int:
+    return int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("PODSCALE_LOCAL_WORLD", "1")))
+
+
+def _bind_cores(device: str) -> list[int] | None:
+    """``parallel.bind_cores``: pin this worker to its own share of the cores (:func:`bind_local_cores`) when it
+    will run on the CPU, before the process group starts its communication threads, so they are bound too.
+    Returns the cores (None: not bound)."""
+    if device_kind(device, _local_world()) != "cpu":
         return None
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("PODSCALE_LOCAL_WORLD", "1")))
-    cores = bind_local_cores(int(os.environ.get("LOCAL_RANK", "0")), local_world) if bind else None
-    if "OMP_NUM_THREADS" not in os.environ:
-        torch.set_num_threads(len(cores) if cores else max(1, (os.cpu_count() or 1) // max(1, local_world)))
-    return cores
+    return bind_local_cores(int(os.environ.get("LOCAL_RANK", "0")), _local_world())
+
+
+def _set_cpu_threads(device: torch.device, cores: list[int] | None) -> None:
+    """Local workers on a CPU share its cores instead of each spawning a thread per core: one thread per bound
+    core, else an equal share of the machine's (unless OMP_NUM_THREADS says)."""
+    if device.type != "cpu" or "OMP_NUM_THREADS" in os.environ:
+        return
+    torch.set_num_threads(len(cores) if cores else max(1, (os.cpu_count() or 1) // max(1, _local_world())))
 
 
 def _gather_per_rank(value: float, mesh: Mesh) -> list[float]:
@@ -68,8 +76,9 @@ def run_worker(cfg: Config, resume: bool = False) -> dict:
     """Train as one rank of the job described by ``cfg``; returns a summary (rank 0's is complete)."""
     # torch's process-group timeout is the backstop of the hang watchdog (see podscale.runtime.watchdog)
     backstop = watchdog.backstop_s(cfg.run.collective_timeout_s)
+    cores = _bind_cores(cfg.run.device) if cfg.parallel.bind_cores else None
     info = init_process(timeout_s=backstop, device=cfg.run.device)
-    cores = _set_cpu_threads(info.device, cfg.parallel.bind_cores)
+    _set_cpu_threads(info.device, cores)
     cfg.check_layout(info.world_size)
     mesh = Mesh.build(info.device, timeout_s=backstop, **cfg.mesh_sizes())
     dog = watchdog.start(mesh, cfg.run.collective_timeout_s)
