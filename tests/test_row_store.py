@@ -323,3 +323,27 @@ def test_log_store_write_failure_keeps_the_last_batch(tmp_path, monkeypatch):
     s = LogRowStore(tmp_path / "db", 3)
     assert len(s) == 9 and s.get(torch.tensor([100]))[0][0, 0] == 5.0
     s.close()
+
+
+def _probe_often(path: str, times: int, queue) -> None:
+    from pathlib import Path
+    from podscale.storage.rows import unwritable_reason
+    queue.put([r for r in (unwritable_reason(Path(path)) for _ in range(times)) if r][:1])
+
+
+def test_processes_probing_one_ssd_folder_at_once_never_fail_each_other(tmp_path):
+    """Two runs (or every rank of one) check the SSD folder at start: each writes and removes a probe of its own
+    name, so none removes another's and reports the folder unwritable (a shared probe name did, once in CI), and
+    no probe is left behind."""
+    import multiprocessing
+    ctx = multiprocessing.get_context("fork")
+    queue = ctx.Queue()
+    workers = [ctx.Process(target=_probe_often, args=(str(tmp_path), 500, queue)) for _ in range(2)]
+    for w in workers:
+        w.start()
+    failures = [queue.get(timeout=60) for _ in workers]
+    for w in workers:
+        w.join(60)
+    assert failures == [[], []]
+    assert list(tmp_path.iterdir()) == []
+

@@ -32,6 +32,7 @@ import operator
 import os
 import threading
 import time
+import uuid
 from abc import ABC, abstractmethod
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -358,10 +359,12 @@ class MemoryRowStore(RowStore):
 
 
 def unwritable_reason(path: Path) -> str | None:
-    """Create ``path`` and write and remove a probe file in it: None if that works, else the OS's reason."""
+    """Create ``path`` and write and remove a probe file in it: None if that works, else the OS's reason.  The
+    probe's name is this process's own, so processes checking one folder at once (two runs starting together,
+    every rank of a run) never remove each other's probe."""
     try:
         path.mkdir(parents=True, exist_ok=True)
-        probe = path / ".podscale-write-probe"
+        probe = path / f".podscale-write-probe-{os.getpid()}-{uuid.uuid4().hex}"
         probe.write_bytes(b"")
         probe.unlink()
     except OSError as e:
