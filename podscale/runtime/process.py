@@ -65,6 +65,23 @@ def bind_local_cores(local_rank: int, local_world: int) -> list[int] | None:
     return mine
 
 
+def local_slot() -> tuple[int, int]:
+    """(this worker's local rank, the number of local workers) from the launcher's environment (torchrun's and
+    the elastic agent's ``LOCAL_RANK`` / ``LOCAL_WORLD_SIZE``, podscale's ``PODSCALE_LOCAL_WORLD``); (0, 1)
+    without a launcher."""
+    world = os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("PODSCALE_LOCAL_WORLD", "1"))
+    return int(os.environ.get("LOCAL_RANK", "0")), int(world)
+
+
+def bind_this_worker() -> list[int] | None:
+    """:func:`bind_local_cores` for this worker's :func:`local_slot`, with one torch thread per bound core unless
+    ``OMP_NUM_THREADS`` says otherwise (``parallel.bind_cores``, ``podscale launch --bind-cores``)."""
+    cores = bind_local_cores(*local_slot())
+    if cores and "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(len(cores))
+    return cores
+
+
 DEFAULT_TIMEOUT_S = 600.0  # torch's process-group timeout when no config sets one
 
 

@@ -65,6 +65,8 @@ class Engine:
         self.mesh, self.cfg = mesh, train
         self.device = mesh.device
         self.model = model.to(self.device)
+        #: the modules that keep state over a step's micro-batches, told at every step's start
+        self.step_states = [m for m in self.model.modules() if isinstance(m, StepState)]
         self.strategy = strategy
         self.loss_fn = loss_fn
         self.scaler = DynamicLossScaler(train.loss_scale_init, train.loss_scale_window) \
@@ -103,9 +105,8 @@ class Engine:
             raise RuntimeError("Engine.step after close(): build a new engine with podscale.parallelize")
         t0 = time.perf_counter()
         self.model.train()
-        for m in self.model.modules():
-            if isinstance(m, StepState):
-                m.start_step()
+        for m in self.step_states:
+            m.start_step()
         lr = self.lr_at(self.step_count)
         n = len(micro_batches)
         loss_scale = self.scaler.scale if self.scaler is not None else None

@@ -20,31 +20,25 @@ from podscale.parallel.sharded_state import fill_from_full
 from podscale.runtime import comm, watchdog
 from podscale.runtime.mesh import AXES, Mesh
 from podscale.runtime.metrics import MetricsLog, matmul_peak, peak_memory_bytes
-from podscale.runtime.process import bind_local_cores, device_kind, init_process
+from podscale.runtime.process import bind_this_worker, device_kind, init_process, local_slot
 from podscale.tasks import task_for
 from podscale.train import checkpoint, faults
 from podscale.train.progress import Progress
 
 
-def _local_world() -> int:
-    return int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("PODSCALE_LOCAL_WORLD", "1")))
-
-
 def _bind_cores(device: str) -> list[int] | None:
-    """``parallel.bind_cores``: pin this worker to its own share of the cores (:func:`bind_local_cores`) when it
+    """``parallel.bind_cores``: pin this worker to its own share of the cores (:func:`bind_this_worker`) when it
     will run on the CPU, before the process group starts its communication threads, so they are bound too.
     Returns the cores (None: not bound)."""
-    if device_kind(device, _local_world()) != "cpu":
-        return None
-    return bind_local_cores(int(os.environ.get("LOCAL_RANK", "0")), _local_world())
+    return bind_this_worker() if device_kind(device, local_slot()[1]) == "cpu" else None
 
 
 def _set_cpu_threads(device: torch.device, cores: list[int] | None) -> None:
-    """Local workers on a CPU share its cores instead of each spawning a thread per core: one thread per bound
-    core, else an equal share of the machine's (unless OMP_NUM_THREADS says)."""
-    if device.type != "cpu" or "OMP_NUM_THREADS" in os.environ:
+    """Local workers on a CPU share its cores instead of each spawning a thread per core (a bound worker already
+    runs one per bound core; OMP_NUM_THREADS, when set, decides)."""
+    if device.type != "cpu" or cores or "OMP_NUM_THREADS" in os.environ:
         return
-    torch.set_num_threads(len(cores) if cores else max(1, (os.cpu_count() or 1) // max(1, _local_world())))
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, local_slot()[1])))
 
 
 def _gather_per_rank(value: float, mesh: Mesh) -> list[float]:

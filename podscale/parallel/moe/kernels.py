@@ -92,10 +92,9 @@ class WeightGrads:
     def __init__(self, El: int, bias: bool):
         self.El, self.bias = El, bias
         self.grads: dict[str, list[torch.Tensor | None]] = {kind: [None] * El for kind in self.KINDS}
-        #: ``fc``, ``proj``: every expert's weight gradient, one block each of the one buffer; ``b_fc``, ``b_proj``:
-        #: the bias blocks (None until the first add)
-        self._blocks: dict[str, torch.Tensor] | None = None
-        self._bias_blocks: dict[str, torch.Tensor] | None = None
+        #: every expert's gradients of a kind as one (El, ...) block: ``fc``, ``proj`` of the one buffer, ``b_fc``,
+        #: ``b_proj`` the bias blocks (each kind from its first add on)
+        self._blocks: dict[str, torch.Tensor] = {}
 
     def add_proj(self, j: int, act: torch.Tensor, grad: torch.Tensor) -> None:
         """Expert ``j``'s second linear: ``d w_proj += act^T grad`` (its bias: :meth:`add_biases`)."""
@@ -112,18 +111,17 @@ class WeightGrads:
         (as ``sum`` accumulates).  Nothing without biases."""
         if not self.bias or not bounds:
             return
-        if self._bias_blocks is None:
+        if "b_fc" not in self._blocks:
             wide = grad.dtype if grad.dtype in (torch.float32, torch.float64) else torch.float32
-            self._bias_blocks = {"b_fc": grad.new_zeros(self.El, d_pre.shape[1], dtype=wide),
-                                 "b_proj": grad.new_zeros(self.El, grad.shape[1], dtype=wide)}
-            for kind, block in self._bias_blocks.items():
-                self.grads[kind] = list(block.unbind(0))
+            for kind, width in (("b_fc", d_pre.shape[1]), ("b_proj", grad.shape[1])):
+                self._blocks[kind] = grad.new_zeros(self.El, width, dtype=wide)
+                self.grads[kind] = list(self._blocks[kind].unbind(0))
         first, end = bounds[0][1], bounds[-1][2]
         lengths = torch.tensor([b - a for _, a, b in bounds])
         expert = torch.repeat_interleave(torch.tensor([j for j, _, _ in bounds]), lengths, output_size=end - first)
         expert = expert.to(grad.device)
         for kind, rows in (("b_proj", grad), ("b_fc", d_pre)):
-            block = self._bias_blocks[kind]
+            block = self._blocks[kind]
             block.index_add_(0, expert, rows[first:end].to(block.dtype))
 
     def put_proj(self, j: int, d_w: torch.Tensor, d_b: torch.Tensor | None) -> None:
@@ -137,13 +135,13 @@ class WeightGrads:
     def _buffer(self, like: torch.Tensor, hidden: int, d_model: int) -> dict[str, torch.Tensor]:
         """The weight-gradient blocks of the one buffer, (El, d, h) for ``w_fc`` and (El, h, d) for ``w_proj``,
         in ``like``'s dtype and device (allocated at the first call)."""
-        if self._blocks is None:
+        if "fc" not in self._blocks:
             size = self.El * d_model * hidden
             flat = like.new_empty(2 * size)
             if flat.device.type == "cpu":
                 hostmem.advise_huge_pages(flat)
-            self._blocks = {"fc": flat[:size].view(self.El, d_model, hidden),
-                            "proj": flat[size:].view(self.El, hidden, d_model)}
+            self._blocks["fc"] = flat[:size].view(self.El, d_model, hidden)
+            self._blocks["proj"] = flat[size:].view(self.El, hidden, d_model)
         return self._blocks
 
     def _add(self, kind: str, j: int, inp: torch.Tensor, grad_out: torch.Tensor, hidden: int, d_model: int) -> None:
@@ -166,8 +164,7 @@ class WeightGrads:
         for i, kind in enumerate(kinds):
             for j, (g, p) in enumerate(zip(self.grads[kind], params[i * self.El:(i + 1) * self.El])):
                 if g is None:
-                    g = self._blocks[kind][j].zero_() if self._blocks is not None and kind in self._blocks \
-                        else like.new_zeros(p.shape)
+                    g = self._blocks[kind][j].zero_() if kind in self._blocks else like.new_zeros(p.shape)
                 out.append(g if g.dtype == p.dtype else g.to(p.dtype))
         return out
 
