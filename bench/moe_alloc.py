@@ -15,33 +15,19 @@ given R rows, the sizes taking turns) and fits the line `fixed + per row`: what 
 from __future__ import annotations
 
 import argparse
+import os
 import resource
 import statistics
+import sys
 import time
 
 import torch
 
-from podscale.parallel.moe import MoELayer
-from podscale.parallel.moe.kernels import CacheTiledKernel
+sys.path.insert(0, os.path.dirname(__file__))
+from moe_time_split import SPENT, TimedKernel  # noqa: E402  (the CPU kernel, its calls timed into SPENT)
 
-
-class _TimedKernel(CacheTiledKernel):
-    """The CPU kernel, its calls' time added to ``spent``."""
-
-    def __init__(self):
-        super().__init__()
-        self.spent = 0.0
-
-    def forward(self, *args):
-        t = time.perf_counter()
-        out = super().forward(*args)
-        self.spent += time.perf_counter() - t
-        return out
-
-    def backward(self, *args):
-        t = time.perf_counter()
-        super().backward(*args)
-        self.spent += time.perf_counter() - t
+from podscale.parallel.moe import MoELayer  # noqa: E402
+from podscale.parallel.moe.kernels import CacheTiledKernel  # noqa: E402
 
 
 def per_expert_fit(a) -> dict:
@@ -85,7 +71,7 @@ def main(argv=None) -> dict:
     torch.manual_seed(1)
     if a.rows_per_expert:
         return per_expert_fit(a)
-    kernel = _TimedKernel()
+    kernel = TimedKernel()
     layer = MoELayer(a.d_model, a.d_hidden, a.experts, top_k=a.top_k, capacity_factor=1.25, random_routing=False,
                      kernel=kernel)
     with torch.no_grad():       # bench/moe.py's uneven router
@@ -96,14 +82,14 @@ def main(argv=None) -> dict:
     for step in range(a.steps + 5):
         layer.zero_grad(set_to_none=True)
         x.grad = None
-        kernel.spent = 0.0
+        SPENT.clear()
         f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         t0 = time.perf_counter()
         (layer(x)[0] * gy).sum().backward()
         if step >= 5:    # the first steps warm up
             times.append(time.perf_counter() - t0)
             faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)
-            kernel_times.append(kernel.spent)
+            kernel_times.append(SPENT["experts"])
     res = {"step_ms": 1e3 * statistics.median(times), "kernel_ms": 1e3 * statistics.median(kernel_times),
            "faults_median": statistics.median(faults), "faults_mean": statistics.fmean(faults)}
     print(f"E={a.experts} tokens={a.tokens} k={a.top_k}: step {res['step_ms']:.2f} ms (expert kernel "
