@@ -46,11 +46,12 @@ def _tokens():
 
 
 def train_gpt_moe(modes: list[str], steps: int, dp: int, ep: int, mesh: Mesh | None = None,
-                  min_segment_rows: int | None = None) -> list[dict]:
+                  min_segment_rows: int | None = None, expert_dispatch: str = "choice") -> list[dict]:
     """Train with SGD at ``LR``; for each mode: losses (global mean) and gradient norms per step, routing
     counts per step and layer (summed over the mesh), gradients after step 1 and parameters after the last
     step (by name: experts are named by global id).  ``min_segment_rows``: the exchange's
-    ``MIN_SEGMENT_ROWS`` for this run (0: own rows always overlapped with the exchange; a huge value: never)."""
+    ``MIN_SEGMENT_ROWS`` for this run (0: own rows always overlapped with the exchange; a huge value: never);
+    ``expert_dispatch``: the MoE layers' (``"choice"`` or ``"rank"``)."""
     if min_segment_rows is not None:
         moe_layer.MIN_SEGMENT_ROWS = min_segment_rows
     if mesh is None:
@@ -62,7 +63,7 @@ def train_gpt_moe(modes: list[str], steps: int, dp: int, ep: int, mesh: Mesh | N
     out = []
     for mode in modes:
         torch.manual_seed(SEED)
-        model = GPTMoE(GPTMoEConfig(**MODEL, **MODES[mode]), mesh).double()
+        model = GPTMoE(GPTMoEConfig(**MODEL, **MODES[mode]), mesh, expert_dispatch=expert_dispatch).double()
         model.loss_fn = CrossEntropy64()
         loader = ShardedLoader(tokens, MODEL["block_size"], GLOBAL_BATCH, GLOBAL_BATCH // n,
                                mesh.local_rank("dp", "ep"), n, seed=SEED)
@@ -125,7 +126,8 @@ def layer_inputs(case: str, rank: int) -> torch.Tensor:
     return x
 
 
-def build_layer(top_k: int, dropless: bool, mesh=None, kernel=None, aux_loss_scope: str = "group") -> MoELayer:
+def build_layer(top_k: int, dropless: bool, mesh=None, kernel=None, aux_loss_scope: str = "group",
+                expert_dispatch: str = "choice") -> MoELayer:
     """The layer with the same weights in every layout: one process builds all experts, a rank of an
     ep layout copies its experts' slices."""
     torch.manual_seed(5)
@@ -137,7 +139,8 @@ def build_layer(top_k: int, dropless: bool, mesh=None, kernel=None, aux_loss_sco
     if mesh is None:
         return full
     layer = MoELayer(D, 16, E, top_k=top_k, capacity_factor=1.0, dropless=dropless, mesh=mesh,
-                     aux_loss_coef=0.1, z_loss_coef=0.01, kernel=kernel, aux_loss_scope=aux_loss_scope).double()
+                     aux_loss_coef=0.1, z_loss_coef=0.01, kernel=kernel, aux_loss_scope=aux_loss_scope,
+                     expert_dispatch=expert_dispatch).double()
     with torch.no_grad():
         layer.router.weight.copy_(full.router.weight)
         for name, p in layer.experts.named_parameters():   # names carry the global expert id
@@ -164,6 +167,11 @@ KERNELS = {"tiled": CacheTiledKernel(row_tile=3), "segment": SegmentKernel(),
            "tiled-recompute": CacheTiledKernel(row_tile=3, recompute=True),
            "segment-recompute": SegmentKernel(recompute=True)}
 
+#: the no-hang runs' layouts: (``MIN_SEGMENT_ROWS`` of the two ranks, kernel name, expert dispatch); the per-rank
+#: dispatch has no own-row overlap, so it runs once per kernel
+RUNS = [(rows, kernel, "choice") for rows, kernel in itertools.product(OVERLAP, KERNELS)] + \
+    [(OVERLAP[0], kernel, "rank") for kernel in KERNELS]
+
 
 def no_hang_worker(cases: list[tuple[str, int, bool]]) -> list[dict]:
     info = init_process(timeout_s=120)
@@ -171,16 +179,17 @@ def no_hang_worker(cases: list[tuple[str, int, bool]]) -> list[dict]:
     mesh = Mesh.build(info.device, ep=2)
     out = []
     for case, top_k, dropless in cases:
-        for rows, kernel in itertools.product(OVERLAP, KERNELS.values()):
+        for rows, kernel, dispatch in RUNS:
             moe_layer.MIN_SEGMENT_ROWS = rows[info.rank]
-            layer = build_layer(top_k, dropless, mesh, kernel)
+            layer = build_layer(top_k, dropless, mesh, KERNELS[kernel], expert_dispatch=dispatch)
             x = layer_inputs(case, info.rank)
             loss, y, o = layer_loss(layer, x)
             loss.backward()
             reduce_gradients(layer, mesh)
             out.append({"y": y.detach(), "x_grad": x.grad, "first": layer.experts.first, "kept": o.stats.kept,
                         "grads": {n: p.grad.clone() for n, p in layer.named_parameters()},
-                        "calls": {k: v["calls"] for k, v in mesh.stats.snapshot().items()}})
+                        "calls": {k: v["calls"] for k, v in mesh.stats.snapshot().items()},
+                        "bytes": mesh.stats.snapshot()["ep/all_to_all"]["bytes"]})
             # the rows this rank's experts ran, and the busiest rank's over the mean (collective)
             out[-1]["peak"] = (o.stats.peak_rows, o.stats.all_reduce(mesh, "ep").peak_load)
             mesh.stats.reset()

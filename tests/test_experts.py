@@ -688,9 +688,13 @@ def _close(a: torch.Tensor, b: torch.Tensor, rel: float, what: str):
 # min_segment_rows 0: every rank keeps its own rows out of the exchange and runs them while it is in flight
 # (at ep = 4 the middle ranks' own rows sit between remote ones, and three sources are regrouped); 10**9:
 # own rows travel with the rest, two sources regrouped
-@pytest.mark.parametrize("dp,ep,min_segment_rows", [(1, 2, 0), (2, 2, 10**9), (1, 4, 0)])
-def test_expert_parallel_matches_single_process(dp, ep, min_segment_rows, single_process):
-    results = launch(W.train_gpt_moe, (list(W.MODES), STEPS, dp, ep, None, min_segment_rows), nproc=dp * ep)
+# expert_dispatch "rank": a token sent once to each rank holding any of its choices (at ep = 4 a top-2 token's
+# choices share a rank about a third of the time), the choices combined there
+@pytest.mark.parametrize("dp,ep,min_segment_rows,dispatch", [(1, 2, 0, "choice"), (2, 2, 10**9, "choice"),
+                                                             (1, 4, 0, "choice"), (1, 4, 0, "rank")])
+def test_expert_parallel_matches_single_process(dp, ep, min_segment_rows, dispatch, single_process):
+    results = launch(W.train_gpt_moe, (list(W.MODES), STEPS, dp, ep, None, min_segment_rows, dispatch),
+                     nproc=dp * ep)
     for i, mode in enumerate(W.MODES):
         ref = single_process[mode]
         for rank, res in results.items():
@@ -704,8 +708,8 @@ def test_expert_parallel_matches_single_process(dp, ep, min_segment_rows, single
                 _close(g, ref["grads1"][name], 1e-9, f"{label} grad {name}")
             for name, p in ours["params"].items():
                 _close(p, ref["params"][name], 1e-8, f"{label} param {name}")
-            # 2 MoE layers x (3 exchanges forward + 2 backward) per step
-            assert ours["comm"]["ep/all_to_all"]["calls"] == STEPS * 2 * 5
+            # 2 MoE layers x (3 exchanges forward + 2 backward) per step; per rank, 4 + 3
+            assert ours["comm"]["ep/all_to_all"]["calls"] == STEPS * 2 * (5 if dispatch == "choice" else 7)
         dropped = sum(sum(w) - sum(k) for c in ref["counts"] for w, k in c.values())
         assert (dropped == 0) == (mode == "dropless"), (mode, dropped)
     # the expert tensors of all ranks together are every global expert
@@ -771,8 +775,9 @@ def test_the_global_aux_loss_sums_both_ranks_counts_whatever_the_routing(no_hang
 
 def test_lopsided_routing_finishes_with_the_right_gradients(no_hang):
     results = no_hang
-    for i, ((case, top_k, dropless), rows, kernel) in enumerate(itertools.product(NO_HANG, W.OVERLAP, W.KERNELS)):
-        label = f"{case} top_k={top_k} dropless={dropless} MIN_SEGMENT_ROWS of the ranks {rows}, {kernel} kernel"
+    for i, ((case, top_k, dropless), (rows, kernel, dispatch)) in enumerate(itertools.product(NO_HANG, W.RUNS)):
+        label = (f"{case} top_k={top_k} dropless={dropless} MIN_SEGMENT_ROWS of the ranks {rows}, {kernel} kernel, "
+                 f"{dispatch} dispatch")
         ref = W.build_layer(top_k, dropless)
         losses, ys, xs = [], [], []
         for rank in (0, 1):
@@ -797,9 +802,10 @@ def test_lopsided_routing_finishes_with_the_right_gradients(no_hang):
                     assert first <= e < first + 2
                     if ".w_" in name:  # zero exactly where nothing was routed
                         assert (kept[e] == 0) == bool((g == 0).all()), (label, name)
-            assert ours["calls"]["ep/all_to_all"] == 5
+            exchanges = 5 if dispatch == "choice" else 7     # the rank dispatch's choices and gate gradients
+            assert ours["calls"]["ep/all_to_all"] == exchanges, label
             # an input without a gradient: the same parameter gradients, one exchange less in the backward
-            assert ours["no_input_grad"]["calls"] == 4, label
+            assert ours["no_input_grad"]["calls"] == exchanges - 1, label
             for name, g in ours["no_input_grad"]["grads"].items():
                 torch.testing.assert_close(g, ours["grads"][name], rtol=1e-12, atol=1e-14, msg=f"{label} {name}")
         # the rows each rank's experts ran (its own and the other's for them), the busiest over the mean
@@ -814,6 +820,29 @@ def test_lopsided_routing_finishes_with_the_right_gradients(no_hang):
                 assert results[0][i]["peak"][1] == 2.0   # rank 0 ran every choice: twice the mean
         if case == "no_remote":
             assert results[0][i]["kept"][2:].sum() == 0   # rank 0 sent nothing to rank 1's experts
+
+
+def test_the_rank_dispatch_sends_a_token_once_to_the_rank_of_both_its_choices(no_hang):
+    """one_expert, top-2 at capacity factor 1: both choices of every token are experts 0 and 1, both on rank 0,
+    and each expert keeps the first 3 tokens of each group of 6, so each rank keeps 12 choices of 6 tokens, all
+    for rank 0.  The per-choice dispatch sends 12 rows a rank and rank 0 returns 24 in each pass; the per-rank
+    dispatch sends 6 and returns 12, plus each choice's row index and gate value (two float64s) forward and
+    its gate gradient (one float64 here) back: the bytes of every all-to-all, as the mesh records them
+    ((ep - 1)/ep of a rank's input), exactly."""
+    # (the per-choice run whose own rows travel with the others', as the per-rank dispatch's do)
+    run = W.RUNS.index((W.OVERLAP[1], "tiled", "choice")), W.RUNS.index((W.OVERLAP[0], "tiled", "rank"))
+    base = NO_HANG.index(("one_expert", 2, False)) * len(W.RUNS)
+    row, tokens, choices = W.D * 8, 6, 12                  # an fp64 row's bytes; a rank's kept tokens, choices
+    for rank in (0, 1):
+        got_rows, got_choices = (2 * tokens, 2 * choices) if rank == 0 else (0, 0)   # rank 0 receives both's
+        sent = {"choice": 2 * 2 * 8 // 2 + 2 * (choices * row // 2) + 2 * (got_choices * row // 2),
+                "rank": 2 * 3 * 8 // 2 + 2 * (tokens * row // 2) + 2 * (got_rows * row // 2)
+                + choices * 16 // 2 + got_choices * 8 // 2}
+        for dispatch, i in zip(("choice", "rank"), run):
+            ours = no_hang[rank][base + i]
+            assert int(ours["kept"].sum()) == choices and ours["kept"][:2].tolist() == [6, 6]
+            assert ours["bytes"] == sent[dispatch], (dispatch, rank)
+        assert sent["rank"] < 0.65 * sent["choice"]
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -53,6 +53,9 @@ def _moe_cfg(**over):
                                                                         "parallel.ep = 1"]),
     (dict(parallel__tp=2, parallel__ep=1, train__micro_batch=1), 2, ["train.micro_batch=1", "parallel.tp=2"]),
     (dict(train__global_batch=6), 2, ["train.global_batch=6", "dp*ep*micro_batch"]),
+    (dict(parallel__tp=2, parallel__ep=1, parallel__expert_tensor_parallel=True, parallel__expert_dispatch="rank"), 2,
+     ["parallel.expert_dispatch = 'rank'", "expert_tensor_parallel = false"]),
+    (dict(parallel__expert_dispatch="node"), 2, ["parallel.expert_dispatch", "'choice' or 'rank'"]),
 ])
 def test_config_errors_are_one_line(over, world, words):
     data = _moe_cfg(**over)
@@ -346,6 +349,24 @@ def test_podscale_train_resumes_and_exports_experts_folded_or_split_over_tp(tmp_
         assert shapes == [(32, 128), (128,), (128, 32), (32,)], (e, shapes)
     bias = names["blocks.1.moe.router.selection_bias"]   # three sign steps of 0.01 each
     assert bias.abs().max() > 0 and torch.allclose(bias / 0.01, (bias / 0.01).round())
+
+
+def test_podscale_train_with_the_rank_dispatch_trains_as_the_choice_dispatch(tmp_path, capfd):
+    """``parallel.expert_dispatch = "rank"`` at ep = 2, top-2 with capacity: the trainer builds the MoE layers
+    with the per-rank dispatch (its description says so) and the losses are the per-choice dispatch's (the same
+    routing; a token's outputs summed in the same order)."""
+    model = "top_k = 2\nrandom_routing = false"
+    losses = {}
+    for dispatch in ("choice", "rank"):
+        cfg = tmp_path / f"{dispatch}.toml"
+        cfg.write_text(_train_toml(tmp_path, dispatch, 3, model, f"ep = 2\nexpert_dispatch = '{dispatch}'"))
+        capfd.readouterr()
+        assert main(["train", str(cfg)]) == 0
+        said = capfd.readouterr().out
+        assert ("(top-2, tokens sent once a rank)" in said) == (dispatch == "rank"), said
+        rows = (tmp_path / "runs" / dispatch / "metrics.jsonl").read_text().splitlines()
+        losses[dispatch] = [json.loads(line)["loss"] for line in rows]
+    assert len(losses["rank"]) == 3 and losses["rank"] == pytest.approx(losses["choice"], rel=1e-6)
 
 
 def _first_loss(run: Path) -> float:

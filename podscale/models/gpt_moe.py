@@ -68,7 +68,7 @@ class MoEBlock(nn.Module):
     """``x + attn(ln(x))`` then ``x + moe(ln(x))``; the MoE's extra loss and statistics are returned."""
 
     def __init__(self, cfg: GPTMoEConfig, layer: int, mesh=None, sequence_parallel: bool = False,
-                 fold_tp: bool = False, expert_tensor_parallel: bool = False):
+                 fold_tp: bool = False, expert_tensor_parallel: bool = False, expert_dispatch: str = "choice"):
         super().__init__()
         self.ln_1 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
         self.attn = CausalSelfAttention(cfg)
@@ -81,7 +81,7 @@ class MoEBlock(nn.Module):
                             kernel=kernel_named(cfg.expert_kernel, cfg.expert_recompute),
                             shared_hidden=cfg.shared_experts * cfg.hidden, fold_tp=fold_tp,
                             expert_tensor_parallel=expert_tensor_parallel, gating=cfg.gating,
-                            aux_loss_scope=cfg.aux_loss_scope)
+                            aux_loss_scope=cfg.aux_loss_scope, expert_dispatch=expert_dispatch)
 
     def forward(self, x: torch.Tensor, keys: torch.Tensor | None):
         x = x + self.attn(self.ln_1(x))
@@ -121,10 +121,11 @@ class GPTMoE(GPT):
     receive sequence shards (see :meth:`podscale.parallel.moe.MoELayer.forward`); ``fold_tp``: their experts
     are sharded over ep x tp (MoE parallel folding) instead of held by every tp rank;
     ``expert_tensor_parallel``: each expert's hidden width is split over tp instead (Megatron-core's expert
-    tensor parallelism, :class:`~podscale.parallel.moe.WidthSplit`)."""
+    tensor parallelism, :class:`~podscale.parallel.moe.WidthSplit`); ``expert_dispatch``: how their tokens are
+    exchanged under expert parallelism (``"choice"`` or ``"rank"``, :class:`~podscale.parallel.moe.MoELayer`)."""
 
     def __init__(self, cfg: GPTMoEConfig, mesh=None, sequence_parallel: bool = False, fold_tp: bool = False,
-                 expert_tensor_parallel: bool = False):
+                 expert_tensor_parallel: bool = False, expert_dispatch: str = "choice"):
         ep = mesh.sizes["ep"] if mesh is not None else 1
         tp = mesh.sizes["tp"] if mesh is not None else 1
         check_moe_args(cfg.experts, cfg.top_k, cfg.capacity_factor, cfg.eval_capacity_factor, ep,
@@ -135,7 +136,8 @@ class GPTMoE(GPT):
         super().__init__(cfg)
         for i in range(cfg.n_layer):
             if cfg.is_moe(i):
-                self.blocks[str(i)] = MoEBlock(cfg, i, mesh, sequence_parallel, fold_tp, expert_tensor_parallel)
+                self.blocks[str(i)] = MoEBlock(cfg, i, mesh, sequence_parallel, fold_tp, expert_tensor_parallel,
+                                               expert_dispatch)
         self.moe_metrics = MoEMetrics()
         moe_blocks = tuple(f"blocks.{i}." for i in range(cfg.n_layer) if cfg.is_moe(i))
         with torch.no_grad():

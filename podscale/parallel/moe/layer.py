@@ -62,6 +62,7 @@ on two counts: it would broadcast rank 0's experts over ep and average different
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn as nn
@@ -206,10 +207,13 @@ class Experts(nn.ModuleDict):
         self.bias, self.kernel, self.recompute_activation = bias, kernel, recompute_activation
         self.width = width
 
-    def _kernel(self, x: torch.Tensor) -> ExpertKernel:
+    def kernel_for_rows(self, x: torch.Tensor) -> ExpertKernel:
+        """The kernel these experts run rows like ``x`` on (:attr:`kernel`, or the one for its device and dtype)."""
         return pick_kernel(self.kernel, x, self.d_model, self.d_hidden, self.recompute_activation)
 
-    def _weights(self):
+    def kernel_weights(self) -> list[nn.Parameter]:
+        """Every local expert's parameters in an :class:`ExpertKernel`'s order: all ``w_fc``, all ``w_proj``,
+        then (with biases) all ``b_fc``, all ``b_proj``."""
         ex = list(self.values())
         out = [e.w_fc for e in ex] + [e.w_proj for e in ex]
         if self.bias:
@@ -235,7 +239,7 @@ class Experts(nn.ModuleDict):
         """Rows of ``x`` in consecutive segments, ``segments[i] = (local expert, rows)`` (a local expert may
         own several segments; zero rows allowed: an expert without rows gets a zero gradient, never a
         missing one).  Returns the experts' outputs, row for row."""
-        return _GroupedFFN.apply(x, segments, self._kernel(x), self.num_local, self.bias, *self._weights())
+        return _GroupedFFN.apply(x, segments, self.kernel_for_rows(x), self.num_local, self.bias, *self.kernel_weights())
 
     def forward_exchanged(self, flat: torch.Tensor, exchange: "_Exchange") -> torch.Tensor:
         """Expert parallelism: the rows of ``flat`` that ``exchange`` names (sorted by global expert) through
@@ -244,8 +248,8 @@ class Experts(nn.ModuleDict):
         (:data:`MIN_SEGMENT_ROWS`) or their width is split over tp, every row exchanged and run by
         :meth:`run_received`."""
         if exchange.overlap:
-            return _ExpertParallelFFN.apply(flat, exchange, self._kernel(flat), self.num_local, self.bias,
-                                            *self._weights())
+            return _ExpertParallelFFN.apply(flat, exchange, self.kernel_for_rows(flat), self.num_local, self.bias,
+                                            *self.kernel_weights())
         x = _AllToAll.apply(flat.index_select(0, exchange.token_remote), exchange.mesh, exchange.axes,
                             exchange.recv_splits, exchange.send_splits)
         y = self.run_received(x, exchange.sources)
@@ -597,6 +601,147 @@ class _ExpertParallelFFN(torch.autograd.Function):
 
 
 # ---------------------------------------------------------------------------------------------------
+# the exchange with one row per (token, rank): DeepEP's dispatch and combine
+
+
+#: how an expert-parallel MoE layer exchanges its tokens (``parallel.expert_dispatch``): ``"choice"``, one row per
+#: kept (token, expert) choice, the outputs combined on the token's rank (GShard, DeepSpeed-MoE, Megatron-core's
+#: alltoall dispatcher; :class:`ChoiceDispatch`); ``"rank"``, one row per (token, expert-parallel rank holding any
+#: of its kept choices), the choices' outputs combined on that rank (DeepEP's dispatch and combine;
+#: :class:`RankDispatch`)
+EXPERT_DISPATCHES = ("choice", "rank")
+
+
+def check_expert_dispatch(dispatch: str, width_split: bool = False) -> None:
+    """One-line ValueErrors naming the key and the fix."""
+    if dispatch not in EXPERT_DISPATCHES:
+        raise ValueError(f"parallel.expert_dispatch={dispatch!r} is not one of {', '.join(EXPERT_DISPATCHES)}")
+    if dispatch == "rank" and width_split:
+        raise ValueError("parallel.expert_dispatch = 'rank' combines a token's choices on the rank of its experts, "
+                         "which parallel.expert_tensor_parallel splits over tp: set expert_dispatch = 'choice' or "
+                         "expert_tensor_parallel = false")
+
+
+class _RankExchange:
+    """One layer's exchange with a row per (token, destination rank), fixed by the routing.
+
+    The kept choices, sorted by global expert (so by destination rank, then local expert, then priority), are
+    ``token`` and ``expert``.  A token with several choices on one rank is sent there once: the unique (rank,
+    token) pairs, sorted by rank then token, are the ``send_rows`` rows this rank sends each rank (:attr:`token`
+    lists their tokens), and each choice names its row by its index in its destination's block
+    (:attr:`pair_row`).  The count exchange (one ``all_to_all_single`` of ep x (E/ep + 1) integers, entered by
+    every rank whatever the routing) tells each rank how many choices it gets from each rank for each local
+    expert and how many rows carry them; it is started here and awaited by :meth:`wait`, so the caller can run
+    the shared expert meanwhile."""
+
+    def __init__(self, mesh, axes: tuple[str, ...], El: int, token: torch.Tensor, expert: torch.Tensor,
+                 counts: torch.Tensor, n_tokens: int):
+        self.mesh, self.axes, self.El = mesh, axes, El
+        n = mesh.size(*axes)
+        dest = torch.div(expert, El, rounding_mode="floor")
+        uniq, inverse = torch.unique(dest * n_tokens + token, sorted=True, return_inverse=True)
+        #: the token of each row sent, by destination rank then token
+        self.token = uniq.remainder(n_tokens)
+        rows = torch.bincount(torch.div(uniq, n_tokens, rounding_mode="floor"), minlength=n)
+        #: each kept choice's row in the block of rows sent to its destination rank
+        self.pair_row = inverse - (torch.cumsum(rows, 0) - rows).index_select(0, dest)
+        self._send = torch.cat((counts.view(n, El), rows.view(n, 1)), 1)
+        self._recv = torch.empty_like(self._send)
+        self._pending = comm.all_to_all(self._recv.view(-1), self._send.reshape(-1).contiguous(), mesh, axes,
+                                        async_op=True)
+
+    def wait(self) -> None:
+        """Finish the count exchange and lay out what arrives: rows and choices per source rank, the choices'
+        regrouping expert-major and their segments."""
+        self._pending.wait()
+        send, recv, El = self._send.tolist(), self._recv.tolist(), self.El
+        #: rows (unique tokens) and choices sent to / received from each rank
+        self.send_rows, self.recv_rows = [s[El] for s in send], [r[El] for r in recv]
+        self.send_pairs, self.recv_pairs = [sum(s[:El]) for s in send], [sum(r[:El]) for r in recv]
+        #: the choices this rank's experts run (every rank's for them, its own included)
+        self.rows_in = sum(self.recv_pairs)
+        dev = self.token.device
+        # where each received choice's source block of rows starts in the received rows
+        starts = torch.tensor(self.recv_rows, dtype=torch.long).cumsum(0) - torch.tensor(self.recv_rows)
+        self.source_start = torch.repeat_interleave(starts, torch.tensor(self.recv_pairs),
+                                                    output_size=self.rows_in).to(dev)
+        self.perm, self.inverse, segments = _expert_major([r[:El] for r in recv], dev)
+        self.bounds = segment_bounds(segments)
+
+
+class _RankDispatchFFN(torch.autograd.Function):
+    """This rank's tokens ``flat`` and the gate values ``w`` of its kept choices (sorted by global expert) ->
+    one output row per row :class:`_RankExchange` sends: the sum, over the token's choices on that rank, of
+    gate value x expert output, computed there (DeepEP's dispatch and combine; DeepSeek-V3 section 3.2 sends a
+    token once per node and shares it among that node's experts).  Per forward, after the count exchange,
+    three ``all_to_all_single`` s: the rows, the choices (each its row index and gate value, two float64s:
+    exact for indices below 2^53 and for fp32 gates), the combined rows back; per backward the output
+    gradients out, the gate values' gradients back, and (when the input wants one) the input gradients back,
+    each a sum over the token's choices on that rank.  Every rank enters them in this order whatever the
+    routing, empty splits included.
+
+    On the experts' rank, a choice's gradients are those of ``y_row += w e(x)``: ``d e = w g_row``,
+    ``d w = <g_row, e(x)>``, ``d x_row += d x``; the expert outputs ``e`` are kept for the gate values'
+    gradient, as the per-choice combine keeps them (:class:`ChoiceDispatch`)."""
+
+    @staticmethod
+    def forward(ctx, flat, w, ex: _RankExchange, kernel, El, bias, *params):
+        weights = cast_weights(params, flat.dtype)
+        D = weights[El].shape[1]
+        mesh, axes = ex.mesh, ex.axes
+        got = flat.new_empty(sum(ex.recv_rows), flat.shape[1])
+        rows_pending = comm.all_to_all(got, flat.index_select(0, ex.token), mesh, axes, ex.recv_rows, ex.send_rows,
+                                       async_op=True)
+        choices = torch.stack((ex.pair_row.to(torch.float64), w.detach().to(torch.float64)), 1)
+        got_choices = choices.new_empty(ex.rows_in, 2)
+        comm.all_to_all(got_choices, choices, mesh, axes, ex.recv_pairs, ex.send_pairs)
+        row = got_choices[:, 0].long() + ex.source_start           # each received choice's received row
+        gate = got_choices[:, 1]
+        if ex.perm is not None:                                    # expert-major
+            row, gate = row.index_select(0, ex.perm), gate.index_select(0, ex.perm)
+        rows_pending.wait()
+        x = got.index_select(0, row)
+        e = flat.new_empty(x.shape[0], D)
+        saved = kernel.forward(x, ex.bounds, weights, El, bias, e)
+        gate = gate.to(e.dtype)
+        combined = e.new_zeros(got.shape[0], D).index_add_(0, row, e * gate.unsqueeze(1))
+        back = flat.new_empty(ex.token.shape[0], D)
+        comm.all_to_all(back, combined, mesh, axes, ex.send_rows, ex.recv_rows)
+        ctx.ex, ctx.kernel, ctx.El, ctx.bias, ctx.consumed = ex, kernel, El, bias, False
+        ctx.n, ctx.n_got, ctx.w_dtype, ctx.n_saved = flat.shape[0], got.shape[0], w.dtype, len(saved)
+        ctx.save_for_backward(x, e, row, gate, *saved, *params)
+        return back
+
+    @staticmethod
+    def backward(ctx, grad):
+        _once(ctx)
+        ex, El, mesh, axes = ctx.ex, ctx.El, ctx.ex.mesh, ctx.ex.axes
+        x, e, row, gate, *rest = ctx.saved_tensors
+        saved, params = tuple(rest[:ctx.n_saved]), rest[ctx.n_saved:]
+        weights = cast_weights(params[:2 * El], x.dtype)
+        g_got = grad.new_empty(ctx.n_got, grad.shape[1])
+        comm.all_to_all(g_got, grad.contiguous(), mesh, axes, ex.recv_rows, ex.send_rows)
+        g = g_got.index_select(0, row)                             # each choice's row's gradient
+        d_gate = (g * e).sum(1).to(ctx.w_dtype)
+        if ex.perm is not None:                                    # back to the order the choices arrived in
+            d_gate = d_gate.index_select(0, ex.inverse)
+        g_w = d_gate.new_empty(ex.pair_row.shape[0])
+        gate_pending = comm.all_to_all(g_w, d_gate, mesh, axes, ex.send_pairs, ex.recv_pairs, async_op=True)
+        want = ctx.needs_input_grad[0]
+        acc = WeightGrads(El, ctx.bias)
+        g_x = torch.empty_like(x) if want else None
+        ctx.kernel.backward(g.mul_(gate.unsqueeze(1)), x, saved, ex.bounds, weights, El, acc, g_x)
+        g_flat = None
+        if want:
+            g_rows = g_x.new_zeros(ctx.n_got, x.shape[1]).index_add_(0, row, g_x)
+            g_back = g_x.new_empty(ex.token.shape[0], x.shape[1])
+            comm.all_to_all(g_back, g_rows, mesh, axes, ex.send_rows, ex.recv_rows)
+            g_flat = g_back.new_zeros(ctx.n, x.shape[1]).index_add_(0, ex.token, g_back)
+        gate_pending.wait()
+        return (g_flat, g_w, None, None, None, None, *acc.result(params, x))
+
+
+# ---------------------------------------------------------------------------------------------------
 # expert tensor parallelism
 
 
@@ -703,7 +848,7 @@ class WidthSplit:
         if perm is not None:
             rows = _PermuteRows.apply(rows, perm, inverse)
         ex = list(experts.values())
-        y = _GroupedFFN.apply(rows, segments, experts._kernel(rows), El, experts.bias,
+        y = _GroupedFFN.apply(rows, segments, experts.kernel_for_rows(rows), El, experts.bias,
                               *_width_part_weights(ex, experts.bias, x))
         if perm is not None:
             y = _PermuteRows.apply(y, inverse, perm)
@@ -786,6 +931,73 @@ def _segments(starts: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------------------------------
+# the dispatchers: how an expert-parallel layer's choices reach their experts and come back
+
+
+def _combine(r: Routing, token: torch.Tensor, rows: torch.Tensor, shared: torch.Tensor | None) -> torch.Tensor:
+    """The kept choices' expert outputs ``rows`` (sorted by expert, the tokens ``token``) times their gate
+    values, added onto their tokens (onto the shared expert's outputs when the layer has one)."""
+    w = r.weight.reshape(-1).index_select(0, r.order).to(rows.dtype)
+    y = rows.new_zeros(r.expert.shape[0], rows.shape[1]) if shared is None else shared
+    return y.index_add_(0, token, rows * w.unsqueeze(1))
+
+
+class ExpertDispatch(Protocol):
+    """How an expert-parallel MoE layer (ep > 1) sends its kept choices to their experts' ranks and gets their
+    outputs back (Megatron-core's token dispatchers are such a seam)."""
+
+    def __call__(self, layer: "MoELayer", inp: torch.Tensor, r: Routing) -> tuple[torch.Tensor, int]:
+        """``inp`` (N, d), this rank's tokens in the experts' dtype, routed by ``r`` -> (their combined outputs
+        (N, d), the shared expert's added when the layer has one; the rows this rank's experts ran).  Collective
+        over the layer's :attr:`~MoELayer.expert_axes`: every rank enters the same collectives in the same order
+        whatever the routing."""
+
+
+class ChoiceDispatch:
+    """One row per kept (token, expert) choice (GShard, section 3; DeepSpeed-MoE; Megatron-core's alltoall
+    dispatcher): the count exchange, the rows (a rank's own overlapped with the exchange when the segments
+    are long, :class:`_ExpertParallelFFN`, else regrouped with the rest), the outputs back, combined on the
+    token's rank.  Three all-to-alls per forward, two per backward (one when the input wants no gradient)."""
+
+    def __call__(self, layer: "MoELayer", inp: torch.Tensor, r: Routing) -> tuple[torch.Tensor, int]:
+        token = r.order // r.expert.shape[1]                   # the kept choices' tokens, sorted by expert
+        send = r.counts.view(layer.ep, layer.experts.num_local)
+        recv = torch.empty_like(send)
+        pending = comm.all_to_all(recv.view(-1), send.reshape(-1).contiguous(), layer.mesh, layer.expert_axes,
+                                  async_op=True)
+        shared = layer.shared_output(inp)                            # while the counts are in flight
+        exchange = _Exchange(layer.mesh, layer.expert_axes, send.tolist(), recv, pending, token,
+                             may_overlap=layer.experts.width is None)
+        rows = layer.experts.forward_exchanged(inp, exchange)
+        return _combine(r, token, rows, shared), exchange.rows_in
+
+
+class RankDispatch:
+    """One row per (token, expert-parallel rank that holds any of its kept choices), the choices' outputs
+    combined there (DeepEP's dispatch and combine, DeepSeek-AI 2025; :class:`_RankDispatchFFN`): a token whose
+    k choices fall on fewer than k ranks crosses the network fewer than k times each way, which is what
+    node-limited routing (DeepSeek-V3 section 2.2, :class:`~podscale.parallel.moe.gate.Gating`'s groups laid
+    over the ranks) buys.  Four all-to-alls per forward (counts, rows, choices, outputs) and three per backward
+    (two when the input wants no gradient); a rank's own rows travel as its own split (no overlap).  Not with
+    the experts' width split over tp."""
+
+    def __call__(self, layer: "MoELayer", inp: torch.Tensor, r: Routing) -> tuple[torch.Tensor, int]:
+        k, ex = r.expert.shape[1], layer.experts
+        exchange = _RankExchange(layer.mesh, layer.expert_axes, ex.num_local, r.order // k,
+                                 r.expert.reshape(-1).index_select(0, r.order), r.counts, inp.shape[0])
+        shared = layer.shared_output(inp)                            # while the counts are in flight
+        exchange.wait()
+        w = r.weight.reshape(-1).index_select(0, r.order)
+        back = _RankDispatchFFN.apply(inp, w, exchange, ex.kernel_for_rows(inp), ex.num_local, ex.bias, *ex.kernel_weights())
+        y = back.new_zeros(inp.shape[0], back.shape[1]) if shared is None else shared
+        return y.index_add_(0, exchange.token, back), exchange.rows_in
+
+
+#: the dispatchers by ``parallel.expert_dispatch``
+DISPATCHERS: dict[str, ExpertDispatch] = {"choice": ChoiceDispatch(), "rank": RankDispatch()}
+
+
+# ---------------------------------------------------------------------------------------------------
 # the layer
 
 
@@ -843,7 +1055,10 @@ class MoELayer(nn.Module, StepState):
     sum is cleared by :meth:`start_step` (the engine calls it at each step's start), a forward recomputed in the
     backward reuses its first forward's sum without adding or communicating again, and a forward without
     autograd or in eval mode (evaluation, sampling) neither reads nor adds to it: it takes its own
-    micro-batch's global counts, as ``"global"``.
+    micro-batch's global counts, as ``"global"``.  ``expert_dispatch``: under expert parallelism, ``"choice"``
+    exchanges a row per kept (token, expert) choice and combines the outputs on the token's rank
+    (:class:`ChoiceDispatch`), ``"rank"`` a row per (token, rank holding any of its choices), combined on that
+    rank (DeepEP's dispatch and combine, :class:`RankDispatch`); the same outputs either way.
     """
 
     def __init__(self, d_model: int, d_hidden: int, experts: int, top_k: int = 2, capacity_factor: float = 1.25,
@@ -852,7 +1067,8 @@ class MoELayer(nn.Module, StepState):
                  bias_update_rate: float = 1e-3, mesh=None, seed: int = 0, bias: bool = True,
                  sequence_parallel: bool = False, kernel: ExpertKernel | None = None,
                  recompute_activation: bool = False, shared_hidden: int = 0, fold_tp: bool = False,
-                 expert_tensor_parallel: bool = False, gating: Gating = Gating(), aux_loss_scope: str = "group"):
+                 expert_tensor_parallel: bool = False, gating: Gating = Gating(), aux_loss_scope: str = "group",
+                 expert_dispatch: str = "choice"):
         super().__init__()
         self.tp = mesh.sizes["tp"] if mesh is not None else 1
         #: the mesh axes the experts are sharded over and the tokens exchanged over: ``("ep",)``, or with
@@ -864,6 +1080,11 @@ class MoELayer(nn.Module, StepState):
                        mesh.sizes["ep"] if mesh is not None else 1, self.tp if folded else 1,
                        self.tp if split else 1, d_hidden)
         gating.check(experts, top_k)
+        check_expert_dispatch(expert_dispatch, split)
+        #: how the choices reach their experts under expert parallelism (``"choice"`` or ``"rank"``,
+        #: :data:`EXPERT_DISPATCHES`)
+        self.expert_dispatch = expert_dispatch
+        self.dispatch: ExpertDispatch = DISPATCHERS[expert_dispatch]
         #: how the router's logits become choices and gate values (softmax / sigmoid scores, group limit)
         self.gating = gating
         ep = mesh.size(*self.expert_axes) if mesh is not None else 1
@@ -1028,40 +1249,18 @@ class MoELayer(nn.Module, StepState):
     def _forward_local(self, x: torch.Tensor, keys: torch.Tensor | None) -> tuple[torch.Tensor, MoEOutput]:
         """The layer on this rank's tokens (the sort/index fast path; ep exchange inside)."""
         flat, r, aux, z = self._route(x, keys)
-        N, k = r.expert.shape
-        token = r.order // k                                   # the kept choices' tokens, sorted by expert
         inp = flat.to(expert_dtype(flat))                      # the router took the fp32 tokens
         if self.ep == 1:
+            token = r.order // r.expert.shape[1]               # the kept choices' tokens, sorted by expert
             # index_select (not ``flat[token]``): its backward is an index_add, not a sorting index_put
             counts = r.counts.tolist()
             rows = self.experts.run_received(inp.index_select(0, token), [counts])
-            shared = self._shared(inp)
-            out = self._output(r, aux, z, sum(counts))
+            y, rows_in = _combine(r, token, rows, self.shared_output(inp)), sum(counts)
         else:
-            send, recv, pending = self._send_counts(r.counts)
-            shared = self._shared(inp)                         # while the counts are in flight
-            exchange = _Exchange(self.mesh, self.expert_axes, send, recv, pending, token,
-                                 may_overlap=self.experts.width is None)
-            rows = self.experts.forward_exchanged(inp, exchange)
-            out = self._output(r, aux, z, exchange.rows_in)
-        w = r.weight.reshape(-1).index_select(0, r.order).to(rows.dtype)
-        y = rows.new_zeros(N, rows.shape[1]) if shared is None else shared
-        y = y.index_add_(0, token, rows * w.unsqueeze(1))
-        return y.view(x.shape), out
+            y, rows_in = self.dispatch(self, inp, r)
+        return y.view(x.shape), self._output(r, aux, z, rows_in)
 
-    def _send_counts(self, counts: torch.Tensor):
-        """Step 1 of the exchange: how many rows each rank sends each of my experts (an
-        ``all_to_all_single`` of ep x E/ep integers over :attr:`expert_axes`, ``ep`` the group's size),
-        entered by every rank whatever the routing.  Returns
-        (what I send, as lists; the tensor the counts I receive land in; the pending collective), for
-        :class:`_Exchange`."""
-        send = counts.view(self.ep, self.experts.num_local)
-        recv = torch.empty_like(send)
-        handle = comm.all_to_all(recv.view(-1), send.reshape(-1).contiguous(), self.mesh, self.expert_axes,
-                                 async_op=True)
-        return send.tolist(), recv, handle
-
-    def _shared(self, inp: torch.Tensor) -> torch.Tensor | None:
+    def shared_output(self, inp: torch.Tensor) -> torch.Tensor | None:
         """The shared expert on every token of ``inp`` (None without one), on the experts' kernel (with
         expert tensor parallelism, split over tp as they are: :meth:`WidthSplit.run_dense`)."""
         if self.shared is None:
@@ -1106,6 +1305,7 @@ class MoELayer(nn.Module, StepState):
         self.router.update_bias(load)
 
 
-__all__ = ["MoELayer", "MoEOutput", "Experts", "Expert", "WidthSplit", "WIDTH_LAYOUTS", "expert_parameters", "dense_parameters", "expert_dtype",
+__all__ = ["MoELayer", "MoEOutput", "Experts", "ExpertDispatch", "ChoiceDispatch", "RankDispatch", "EXPERT_DISPATCHES",
+           "check_expert_dispatch", "Expert", "WidthSplit", "WIDTH_LAYOUTS", "expert_parameters", "dense_parameters", "expert_dtype",
            "reduce_gradients", "grad_norm",
            "check_moe_args"]
