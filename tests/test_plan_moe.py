@@ -1,5 +1,7 @@
 """The planner's GPT-MoE under tensor parallelism as podscale runs it (podscale.parallel.moe.layer.MoELayer:
 each tp rank routes 1/tp of the samples through whole experts), checked against what a real rank holds."""
+import math
+
 import pytest
 import torch
 
@@ -641,3 +643,165 @@ def test_gpt_of_passes_the_aux_loss_scope_through_and_the_planner_refuses_an_unk
         assert gpt_of(cfg).aux_loss_scope == scope
     with pytest.raises(ModelError, match=r"^aux_loss_scope 'batch' must be one of group, global, global_step$"):
         GPT(**{**planner_model().to_dict(), "aux_loss_scope": "batch"})
+
+
+# Per-rank expert dispatch (DeepEP's dispatch/combine, DeepSeek-AI 2025, github.com/deepseek-ai/DeepEP; DeepSeek-V3,
+# Sec. 3.2.2): a token sent once to each expert-group rank among its choices, one summed row back per rank.
+
+def _ranks_per_token(e: int, n: int, k: int) -> float:
+    """E[D] under uniform routing of k distinct choices among e experts, e/n on each of n ranks, from the
+    binomials (the planner's own product form is not used)."""
+    return n * (1 - math.comb(e - e // n, k) / math.comb(e, k))
+
+
+def test_expected_ranks_per_token_hand_cases():
+    assert gpt_cost.expected_ranks_per_token(64, 1, 8) == 1.0                   # one choice, one rank
+    assert gpt_cost.expected_ranks_per_token(64, 8, 1) == 1.0                   # one rank holds them all
+    assert gpt_cost.expected_ranks_per_token(4, 2, 2) == pytest.approx(2 * (1 - 1 / 6), rel=1e-12)    # 5/3
+    assert gpt_cost.expected_ranks_per_token(4, 2, 2) == pytest.approx(5 / 3, rel=1e-12)
+    assert gpt_cost.expected_ranks_per_token(8, 8, 2) == 2.0                    # every choice taken: both ranks
+    assert gpt_cost.expected_ranks_per_token(8, 4, 8) == 4.0                    # one expert a rank, 4 distinct
+    # DeepSeek-V3's shape over 8 ranks: 256 experts, top 8 -> D ~ 5.25, ~0.66 of per-choice's bytes
+    d = gpt_cost.expected_ranks_per_token(256, 8, 8)
+    assert d == pytest.approx(_ranks_per_token(256, 8, 8), rel=1e-12) and 5.2 < d < 5.3
+    for e, k, n in ((64, 2, 8), (64, 2, 16), (32, 4, 4), (16, 3, 2)):
+        assert gpt_cost.expected_ranks_per_token(e, k, n) == pytest.approx(_ranks_per_token(e, n, k), rel=1e-12)
+
+
+def _dispatch_case(top_k: int, experts: int = 32, fold: bool = False):
+    """Both dispatches of one layout whose segments are short (no own-row overlap in either), predicted, with
+    what a test needs to price them by hand."""
+    from podscale.parallel.moe.layer import overlaps_exchange
+    system = as_system("dgx-a100-80g")
+    model = planner_model(n_layer=8, n_embd=1024, n_head=16, experts=experts, top_k=top_k, block_size=1024)
+    tp, dp, ep, b, batch = 2, 4, 2, 2, 64
+    rows = b * 1024 // tp * top_k                       # a rank's kept choices (capacity factor 1)
+    assert not overlaps_exchange(rows, experts)
+    lays = {d: Layout(tp=tp, dp=dp, ep=ep, microbatch=b, fold_tp_into_ep=fold, expert_dispatch=d)
+            for d in ("choice", "rank")}
+    preds = {d: predict(system, 16, model, lay, batch) for d, lay in lays.items()}
+    group, stride = (ep * tp, 1) if fold else (ep, tp)
+    return dict(system=system, preds=preds, rows=rows, group=group, stride=stride, m=batch // (dp * ep * b),
+                n_moe=4, h=1024, e=experts, k=top_k)
+
+
+@pytest.mark.parametrize("fold", [False, True], ids=["ep", "folded"])
+def test_per_rank_dispatch_sends_d_over_k_of_the_token_bytes_and_pays_its_extra_all_to_alls(fold):
+    """Per rank, each of the four token all-to-alls of an MoE layer and micro-batch carries D / k of the
+    per-choice bytes (D from the binomials), the count exchange n x (E/n + 1) int64, and each pass one more
+    all-to-all over the same group: 16 bytes a kept choice in the forward, 4 in the backward. Everything else
+    (GEMMs, routing, memory) is per-choice's."""
+    c = _dispatch_case(top_k=2, fold=fold)
+    system, n, stride, rows, e = c["system"], c["group"], c["stride"], c["rows"], c["e"]
+    a2a = lambda nbytes: net.all_to_all_time(system, nbytes, n, stride)     # noqa: E731
+    sent = system.device.dtype_bytes * rows * c["h"]
+    d = _ranks_per_token(e, n, 2)
+    assert 1 < d < 2
+    choice = 4 * a2a(sent) + a2a(8 * e)
+    rank = 4 * a2a(sent * d / 2) + a2a(8 * (e + n)) + a2a(16 * rows) + a2a(4 * rows)
+    p_c, p_r = (c["preds"][x].time_breakdown_s for x in ("choice", "rank"))
+    per = c["m"] * c["n_moe"]
+    assert p_c["ep_communication"] == pytest.approx(per * choice, rel=1e-9)
+    assert p_r["ep_communication"] == pytest.approx(per * rank, rel=1e-9)
+    # the token exchange the planner prices (its ep communication less the count and metadata exchanges), less
+    # the collective's latency, scales by D / k exactly
+    latency = a2a(0.0)
+    token_c = (p_c["ep_communication"] / per - a2a(8 * e)) / 4 - latency
+    token_r = (p_r["ep_communication"] / per - a2a(8 * (e + n)) - a2a(16 * rows) - a2a(4 * rows)) / 4 - latency
+    assert token_r / token_c == pytest.approx(d / 2, rel=1e-9)
+    for key in p_c.keys() - {"ep_communication", "collective", "total"}:
+        assert p_r[key] == pytest.approx(p_c[key], rel=1e-12, abs=1e-15), key
+    assert c["preds"]["rank"].memory_breakdown_bytes == c["preds"]["choice"].memory_breakdown_bytes
+
+
+def test_per_rank_dispatch_at_top_1_sends_the_same_tokens_and_pays_only_the_extra_collectives():
+    c = _dispatch_case(top_k=1)
+    system, n, stride, rows, e = c["system"], c["group"], c["stride"], c["rows"], c["e"]
+    a2a = lambda nbytes: net.all_to_all_time(system, nbytes, n, stride)     # noqa: E731
+    extra = a2a(8 * (e + n)) - a2a(8 * e) + a2a(16 * rows) + a2a(4 * rows)
+    p_c, p_r = (c["preds"][x].time_breakdown_s for x in ("choice", "rank"))
+    assert p_r["ep_communication"] - p_c["ep_communication"] == pytest.approx(c["m"] * c["n_moe"] * extra, rel=1e-9)
+    assert c["preds"]["rank"].step_time_s > c["preds"]["choice"].step_time_s
+
+
+def test_per_rank_dispatch_hides_no_exchange_under_the_own_rows():
+    """Long segments (8 experts): per choice the own rows' expert work hides part of the token exchanges; per
+    rank nothing does (a rank's own rows travel through the all-to-all as its own split)."""
+    from podscale.parallel.moe.layer import overlaps_exchange
+    system = as_system("dgx-a100-80g")
+    model = planner_model(n_layer=8, n_embd=1024, n_head=16, experts=8, block_size=1024)
+    tp, dp, ep, b, batch = 1, 8, 2, 4, 64
+    m, n_moe, rows = batch // (dp * ep * b), 4, b * 1024 * 2
+    assert overlaps_exchange(rows, 8)
+    a2a = lambda nbytes: net.all_to_all_time(system, nbytes, ep, tp)     # noqa: E731
+    d = _ranks_per_token(8, ep, 2)
+    full = 4 * a2a(system.device.dtype_bytes * rows * 1024 * d / 2) + a2a(8 * (8 + ep)) + a2a(16 * rows) + \
+        a2a(4 * rows)
+    rank = predict(system, 16, model, Layout(tp=tp, dp=dp, ep=ep, microbatch=b, expert_dispatch="rank"), batch)
+    assert rank.time_breakdown_s["ep_communication"] == pytest.approx(m * n_moe * full, rel=1e-9)
+    choice = predict(system, 16, model, Layout(tp=tp, dp=dp, ep=ep, microbatch=b), batch)
+    assert choice.time_breakdown_s["ep_communication"] < m * n_moe * 4 * a2a(system.device.dtype_bytes * rows * 1024)
+
+
+def test_the_search_picks_per_rank_dispatch_for_a_wide_top_8_model_across_slow_nodes_and_per_choice_for_a_tiny_one():
+    """One MoE block as wide as DeepSeek-V3's (d 7168, 256 experts of width 2048, top 8) on 4 nodes of 8 A100s
+    with 4 x 100 Gb/s each (Jean Zay): the fastest layout exchanges tokens per rank (D ~ 3.6 of 8 choices over
+    4 ranks); a tiny top-2 model's exchanges are latency, which the extra all-to-all only adds to. Per-rank
+    candidates exist only where they can differ (top_k > 1, an expert group > 1, no expert tensor parallelism)."""
+    from podscale.plan.search import candidate_layouts, search
+    wide = GPT(layers=1, hidden=7168, heads=56, seq=4096, vocab=32000, ffn=2048, experts=256, top_k=8)
+    best = search("jean-zay-a100", 32, wide, 64, top=1).ranked[0]
+    assert best.layout["expert_dispatch"] == "rank"
+    assert "per-rank" in Layout(**best.layout).short()
+    tiny = planner_model(experts=8)
+    assert search("dgx-a100-80g", 8, tiny, 32, top=1).ranked[0].layout["expert_dispatch"] == "choice"
+    system = as_system("dgx-a100-80g")
+    moe = list(candidate_layouts(system, 16, planner_model(experts=8), 64, microbatches=(2,)))
+    rank = [x for x in moe if x.expert_dispatch == "rank"]
+    assert rank and all(x.expert_group > 1 and not x.expert_tensor_parallel for x in rank)
+    assert {(x.tp, x.ep, x.fold_tp_into_ep) for x in rank} == {
+        (x.tp, x.ep, x.fold_tp_into_ep) for x in moe if x.expert_group > 1 and not x.expert_tensor_parallel}
+    assert not any(x.expert_dispatch == "rank" for x in candidate_layouts(system, 16, planner_model(experts=8, top_k=1),
+                                                                           64, microbatches=(2,)))
+
+
+@pytest.mark.parametrize("layout, model_kw, message", [
+    (dict(tp=1, dp=8, ep=2, expert_dispatch="token"), {}, "expert_dispatch must be one of ('choice', 'rank'), got "
+                                                          "'token': set expert_dispatch to 'choice'"),
+    (dict(tp=2, dp=4, ep=2, expert_dispatch="rank", expert_tensor_parallel=True), {},
+     "expert_dispatch 'rank' does not run with expert_tensor_parallel"),
+    (dict(tp=2, dp=8, expert_dispatch="rank"), {}, "expert_dispatch 'rank' needs an MoE model exchanging tokens over "
+                                                   "an expert group of more than one rank (experts 4, expert group 1)"),
+    (dict(tp=1, dp=16, expert_dispatch="rank"), dict(experts=1), "expert_dispatch 'rank' needs an MoE model"),
+])
+def test_expert_dispatch_refusals_are_one_line_naming_the_key_and_the_fix(layout, model_kw, message):
+    kw = {**dict(layers=4, hidden=256, heads=4, seq=64, vocab=512, experts=4, top_k=2, moe_every=2), **model_kw}
+    with pytest.raises(LayoutError) as err:
+        predict("dgx-a100-80g", 16, GPT(**kw), Layout(microbatch=4, **layout), 64)
+    assert str(err.value).startswith(message) and "\n" not in str(err.value)
+    assert "set" in str(err.value)
+    # folding makes the expert group ep x tp: per rank then runs at ep 1
+    kw = dict(layers=4, hidden=256, heads=4, seq=64, vocab=512, experts=4, top_k=2, moe_every=2)
+    predict("dgx-a100-80g", 16, GPT(**kw), Layout(tp=2, dp=8, microbatch=4, fold_tp_into_ep=True,
+                                                  expert_dispatch="rank"), 64)
+
+
+def test_expert_dispatch_round_trips_through_json_plan_predict_and_auto(capsys):
+    import json
+    from podscale.plan.auto import layout_overrides
+    from podscale.plan.cli import main
+    from podscale.plan.layout import layout_from_dict
+    lay = Layout(tp=2, dp=4, ep=2, microbatch=2, expert_dispatch="rank")
+    assert layout_from_dict(json.loads(json.dumps(lay.to_dict()))) == lay
+    assert Layout().expert_dispatch == "choice"
+    model = '{"layers": 8, "hidden": 1024, "heads": 16, "seq": 1024, "vocab": 32000, "experts": 8, "top_k": 2}'
+    assert main(["plan", "predict", "--system", "dgx-a100-80g", "--devices", "16", "--batch", "64", "--model", model,
+                 "--layout", json.dumps(lay.to_dict()), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["layout"]["expert_dispatch"] == "rank" and layout_from_dict(out["layout"]) == lay
+    assert main(["plan", "predict", "--system", "dgx-a100-80g", "--devices", "16", "--batch", "64", "--model", model,
+                 "--layout", '{"tp": 2, "pp": 1, "dp": 4, "ep": 2, "microbatch": 2, "expert_dispatch": "rank"}']) == 0
+    assert capsys.readouterr().out.splitlines()[0] == ("custom (experts 8 top2, per-rank dispatch) on 16 x dgx-a100-80g, "
+                                                       "batch 64, tp2 pp1 dp4 ep2 mb2 per-rank")
+    assert "parallel.expert_dispatch='rank'" in layout_overrides(lay)
+    assert not any("expert_dispatch" in x for x in layout_overrides(Layout(tp=2, dp=4, ep=2, microbatch=2)))

@@ -2,9 +2,9 @@
 
 Like GShard's automatic sharding and DeepSpeed's autotuning, but by prediction rather than by trial:
 every layout the planner can enumerate for the config's GPT, world size and global batch
-(:func:`podscale.plan.search.candidate_layouts`: tp x pp x dp x ep (a GPT-MoE's experts, and whether tp is
-folded into ep or splits each expert's width), ZeRO stage, optimizer offload, micro-batch, recompute, sequence
-parallelism, schedule) is
+(:func:`podscale.plan.search.candidate_layouts`: tp x pp x dp x ep (a GPT-MoE's experts, whether tp is
+folded into ep or splits each expert's width, and its expert dispatch), ZeRO stage, optimizer offload,
+micro-batch, recompute, sequence parallelism, schedule) is
 predicted on the system (the calibrated ``local`` one by
 default), the ones that do not fit are dropped, and the fastest that the trainer's own config validator
 accepts is returned as config overrides. Nothing is measured here; the choice is as good as the
@@ -67,8 +67,11 @@ def gpt_of(cfg: Config) -> GPT:
 
 def layout_overrides(lay: Layout) -> list:
     """Config overrides that make ``podscale train`` run ``lay`` (every key of the layout set, so a config's
-    own setting cannot contradict the chosen layout)."""
-    return [f"parallel.tp={lay.tp}", f"parallel.pp={lay.pp}", f"parallel.dp={lay.dp}", f"parallel.ep={lay.ep}",
+    own setting cannot contradict the chosen layout; ``parallel.expert_dispatch`` only for a per-rank
+    layout, so that a trainer without that key still accepts every per-choice one and refuses per-rank ones)."""
+    dispatch = [f"parallel.expert_dispatch='{lay.expert_dispatch}'"] if lay.expert_dispatch != "choice" else []
+    return dispatch + [
+            f"parallel.tp={lay.tp}", f"parallel.pp={lay.pp}", f"parallel.dp={lay.dp}", f"parallel.ep={lay.ep}",
             f"parallel.sequence_parallel={'true' if lay.sequence_parallel else 'false'}",
             f"parallel.fold_tp_into_ep={'true' if lay.fold_tp_into_ep else 'false'}",
             f"parallel.expert_tensor_parallel={'true' if lay.expert_tensor_parallel else 'false'}",

@@ -234,7 +234,8 @@ def _moe_summary(m, layout=None) -> str:
     the global-batch load-balancing loss, Qiu et al. 2025, ", step-global aux loss" with its counts summed over
     the step's micro-batches); with a ``layout`` that
     sets ``fold_tp_into_ep`` or ``expert_tensor_parallel`` also where its experts are (", folded: 4 a rank over
-    ep*tp = 16", ", split over tp: 8 a rank at 1/2 of their width"); "" otherwise."""
+    ep*tp = 16", ", split over tp: 8 a rank at 1/2 of their width"), and ", per-rank dispatch" with
+    ``expert_dispatch`` "rank" (a token sent once to each rank of its experts, DeepEP's dispatch); "" otherwise."""
     from .gpt_cost import local_experts
     from .models import GPT
     if not isinstance(m, GPT) or m.experts < 2:
@@ -245,6 +246,8 @@ def _moe_summary(m, layout=None) -> str:
         out += f", folded: {local_experts(m, layout)} a rank over ep*tp = {layout.expert_group}"
     if layout is not None and layout.expert_tensor_parallel:
         out += f", split over tp: {local_experts(m, layout)} a rank at 1/{layout.tp} of their width"
+    if layout is not None and layout.expert_dispatch == "rank":
+        out += ", per-rank dispatch"
     return out
 
 
@@ -282,7 +285,7 @@ def add_plan_parser(subparsers) -> None:
     _add_target_args(p)
     p.add_argument("--model", help='JSON {"layers","hidden","heads","seq","vocab"[,"ffn"]} or a preset name')
     p.add_argument("--layout", help='JSON {"tp","pp","dp","microbatch"[,"interleave","recompute",'
-                                    '"sequence_parallel","zero_stage",...]}')
+                                    '"sequence_parallel","zero_stage","expert_dispatch",...]}')
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--compact", action="store_true", help="with --json: on one line")
     p.set_defaults(plan_func=_guarded(cmd_predict))

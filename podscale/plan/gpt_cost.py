@@ -58,6 +58,17 @@ all-reduce of its aux and z loss over tp; and its token all-to-alls overlapped w
 its own rows' expert work as every overlapped collective is (``compute.overlapped_exposed``: at least the
 measured fraction a CPU's cores do not hide).
 
+With ``expert_dispatch = "rank"`` (DeepEP's dispatch and combine: DeepSeek-AI 2025, github.com/deepseek-ai/DeepEP,
+as DeepSeek-V3 trains, Sec. 3.2.2 "Efficient Implementation of Cross-Node All-to-All Communication") a token
+travels once to each expert-group rank that holds at least one of its kept choices, that rank sums its chosen
+local experts' gated outputs, and one row per (token, rank) comes back: the token exchanges carry D rows a
+token instead of top_k (``expected_ranks_per_token``), at the price of one more all-to-all in each pass (the
+forward's metadata and the backward's gate-value gradients of every kept choice: ``DISPATCH_METADATA_BYTES``,
+``GATE_GRAD_BYTES``), a larger count exchange (n x (E/n + 1) int64: 8 (E + n) bytes a rank) and no own-row
+overlap (a rank's own rows travel through the all-to-all as its own split). The experts run the same rows,
+and the weighted sum moves from the token's rank to the expert's: compute, memory and routing bytes are
+priced as ``"choice"``'s.
+
 Ranks hold the layers the trainer gives them (``stages.py``: its parameter-balanced split, or the layout's
 ``pipeline_layers``), so pipelines need not divide the layers.
 
@@ -118,6 +129,11 @@ GRAD_PASS_BYTES_ZERO = 8
 # each gradient, scaled, into the reduce-scatter's staging buffer (8).
 GRAD_ACCUMULATE_BYTES = 12
 GRAD_SCALE_BYTES = 8
+# Per-rank dispatch's extra all-to-all in each pass, bytes per kept (token, expert) choice (after DeepEP's
+# dispatch/combine, DeepSeek-AI 2025, github.com/deepseek-ai/DeepEP): the forward's metadata, the choice's row
+# index and gate value as two float64; the backward's gate-value gradient, in the fp32 router's precision.
+DISPATCH_METADATA_BYTES = 16
+GATE_GRAD_BYTES = 4
 KERNELS_PER_LAYER = 20         # forward kernels of one layer (2 norms, 4 linears + biases, attention
                                # core, GeLU, dropouts, residual adds); host overhead counts on CPUs only
 
@@ -152,6 +168,10 @@ def check_gpt_layout(system: System, devices: int, model: GPT, layout: Layout, b
                           f"{layout.microbatch} must be a multiple of {layout.tp}")
     if layout.ep > 1 and (model.experts == 1 or model.experts % layout.ep):
         raise LayoutError(f"ep={layout.ep} needs an MoE model whose experts ({model.experts}) it divides")
+    if layout.expert_dispatch == "rank" and (model.experts == 1 or layout.expert_group == 1):
+        raise LayoutError("expert_dispatch 'rank' needs an MoE model exchanging tokens over an expert group of more than "
+                          f"one rank (experts {model.experts}, expert group {layout.expert_group}): set ep > 1 (or "
+                          "fold_tp_into_ep), or expert_dispatch 'choice'")
     if layout.fold_tp_into_ep and (model.experts == 1 or model.experts % layout.expert_group):
         raise LayoutError(f"fold_tp_into_ep needs an MoE model whose experts ({model.experts}) ep*tp = {layout.ep}*"
                           f"{layout.tp} = {layout.expert_group} divides (a rank holds experts / (ep*tp)): choose ep "
@@ -175,7 +195,8 @@ def _layer_times(system: System, model: GPT, lay: Layout, moe: bool) -> dict:
     depend on (a search predicts thousands of layouts that share them)."""
     key = (system.topology, system.devices_per_node, system.device, system.intra, system.inter, system.ici,
            system.torus, system.stream, model, moe, lay.microbatch, lay.tp, lay.ep, lay.sequence_parallel,
-           lay.fold_tp_into_ep, lay.expert_tensor_parallel, lay.tp_overlap, lay.fused_attention, lay.parallel_block)
+           lay.fold_tp_into_ep, lay.expert_tensor_parallel, lay.expert_dispatch, lay.tp_overlap, lay.fused_attention,
+           lay.parallel_block)
     hit = _LAYER_CACHE.get(key)
     if hit is None:
         if len(_LAYER_CACHE) > 50_000:
@@ -196,6 +217,8 @@ def _layer_times_uncached(system: System, model: GPT, lay: Layout, moe: bool) ->
     hide = (0.0, 0.0)       # expert work each all-to-all of a forward / backward runs behind
     routing = (0.0, 0.0)    # the MoE layer's routing, dispatch and combine, forward and backward
     counts = 0.0            # its count exchange, exposed
+    metadata = (0.0, 0.0)   # per-rank dispatch's extra all-to-all of a forward / backward, exposed
+    per_rank = moe and group > 1 and lay.expert_dispatch == "rank"
     if moe:
         # podscale's MoE layer under tp: each tp rank routes 1/tp of the micro-batch's samples, exchanges
         # them over its expert group (its ep group; folded, ep x tp) and runs them through whole experts
@@ -214,18 +237,23 @@ def _layer_times_uncached(system: System, model: GPT, lay: Layout, moe: bool) ->
         shared = _mlp_gemms(dev, etp * own, model.shared_ffn / etp, h, e) if model.shared_experts else []
         gemms += shared
         # a rank receives about own x top_k rows in (source rank, local expert) segments: group x E/group = E
-        if group > 1 and etp == 1 and overlaps_exchange(own * model.top_k, model.experts):
+        if group > 1 and etp == 1 and not per_rank and overlaps_exchange(own * model.top_k, model.experts):
             # the layer runs a rank's own rows (1/group of its experts' work) in two halves while the two
             # exchanges of each pass are in flight (podscale.parallel.moe.layer._ExpertParallelFFN)
             hide = tuple(sum(x[i] for x in experts) / (2 * group) for i in (0, 1))
         route_bytes = moe_routing_bytes(own, model.experts, model.top_k, h, e)
         routing = tuple(routing_time(dev, x, sum(route_bytes)) for x in route_bytes)
         if group > 1:
-            # the counts (E integers) exchanged over the expert group before the tokens, while the shared
-            # experts run (MoELayer._forward_local)
-            counts = overlapped_exposed(dev, net.all_to_all_time(system, 8 * model.experts, group,
+            # the counts (E integers; per rank, n x (E/n + 1)) exchanged over the expert group before the
+            # tokens, while the shared experts run (MoELayer._forward_local)
+            count_bytes = 8 * (model.experts + group) if per_rank else 8 * model.experts
+            counts = overlapped_exposed(dev, net.all_to_all_time(system, count_bytes, group,
                                                                  1 if lay.fold_tp_into_ep else t),
                                         sum(x[0] for x in shared))
+        if per_rank:
+            # the kept choices' metadata out in the forward, their gate-value gradients back in the backward
+            metadata = tuple(net.all_to_all_time(system, x * own * scale, group, 1 if lay.fold_tp_into_ep else t)
+                             for x in (DISPATCH_METADATA_BYTES, GATE_GRAD_BYTES))
     else:
         gemms += _mlp_gemms(dev, tokens, f / t, h, e)           # column- then row-parallel
     dense, dense_bwd = sum(g[0] for g in gemms), sum(g[1] for g in gemms)
@@ -264,9 +292,11 @@ def _layer_times_uncached(system: System, model: GPT, lay: Layout, moe: bool) ->
     act_bytes = e * sbh                                       # one [s, b, h] activation tensor
     tp_ar = net.all_reduce_time(system, act_bytes, t, 1) if t > 1 else 0.0
     # a rank exchanges the rows of its own 1/tp of the samples over its ep group (stride tp: the ranks of
-    # its tp index), or folded over its ep x tp group (stride 1: the tp neighbours, then the ep ranks)
-    a2a = (net.all_to_all_time(system, act_bytes * scale / t, group, 1 if lay.fold_tp_into_ep else t)
-           if moe and group > 1 else 0.0)
+    # its tp index), or folded over its ep x tp group (stride 1: the tp neighbours, then the ep ranks); per
+    # rank, D rows a token instead of top_k
+    rows_per_choice = expected_ranks_per_token(model.experts, model.top_k, group) / model.top_k if per_rank else 1.0
+    a2a = (net.all_to_all_time(system, act_bytes * scale * rows_per_choice / t, group,
+                               1 if lay.fold_tp_into_ep else t) if moe and group > 1 else 0.0)
     # Weight-gradient GEMMs of the column-parallel linears (QKV, and a dense block's MLP-in), which
     # Megatron's asynchronous tensor-parallel backward runs while the input gradient's collective is in flight.
     wgrad = [weight_grad_time(dev, tokens, 3 * h / t, h, bytes_per_element=e)]
@@ -303,8 +333,31 @@ def _layer_times_uncached(system: System, model: GPT, lay: Layout, moe: bool) ->
     return {"gemm": dense, "gemm_bwd": dense_bwd, "attn": attn + ew_attn, "attn_bwd": attn_bwd, "ew": ew,
             "tp_fwd": tp_fwd, "tp_bwd": tp_bwd, "a2a": a2a, "expert_recompute": gelu_again,
             "a2a_exposed": tuple(overlapped_exposed(dev, a2a, x) for x in hide), "counts": counts,
+            "dispatch_metadata": metadata,
             "routing": routing[0], "routing_bwd": routing[1],
             "kernels": KERNELS_PER_LAYER * dev.kernel_overhead}
+
+
+def expected_ranks_per_token(experts: int, top_k: int, group: int) -> float:
+    """D: the expected number of distinct ranks among a token's ``top_k`` distinct expert choices when the
+    ``experts`` are sharded evenly over ``group`` ranks (E/n each) and routing is uniform:
+
+        E[D] = n (1 - C(E - E/n, k) / C(E, k))
+
+    (a rank is missed when all k choices fall among the other E - E/n experts; 1 at k = 1 or n = 1). Per-rank
+    dispatch (DeepEP: DeepSeek-AI 2025, github.com/deepseek-ai/DeepEP) sends a token D times where per-choice
+    dispatch sends it k times, so its token exchanges carry D / k of the bytes. DeepSeek-V3's node-limited
+    routing (Sec. 2.1.2; its all-to-all, Sec. 3.2.2) caps D by confining each token's choices to a few groups of
+    experts (D <= min(k, groups x ranks per group) when a group is a set of ranks); the planner's GPT has no
+    router groups (``models.GPT``: experts, top_k only), so this is the uniform value, an upper bound on D under
+    such routing. The product form below is C(E - E/n, k) / C(E, k) without the large binomials."""
+    if group <= 1 or top_k <= 1:
+        return 1.0
+    per_rank = experts / group
+    missed = 1.0
+    for i in range(top_k):
+        missed *= (experts - per_rank - i) / (experts - i)
+    return group * (1.0 - max(missed, 0.0))
 
 
 def width_split_rows_time(system: System, nbytes: float, tp: int) -> float:
@@ -563,8 +616,11 @@ def predict_gpt(system: System, devices: int, model: GPT, lay: Layout, batch: in
     # dispatch and combine in every forward (twice with full recompute) and backward, each less the own
     # rows' expert work it overlaps
     exposed_fwd, exposed_bwd = moe_t["a2a_exposed"]
+    # (per-rank dispatch: and its metadata all-to-all in every forward, the gate gradients' in the backward)
+    meta_fwd, meta_bwd = moe_t["dispatch_metadata"]
     ep_comm = 2 * moe_frac * (n_fwd * exposed_fwd + exposed_bwd) + moe_frac * (
-        n_fwd * moe_t["counts"] + balance_all_reduces(model, lay) * global_balance_time(system, model, lay))
+        n_fwd * moe_t["counts"] + balance_all_reduces(model, lay) * global_balance_time(system, model, lay)
+        + n_fwd * meta_fwd + meta_bwd)
     # Last stage: vocabulary projection and cross-entropy (Megatron places them there).
     logits_elems = b * s * V / t
     head_gemm = 3 * gemm_time(dev, b * s, V / t, h, bytes_per_element=dev.dtype_bytes)

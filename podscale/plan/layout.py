@@ -3,17 +3,26 @@
 Mesh axes ``pp, dp, ep, tp`` (outermost to innermost), so devices = pp * dp * ep * tp. Expert
 parallelism splits the batch like data parallelism for the dense layers (they are replicated over
 dp * ep) and shards the experts over ep (with ``fold_tp_into_ep``, over ep x tp: :attr:`Layout.expert_group`;
-with ``expert_tensor_parallel``, over ep and each expert's hidden width over tp).
+with ``expert_tensor_parallel``, over ep and each expert's hidden width over tp). ``expert_dispatch`` says
+how an MoE layer's tokens travel to the expert group's ranks and back (:data:`EXPERT_DISPATCHES`).
 ``microbatch`` is the micro-batch size per pipeline micro-step, and the global batch = dp * ep * microbatch
 * num_microbatches.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from typing import Literal
 
 RECOMPUTE = ("none", "selective", "full")
 OFFLOAD = ("none", "cpu", "nvme")
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
+#: How an MoE layer exchanges its tokens over the expert group (the trainer's ``parallel.expert_dispatch``):
+#: ``"choice"`` sends one row per kept (token, expert) choice and combines the outputs on the token's rank
+#: (GShard's dispatch, podscale's default); ``"rank"`` sends a token once to each rank that holds one of its
+#: chosen experts, which sums its local experts' gated outputs and sends one row back (DeepEP's
+#: dispatch/combine: DeepSeek-AI 2025, github.com/deepseek-ai/DeepEP; DeepSeek-V3, Secs. 2.1.2, 3.2.2). Priced in
+#: gpt_cost (``expected_ranks_per_token``).
+EXPERT_DISPATCHES: tuple[str, ...] = ("choice", "rank")
 
 
 class LayoutError(ValueError):
@@ -38,6 +47,8 @@ class Layout:
                                   # = tp): each tp rank holds 1/tp of the hidden width of its ep rank's experts
                                   # and runs all the tp ranks' exchanged rows through it (all-gathered over tp,
                                   # partial outputs reduce-scattered back); exclusive with fold_tp_into_ep
+    expert_dispatch: Literal["choice", "rank"] = "choice"  # EXPERT_DISPATCHES: one row per kept choice ("choice"), or one per (token,
+                                  # expert-group rank), summed there (DeepEP's "rank"); not with expert_tensor_parallel
     zero_stage: int = 0
     offload_optimizer: str = "none"
     offload_param: str = "none"
@@ -87,6 +98,12 @@ class Layout:
         if self.fold_tp_into_ep and self.tp == 1:
             raise LayoutError("fold_tp_into_ep needs tp > 1 (it shards the experts over the tp ranks too; at tp = 1 "
                               "there is nothing to fold): set tp > 1 or fold_tp_into_ep false")
+        if self.expert_dispatch not in EXPERT_DISPATCHES:
+            raise LayoutError(f"expert_dispatch must be one of {EXPERT_DISPATCHES}, got {self.expert_dispatch!r}: "
+                              "set expert_dispatch to 'choice' (one row per kept choice) or 'rank' (one per rank)")
+        if self.expert_dispatch == "rank" and self.expert_tensor_parallel:
+            raise LayoutError("expert_dispatch 'rank' does not run with expert_tensor_parallel (the trainer refuses "
+                              "it too): set expert_dispatch 'choice' or expert_tensor_parallel false")
 
     @property
     def devices(self) -> int:
@@ -146,6 +163,8 @@ class Layout:
             s += " fold"
         if self.expert_tensor_parallel:
             s += " etp"
+        if self.expert_dispatch == "rank":
+            s += " per-rank"
         if self.fused_attention:
             s += " flash"
         if self.parallel_block:

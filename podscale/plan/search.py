@@ -1,5 +1,6 @@
 """Layout search: enumerate tp x pp x dp x ep x ZeRO stage x micro-batch x recompute x schedule x
-interleave (x sequence parallelism x MoE parallel folding or expert tensor parallelism x optimizer offload),
+interleave (x sequence parallelism x MoE parallel folding or expert tensor parallelism x expert dispatch x
+optimizer offload),
 drop layouts that do not fit in device memory, rank the rest by predicted throughput (tokens/s; samples/s for DLRM).
 
 Tensor parallelism is limited to one node's fast domain on switched systems (tp <= devices per node),
@@ -9,6 +10,7 @@ trainer's uneven split, ``stages.py``). Each layout costs one pure-Python ``pred
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 
@@ -69,10 +71,13 @@ def candidate_layouts(system: System, devices: int, model, batch: int, microbatc
                                 # Weight streaming keeps weights and optimizer in MemoryX: no ZeRO.
                                 for zero in ((0,) if ws else (0, 1, 2, 3)):
                                     for off in offloads if zero else ("none",):
-                                        yield Layout(tp=tp, pp=pp, dp=dp, ep=ep, microbatch=mb, interleave=v,
+                                        lay = Layout(tp=tp, pp=pp, dp=dp, ep=ep, microbatch=mb, interleave=v,
                                                      schedule=sched, recompute=rc, sequence_parallel=sp,
                                                      fold_tp_into_ep=fold, expert_tensor_parallel=etp,
                                                      zero_stage=zero, offload_optimizer=off)
+                                        yield lay
+                                        if _tries_per_rank_dispatch(model, lay):
+                                            yield dataclasses.replace(lay, expert_dispatch="rank")
 
 
 def _tp_options(model, tp: int, ep: int) -> list[tuple[bool, bool, bool]]:
@@ -92,6 +97,16 @@ def _tp_options(model, tp: int, ep: int) -> list[tuple[bool, bool, bool]]:
         if model.ffn % tp == 0:
             experts.append((False, True))
     return [(sp, fold, etp) for sp in (False, True) for fold, etp in experts]
+
+
+def _tries_per_rank_dispatch(model, lay: Layout) -> bool:
+    """Whether to try ``lay`` with per-rank expert dispatch as well as per choice (DeepEP's dispatch/combine,
+    DeepSeek-AI 2025, github.com/deepseek-ai/DeepEP; DeepSeek-V3, Sec. 3.2.2): where the two can differ, for an
+    MoE model with top_k > 1 exchanging tokens over an expert group > 1, and not with expert tensor parallelism
+    (which the trainer does not run per rank). Per rank sends a token once to each rank of its choices, fewer
+    bytes than one row per choice, for one more all-to-all a pass: the cost model weighs it
+    (gpt_cost.expected_ranks_per_token)."""
+    return model.experts > 1 and model.top_k > 1 and lay.expert_group > 1 and not lay.expert_tensor_parallel
 
 
 def search(system: System | str, devices: int, model, batch: int, top: int = 10,
