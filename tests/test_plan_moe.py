@@ -518,6 +518,13 @@ def test_the_search_tries_expert_tensor_parallelism_and_auto_passes_it_on():
     with pytest.raises(ConfigError, match="parallel.expert_tensor_parallel splits a mixture-of-experts model's"):
         dense = Layout(tp=2, dp=8, microbatch=2, expert_tensor_parallel=True)
         load_config("examples/gpt-small.toml", ["parallel.nproc=16"] + layout_overrides(dense)).check_layout(16)
+    # a per-rank layout's dispatch reaches the trainer too, and a per-choice one's overrides a config's "rank"
+    rank = Layout(tp=1, dp=8, ep=2, microbatch=2, expert_dispatch="rank")
+    cfg = load_config("examples/gpt-moe.toml", ["parallel.nproc=16", "train.global_batch=64"] + layout_overrides(rank))
+    assert cfg.parallel.expert_dispatch == "rank"
+    cfg.check_layout(16)
+    back = ["parallel.expert_dispatch='rank'"] + layout_overrides(Layout(tp=1, dp=8, ep=2, microbatch=2))
+    assert load_config("examples/gpt-moe.toml", back).parallel.expert_dispatch == "choice"
 
 
 # What an MoE layer costs beyond its GEMMs and token exchanges: its routing, dispatch and combine, its count
@@ -804,4 +811,4 @@ def test_expert_dispatch_round_trips_through_json_plan_predict_and_auto(capsys):
     assert capsys.readouterr().out.splitlines()[0] == ("custom (experts 8 top2, per-rank dispatch) on 16 x dgx-a100-80g, "
                                                        "batch 64, tp2 pp1 dp4 ep2 mb2 per-rank")
     assert "parallel.expert_dispatch='rank'" in layout_overrides(lay)
-    assert not any("expert_dispatch" in x for x in layout_overrides(Layout(tp=2, dp=4, ep=2, microbatch=2)))
+    assert "parallel.expert_dispatch='choice'" in layout_overrides(Layout(tp=2, dp=4, ep=2, microbatch=2))

@@ -67,10 +67,8 @@ def gpt_of(cfg: Config) -> GPT:
 
 def layout_overrides(lay: Layout) -> list:
     """Config overrides that make ``podscale train`` run ``lay`` (every key of the layout set, so a config's
-    own setting cannot contradict the chosen layout; ``parallel.expert_dispatch`` only for a per-rank
-    layout, so that a trainer without that key still accepts every per-choice one and refuses per-rank ones)."""
-    dispatch = [f"parallel.expert_dispatch='{lay.expert_dispatch}'"] if lay.expert_dispatch != "choice" else []
-    return dispatch + [
+    own setting cannot contradict the chosen layout)."""
+    return [f"parallel.expert_dispatch='{lay.expert_dispatch}'",
             f"parallel.tp={lay.tp}", f"parallel.pp={lay.pp}", f"parallel.dp={lay.dp}", f"parallel.ep={lay.ep}",
             f"parallel.sequence_parallel={'true' if lay.sequence_parallel else 'false'}",
             f"parallel.fold_tp_into_ep={'true' if lay.fold_tp_into_ep else 'false'}",

@@ -13,16 +13,13 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Literal
 
+# how an MoE layer exchanges its tokens over the expert group, the trainer's ``parallel.expert_dispatch`` (priced
+# in gpt_cost: ``expected_ranks_per_token``)
+from podscale.parallel.moe.layer import EXPERT_DISPATCHES
+
 RECOMPUTE = ("none", "selective", "full")
 OFFLOAD = ("none", "cpu", "nvme")
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
-#: How an MoE layer exchanges its tokens over the expert group (the trainer's ``parallel.expert_dispatch``):
-#: ``"choice"`` sends one row per kept (token, expert) choice and combines the outputs on the token's rank
-#: (GShard's dispatch, podscale's default); ``"rank"`` sends a token once to each rank that holds one of its
-#: chosen experts, which sums its local experts' gated outputs and sends one row back (DeepEP's
-#: dispatch/combine: DeepSeek-AI 2025, github.com/deepseek-ai/DeepEP; DeepSeek-V3, Secs. 2.1.2, 3.2.2). Priced in
-#: gpt_cost (``expected_ranks_per_token``).
-EXPERT_DISPATCHES: tuple[str, ...] = ("choice", "rank")
 
 
 class LayoutError(ValueError):

@@ -17,7 +17,7 @@ References (equation numbers are the papers'):
   moved after each step by ``gamma`` towards balance: ``b_e -= gamma`` for an overloaded expert, ``+= gamma``
   for an underloaded one.  Section 2.1.2 also gives its gating (eq. 15-16): sigmoid affinities
   ``s = sigmoid(u^T e)`` instead of a softmax, the gate values the chosen affinities normalised over the k
-  choices and scaled (the routed scaling factor), and node-limited routing (section 2.2): the experts in M
+  choices and scaled (the routed scaling factor), and node-limited routing (also section 2.1.2): the experts in M
   groups, a token choosing only among the experts of its best few groups, a group ranked by the sum of its
   highest affinities (Megatron-core's ``moe_router_score_function = "sigmoid"``,
   ``moe_router_num_groups``, ``moe_router_group_topk``, ``moe_router_topk_scaling_factor``): see
@@ -109,7 +109,7 @@ class Gating:
       not depend on the others').  With k > 1 the gate values are the chosen scores normalised over the k
       choices either way (GShard's rule; DeepSeek-V3 eq. 13); with k = 1 the chosen score itself (Switch
       eq. 2: normalising one choice would leave the router without a gradient from the loss).
-    * ``groups``, ``group_top_k``: node-limited routing (DeepSeek-V3 section 2.2; Megatron-core's
+    * ``groups``, ``group_top_k``: node-limited routing (DeepSeek-V3 section 2.1.2; Megatron-core's
       group-limited routing): the E experts in ``groups`` consecutive groups of E/groups (experts
       ``[g E/groups, (g+1) E/groups)``; laid over the ep ranks, a group is a rank or a node), each
       token's groups ranked by the sum of their ``max(1, k // group_top_k)`` highest selection scores, and

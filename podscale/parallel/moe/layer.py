@@ -672,7 +672,7 @@ class _RankExchange:
 class _RankDispatchFFN(torch.autograd.Function):
     """This rank's tokens ``flat`` and the gate values ``w`` of its kept choices (sorted by global expert) ->
     one output row per row :class:`_RankExchange` sends: the sum, over the token's choices on that rank, of
-    gate value x expert output, computed there (DeepEP's dispatch and combine; DeepSeek-V3 section 3.2 sends a
+    gate value x expert output, computed there (DeepEP's dispatch and combine; DeepSeek-V3 section 3.2.2 sends a
     token once per node and shares it among that node's experts).  Per forward, after the count exchange,
     three ``all_to_all_single`` s: the rows, the choices (each its row index and gate value, two float64s:
     exact for indices below 2^53 and for fp32 gates), the combined rows back; per backward the output
@@ -976,7 +976,7 @@ class RankDispatch:
     """One row per (token, expert-parallel rank that holds any of its kept choices), the choices' outputs
     combined there (DeepEP's dispatch and combine, DeepSeek-AI 2025; :class:`_RankDispatchFFN`): a token whose
     k choices fall on fewer than k ranks crosses the network fewer than k times each way, which is what
-    node-limited routing (DeepSeek-V3 section 2.2, :class:`~podscale.parallel.moe.gate.Gating`'s groups laid
+    node-limited routing (DeepSeek-V3 section 2.1.2, :class:`~podscale.parallel.moe.gate.Gating`'s groups laid
     over the ranks) buys.  Four all-to-alls per forward (counts, rows, choices, outputs) and three per backward
     (two when the input wants no gradient); a rank's own rows travel as its own split (no overlap).  Not with
     the experts' width split over tp."""
