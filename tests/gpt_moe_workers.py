@@ -73,11 +73,12 @@ def config(mode: str, dp: int, ep: int, stage: int = 0, steps: int = 20, pp: int
            micro_batch: int | None = None, schedule: str = "1f1b", optimizer: str = "adamw",
            sequence_parallel: bool = False, virtual_stages: int = 1, n_layer: int = 2, compile: str | None = None,
            fold: bool = False, etp: bool = False, model: dict | None = None, lr: float = 3e-3,
-           recompute: str = "none"):
+           recompute: str = "none", dispatch: str = "choice"):
     """The test model on a (pp, dp, ep, tp) layout; ``micro_batch`` default: one micro-batch per step;
     ``compile``: a torch.compile backend for ``train.compile`` (None: eager); ``fold``:
     ``parallel.fold_tp_into_ep``; ``etp``: ``parallel.expert_tensor_parallel``; ``model``: more keys of the
-    model section; ``lr``: the peak learning rate; ``recompute``: ``parallel.recompute``."""
+    model section; ``lr``: the peak learning rate; ``recompute``: ``parallel.recompute``; ``dispatch``:
+    ``parallel.expert_dispatch``."""
     return parse_config({
         "run": {"name": "moe", "steps": steps, "seed": 7},
         "model": {"kind": "gpt-moe", "n_layer": n_layer, "n_head": 2, "n_embd": 32, "block_size": 32, "experts": 8,
@@ -86,7 +87,8 @@ def config(mode: str, dp: int, ep: int, stage: int = 0, steps: int = 20, pp: int
         "data": {"path": DATA},
         "parallel": {"nproc": pp * dp * ep * tp, "dp": dp, "ep": ep, "pp": pp, "tp": tp, "schedule": schedule,
                      "sequence_parallel": sequence_parallel, "virtual_stages": virtual_stages,
-                     "fold_tp_into_ep": fold, "expert_tensor_parallel": etp, "recompute": recompute},
+                     "fold_tp_into_ep": fold, "expert_tensor_parallel": etp, "recompute": recompute,
+                     "expert_dispatch": dispatch},
         # (decay_steps fixed: a run resumed with fewer steps keeps the same learning-rate schedule)
         "train": {"global_batch": 8, "micro_batch": micro_batch or 8 // (dp * ep), "lr": lr, "warmup_steps": 2,
                   "decay_steps": 20, "grad_clip": 1.0, "compile": compile is not None,
@@ -105,7 +107,7 @@ def run_job(job: dict, mesh: Mesh) -> dict:
                  job.get("tp", 1), job.get("micro_batch"), job.get("schedule", "1f1b"), job.get("optimizer", "adamw"),
                  job.get("sp", False), job.get("virtual_stages", 1), job.get("n_layer", 2), job.get("compile"),
                  job.get("fold", False), job.get("etp", False), job.get("model"), job.get("lr", 3e-3),
-                 job.get("recompute", "none"))
+                 job.get("recompute", "none"), job.get("dispatch", "choice"))
     task = GPTMoETask64(cfg)
     graphs = counters["stats"]["unique_graphs"]
     torch.manual_seed(cfg.run.seed)

@@ -829,8 +829,8 @@ def test_the_rank_dispatch_sends_a_token_once_to_the_rank_of_both_its_choices(no
     dispatch sends 6 and returns 12, plus each choice's row index and gate value (two float64s) forward and
     its gate gradient (one float64 here) back: the bytes of every all-to-all, as the mesh records them
     ((ep - 1)/ep of a rank's input), exactly."""
-    # (the per-choice run whose own rows travel with the others', as the per-rank dispatch's do)
-    run = W.RUNS.index((W.OVERLAP[1], "tiled", "choice")), W.RUNS.index((W.OVERLAP[0], "tiled", "rank"))
+    # (the runs whose own rows travel with the others')
+    run = W.RUNS.index((W.OVERLAP[1], "tiled", "choice")), W.RUNS.index((W.OVERLAP[1], "tiled", "rank"))
     base = NO_HANG.index(("one_expert", 2, False)) * len(W.RUNS)
     row, tokens, choices = W.D * 8, 6, 12                  # an fp64 row's bytes; a rank's kept tokens, choices
     for rank in (0, 1):

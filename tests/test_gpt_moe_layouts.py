@@ -142,8 +142,19 @@ def step_jobs() -> list[dict]:
             dict(mode="global_step", dp=2, ep=2, steps=STEPS, micro_batch=1, recompute="full")]
 
 
+def dispatch_jobs() -> list[dict]:
+    """The per-rank dispatch (``parallel.expert_dispatch = "rank"``: a token sent once to each rank holding any of
+    its choices, combined there; indices from 34): tp = 2 x ep = 2 folded with sequence parallelism under ZeRO-3
+    (34: the exchange over the ep x tp group of 4), pp = 2 x ep = 2 under GPipe with every block recomputed in
+    the backward (35: each recomputed forward enters the dispatch's four all-to-alls again)."""
+    return [dict(mode="top2", tp=2, dp=1, ep=2, sp=True, fold=True, stage=3, steps=STEPS, micro_batch=4,
+                 dispatch="rank"),
+            dict(mode="top2", pp=2, dp=1, ep=2, steps=STEPS, micro_batch=2, schedule="gpipe", recompute="full",
+                 dispatch="rank")]
+
+
 def _all_jobs(root) -> list[dict]:
-    return JOBS + fold_jobs(root) + etp_jobs(root) + global_jobs() + step_jobs()
+    return JOBS + fold_jobs(root) + etp_jobs(root) + global_jobs() + step_jobs() + dispatch_jobs()
 
 
 def _cfg(**parallel):
@@ -274,7 +285,9 @@ def resumed(runs, root):
                                      (30, "pp=2 ep=2 1f1b top2 step-global aux loss, 2 micro-batches"),
                                      (31, "dp=2 tp=2 top2 step-global aux loss, 2 micro-batches"),
                                      (32, "pp=2 ep=2 gpipe recompute top2 step-global aux loss"),
-                                     (33, "dp=2 ep=2 recompute top2 step-global aux loss")])
+                                     (33, "dp=2 ep=2 recompute top2 step-global aux loss"),
+                                     (34, "tp=2 sp ep=2 folded top2 ZeRO-3, per-rank dispatch"),
+                                     (35, "pp=2 ep=2 gpipe recompute top2, per-rank dispatch")])
 def test_moe_layout_matches_one_process(runs, single, i, label, tmp_path):
     job = _all_jobs(tmp_path)[i]
     ref = single["collapsed" if job.get("collapse") else (job["mode"], job.get("n_layer", 2))]

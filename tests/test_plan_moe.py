@@ -731,9 +731,10 @@ def test_per_rank_dispatch_at_top_1_sends_the_same_tokens_and_pays_only_the_extr
     assert c["preds"]["rank"].step_time_s > c["preds"]["choice"].step_time_s
 
 
-def test_per_rank_dispatch_hides_no_exchange_under_the_own_rows():
-    """Long segments (8 experts): per choice the own rows' expert work hides part of the token exchanges; per
-    rank nothing does (a rank's own rows travel through the all-to-all as its own split)."""
+def test_both_dispatches_hide_the_token_exchanges_under_the_own_rows():
+    """Long segments (8 experts): under either dispatch a rank's own rows (per rank: its own choices) run while
+    the token exchanges are in flight, so part of those is hidden; the per-rank dispatch's count exchange and
+    its metadata and gate-gradient all-to-alls stay exposed."""
     from podscale.parallel.moe.layer import overlaps_exchange
     system = as_system("dgx-a100-80g")
     model = planner_model(n_layer=8, n_embd=1024, n_head=16, experts=8, block_size=1024)
@@ -742,10 +743,10 @@ def test_per_rank_dispatch_hides_no_exchange_under_the_own_rows():
     assert overlaps_exchange(rows, 8)
     a2a = lambda nbytes: net.all_to_all_time(system, nbytes, ep, tp)     # noqa: E731
     d = _ranks_per_token(8, ep, 2)
-    full = 4 * a2a(system.device.dtype_bytes * rows * 1024 * d / 2) + a2a(8 * (8 + ep)) + a2a(16 * rows) + \
-        a2a(4 * rows)
+    exposed = a2a(8 * (8 + ep)) + a2a(16 * rows) + a2a(4 * rows)
+    full = 4 * a2a(system.device.dtype_bytes * rows * 1024 * d / 2) + exposed
     rank = predict(system, 16, model, Layout(tp=tp, dp=dp, ep=ep, microbatch=b, expert_dispatch="rank"), batch)
-    assert rank.time_breakdown_s["ep_communication"] == pytest.approx(m * n_moe * full, rel=1e-9)
+    assert m * n_moe * exposed <= rank.time_breakdown_s["ep_communication"] < m * n_moe * full
     choice = predict(system, 16, model, Layout(tp=tp, dp=dp, ep=ep, microbatch=b), batch)
     assert choice.time_breakdown_s["ep_communication"] < m * n_moe * 4 * a2a(system.device.dtype_bytes * rows * 1024)
 

@@ -64,8 +64,9 @@ travels once to each expert-group rank that holds at least one of its kept choic
 local experts' gated outputs, and one row per (token, rank) comes back: the token exchanges carry D rows a
 token instead of top_k (``expected_ranks_per_token``), at the price of one more all-to-all in each pass (the
 forward's metadata and the backward's gate-value gradients of every kept choice: ``DISPATCH_METADATA_BYTES``,
-``GATE_GRAD_BYTES``), a larger count exchange (n x (E/n + 1) int64: 8 (E + n) bytes a rank) and no own-row
-overlap (a rank's own rows travel through the all-to-all as its own split). The experts run the same rows,
+``GATE_GRAD_BYTES``) and a larger count exchange (n x (E/n + 1) int64: 8 (E + n) bytes a rank); a rank's own
+choices run while the token exchanges are in flight under the same rule as ``"choice"``'s own rows (the
+metadata all-to-alls are priced exposed). The experts run the same rows,
 and the weighted sum moves from the token's rank to the expert's: compute, memory and routing bytes are
 priced as ``"choice"``'s.
 
@@ -237,7 +238,7 @@ def _layer_times_uncached(system: System, model: GPT, lay: Layout, moe: bool) ->
         shared = _mlp_gemms(dev, etp * own, model.shared_ffn / etp, h, e) if model.shared_experts else []
         gemms += shared
         # a rank receives about own x top_k rows in (source rank, local expert) segments: group x E/group = E
-        if group > 1 and etp == 1 and not per_rank and overlaps_exchange(own * model.top_k, model.experts):
+        if group > 1 and etp == 1 and overlaps_exchange(own * model.top_k, model.experts):
             # the layer runs a rank's own rows (1/group of its experts' work) in two halves while the two
             # exchanges of each pass are in flight (podscale.parallel.moe.layer._ExpertParallelFFN)
             hide = tuple(sum(x[i] for x in experts) / (2 * group) for i in (0, 1))

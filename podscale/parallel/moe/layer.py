@@ -429,9 +429,29 @@ class _Exchange:
         self.remote = segment_bounds(segments)
 
     def others(self, t: torch.Tensor) -> torch.Tensor:
+        """The rows of ``t`` (all ``total`` rows in sorted order) that go to other ranks (:meth:`_OwnBlock.others`)."""
+        return _OwnBlock(self.first, self.local, self.total).others(t)
+
+    def place(self, rows: torch.Tensor, arrive):
+        """Receive the rows that come back from other ranks into ``rows`` (:meth:`_OwnBlock.place`)."""
+        return _OwnBlock(self.first, self.local, self.total).place(rows, arrive)
+
+
+@dataclass(frozen=True)
+class _OwnBlock:
+    """Rows ``[first, first + local)`` of ``total`` rows sorted by destination rank: the block a rank keeps out
+    of an exchange (its own rows, run while the exchange is in flight); ``local = 0``: every row travels."""
+
+    first: int
+    local: int
+    total: int
+
+    def others(self, t: torch.Tensor) -> torch.Tensor:
         """The rows of ``t`` (all ``total`` rows in sorted order) that go to other ranks, contiguous (a view
-        when the own rows come first or last, as always with ep = 2)."""
+        when the own rows come first or last, as always with ep = 2, or when there are none)."""
         end = self.first + self.local
+        if not self.local:
+            return t
         if self.first and end < self.total:
             return torch.cat((t[:self.first], t[end:]))
         return t[:self.first] if self.first else t[end:]
@@ -442,8 +462,8 @@ class _Exchange:
         ``finish()`` that waits and moves the rows into place (a view of ``rows`` when the own rows come
         first or last, as always with ep = 2, so nothing is copied)."""
         end = self.first + self.local
-        if not self.first or end == self.total:
-            handle = arrive(rows[end:] if not self.first else rows[:self.first])
+        if not self.local or not self.first or end == self.total:
+            handle = arrive(rows if not self.local else rows[end:] if not self.first else rows[:self.first])
             return handle.wait
         buf = rows.new_empty((self.total - self.local,) + tuple(rows.shape[1:]))
         handle = arrive(buf)
@@ -627,17 +647,20 @@ class _RankExchange:
 
     The kept choices, sorted by global expert (so by destination rank, then local expert, then priority), are
     ``token`` and ``expert``.  A token with several choices on one rank is sent there once: the unique (rank,
-    token) pairs, sorted by rank then token, are the ``send_rows`` rows this rank sends each rank (:attr:`token`
-    lists their tokens), and each choice names its row by its index in its destination's block
-    (:attr:`pair_row`).  The count exchange (one ``all_to_all_single`` of ep x (E/ep + 1) integers, entered by
-    every rank whatever the routing) tells each rank how many choices it gets from each rank for each local
-    expert and how many rows carry them; it is started here and awaited by :meth:`wait`, so the caller can run
-    the shared expert meanwhile."""
+    token) pairs, sorted by rank then token, are the rows this rank sends each rank (:attr:`token` lists their
+    tokens), and each choice names its row by its index in its destination's block (:attr:`pair_row`).  The
+    count exchange (one ``all_to_all_single`` of ep x (E/ep + 1) integers, entered by every rank whatever the
+    routing) tells each rank how many choices it gets from each rank for each local expert and how many rows
+    carry them; it is started here and awaited by :meth:`wait`, so the caller can run the shared expert
+    meanwhile.  As with one row per choice (:class:`_Exchange`, :data:`MIN_SEGMENT_ROWS`), when the segments
+    are long a rank's own rows and choices stay out of the exchanges (its own splits are 0) and run in two
+    halves while they are in flight; otherwise they travel as its own split."""
 
     def __init__(self, mesh, axes: tuple[str, ...], El: int, token: torch.Tensor, expert: torch.Tensor,
                  counts: torch.Tensor, n_tokens: int):
         self.mesh, self.axes, self.El = mesh, axes, El
         n = mesh.size(*axes)
+        self.choice_token = token
         dest = torch.div(expert, El, rounding_mode="floor")
         uniq, inverse = torch.unique(dest * n_tokens + token, sorted=True, return_inverse=True)
         #: the token of each row sent, by destination rank then token
@@ -651,34 +674,51 @@ class _RankExchange:
                                         async_op=True)
 
     def wait(self) -> None:
-        """Finish the count exchange and lay out what arrives: rows and choices per source rank, the choices'
-        regrouping expert-major and their segments."""
+        """Finish the count exchange and lay out what arrives: rows and choices per source rank, the own rows'
+        and choices' blocks and halves, the received choices' regrouping expert-major and their segments."""
         self._pending.wait()
         send, recv, El = self._send.tolist(), self._recv.tolist(), self.El
-        #: rows (unique tokens) and choices sent to / received from each rank
-        self.send_rows, self.recv_rows = [s[El] for s in send], [r[El] for r in recv]
-        self.send_pairs, self.recv_pairs = [sum(s[:El]) for s in send], [sum(r[:El]) for r in recv]
+        me = self.mesh.local_rank(*self.axes)
+        send_rows, recv_rows = [s[El] for s in send], [r[El] for r in recv]
+        send_pairs, recv_pairs = [sum(s[:El]) for s in send], [sum(r[:El]) for r in recv]
         #: the choices this rank's experts run (every rank's for them, its own included)
-        self.rows_in = sum(self.recv_pairs)
+        self.rows_in = sum(recv_pairs)
+        self.overlap = overlap = overlaps_exchange(self.rows_in, len(send) * El)
+        #: the own rows among the rows sent (and their outputs back), the own choices among the choices
+        self.rows_block = _OwnBlock(sum(send_rows[:me]), send_rows[me] if overlap else 0, sum(send_rows))
+        self.choices_block = _OwnBlock(sum(send_pairs[:me]), send_pairs[me] if overlap else 0, sum(send_pairs))
+        for split in (send_rows, recv_rows, send_pairs, recv_pairs):
+            split[me] = 0 if overlap else split[me]
+        #: rows (unique tokens) and choices sent to / received from each rank
+        self.send_rows, self.recv_rows, self.send_pairs, self.recv_pairs = send_rows, recv_rows, send_pairs, recv_pairs
+        c = self.choices_block
+        #: the own choices' tokens, rows in the own block, and their two halves' segments
+        self.own_token = self.choice_token[c.first:c.first + c.local]
+        self.own_row = self.pair_row[c.first:c.first + c.local]
+        self.half = c.local // 2
+        self.part_a, self.part_b = (_split_bounds(segment_bounds(enumerate(send[me][:El])), self.half) if overlap
+                                    else ([], []))
         dev = self.token.device
         # where each received choice's source block of rows starts in the received rows
-        starts = torch.tensor(self.recv_rows, dtype=torch.long).cumsum(0) - torch.tensor(self.recv_rows)
-        self.source_start = torch.repeat_interleave(starts, torch.tensor(self.recv_pairs),
-                                                    output_size=self.rows_in).to(dev)
-        self.perm, self.inverse, segments = _expert_major([r[:El] for r in recv], dev)
+        starts = torch.tensor(recv_rows, dtype=torch.long).cumsum(0) - torch.tensor(recv_rows)
+        self.source_start = torch.repeat_interleave(starts, torch.tensor(recv_pairs), output_size=sum(recv_pairs)).to(dev)
+        sources = [r[:El] for i, r in enumerate(recv) if i != me or not overlap]
+        self.perm, self.inverse, segments = _expert_major(sources, dev)
         self.bounds = segment_bounds(segments)
 
 
 class _RankDispatchFFN(torch.autograd.Function):
     """This rank's tokens ``flat`` and the gate values ``w`` of its kept choices (sorted by global expert) ->
     one output row per row :class:`_RankExchange` sends: the sum, over the token's choices on that rank, of
-    gate value x expert output, computed there (DeepEP's dispatch and combine; DeepSeek-V3 section 3.2.2 sends a
-    token once per node and shares it among that node's experts).  Per forward, after the count exchange,
+    gate value x expert output, computed there (DeepEP's dispatch and combine; DeepSeek-V3 section 3.2.2 sends
+    a token once per node and shares it among that node's experts).  Per forward, after the count exchange,
     three ``all_to_all_single`` s: the rows, the choices (each its row index and gate value, two float64s:
     exact for indices below 2^53 and for fp32 gates), the combined rows back; per backward the output
     gradients out, the gate values' gradients back, and (when the input wants one) the input gradients back,
     each a sum over the token's choices on that rank.  Every rank enters them in this order whatever the
-    routing, empty splits included.
+    routing, empty splits included.  A rank's own choices, when the exchange keeps them out
+    (:attr:`_RankExchange.overlap`), run in two halves while the exchanges are in flight, as
+    :class:`_ExpertParallelFFN` runs its own rows.
 
     On the experts' rank, a choice's gradients are those of ``y_row += w e(x)``: ``d e = w g_row``,
     ``d w = <g_row, e(x)>``, ``d x_row += d x``; the expert outputs ``e`` are kept for the gate values'
@@ -688,13 +728,18 @@ class _RankDispatchFFN(torch.autograd.Function):
     def forward(ctx, flat, w, ex: _RankExchange, kernel, El, bias, *params):
         weights = cast_weights(params, flat.dtype)
         D = weights[El].shape[1]
-        mesh, axes = ex.mesh, ex.axes
+        mesh, axes, own_rows, own_choices, h = ex.mesh, ex.axes, ex.rows_block, ex.choices_block, ex.half
         got = flat.new_empty(sum(ex.recv_rows), flat.shape[1])
-        rows_pending = comm.all_to_all(got, flat.index_select(0, ex.token), mesh, axes, ex.recv_rows, ex.send_rows,
-                                       async_op=True)
+        rows_pending = comm.all_to_all(got, flat.index_select(0, own_rows.others(ex.token)), mesh, axes, ex.recv_rows,
+                                       ex.send_rows, async_op=True)
         choices = torch.stack((ex.pair_row.to(torch.float64), w.detach().to(torch.float64)), 1)
-        got_choices = choices.new_empty(ex.rows_in, 2)
-        comm.all_to_all(got_choices, choices, mesh, axes, ex.recv_pairs, ex.send_pairs)
+        got_choices = choices.new_empty(sum(ex.recv_pairs), 2)
+        choices_pending = comm.all_to_all(got_choices, own_choices.others(choices), mesh, axes, ex.recv_pairs,
+                                          ex.send_pairs, async_op=True)
+        x_own = flat.index_select(0, ex.own_token)
+        e_own = flat.new_empty(x_own.shape[0], D)
+        a = kernel.forward(x_own[:h], ex.part_a, weights, El, bias, e_own[:h]) if ex.overlap else ()
+        choices_pending.wait()
         row = got_choices[:, 0].long() + ex.source_start           # each received choice's received row
         gate = got_choices[:, 1]
         if ex.perm is not None:                                    # expert-major
@@ -702,42 +747,70 @@ class _RankDispatchFFN(torch.autograd.Function):
         rows_pending.wait()
         x = got.index_select(0, row)
         e = flat.new_empty(x.shape[0], D)
-        saved = kernel.forward(x, ex.bounds, weights, El, bias, e)
+        r = kernel.forward(x, ex.bounds, weights, El, bias, e)
         gate = gate.to(e.dtype)
         combined = e.new_zeros(got.shape[0], D).index_add_(0, row, e * gate.unsqueeze(1))
         back = flat.new_empty(ex.token.shape[0], D)
-        comm.all_to_all(back, combined, mesh, axes, ex.send_rows, ex.recv_rows)
+        finish = own_rows.place(back, lambda buf: comm.all_to_all(buf, combined, mesh, axes, ex.send_rows,
+                                                                  ex.recv_rows, async_op=True))
+        gate_own = w.detach()[own_choices.first:own_choices.first + own_choices.local].to(e.dtype)
+        b = ()
+        if ex.overlap:
+            b = kernel.forward(x_own[h:], ex.part_b, weights, El, bias, e_own[h:])
+            mine = back[own_rows.first:own_rows.first + own_rows.local]
+            mine.zero_().index_add_(0, ex.own_row, e_own * gate_own.unsqueeze(1))
+        finish()
         ctx.ex, ctx.kernel, ctx.El, ctx.bias, ctx.consumed = ex, kernel, El, bias, False
-        ctx.n, ctx.n_got, ctx.w_dtype, ctx.n_saved = flat.shape[0], got.shape[0], w.dtype, len(saved)
-        ctx.save_for_backward(x, e, row, gate, *saved, *params)
+        ctx.n, ctx.n_got, ctx.w_dtype, ctx.n_saved = flat.shape[0], got.shape[0], w.dtype, (len(r), len(a), len(b))
+        ctx.save_for_backward(x, e, row, gate, x_own, e_own, gate_own, *r, *a, *b, *params)
         return back
 
     @staticmethod
     def backward(ctx, grad):
         _once(ctx)
-        ex, El, mesh, axes = ctx.ex, ctx.El, ctx.ex.mesh, ctx.ex.axes
-        x, e, row, gate, *rest = ctx.saved_tensors
-        saved, params = tuple(rest[:ctx.n_saved]), rest[ctx.n_saved:]
+        ex, El, kernel, mesh, axes = ctx.ex, ctx.El, ctx.kernel, ctx.ex.mesh, ctx.ex.axes
+        own_rows, own_choices, h = ex.rows_block, ex.choices_block, ex.half
+        x, e, row, gate, x_own, e_own, gate_own, *rest = ctx.saved_tensors
+        n_r, n_a, n_b = ctx.n_saved
+        r, a, b = tuple(rest[:n_r]), tuple(rest[n_r:n_r + n_a]), tuple(rest[n_r + n_a:n_r + n_a + n_b])
+        params = rest[n_r + n_a + n_b:]
         weights = cast_weights(params[:2 * El], x.dtype)
+        grad = grad.contiguous()
         g_got = grad.new_empty(ctx.n_got, grad.shape[1])
-        comm.all_to_all(g_got, grad.contiguous(), mesh, axes, ex.recv_rows, ex.send_rows)
+        pending = comm.all_to_all(g_got, own_rows.others(grad), mesh, axes, ex.recv_rows, ex.send_rows,
+                                  async_op=True)
+        want = ctx.needs_input_grad[0]
+        acc = WeightGrads(El, ctx.bias)
+        g_x_own = torch.empty_like(x_own) if want else None
+        # the own choices' gradients (the second half's backward while the output gradients travel)
+        g_own = grad[own_rows.first:own_rows.first + own_rows.local].index_select(0, ex.own_row)
+        d_gate_own = (g_own * e_own).sum(1).to(ctx.w_dtype)
+        g_own.mul_(gate_own.unsqueeze(1))
+        if ex.overlap:
+            kernel.backward(g_own[h:], x_own[h:], b, ex.part_b, weights, El, acc, g_x_own[h:] if want else None)
+        pending.wait()
         g = g_got.index_select(0, row)                             # each choice's row's gradient
         d_gate = (g * e).sum(1).to(ctx.w_dtype)
         if ex.perm is not None:                                    # back to the order the choices arrived in
             d_gate = d_gate.index_select(0, ex.inverse)
         g_w = d_gate.new_empty(ex.pair_row.shape[0])
-        gate_pending = comm.all_to_all(g_w, d_gate, mesh, axes, ex.send_pairs, ex.recv_pairs, async_op=True)
-        want = ctx.needs_input_grad[0]
-        acc = WeightGrads(El, ctx.bias)
+        gates_done = own_choices.place(g_w, lambda buf: comm.all_to_all(buf, d_gate, mesh, axes, ex.send_pairs,
+                                                                        ex.recv_pairs, async_op=True))
         g_x = torch.empty_like(x) if want else None
-        ctx.kernel.backward(g.mul_(gate.unsqueeze(1)), x, saved, ex.bounds, weights, El, acc, g_x)
-        g_flat = None
+        kernel.backward(g.mul_(gate.unsqueeze(1)), x, r, ex.bounds, weights, El, acc, g_x)
         if want:
             g_rows = g_x.new_zeros(ctx.n_got, x.shape[1]).index_add_(0, row, g_x)
-            g_back = g_x.new_empty(ex.token.shape[0], x.shape[1])
-            comm.all_to_all(g_back, g_rows, mesh, axes, ex.send_rows, ex.recv_rows)
-            g_flat = g_back.new_zeros(ctx.n, x.shape[1]).index_add_(0, ex.token, g_back)
-        gate_pending.wait()
+            g_back = g_x.new_empty(ex.token.shape[0] - own_rows.local, x.shape[1])
+            pending = comm.all_to_all(g_back, g_rows, mesh, axes, ex.send_rows, ex.recv_rows, async_op=True)
+        if ex.overlap:
+            kernel.backward(g_own[:h], x_own[:h], a, ex.part_a, weights, El, acc, g_x_own[:h] if want else None)
+            g_w[own_choices.first:own_choices.first + own_choices.local] = d_gate_own
+        g_flat = None
+        if want:
+            g_flat = x.new_zeros(ctx.n, x.shape[1]).index_add_(0, ex.own_token, g_x_own)
+            pending.wait()
+            g_flat.index_add_(0, own_rows.others(ex.token), g_back)
+        gates_done()
         return (g_flat, g_w, None, None, None, None, *acc.result(params, x))
 
 
@@ -978,8 +1051,8 @@ class RankDispatch:
     k choices fall on fewer than k ranks crosses the network fewer than k times each way, which is what
     node-limited routing (DeepSeek-V3 section 2.1.2, :class:`~podscale.parallel.moe.gate.Gating`'s groups laid
     over the ranks) buys.  Four all-to-alls per forward (counts, rows, choices, outputs) and three per backward
-    (two when the input wants no gradient); a rank's own rows travel as its own split (no overlap).  Not with
-    the experts' width split over tp."""
+    (two when the input wants no gradient); a rank's own choices run while they are in flight, under the
+    per-choice dispatch's rule (:data:`MIN_SEGMENT_ROWS`).  Not with the experts' width split over tp."""
 
     def __call__(self, layer: "MoELayer", inp: torch.Tensor, r: Routing) -> tuple[torch.Tensor, int]:
         k, ex = r.expert.shape[1], layer.experts
