@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from podscale.parallel.moe import MoELayer
+from podscale.parallel.moe import EXPERT_DISPATCHES, MoELayer
 from podscale.parallel.moe import layer as moe_layer
 from podscale.parallel.moe import kernels
 from podscale.parallel.moe.kernels import CacheTiledKernel
@@ -144,7 +144,7 @@ def _worker(args) -> list[dict]:
         torch.manual_seed(1)
         ours = MoELayer(args.d_model, args.d_hidden, E, top_k=k, capacity_factor=args.capacity_factor,
                         random_routing=False, mesh=mesh, kernel=kernel,
-                        recompute_activation=args.recompute_activation).to(dev)
+                        recompute_activation=args.recompute_activation, expert_dispatch=args.expert_dispatch).to(dev)
         with torch.no_grad():  # a router with some preference, so routing is uneven as in training
             ours.router.weight.normal_(0.0, args.router_std)
             for name, p in ours.experts.named_parameters():
@@ -312,6 +312,9 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--recompute-activation", action="store_true",
                     help="podscale's experts keep only their pre-activation and evaluate the GELU again in the "
                          "backward (model.expert_recompute)")
+    ap.add_argument("--expert-dispatch", choices=EXPERT_DISPATCHES, default="choice",
+                    help="podscale's exchange: a row per kept choice, or a token once a rank with its choices "
+                         "combined there (parallel.expert_dispatch)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="with --kernels")
     ap.add_argument("--dtype", nargs="+", choices=["fp32", "bf16"], default=["fp32"], help="with --kernels")
     ap.add_argument("--threads", type=int, default=None, help="with --kernels: torch's CPU threads")
