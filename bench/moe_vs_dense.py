@@ -25,7 +25,10 @@ accumulation), which differs from ``global`` only when a step runs as several mi
 (``--micro-batches N``: the ``--batch`` sequences of a step in N micro-batches, gradients accumulated, and the
 validation set the same ``--eval-batches`` x ``--batch`` windows, in N times as many batches); it prints
 for each the last step's per-expert load spread (the least and the most loaded expert's share of the dispatched
-choices, per MoE layer).  Both models run through podscale's trunk (task, engine, AdamW, cosine schedule) in
+choices, per MoE layer).  ``--drop-policy all`` trains it with each of ``model.drop_policy``'s rules for which
+choices keep an over-full expert's slots (GShard's position order, V-MoE's Batch Prioritized Routing, Riquelme
+et al. 2021, and Megatron-core's per-expert probabilities), usefully at a tight ``--capacity-factor`` (and
+``--eval-capacity-factor``).  Both models run through podscale's trunk (task, engine, AdamW, cosine schedule) in
 one process, on the byte-level corpus (``--data``: a text file; default the Python standard library's
 source, the embedded corpus), with the same seed — hence the same initial attention/embedding weights and
 the same sequence of training batches (the loader's order is a function of the seed) — the same tokens per
@@ -47,7 +50,7 @@ import torch
 
 import podscale
 from podscale.config import parse_config
-from podscale.parallel.moe import AUX_LOSS_SCOPES
+from podscale.parallel.moe import AUX_LOSS_SCOPES, DROP_POLICIES
 from podscale.runtime.mesh import Mesh
 from podscale.tasks import task_for
 
@@ -140,6 +143,9 @@ def main() -> None:
     ap.add_argument("--router-groups", type=int, default=1, help="model.router_groups (node-limited routing)")
     ap.add_argument("--router-group-top-k", type=int, default=1, help="model.router_group_top_k")
     ap.add_argument("--router-scale", type=float, default=1.0, help="model.router_scale (gate values times this)")
+    ap.add_argument("--eval-capacity-factor", type=float, default=2.0, help="model.eval_capacity_factor")
+    ap.add_argument("--drop-policy", choices=DROP_POLICIES + ("all",), default="position",
+                    help="model.drop_policy: which choices keep an over-full expert's slots (all: one run each)")
     args = ap.parse_args()
     if args.micro_batches < 1 or args.batch % args.micro_batches:
         raise SystemExit(f"--micro-batches {args.micro_batches} must divide --batch {args.batch}")
@@ -150,7 +156,8 @@ def main() -> None:
         raise SystemExit(f"--top-k + --shared-experts = {active} must divide 4 * n_embd = {4 * args.n_embd}")
     moe = dict(gpt, kind="gpt-moe", experts=args.experts, top_k=args.top_k, moe_every=args.moe_every,
                expert_hidden=4 * args.n_embd // active, random_routing=args.top_k == 2,
-               capacity_factor=args.capacity_factor, aux_loss_coef=args.aux_loss_coef,
+               capacity_factor=args.capacity_factor, eval_capacity_factor=args.eval_capacity_factor,
+               aux_loss_coef=args.aux_loss_coef,
                shared_experts=args.shared_experts, router_groups=args.router_groups,
                router_group_top_k=args.router_group_top_k, router_scale=args.router_scale)
     balancing = {"aux": {}, "bias": dict(aux_loss_coef=0.0, bias_balancing=True,
@@ -158,9 +165,11 @@ def main() -> None:
     balancings = ("aux", "bias") if args.balancing == "both" else (args.balancing,)
     scores = ("softmax", "sigmoid") if args.router_score == "both" else (args.router_score,)
     scopes = SCOPE_SETS.get(args.aux_loss_scope, (args.aux_loss_scope,))
-    variants = {b + ("" if s == "softmax" else f"-{s}") + ("" if a == "group" else f"-{a}"):
-                dict(moe, **balancing[b], router_score=s, aux_loss_scope=a)
-                for b in balancings for s in scores for a in scopes}
+    policies = DROP_POLICIES if args.drop_policy == "all" else (args.drop_policy,)
+    variants = {b + ("" if s == "softmax" else f"-{s}") + ("" if a == "group" else f"-{a}")
+                + ("" if d == "position" else f"-{d}"):
+                dict(moe, **balancing[b], router_score=s, aux_loss_scope=a, drop_policy=d)
+                for b in balancings for s in scores for a in scopes for d in policies}
     dense = train(dict(gpt, kind="gpt"), args)
     sparse = {name: train(v, args) for name, v in variants.items()}
     print(f"{args.steps} steps of {args.batch} x {args.block_size} = {args.batch * args.block_size} tokens "
@@ -186,7 +195,9 @@ def main() -> None:
             how += f", top {args.router_group_top_k} of {args.router_groups} expert groups"
         if args.router_scale != 1.0:
             how += f", gates x {args.router_scale:g}"
-        print(f"GPT-MoE ({args.experts} experts, top-{args.top_k}{shared}, capacity {args.capacity_factor}, every "
+        how += f", slots kept by {variants[name]['drop_policy']}"
+        print(f"GPT-MoE ({args.experts} experts, top-{args.top_k}{shared}, capacity {args.capacity_factor} (evaluation "
+              f"{args.eval_capacity_factor}), every "
               f"{args.moe_every} blocks, {how}) vs dense at {r['flops_per_token'] / dense['flops_per_token']:.3f}x "
               f"the FLOPs per token, {args.steps} steps: validation loss {r['val_loss']:.4f} vs "
               f"{dense['val_loss']:.4f} (difference {r['val_loss'] - dense['val_loss']:+.4f}); step time "

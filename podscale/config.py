@@ -170,6 +170,13 @@ class GPTMoEModelSection(GPTModelSection):
                                       "and time at; training logs the measured peak_rank_load per MoE layer and "
                                       "says so at the end when it exceeded this")
     random_routing: bool = Field(True, description="GShard: keep the second choice with probability 2*g2")
+    # podscale.parallel.moe.DROP_POLICIES (a test holds them equal)
+    drop_policy: Literal["position", "priority", "probs"] = Field(
+        "position", description="which choices keep an over-full expert's capacity slots: position, GShard's "
+        "(every first choice before any second choice, each in token order); priority, V-MoE's Batch "
+        "Prioritized Routing (Riquelme et al. 2021: first choices first, the tokens ranked by their top routing "
+        "score, so the capacity drops the tokens the router is least sure of); probs, Megatron-core's "
+        "moe_token_drop_policy (each expert keeps the choices with its highest scores, first or second)")
     aux_loss_coef: float = Field(1e-2, ge=0.0, description="weight of the load-balancing loss")
     # podscale.parallel.moe.AUX_LOSS_SCOPES (a test holds them equal)
     aux_loss_scope: Literal["group", "global", "global_step"] = Field(

@@ -27,6 +27,8 @@ MODES = {
     "top1": dict(top_k=1, capacity_factor=1.0, random_routing=False),
     "top2": dict(top_k=2, capacity_factor=1.25, random_routing=True),
     "dropless": dict(top_k=2, dropless=True, random_routing=False),
+    "priority": dict(top_k=1, capacity_factor=1.0, random_routing=False, drop_policy="priority"),
+    "probs": dict(top_k=2, capacity_factor=1.0, random_routing=True, drop_policy="probs"),
 }
 GLOBAL_BATCH = 8
 SEED = 11

@@ -45,11 +45,14 @@ V3 = Gating("sigmoid", groups=3, group_top_k=2, scale=2.5)
 
 
 @pytest.mark.parametrize("kernel", list(KERNELS))
-@pytest.mark.parametrize("top_k,dropless,random_routing,training,gating", [
-    (1, False, False, True, Gating()), (2, False, True, True, Gating()), (2, False, False, False, Gating()),
-    (2, True, False, True, Gating()), (1, True, False, True, Gating()), (3, False, False, True, Gating()),
-    (3, False, False, True, V3), (1, True, False, True, V3)])
-def test_fast_path_equals_einsum_reference(top_k, dropless, random_routing, training, gating, kernel):
+@pytest.mark.parametrize("top_k,dropless,random_routing,training,gating,drop_policy", [
+    (1, False, False, True, Gating(), "position"), (2, False, True, True, Gating(), "position"),
+    (2, False, False, False, Gating(), "position"), (2, True, False, True, Gating(), "position"),
+    (1, True, False, True, Gating(), "position"), (3, False, False, True, Gating(), "position"),
+    (3, False, False, True, V3, "position"), (1, True, False, True, V3, "position"),
+    (1, False, False, True, Gating(), "priority"), (2, False, True, True, Gating(), "priority"),
+    (2, False, True, True, Gating(), "probs"), (3, False, False, True, V3, "probs")])
+def test_fast_path_equals_einsum_reference(top_k, dropless, random_routing, training, gating, drop_policy, kernel):
     """``kernel``: the experts' kernel (the CPU's default, whose 256-row tile is larger than every segment
     here; the CPU's with 5-row tiles, every segment split into several tiles, the last partial; the
     accelerators', run on the CPU; the last two again keeping only the pre-activation, the GELU evaluated
@@ -57,7 +60,7 @@ def test_fast_path_equals_einsum_reference(top_k, dropless, random_routing, trai
     torch.manual_seed(0)
     layer = MoELayer(16, 24, 6, top_k=top_k, capacity_factor=0.8, eval_capacity_factor=1.1, dropless=dropless,
                      random_routing=random_routing, z_loss_coef=0.01, kernel=KERNELS[kernel],
-                     gating=gating).double().train(training)
+                     gating=gating, drop_policy=drop_policy).double().train(training)
     with torch.no_grad():
         layer.router.weight.normal_(0.0, 0.5)
         for name, p in layer.experts.named_parameters():
@@ -447,6 +450,37 @@ def test_first_choices_take_slots_before_second_choices():
     assert r.keep[:, 0].tolist() == [s < 4 for s in range(S)]
     assert not r.keep[:, 1].any()
     assert r.position[:4, 0].tolist() == [0, 0, 1, 1]
+
+
+def _logits_of(probs: list[list[float]]) -> torch.Tensor:
+    """One group's logits whose softmax is ``probs`` (a row per token)."""
+    return torch.tensor(probs, dtype=torch.float64).log().unsqueeze(0)
+
+
+def test_drop_policies_choose_which_choices_keep_the_slots():
+    """Four tokens all for expert 0, ever more sure of it, one slot (top-1): GShard's order keeps the first
+    token, Batch Prioritized Routing and the per-expert probabilities the surest.  Two tokens on three experts,
+    top-2, one slot each: A's first choice and B's second both want expert 2 (0.40 and 0.45); first choices come
+    first under "position" and "priority", so A keeps it, while "probs" gives it to the higher score, B's."""
+    sure = _logits_of([[0.4, 0.2, 0.2, 0.2], [0.5, 0.2, 0.2, 0.1], [0.6, 0.2, 0.1, 0.1], [0.7, 0.1, 0.1, 0.1]])
+    for policy, kept in (("position", 0), ("priority", 3), ("probs", 3)):
+        r, _ = route(sure, 1, 1, drop_policy=policy)
+        assert r.keep[:, 0].tolist() == [s == kept for s in range(4)], policy
+        assert r.position[kept, 0] == 0 and r.counts.tolist() == [1, 0, 0, 0]
+    two = _logits_of([[0.25, 0.35, 0.40], [0.50, 0.05, 0.45]])
+    for policy, keep in (("position", [[True, True], [True, False]]), ("priority", [[True, True], [True, False]]),
+                         ("probs", [[False, True], [True, True]])):
+        r, _ = route(two, 2, 1, drop_policy=policy)
+        assert r.expert.tolist() == [[2, 1], [0, 2]]
+        assert r.keep.tolist() == keep, policy
+        assert r.demand.tolist() == [1, 1, 2] and r.counts.tolist() == [1, 1, 1]
+    with pytest.raises(ValueError, match="^model.drop_policy='fifo' is not one of position, priority, probs$"):
+        MoELayer(8, 8, 4, drop_policy="fifo")
+    import typing
+
+    from podscale.config import GPTMoEModelSection
+    from podscale.parallel.moe import DROP_POLICIES
+    assert typing.get_args(GPTMoEModelSection.model_fields["drop_policy"].annotation) == DROP_POLICIES
 
 
 def test_random_routing_keeps_second_with_probability_two_g2_and_any_split_agrees():

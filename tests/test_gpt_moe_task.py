@@ -69,6 +69,14 @@ def test_config_errors_are_one_line(over, world, words):
         assert w in msg, msg
 
 
+def test_the_drop_policy_reaches_every_moe_layer():
+    from podscale.models.gpt_moe import GPTMoE
+    from podscale.tasks.gpt_moe import gpt_moe_config
+    model = GPTMoE(gpt_moe_config(parse_config(_moe_cfg(model__drop_policy="priority", model__moe_every=1))))
+    assert [b.moe.drop_policy for b in model.blocks.values()] == ["priority", "priority"]
+    assert GPTMoE(gpt_moe_config(parse_config(_moe_cfg()))).blocks["1"].moe.drop_policy == "position"
+
+
 def test_good_config_has_dp_times_ep_data_ranks():
     cfg = parse_config(_moe_cfg(parallel__nproc=4))
     cfg.check_layout(4)

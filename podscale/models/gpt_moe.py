@@ -38,6 +38,7 @@ class GPTMoEConfig(GPTConfig):
     eval_capacity_factor: float = 2.0
     dropless: bool = False
     random_routing: bool = True
+    drop_policy: str = "position"      # or "priority" (V-MoE's BPR), "probs" (Megatron-core): gate.DROP_POLICIES
     aux_loss_coef: float = 1e-2
     aux_loss_scope: str = "group"      # "global"/"global_step": f_e over the batch/step (Qiu et al. 2025), MoELayer
     z_loss_coef: float = 1e-3
@@ -81,7 +82,8 @@ class MoEBlock(nn.Module):
                             kernel=kernel_named(cfg.expert_kernel, cfg.expert_recompute),
                             shared_hidden=cfg.shared_experts * cfg.hidden, fold_tp=fold_tp,
                             expert_tensor_parallel=expert_tensor_parallel, gating=cfg.gating,
-                            aux_loss_scope=cfg.aux_loss_scope, expert_dispatch=expert_dispatch)
+                            aux_loss_scope=cfg.aux_loss_scope, expert_dispatch=expert_dispatch,
+                            drop_policy=cfg.drop_policy)
 
     def forward(self, x: torch.Tensor, keys: torch.Tensor | None):
         x = x + self.attn(self.ln_1(x))

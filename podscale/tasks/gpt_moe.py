@@ -64,7 +64,7 @@ def gpt_moe_config(cfg) -> GPTMoEConfig:
                         n_embd=m.n_embd, dropout=m.dropout, bias=m.bias, experts=m.experts, top_k=m.top_k,
                         moe_every=m.moe_every, capacity_factor=m.capacity_factor,
                         eval_capacity_factor=m.eval_capacity_factor, dropless=m.dropless,
-                        random_routing=m.random_routing, aux_loss_coef=m.aux_loss_coef,
+                        random_routing=m.random_routing, drop_policy=m.drop_policy, aux_loss_coef=m.aux_loss_coef,
                         aux_loss_scope=m.aux_loss_scope,
                         bias_balancing=m.bias_balancing, bias_update_rate=m.bias_update_rate,
                         z_loss_coef=m.z_loss_coef, expert_hidden=m.expert_hidden,

@@ -211,8 +211,41 @@ def _top_choices(scores: torch.Tensor, k: int) -> torch.Tensor:
     return torch.cat(picks, -1)
 
 
+#: which choices keep an over-full expert's slots (``model.drop_policy``): ``"position"``, GShard's rule: every token's
+#: first choice before any second choice, each in token order; ``"priority"``, Batch Prioritized Routing (Riquelme
+#: et al. 2021, V-MoE, section 4.1): first choices before second choices still, but the tokens ranked by their
+#: top routing score instead of their position, so a capacity drops the tokens the router is least sure of;
+#: ``"probs"``, Megatron-core's ``moe_token_drop_policy = "probs"``: each expert keeps the choices with the highest
+#: routing scores for it, first or second choices alike
+DROP_POLICIES = ("position", "priority", "probs")
+
+
+def check_drop_policy(policy: str) -> None:
+    """A one-line ValueError naming the key and the choices for an unknown policy."""
+    if policy not in DROP_POLICIES:
+        raise ValueError(f"model.drop_policy={policy!r} is not one of {', '.join(DROP_POLICIES)}")
+
+
+def _listing(gates: torch.Tensor, policy: str) -> torch.Tensor | None:
+    """The choices of (G, S, k) scores ``gates`` in the order they claim capacity slots, as token-major ids
+    ``n * k + j`` (:data:`DROP_POLICIES`); None for GShard's order with k = 1 (token order: the identity).
+    Sorts are stable and descending, so equal scores keep token order and every layout lists the same."""
+    G, S, k = gates.shape
+    dev = gates.device
+    ids = torch.arange(G * S * k, device=dev).view(G, S, k)
+    if policy == "probs":
+        return torch.sort(gates.detach().reshape(-1), descending=True, stable=True).indices
+    if policy == "priority":
+        order = torch.sort(gates.detach()[..., 0], dim=1, descending=True, stable=True).indices    # (G, S)
+        ids = ids.gather(1, order.unsqueeze(-1).expand(G, S, k))
+    elif k == 1:
+        return None
+    return ids.transpose(1, 2).reshape(-1)                    # (g, j, s): choice-major within each group
+
+
 def route(logits: torch.Tensor, top_k: int, capacity: int | None, second_uniform: torch.Tensor | None = None,
-          selection_bias: torch.Tensor | None = None, gating: Gating = Gating()) -> tuple[Routing, torch.Tensor]:
+          selection_bias: torch.Tensor | None = None, gating: Gating = Gating(),
+          drop_policy: str = "position") -> tuple[Routing, torch.Tensor]:
     """GShard's Algorithm 1 generalised to k choices, on router logits of shape (G, S, E).
 
     * scores ``softmax(logits)`` (or ``sigmoid``: :class:`Gating`); the k experts with the highest ``scores
@@ -223,10 +256,12 @@ def route(logits: torch.Tensor, top_k: int, capacity: int | None, second_uniform
     * with ``second_uniform`` (G, S) given and k = 2, the second choice is kept when ``u < 2 * g_2``
       (GShard's random routing: kept with probability proportional to its weight);
     * with a ``capacity`` C, slots are handed out per group and expert in priority order: every token's
-      first choice in token order, then every second choice, ...; a choice past slot C is dropped.
-      Without a capacity (dropless) every choice is kept.
+      first choice in token order, then every second choice, ... (``drop_policy = "position"``; or the
+      tokens ranked by their top score, ``"priority"``; or every choice by its score, ``"probs"``:
+      :data:`DROP_POLICIES`); a choice past slot C is dropped.  Without a capacity (dropless) every choice
+      is kept.
 
-    The slots come from one stable sort of the choices, listed choice-major within each group, by
+    The slots come from one stable sort of the choices, listed in priority order (:func:`_listing`), by
     (expert, group): inside a segment the order is the priority order, so a choice's slot is its offset
     in the segment.  No (S, E) one-hot or cumulative sum is built.
 
@@ -250,13 +285,16 @@ def route(logits: torch.Tensor, top_k: int, capacity: int | None, second_uniform
         wanted[..., 1] = second_uniform.to(weight.dtype) < 2 * weight[..., 1].detach()
     if gating.scale != 1.0:
         weight = weight * gating.scale
-    # choices in priority order inside each group, (g, j, s), keyed by (expert, group)
-    key = choice.transpose(1, 2) * G                                            # (G, k, S)
+    # the choices in priority order (token-major ids; None: token order), keyed by (expert, group)
+    listing = _listing(gates, drop_policy)
+    key = choice * G                                                            # (G, S, k)
     if G > 1:
         key = key + torch.arange(G, device=dev).view(G, 1, 1)
     key = key.reshape(-1)
     if skips:
-        key = key.masked_fill(~wanted.transpose(1, 2).reshape(-1), E * G)       # skipped choices sort last
+        key = key.masked_fill(~wanted.reshape(-1), E * G)                       # skipped choices sort last
+    if listing is not None:
+        key = key.index_select(0, listing)
     sorted_key, perm = torch.sort(key, stable=True)
     seg_count = torch.bincount(key, minlength=E * G + 1)
     seg_start = torch.cumsum(seg_count, 0).sub_(seg_count)
@@ -265,9 +303,8 @@ def route(logits: torch.Tensor, top_k: int, capacity: int | None, second_uniform
     if capacity is not None:
         within = slot < capacity
         kept_sorted = within if kept_sorted is None else kept_sorted & within
-    # the priority-ordered choices' token-major ids n * k + j (for k = 1 the order is token order)
-    sorted_ids = perm if k == 1 else \
-        torch.arange(N * k, device=dev).view(G, S, k).transpose(1, 2).reshape(-1)[perm]
+    # the priority-ordered choices' token-major ids n * k + j
+    sorted_ids = perm if listing is None else listing.index_select(0, perm)
     if kept_sorted is not None:
         slot.masked_fill_(~kept_sorted, -1)
     # perm is a permutation, so the scatter writes every entry

@@ -69,6 +69,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from podscale.parallel.moe.gate import Gating, MoEStats, Router, Routing, StepCounts, check_aux_loss_scope, \
+    check_drop_policy, \
     expert_capacity, first_choice_counts, load_balancing_loss, route, routing_uniform, router_z_loss
 from podscale.parallel.model_protocols import StepState, recomputing
 from podscale.config import expert_width_split_problem
@@ -1131,7 +1132,11 @@ class MoELayer(nn.Module, StepState):
     micro-batch's global counts, as ``"global"``.  ``expert_dispatch``: under expert parallelism, ``"choice"``
     exchanges a row per kept (token, expert) choice and combines the outputs on the token's rank
     (:class:`ChoiceDispatch`), ``"rank"`` a row per (token, rank holding any of its choices), combined on that
-    rank (DeepEP's dispatch and combine, :class:`RankDispatch`); the same outputs either way.
+    rank (DeepEP's dispatch and combine, :class:`RankDispatch`); the same outputs either way.  ``drop_policy``:
+    which choices keep an over-full expert's slots, GShard's ``"position"`` (first choices first, in token order),
+    V-MoE's Batch Prioritized Routing ``"priority"`` (first choices first, the tokens by their top score) or
+    Megatron-core's ``"probs"`` (each expert its highest-scoring choices):
+    :data:`~podscale.parallel.moe.gate.DROP_POLICIES`.
     """
 
     def __init__(self, d_model: int, d_hidden: int, experts: int, top_k: int = 2, capacity_factor: float = 1.25,
@@ -1141,7 +1146,7 @@ class MoELayer(nn.Module, StepState):
                  sequence_parallel: bool = False, kernel: ExpertKernel | None = None,
                  recompute_activation: bool = False, shared_hidden: int = 0, fold_tp: bool = False,
                  expert_tensor_parallel: bool = False, gating: Gating = Gating(), aux_loss_scope: str = "group",
-                 expert_dispatch: str = "choice"):
+                 expert_dispatch: str = "choice", drop_policy: str = "position"):
         super().__init__()
         self.tp = mesh.sizes["tp"] if mesh is not None else 1
         #: the mesh axes the experts are sharded over and the tokens exchanged over: ``("ep",)``, or with
@@ -1154,6 +1159,9 @@ class MoELayer(nn.Module, StepState):
                        self.tp if split else 1, d_hidden)
         gating.check(experts, top_k)
         check_expert_dispatch(expert_dispatch, split)
+        check_drop_policy(drop_policy)
+        #: which choices keep an over-full expert's slots (:data:`~podscale.parallel.moe.gate.DROP_POLICIES`)
+        self.drop_policy = drop_policy
         #: how the choices reach their experts under expert parallelism (``"choice"`` or ``"rank"``,
         #: :data:`EXPERT_DISPATCHES`)
         self.expert_dispatch = expert_dispatch
@@ -1219,7 +1227,8 @@ class MoELayer(nn.Module, StepState):
                 raise ValueError("random routing needs the tokens' keys: pass keys= (sequence_token_keys(idx)) "
                                  "or build the layer with random_routing=False")
             uniform = routing_uniform(keys.reshape(G, S), self.seed)
-        r, probs = route(logits, self.top_k, self.capacity(S), uniform, self.router.selection_bias, self.gating)
+        r, probs = route(logits, self.top_k, self.capacity(S), uniform, self.router.selection_bias, self.gating,
+                         self.drop_policy)
         counts = self._balance_counts(r.expert[:, 0])
         return flat, r, load_balancing_loss(probs, r.expert[:, 0], counts), router_z_loss(logits)
 
