@@ -595,11 +595,14 @@ class ParallelSection(_Section):
         "(Megatron-core's expert_tensor_parallel_size = tp): every tp rank holds 1/tp of each of its ep rank's "
         "experts and of the shared experts and runs every tp rank's tokens through it, for few large experts "
         "(model.expert_hidden a multiple of tp; not with fold_tp_into_ep)")
-    expert_dispatch: Literal["choice", "rank"] = Field(
+    # podscale.parallel.moe.EXPERT_DISPATCHES (a test holds them equal)
+    expert_dispatch: Literal["choice", "rank", "node"] = Field(
         "choice", description="mixture-of-experts models under ep > 1: 'choice' exchanges one row per kept "
         "(token, expert) choice and combines the outputs on the token's rank; 'rank' sends a token once to each "
         "rank holding any of its choices and combines its choices' outputs there (DeepEP's dispatch and "
-        "combine: fewer bytes for top_k > 1, one more all-to-all per pass; not with expert_tensor_parallel)")
+        "combine: fewer bytes for top_k > 1, one more all-to-all per pass); 'node' sends it once to each node, "
+        "to the rank with the sender's index there, which forwards it per rank inside the node (DeepEP's "
+        "internode dispatch; 'rank' when the expert group is inside one node); not with expert_tensor_parallel")
     schedule: Literal["gpipe", "1f1b", "interleaved"] = "1f1b"
     virtual_stages: int = Field(1, ge=1, description="model chunks per pipeline rank (interleaved 1F1B)")
     recompute: Literal["none", "selective", "full"] = "none"
@@ -780,10 +783,10 @@ class Config(_Section):
             if on and not self.model.task_class().supports_expert_parallel:
                 raise ConfigError(f"parallel.{key} {what} a mixture-of-experts model's experts, and "
                                   f"model.kind={self.model.kind!r} has none: set {key} = false")
-        if p.expert_dispatch == "rank" and p.expert_tensor_parallel and p.tp > 1:
-            raise ConfigError("parallel.expert_dispatch = 'rank' combines a token's choices on the rank of its "
-                              "experts, which parallel.expert_tensor_parallel splits over tp: set expert_dispatch = "
-                              "'choice' or expert_tensor_parallel = false")
+        if p.expert_dispatch != "choice" and p.expert_tensor_parallel and p.tp > 1:
+            raise ConfigError(f"parallel.expert_dispatch = {p.expert_dispatch!r} combines a token's choices on the "
+                              "rank of its experts, which parallel.expert_tensor_parallel splits over tp: set "
+                              "expert_dispatch = 'choice' or expert_tensor_parallel = false")
         if p.expert_tensor_parallel and p.fold_tp_into_ep:
             raise ConfigError("parallel.expert_tensor_parallel and parallel.fold_tp_into_ep both use the tp "
                               "ranks for the experts (splitting each expert, or sharding whole experts over "

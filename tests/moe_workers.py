@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import os
 
 import torch
 import torch.nn as nn
@@ -48,12 +49,16 @@ def _tokens():
 
 
 def train_gpt_moe(modes: list[str], steps: int, dp: int, ep: int, mesh: Mesh | None = None,
-                  min_segment_rows: int | None = None, expert_dispatch: str = "choice") -> list[dict]:
+                  min_segment_rows: int | None = None, expert_dispatch: str = "choice",
+                  ranks_per_node: int | None = None) -> list[dict]:
     """Train with SGD at ``LR``; for each mode: losses (global mean) and gradient norms per step, routing
     counts per step and layer (summed over the mesh), gradients after step 1 and parameters after the last
     step (by name: experts are named by global id).  ``min_segment_rows``: the exchange's
     ``MIN_SEGMENT_ROWS`` for this run (0: own rows always overlapped with the exchange; a huge value: never);
-    ``expert_dispatch``: the MoE layers' (``"choice"`` or ``"rank"``)."""
+    ``expert_dispatch``: the MoE layers' (``"choice"``, ``"rank"`` or ``"node"``); ``ranks_per_node``: the
+    launcher's local world size this worker reports (simulated nodes: the per-node dispatch's)."""
+    if ranks_per_node is not None:
+        os.environ["LOCAL_WORLD_SIZE"] = str(ranks_per_node)
     if min_segment_rows is not None:
         moe_layer.MIN_SEGMENT_ROWS = min_segment_rows
     if mesh is None:
@@ -142,7 +147,7 @@ def build_layer(top_k: int, dropless: bool, mesh=None, kernel=None, aux_loss_sco
         return full
     layer = MoELayer(D, 16, E, top_k=top_k, capacity_factor=1.0, dropless=dropless, mesh=mesh,
                      aux_loss_coef=0.1, z_loss_coef=0.01, kernel=kernel, aux_loss_scope=aux_loss_scope,
-                     expert_dispatch=expert_dispatch).double()
+                     expert_dispatch=expert_dispatch, ranks_per_node=1).double()
     with torch.no_grad():
         layer.router.weight.copy_(full.router.weight)
         for name, p in layer.experts.named_parameters():   # names carry the global expert id
@@ -170,9 +175,11 @@ KERNELS = {"tiled": CacheTiledKernel(row_tile=3), "segment": SegmentKernel(),
            "segment-recompute": SegmentKernel(recompute=True)}
 
 #: the no-hang runs' layouts: (``MIN_SEGMENT_ROWS`` of the two ranks, kernel name, expert dispatch); the per-rank
-#: dispatch on two of the kernels (the rest of its kernel calls are the per-choice dispatch's)
+#: dispatch on two of the kernels (the rest of its kernel calls are the per-choice dispatch's), the per-node one
+#: with each rank a node of its own (:func:`build_layer`)
 RUNS = [(rows, kernel, "choice") for rows, kernel in itertools.product(OVERLAP, KERNELS)] + \
-    [(rows, kernel, "rank") for rows, kernel in itertools.product(OVERLAP, ("tiled", "segment-recompute"))]
+    [(rows, kernel, "rank") for rows, kernel in itertools.product(OVERLAP, ("tiled", "segment-recompute"))] + \
+    [(rows, "tiled", "node") for rows in OVERLAP]
 
 
 def no_hang_worker(cases: list[tuple[str, int, bool]]) -> list[dict]:

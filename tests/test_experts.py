@@ -479,8 +479,10 @@ def test_drop_policies_choose_which_choices_keep_the_slots():
     import typing
 
     from podscale.config import GPTMoEModelSection
-    from podscale.parallel.moe import DROP_POLICIES
+    from podscale.parallel.moe import DROP_POLICIES, EXPERT_DISPATCHES
     assert typing.get_args(GPTMoEModelSection.model_fields["drop_policy"].annotation) == DROP_POLICIES
+    from podscale.config import ParallelSection
+    assert typing.get_args(ParallelSection.model_fields["expert_dispatch"].annotation) == EXPERT_DISPATCHES
 
 
 def test_random_routing_keeps_second_with_probability_two_g2_and_any_split_agrees():
@@ -723,11 +725,14 @@ def _close(a: torch.Tensor, b: torch.Tensor, rel: float, what: str):
 # (at ep = 4 the middle ranks' own rows sit between remote ones, and three sources are regrouped); 10**9:
 # own rows travel with the rest, two sources regrouped
 # expert_dispatch "rank": a token sent once to each rank holding any of its choices (at ep = 4 a top-2 token's
-# choices share a rank about a third of the time), the choices combined there
+# choices share a rank about a third of the time), the choices combined there; "node": the 4 ranks as 2 nodes of
+# 2, a token sent once to each node holding any of its choices, then once to each rank there
 @pytest.mark.parametrize("dp,ep,min_segment_rows,dispatch", [(1, 2, 0, "choice"), (2, 2, 10**9, "choice"),
-                                                             (1, 4, 0, "choice"), (1, 4, 0, "rank")])
+                                                             (1, 4, 0, "choice"), (1, 4, 0, "rank"),
+                                                             (1, 4, 0, "node")])
 def test_expert_parallel_matches_single_process(dp, ep, min_segment_rows, dispatch, single_process):
-    results = launch(W.train_gpt_moe, (list(W.MODES), STEPS, dp, ep, None, min_segment_rows, dispatch),
+    nodes = 2 if dispatch == "node" else None
+    results = launch(W.train_gpt_moe, (list(W.MODES), STEPS, dp, ep, None, min_segment_rows, dispatch, nodes),
                      nproc=dp * ep)
     for i, mode in enumerate(W.MODES):
         ref = single_process[mode]
@@ -742,8 +747,8 @@ def test_expert_parallel_matches_single_process(dp, ep, min_segment_rows, dispat
                 _close(g, ref["grads1"][name], 1e-9, f"{label} grad {name}")
             for name, p in ours["params"].items():
                 _close(p, ref["params"][name], 1e-8, f"{label} param {name}")
-            # 2 MoE layers x (3 exchanges forward + 2 backward) per step; per rank, 4 + 3
-            assert ours["comm"]["ep/all_to_all"]["calls"] == STEPS * 2 * (5 if dispatch == "choice" else 7)
+            # 2 MoE layers x (3 exchanges forward + 2 backward) per step; per rank, 4 + 3; per node, 8 + 6
+            assert ours["comm"]["ep/all_to_all"]["calls"] == STEPS * 2 * {"choice": 5, "rank": 7, "node": 14}[dispatch]
         dropped = sum(sum(w) - sum(k) for c in ref["counts"] for w, k in c.values())
         assert (dropped == 0) == (mode == "dropless"), (mode, dropped)
     # the expert tensors of all ranks together are every global expert
@@ -836,10 +841,12 @@ def test_lopsided_routing_finishes_with_the_right_gradients(no_hang):
                     assert first <= e < first + 2
                     if ".w_" in name:  # zero exactly where nothing was routed
                         assert (kept[e] == 0) == bool((g == 0).all()), (label, name)
-            exchanges = 5 if dispatch == "choice" else 7     # the rank dispatch's choices and gate gradients
+            # the per-rank dispatch's choices and gate gradients; the per-node one's first stage around it
+            exchanges = {"choice": 5, "rank": 7, "node": 14}[dispatch]
             assert ours["calls"]["ep/all_to_all"] == exchanges, label
-            # an input without a gradient: the same parameter gradients, one exchange less in the backward
-            assert ours["no_input_grad"]["calls"] == exchanges - 1, label
+            # an input without a gradient: the same parameter gradients, no input gradient sent back (one
+            # exchange less in the backward, two per node: both stages')
+            assert ours["no_input_grad"]["calls"] == exchanges - (2 if dispatch == "node" else 1), label
             for name, g in ours["no_input_grad"]["grads"].items():
                 torch.testing.assert_close(g, ours["grads"][name], rtol=1e-12, atol=1e-14, msg=f"{label} {name}")
         # the rows each rank's experts ran (its own and the other's for them), the busiest over the mean
@@ -877,6 +884,23 @@ def test_the_rank_dispatch_sends_a_token_once_to_the_rank_of_both_its_choices(no
             assert int(ours["kept"].sum()) == choices and ours["kept"][:2].tolist() == [6, 6]
             assert ours["bytes"] == sent[dispatch], (dispatch, rank)
         assert sent["rank"] < 0.65 * sent["choice"]
+
+
+def test_the_node_dispatch_groups_the_expert_ranks_by_node():
+    """Ranks numbered node by node (torchrun's order): ep = 4 on nodes of 2 ranks is 2 nodes, rank 3 the second
+    of its node; under tp = 2 the ep group's ranks are 2 apart, so nodes of 4 ranks hold 2 of them each.  An
+    uneven split is one line naming the key; a group inside one node takes the per-rank dispatch."""
+    from podscale.parallel.moe.layer import NodeDispatch, NodeGroups, RankDispatch, make_dispatch
+    sizes = {"pp": 1, "dp": 1, "ep": 4, "tp": 1}
+    assert NodeGroups.of(Mesh(sizes=sizes, rank=3), ("ep",), 2) == NodeGroups(nodes=2, per_node=2, index=1)
+    assert NodeGroups.of(Mesh(sizes=dict(sizes, tp=2), rank=5), ("ep",), 4) == NodeGroups(2, 2, 0)
+    assert NodeGroups.of(Mesh(sizes=dict(sizes, tp=2), rank=5), ("ep", "tp"), 4) == NodeGroups(2, 4, 1)
+    with pytest.raises(ValueError, match=r"^parallel.expert_dispatch = 'node' needs every node .* \[3, 1\]: use "
+                                         r"expert_dispatch = 'rank'$"):
+        NodeGroups.of(Mesh(sizes=sizes, rank=0), ("ep",), 3)
+    assert isinstance(make_dispatch("node", Mesh(sizes=sizes, rank=0), ("ep",), 2), NodeDispatch)
+    assert isinstance(make_dispatch("node", Mesh(sizes=sizes, rank=0), ("ep",), 8), RankDispatch)
+    assert isinstance(make_dispatch("node", None, ("ep",)), RankDispatch)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -55,7 +55,9 @@ def _moe_cfg(**over):
     (dict(train__global_batch=6), 2, ["train.global_batch=6", "dp*ep*micro_batch"]),
     (dict(parallel__tp=2, parallel__ep=1, parallel__expert_tensor_parallel=True, parallel__expert_dispatch="rank"), 2,
      ["parallel.expert_dispatch = 'rank'", "expert_tensor_parallel = false"]),
-    (dict(parallel__expert_dispatch="node"), 2, ["parallel.expert_dispatch", "'choice' or 'rank'"]),
+    (dict(parallel__tp=2, parallel__ep=1, parallel__expert_tensor_parallel=True, parallel__expert_dispatch="node"), 2,
+     ["parallel.expert_dispatch = 'node'", "expert_tensor_parallel = false"]),
+    (dict(parallel__expert_dispatch="nodes"), 2, ["parallel.expert_dispatch", "'choice', 'rank' or 'node'"]),
 ])
 def test_config_errors_are_one_line(over, world, words):
     data = _moe_cfg(**over)

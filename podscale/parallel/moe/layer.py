@@ -61,6 +61,7 @@ on two counts: it would broadcast rank 0's experts over ep and average different
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -78,6 +79,7 @@ from podscale.parallel.sharded_state import global_shape
 from podscale.parallel.tensor import GatherBatchFromTP, ReduceFromTP, SplitBatchToTP, global_grad_norm, shard
 from podscale.parallel.moe.kernels import ExpertKernel, WeightGrads, cast_weights, kernel_for, segment_bounds
 from podscale.runtime import comm
+from podscale.runtime.process import local_slot
 
 
 def check_moe_args(experts: int, top_k: int, capacity_factor: float, eval_capacity_factor: float,
@@ -629,18 +631,19 @@ class _ExpertParallelFFN(torch.autograd.Function):
 #: kept (token, expert) choice, the outputs combined on the token's rank (GShard, DeepSpeed-MoE, Megatron-core's
 #: alltoall dispatcher; :class:`ChoiceDispatch`); ``"rank"``, one row per (token, expert-parallel rank holding any
 #: of its kept choices), the choices' outputs combined on that rank (DeepEP's dispatch and combine;
-#: :class:`RankDispatch`)
-EXPERT_DISPATCHES = ("choice", "rank")
+#: :class:`RankDispatch`); ``"node"``, one row per (token, node) between nodes, forwarded inside the node per rank
+#: (DeepEP's internode dispatch; :class:`NodeDispatch`)
+EXPERT_DISPATCHES = ("choice", "rank", "node")
 
 
 def check_expert_dispatch(dispatch: str, width_split: bool = False) -> None:
     """One-line ValueErrors naming the key and the fix."""
     if dispatch not in EXPERT_DISPATCHES:
         raise ValueError(f"parallel.expert_dispatch={dispatch!r} is not one of {', '.join(EXPERT_DISPATCHES)}")
-    if dispatch == "rank" and width_split:
-        raise ValueError("parallel.expert_dispatch = 'rank' combines a token's choices on the rank of its experts, "
-                         "which parallel.expert_tensor_parallel splits over tp: set expert_dispatch = 'choice' or "
-                         "expert_tensor_parallel = false")
+    if dispatch != "choice" and width_split:
+        raise ValueError(f"parallel.expert_dispatch = {dispatch!r} combines a token's choices on the rank of its "
+                         "experts, which parallel.expert_tensor_parallel splits over tp: set expert_dispatch = "
+                         "'choice' or expert_tensor_parallel = false")
 
 
 class _RankExchange:
@@ -1056,19 +1059,125 @@ class RankDispatch:
     per-choice dispatch's rule (:data:`MIN_SEGMENT_ROWS`).  Not with the experts' width split over tp."""
 
     def __call__(self, layer: "MoELayer", inp: torch.Tensor, r: Routing) -> tuple[torch.Tensor, int]:
-        k, ex = r.expert.shape[1], layer.experts
-        exchange = _RankExchange(layer.mesh, layer.expert_axes, ex.num_local, r.order // k,
-                                 r.expert.reshape(-1).index_select(0, r.order), r.counts, inp.shape[0])
-        shared = layer.shared_output(inp)                            # while the counts are in flight
+        k = r.expert.shape[1]
+        expert, w = r.expert.reshape(-1).index_select(0, r.order), r.weight.reshape(-1).index_select(0, r.order)
+        exchange = self.start(layer, r.order // k, expert, r.counts, inp.shape[0])
+        shared = layer.shared_output(inp)                      # while the counts are in flight
         exchange.wait()
-        w = r.weight.reshape(-1).index_select(0, r.order)
-        back = _RankDispatchFFN.apply(inp, w, exchange, ex.kernel_for_rows(inp), ex.num_local, ex.bias, *ex.kernel_weights())
-        y = back.new_zeros(inp.shape[0], back.shape[1]) if shared is None else shared
-        return y.index_add_(0, exchange.token, back), exchange.rows_in
+        return self.run(layer, inp, w, exchange, shared), exchange.rows_in
+
+    @staticmethod
+    def start(layer: "MoELayer", token: torch.Tensor, expert: torch.Tensor, counts: torch.Tensor,
+              n_tokens: int) -> _RankExchange:
+        """The exchange of kept choices ``token``, ``expert`` (sorted by global expert; ``counts`` per expert) of
+        ``n_tokens`` rows, its count exchange started (:meth:`_RankExchange.wait` finishes it)."""
+        return _RankExchange(layer.mesh, layer.expert_axes, layer.experts.num_local, token, expert, counts, n_tokens)
+
+    @staticmethod
+    def run(layer: "MoELayer", rows: torch.Tensor, w: torch.Tensor, exchange: _RankExchange,
+            onto: torch.Tensor | None) -> torch.Tensor:
+        """``rows`` through the experts of their choices (gate values ``w``, in the exchange's order) wherever
+        those live: each row's gated outputs summed, added onto ``onto`` when given (else zeros)."""
+        ex = layer.experts
+        back = _RankDispatchFFN.apply(rows, w, exchange, ex.kernel_for_rows(rows), ex.num_local, ex.bias,
+                                      *ex.kernel_weights())
+        y = back.new_zeros(rows.shape[0], back.shape[1]) if onto is None else onto
+        return y.index_add_(0, exchange.token, back)
 
 
-#: the dispatchers by ``parallel.expert_dispatch``
-DISPATCHERS: dict[str, ExpertDispatch] = {"choice": ChoiceDispatch(), "rank": RankDispatch()}
+@dataclass(frozen=True)
+class NodeGroups:
+    """The expert group's ranks by node: ``per_node`` of them on each of ``nodes`` nodes, in group order (a rank's
+    node is its global rank over ``ranks_per_node``, as torchrun and podscale's launcher number ranks node by
+    node); this rank is the ``index``-th of its node's, and on node ``b`` its peer is group rank
+    ``b * per_node + index``."""
+
+    nodes: int
+    per_node: int
+    index: int
+
+    @classmethod
+    def of(cls, mesh, axes: tuple[str, ...], ranks_per_node: int) -> "NodeGroups":
+        """The grouping of ``mesh``'s group over ``axes`` (a one-line ValueError when its nodes hold unequal
+        shares of it)."""
+        node = [g // ranks_per_node for g in mesh.group_ranks(*axes)]
+        runs = [len(list(run)) for _, run in itertools.groupby(node)]
+        if len(set(runs)) != 1 or len(runs) != len(set(node)):
+            raise ValueError(f"parallel.expert_dispatch = 'node' needs every node to hold as many ranks of the "
+                             f"expert-parallel group, in one run each; with {ranks_per_node} ranks a node they hold "
+                             f"{runs}: use expert_dispatch = 'rank'")
+        me = mesh.local_rank(*axes)
+        return cls(len(runs), runs[0], me % runs[0])
+
+
+class NodeDispatch:
+    """One row per (token, node that holds any of its kept choices) between nodes, then one per (row, rank)
+    inside the node (DeepEP's internode dispatch and combine, DeepSeek-AI 2025: a token crosses the slow
+    network once to each of its nodes, to the rank with the sender's index there, which forwards it over the
+    fast links to the node's ranks of its experts; DeepSeek-V3 section 3.2.2).  With node-limited routing (at
+    most M nodes a token, DeepSeek-V3 section 2.1.2) a top-k token crosses between nodes at most M times each
+    way.
+
+    Stage 1, over the expert group with every split but the peers' empty: the counts (rows and choices a peer),
+    the rows, and each choice's row index, global expert id and gate value (three float64s, differentiable in
+    the gate); the peer then runs the rows through its node's experts with the per-rank dispatch
+    (:meth:`RankDispatch.run`, whose splits all stay inside the node), and stage 1's rows come back summed.
+    Eight all-to-alls per forward and six per backward (the per-rank dispatch's and stage 1's four and two),
+    every rank entering them in the same order whatever the routing."""
+
+    def __init__(self, groups: NodeGroups):
+        self.groups = groups
+
+    def __call__(self, layer: "MoELayer", inp: torch.Tensor, r: Routing) -> tuple[torch.Tensor, int]:
+        g, mesh, axes, El = self.groups, layer.mesh, layer.expert_axes, layer.experts.num_local
+        n, N = layer.ep, inp.shape[0]
+        k = r.expert.shape[1]
+        token = r.order // k                                   # the kept choices, sorted by global expert
+        expert, w = r.expert.reshape(-1).index_select(0, r.order), r.weight.reshape(-1).index_select(0, r.order)
+        node = torch.div(expert, El * g.per_node, rounding_mode="floor")
+        uniq, inverse = torch.unique(node * N + token, sorted=True, return_inverse=True)
+        uniq_token = uniq.remainder(N)
+        rows = torch.bincount(torch.div(uniq, N, rounding_mode="floor"), minlength=g.nodes)
+        pairs = torch.bincount(node, minlength=g.nodes)
+        row = inverse - (torch.cumsum(rows, 0) - rows).index_select(0, node)   # a choice's row in its node's block
+        peers = torch.arange(g.nodes, device=rows.device) * g.per_node + g.index
+        send = rows.new_zeros(n, 2).index_copy_(0, peers, torch.stack((rows, pairs), 1))
+        recv = torch.empty_like(send)
+        pending = comm.all_to_all(recv.view(-1), send.view(-1), mesh, axes, async_op=True)
+        shared = layer.shared_output(inp)                      # while the counts are in flight
+        pending.wait()
+        (send_rows, send_pairs), (recv_rows, recv_pairs) = send.t().tolist(), recv.t().tolist()
+        got = _AllToAll.apply(inp.index_select(0, uniq_token), mesh, axes, recv_rows, send_rows)
+        choices = torch.stack((row.to(torch.float64), expert.to(torch.float64), w.to(torch.float64)), 1)
+        got_choices = _AllToAll.apply(choices, mesh, axes, recv_pairs, send_pairs)
+        # the received choices (all for this node's experts), each source's by expert: sorted by expert
+        starts = torch.tensor(recv_rows, dtype=torch.long).cumsum(0) - torch.tensor(recv_rows)
+        source_start = torch.repeat_interleave(starts, torch.tensor(recv_pairs), output_size=sum(recv_pairs))
+        got_expert = got_choices[:, 1].detach().long()
+        by_expert = torch.sort(got_expert, stable=True).indices
+        got_row = (got_choices[:, 0].detach().long() + source_start.to(got.device)).index_select(0, by_expert)
+        got_expert = got_expert.index_select(0, by_expert)
+        exchange = RankDispatch.start(layer, got_row, got_expert, torch.bincount(got_expert, minlength=layer.num_experts),
+                                      got.shape[0])
+        exchange.wait()
+        gate = got_choices[:, 2].index_select(0, by_expert).to(w.dtype)
+        out = RankDispatch.run(layer, got, gate, exchange, None)
+        back = _AllToAll.apply(out, mesh, axes, send_rows, recv_rows)
+        y = back.new_zeros(N, back.shape[1]) if shared is None else shared
+        return y.index_add_(0, uniq_token, back), exchange.rows_in
+
+
+def make_dispatch(name: str, mesh, axes: tuple[str, ...], ranks_per_node: int | None = None) -> ExpertDispatch:
+    """The dispatcher ``parallel.expert_dispatch = name`` names (:data:`EXPERT_DISPATCHES`) for the expert group
+    over ``mesh``'s ``axes``; ``"node"`` on a group inside one node (or without a mesh) is ``"rank"``.
+    ``ranks_per_node``: global ranks a node (default: the launcher's local world size)."""
+    if name == "choice":
+        return ChoiceDispatch()
+    if name == "node" and mesh is not None:
+        groups = NodeGroups.of(mesh, axes, ranks_per_node or local_slot()[1])
+        if groups.nodes > 1:
+            return NodeDispatch(groups)
+    return RankDispatch()
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -1146,7 +1255,7 @@ class MoELayer(nn.Module, StepState):
                  sequence_parallel: bool = False, kernel: ExpertKernel | None = None,
                  recompute_activation: bool = False, shared_hidden: int = 0, fold_tp: bool = False,
                  expert_tensor_parallel: bool = False, gating: Gating = Gating(), aux_loss_scope: str = "group",
-                 expert_dispatch: str = "choice", drop_policy: str = "position"):
+                 expert_dispatch: str = "choice", drop_policy: str = "position", ranks_per_node: int | None = None):
         super().__init__()
         self.tp = mesh.sizes["tp"] if mesh is not None else 1
         #: the mesh axes the experts are sharded over and the tokens exchanged over: ``("ep",)``, or with
@@ -1165,7 +1274,7 @@ class MoELayer(nn.Module, StepState):
         #: how the choices reach their experts under expert parallelism (``"choice"`` or ``"rank"``,
         #: :data:`EXPERT_DISPATCHES`)
         self.expert_dispatch = expert_dispatch
-        self.dispatch: ExpertDispatch = DISPATCHERS[expert_dispatch]
+        self.dispatch: ExpertDispatch = make_dispatch(expert_dispatch, mesh, self.expert_axes, ranks_per_node)
         #: how the router's logits become choices and gate values (softmax / sigmoid scores, group limit)
         self.gating = gating
         ep = mesh.size(*self.expert_axes) if mesh is not None else 1
