@@ -629,8 +629,10 @@ class _ExpertParallelFFN(torch.autograd.Function):
 #: kept (token, expert) choice, the outputs combined on the token's rank (GShard, DeepSpeed-MoE, Megatron-core's
 #: alltoall dispatcher; :class:`ChoiceDispatch`); ``"rank"``, one row per (token, expert-parallel rank holding any
 #: of its kept choices), the choices' outputs combined on that rank (DeepEP's dispatch and combine;
-#: :class:`RankDispatch`)
-EXPERT_DISPATCHES = ("choice", "rank")
+#: :class:`RankDispatch`); ``"node"``, one row per (token, node holding any of its kept choices) sent to the rank of
+#: the same within-node index there, which forwards it per rank inside its node (DeepEP's internode dispatch and
+#: combine; DeepSeek-V3, Sec. 3.2.2)
+EXPERT_DISPATCHES = ("choice", "rank", "node")
 
 
 def check_expert_dispatch(dispatch: str, width_split: bool = False) -> None:
