@@ -655,6 +655,10 @@ def test_gpt_of_passes_the_aux_loss_scope_through_and_the_planner_refuses_an_unk
 # Per-rank expert dispatch (DeepEP's dispatch/combine, DeepSeek-AI 2025, github.com/deepseek-ai/DeepEP; DeepSeek-V3,
 # Sec. 3.2.2): a token sent once to each expert-group rank among its choices, one summed row back per rank.
 
+# one MoE block as wide as DeepSeek-V3's (d 7168, 256 experts of width 2048, top 8)
+WIDE = GPT(layers=1, hidden=7168, heads=56, seq=4096, vocab=32000, ffn=2048, experts=256, top_k=8)
+
+
 def _ranks_per_token(e: int, n: int, k: int) -> float:
     """E[D] under uniform routing of k distinct choices among e experts, e/n on each of n ranks, from the
     binomials (the planner's own product form is not used)."""
@@ -757,8 +761,8 @@ def test_the_search_picks_per_rank_dispatch_for_a_wide_top_8_model_across_slow_n
     4 ranks); a tiny top-2 model's exchanges are latency, which the extra all-to-all only adds to. Per-rank
     candidates exist only where they can differ (top_k > 1, an expert group > 1, no expert tensor parallelism)."""
     from podscale.plan.search import candidate_layouts, search
-    wide = GPT(layers=1, hidden=7168, heads=56, seq=4096, vocab=32000, ffn=2048, experts=256, top_k=8)
-    best = search("jean-zay-a100", 32, wide, 64, top=1).ranked[0]
+    ranked = search("jean-zay-a100", 32, WIDE, 64, top=0).ranked
+    best = next(x for x in ranked if x.layout["expert_dispatch"] != "node")   # per node: its own test below
     assert best.layout["expert_dispatch"] == "rank"
     assert "per-rank" in Layout(**best.layout).short()
     tiny = planner_model(experts=8)
@@ -774,13 +778,18 @@ def test_the_search_picks_per_rank_dispatch_for_a_wide_top_8_model_across_slow_n
 
 
 @pytest.mark.parametrize("layout, model_kw, message", [
-    (dict(tp=1, dp=8, ep=2, expert_dispatch="token"), {}, "expert_dispatch must be one of ('choice', 'rank'), got "
-                                                          "'token': set expert_dispatch to 'choice'"),
+    (dict(tp=1, dp=8, ep=2, expert_dispatch="token"), {}, "expert_dispatch must be one of ('choice', 'rank', 'node'), "
+                                                          "got 'token': set expert_dispatch to 'choice'"),
     (dict(tp=2, dp=4, ep=2, expert_dispatch="rank", expert_tensor_parallel=True), {},
      "expert_dispatch 'rank' does not run with expert_tensor_parallel"),
     (dict(tp=2, dp=8, expert_dispatch="rank"), {}, "expert_dispatch 'rank' needs an MoE model exchanging tokens over "
                                                    "an expert group of more than one rank (experts 4, expert group 1)"),
     (dict(tp=1, dp=16, expert_dispatch="rank"), dict(experts=1), "expert_dispatch 'rank' needs an MoE model"),
+    (dict(tp=2, dp=4, ep=2, expert_dispatch="node", expert_tensor_parallel=True), {},
+     "expert_dispatch 'node' does not run with expert_tensor_parallel"),
+    (dict(tp=2, dp=8, expert_dispatch="node"), {}, "expert_dispatch 'node' needs an MoE model exchanging tokens over "
+                                                   "an expert group of more than one rank (experts 4, expert group 1)"),
+    (dict(tp=1, dp=16, expert_dispatch="node"), dict(experts=1), "expert_dispatch 'node' needs an MoE model"),
 ])
 def test_expert_dispatch_refusals_are_one_line_naming_the_key_and_the_fix(layout, model_kw, message):
     kw = {**dict(layers=4, hidden=256, heads=4, seq=64, vocab=512, experts=4, top_k=2, moe_every=2), **model_kw}
@@ -813,3 +822,119 @@ def test_expert_dispatch_round_trips_through_json_plan_predict_and_auto(capsys):
                                                        "batch 64, tp2 pp1 dp4 ep2 mb2 per-rank")
     assert "parallel.expert_dispatch='rank'" in layout_overrides(lay)
     assert "parallel.expert_dispatch='choice'" in layout_overrides(Layout(tp=2, dp=4, ep=2, microbatch=2))
+
+
+# Per-node expert dispatch (DeepEP's internode dispatch/combine: RDMA to the same-index GPU of each node, then NVLink
+# forwarding; DeepSeek-V3, Sec. 3.2.2): once to each node among a token's choices, then per rank inside the node.
+
+def _wide_ep(system: str, ep: int, dispatch: str, fold: bool = False, tp: int = 1, exposed: bool = False):
+    """The wide one-block model with its experts over ep ranks (x tp folded), one micro-batch of 1 sample a rank,
+    predicted under ``dispatch`` (``exposed``: a device that hides no collective under compute)."""
+    import dataclasses
+    sys_ = as_system(system)
+    if exposed:
+        sys_ = dataclasses.replace(sys_, device=dataclasses.replace(sys_.device, overlap_exposed=1.0))
+    lay = Layout(tp=tp, dp=1, ep=ep, microbatch=tp, fold_tp_into_ep=fold, expert_dispatch=dispatch)
+    return predict(sys_, ep * tp, WIDE, lay, ep * tp)
+
+
+@pytest.mark.parametrize("ep", [16, 32])
+def test_per_node_dispatch_prices_below_per_rank_below_per_choice_across_nodes(ep):
+    """An expert group of 16 or 32 ranks on 2 or 4 nodes of 8 A100s: per node sends a token's row between nodes
+    once per node of its 8 choices (D_node ~ 1.99 or 3.6), per rank once per rank (~ 6.5 or 7.3), per choice 8
+    times, so their ep communication is in that order; nothing else changes."""
+    p = {d: _wide_ep("dgx-a100-80g", ep, d) for d in ("choice", "rank", "node")}
+    ep_comm = {d: x.time_breakdown_s["ep_communication"] for d, x in p.items()}
+    assert ep_comm["node"] < ep_comm["rank"] < ep_comm["choice"]
+    assert p["node"].step_time_s < p["rank"].step_time_s < p["choice"].step_time_s
+    for key in p["choice"].time_breakdown_s.keys() - {"ep_communication"}:
+        assert p["node"].time_breakdown_s[key] == pytest.approx(p["rank"].time_breakdown_s[key], rel=1e-12, abs=1e-15)
+    assert p["node"].memory_breakdown_bytes == p["rank"].memory_breakdown_bytes
+
+
+@pytest.mark.parametrize("system, ep, tp, fold", [("dgx-a100-80g", 8, 1, False), ("dgx-a100-80g", 4, 2, False),
+                                                  ("dgx-a100-80g", 4, 2, True), ("tpu-v4-pod", 16, 1, False)])
+def test_per_node_dispatch_within_one_node_is_per_rank(system, ep, tp, fold):
+    """An expert group inside one node (8 at stride 1, 4 at stride 2, 4 x 2 folded; on a torus there are no
+    nodes): the runtime dispatches per rank, and so is it priced, to the bit."""
+    node, rank = (_wide_ep(system, ep, d, fold=fold, tp=tp) for d in ("node", "rank"))
+    assert node.time_breakdown_s == rank.time_breakdown_s and node.step_time_s == rank.step_time_s
+    assert node.memory_breakdown_bytes == rank.memory_breakdown_bytes
+
+
+@pytest.mark.parametrize("ep, stride_tp, fold", [(16, 1, False), (32, 1, False), (8, 2, False), (8, 2, True)])
+def test_per_node_dispatch_sends_d_node_over_k_of_the_rows_between_nodes(ep, stride_tp, fold):
+    """With nothing hidden, an MoE layer's ep communication per micro-batch is, by hand, stage 1 between the N nodes
+    (one peer a node, L x the group's stride apart: 2 int64 of counts a destination, 4 all-to-alls of D_node / k of
+    the per-choice rows, 24 bytes a kept choice of metadata each way) plus stage 2, per rank over the L ranks of a
+    node (counts of L x (E/n + 1) int64, 4 all-to-alls of D / k of the rows, 16 and 4 bytes a kept choice), with
+    D_node and D from the binomials; and the stage-1 token exchange less its latency is D_node / k of the per-choice
+    rows' exactly."""
+    system = as_system("dgx-a100-80g")
+    tp = stride_tp
+    n = ep * tp if fold else ep
+    stride = 1 if fold else tp
+    per_node = system.devices_per_node
+    L = min(n, per_node // stride)
+    N = n // L
+    assert N > 1
+    e, k, h = WIDE.experts, WIDE.top_k, WIDE.hidden
+    own = WIDE.seq                                   # one sample a rank (microbatch tp, split over tp)
+    choices = own * k * WIDE.expert_load(n)
+    sent = system.device.dtype_bytes * choices * h   # a rank's rows, one per kept choice
+    d_node, d = _ranks_per_token(e, N, k), _ranks_per_token(e, n, k)
+
+    def across(nbytes):
+        return net.all_to_all_time(system, nbytes, N, L * stride)
+
+    def inside(nbytes):
+        return net.all_to_all_time(system, nbytes, L, stride)
+
+    others = (across(16 * N) + inside(8 * (e // N + L)) + across(24 * choices) + inside(16 * choices)
+              + across(24 * choices) + inside(4 * choices))
+    by_hand = 4 * (across(sent * d_node / k) + inside(sent * d / k)) + others
+    pred = _wide_ep("dgx-a100-80g", ep, "node", fold=fold, tp=tp, exposed=True)
+    assert pred.time_breakdown_s["ep_communication"] == pytest.approx(by_hand, rel=1e-9)
+    stage1 = (pred.time_breakdown_s["ep_communication"] - others) / 4 - inside(sent * d / k) - across(0.0)
+    assert stage1 / (across(sent) - across(0.0)) == pytest.approx(d_node / k, rel=1e-9)
+    assert d_node < d < k
+
+
+def test_every_expert_dispatch_the_runtime_names_is_priced():
+    from podscale.parallel.moe.layer import EXPERT_DISPATCHES
+    assert "node" in EXPERT_DISPATCHES
+    for dispatch in EXPERT_DISPATCHES:
+        assert _wide_ep("dgx-a100-80g", 16, dispatch).step_time_s > 0
+
+
+def test_the_search_tries_per_node_dispatch_where_the_expert_group_spans_nodes_and_picks_it_for_the_wide_model():
+    """Per-node candidates exist where per-rank ones do and the expert group spans more than one node (8 devices a
+    node: an ep group of 16, of 8 at stride 2, or folded ep x tp of 16); on 4 Jean Zay nodes the wide top-8 block's
+    fastest layout dispatches per node."""
+    from podscale.plan import network
+    from podscale.plan.search import candidate_layouts, search
+    system = as_system("dgx-a100-80g")
+    lays = list(candidate_layouts(system, 32, planner_model(experts=16), 64, microbatches=(2,)))
+    node = [x for x in lays if x.expert_dispatch == "node"]
+    spans = {(x.tp, x.ep, x.fold_tp_into_ep) for x in lays if x.expert_dispatch == "rank"
+             and network.node_members(system, x.expert_group, x.expert_group_stride) < x.expert_group}
+    assert node and {(x.tp, x.ep, x.fold_tp_into_ep) for x in node} == spans
+    assert (1, 16, False) in spans and (2, 8, False) in spans and (2, 8, True) in spans
+    assert (1, 8, False) not in spans and (2, 4, False) not in spans
+    top1 = candidate_layouts(system, 32, planner_model(experts=16, top_k=1), 64, microbatches=(2,))
+    assert not any(x.expert_dispatch == "node" for x in top1)
+    best = search("jean-zay-a100", 32, WIDE, 64, top=1).ranked[0]
+    assert best.layout["expert_dispatch"] == "node" and "per-node" in Layout(**best.layout).short()
+
+
+def test_plan_predict_says_per_node_dispatch(capsys):
+    import json
+    from podscale.plan.cli import main
+    from podscale.plan.layout import layout_from_dict
+    lay = Layout(tp=2, dp=4, ep=2, microbatch=2, expert_dispatch="node")
+    assert layout_from_dict(json.loads(json.dumps(lay.to_dict()))) == lay
+    model = '{"layers": 8, "hidden": 1024, "heads": 16, "seq": 1024, "vocab": 32000, "experts": 8, "top_k": 2}'
+    assert main(["plan", "predict", "--system", "dgx-a100-80g", "--devices", "16", "--batch", "64", "--model", model,
+                 "--layout", '{"tp": 2, "pp": 1, "dp": 4, "ep": 2, "microbatch": 2, "expert_dispatch": "node"}']) == 0
+    assert capsys.readouterr().out.splitlines()[0] == ("custom (experts 8 top2, per-node dispatch) on 16 x dgx-a100-80g, "
+                                                       "batch 64, tp2 pp1 dp4 ep2 mb2 per-node")

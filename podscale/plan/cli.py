@@ -235,7 +235,9 @@ def _moe_summary(m, layout=None) -> str:
     the step's micro-batches); with a ``layout`` that
     sets ``fold_tp_into_ep`` or ``expert_tensor_parallel`` also where its experts are (", folded: 4 a rank over
     ep*tp = 16", ", split over tp: 8 a rank at 1/2 of their width"), and ", per-rank dispatch" with
-    ``expert_dispatch`` "rank" (a token sent once to each rank of its experts, DeepEP's dispatch); "" otherwise."""
+    ``expert_dispatch`` "rank" (a token sent once to each rank of its experts, DeepEP's dispatch), ", per-node
+    dispatch" with "node" (once to each node of its experts, then per rank inside it, DeepEP's internode
+    dispatch); "" otherwise."""
     from .gpt_cost import local_experts
     from .models import GPT
     if not isinstance(m, GPT) or m.experts < 2:
@@ -246,8 +248,8 @@ def _moe_summary(m, layout=None) -> str:
         out += f", folded: {local_experts(m, layout)} a rank over ep*tp = {layout.expert_group}"
     if layout is not None and layout.expert_tensor_parallel:
         out += f", split over tp: {local_experts(m, layout)} a rank at 1/{layout.tp} of their width"
-    if layout is not None and layout.expert_dispatch == "rank":
-        out += ", per-rank dispatch"
+    if layout is not None and layout.expert_dispatch != "choice":
+        out += f", per-{layout.expert_dispatch} dispatch"
     return out
 
 

@@ -70,6 +70,13 @@ metadata all-to-alls are priced exposed). The experts run the same rows,
 and the weighted sum moves from the token's rank to the expert's: compute, memory and routing bytes are
 priced as ``"choice"``'s.
 
+With ``expert_dispatch = "node"`` (DeepEP's internode dispatch and combine: RDMA to the GPU of the same index on each
+node, then NVLink forwarding; DeepSeek-V3, Sec. 3.2.2) an expert group spanning N nodes exchanges in two stages: a
+token crosses the network once to each node of its kept choices (D_node rows a token, ``expected_ranks_per_token``
+over the nodes, its metadata 24 bytes a choice: ``NODE_METADATA_BYTES``), exposed, and the receiving peer dispatches
+it per rank inside its node as ``"rank"`` does over the node's ranks (``_node_exchanges``). Within one node it is
+``"rank"``. Each dispatch's exchanges are priced by one small function (``_DISPATCH_PRICES``: ``TokenExchanges``).
+
 Ranks hold the layers the trainer gives them (``stages.py``: its parameter-balanced split, or the layout's
 ``pipeline_layers``), so pipelines need not divide the layers.
 
@@ -135,6 +142,11 @@ GRAD_SCALE_BYTES = 8
 # index and gate value as two float64; the backward's gate-value gradient, in the fp32 router's precision.
 DISPATCH_METADATA_BYTES = 16
 GATE_GRAD_BYTES = 4
+# Per-node dispatch's first stage (DeepEP's internode dispatch/combine; DeepSeek-V3, Sec. 3.2.2), bytes per kept
+# choice sent between nodes beside the rows: the forward's row index, global expert id and gate value as three
+# float64, and the backward's metadata with the gate-value gradient back, the same 24 bytes.
+NODE_METADATA_BYTES = 24
+NODE_METADATA_GRAD_BYTES = 24
 KERNELS_PER_LAYER = 20         # forward kernels of one layer (2 norms, 4 linears + biases, attention
                                # core, GeLU, dropouts, residual adds); host overhead counts on CPUs only
 
@@ -169,10 +181,10 @@ def check_gpt_layout(system: System, devices: int, model: GPT, layout: Layout, b
                           f"{layout.microbatch} must be a multiple of {layout.tp}")
     if layout.ep > 1 and (model.experts == 1 or model.experts % layout.ep):
         raise LayoutError(f"ep={layout.ep} needs an MoE model whose experts ({model.experts}) it divides")
-    if layout.expert_dispatch == "rank" and (model.experts == 1 or layout.expert_group == 1):
-        raise LayoutError("expert_dispatch 'rank' needs an MoE model exchanging tokens over an expert group of more than "
-                          f"one rank (experts {model.experts}, expert group {layout.expert_group}): set ep > 1 (or "
-                          "fold_tp_into_ep), or expert_dispatch 'choice'")
+    if layout.expert_dispatch != "choice" and (model.experts == 1 or layout.expert_group == 1):
+        raise LayoutError(f"expert_dispatch {layout.expert_dispatch!r} needs an MoE model exchanging tokens over an "
+                          f"expert group of more than one rank (experts {model.experts}, expert group "
+                          f"{layout.expert_group}): set ep > 1 (or fold_tp_into_ep), or expert_dispatch 'choice'")
     if layout.fold_tp_into_ep and (model.experts == 1 or model.experts % layout.expert_group):
         raise LayoutError(f"fold_tp_into_ep needs an MoE model whose experts ({model.experts}) ep*tp = {layout.ep}*"
                           f"{layout.tp} = {layout.expert_group} divides (a rank holds experts / (ep*tp)): choose ep "
@@ -217,9 +229,10 @@ def _layer_times_uncached(system: System, model: GPT, lay: Layout, moe: bool) ->
              linear_time(dev, tokens, h, h / t, bytes_per_element=e)]          # attention output
     hide = (0.0, 0.0)       # expert work each all-to-all of a forward / backward runs behind
     routing = (0.0, 0.0)    # the MoE layer's routing, dispatch and combine, forward and backward
-    counts = 0.0            # its count exchange, exposed
-    metadata = (0.0, 0.0)   # per-rank dispatch's extra all-to-all of a forward / backward, exposed
-    per_rank = moe and group > 1 and lay.expert_dispatch == "rank"
+    counts = 0.0            # its count exchanges, exposed
+    # its token exchanges over the expert group as its dispatch runs them (none on one rank)
+    exchanges = (_dispatch_exchanges(system, model, lay, tokens / t, scale, e * (tokens * h)) if moe and group > 1
+                 else None)
     if moe:
         # podscale's MoE layer under tp: each tp rank routes 1/tp of the micro-batch's samples, exchanges
         # them over its expert group (its ep group; folded, ep x tp) and runs them through whole experts
@@ -237,24 +250,17 @@ def _layer_times_uncached(system: System, model: GPT, lay: Layout, moe: bool) ->
         # every tp rank's tokens at 1/tp of its width (WidthSplit.run_dense)
         shared = _mlp_gemms(dev, etp * own, model.shared_ffn / etp, h, e) if model.shared_experts else []
         gemms += shared
-        # a rank receives about own x top_k rows in (source rank, local expert) segments: group x E/group = E
-        if group > 1 and etp == 1 and overlaps_exchange(own * model.top_k, model.experts):
-            # the layer runs a rank's own rows (1/group of its experts' work) in two halves while the two
+        # a rank receives about own x top_k rows in (source rank, local expert) segments (TokenExchanges.segments)
+        if exchanges and etp == 1 and overlaps_exchange(own * model.top_k, exchanges.segments):
+            # the layer runs a rank's own rows (1/own_share of its experts' work) in two halves while the two
             # exchanges of each pass are in flight (podscale.parallel.moe.layer._ExpertParallelFFN)
-            hide = tuple(sum(x[i] for x in experts) / (2 * group) for i in (0, 1))
+            hide = tuple(sum(x[i] for x in experts) / (2 * exchanges.own_share) for i in (0, 1))
         route_bytes = moe_routing_bytes(own, model.experts, model.top_k, h, e)
         routing = tuple(routing_time(dev, x, sum(route_bytes)) for x in route_bytes)
-        if group > 1:
-            # the counts (E integers; per rank, n x (E/n + 1)) exchanged over the expert group before the
-            # tokens, while the shared experts run (MoELayer._forward_local)
-            count_bytes = 8 * (model.experts + group) if per_rank else 8 * model.experts
-            counts = overlapped_exposed(dev, net.all_to_all_time(system, count_bytes, group,
-                                                                 1 if lay.fold_tp_into_ep else t),
-                                        sum(x[0] for x in shared))
-        if per_rank:
-            # the kept choices' metadata out in the forward, their gate-value gradients back in the backward
-            metadata = tuple(net.all_to_all_time(system, x * own * scale, group, 1 if lay.fold_tp_into_ep else t)
-                             for x in (DISPATCH_METADATA_BYTES, GATE_GRAD_BYTES))
+        if exchanges:
+            # the count exchange before the tokens, while the shared experts run (MoELayer._forward_local), and
+            # any that follows it
+            counts = overlapped_exposed(dev, exchanges.counts, sum(x[0] for x in shared)) + exchanges.counts_exposed
     else:
         gemms += _mlp_gemms(dev, tokens, f / t, h, e)           # column- then row-parallel
     dense, dense_bwd = sum(g[0] for g in gemms), sum(g[1] for g in gemms)
@@ -292,12 +298,9 @@ def _layer_times_uncached(system: System, model: GPT, lay: Layout, moe: bool) ->
                   if moe and model.expert_recompute else 0.0)
     act_bytes = e * sbh                                       # one [s, b, h] activation tensor
     tp_ar = net.all_reduce_time(system, act_bytes, t, 1) if t > 1 else 0.0
-    # a rank exchanges the rows of its own 1/tp of the samples over its ep group (stride tp: the ranks of
-    # its tp index), or folded over its ep x tp group (stride 1: the tp neighbours, then the ep ranks); per
-    # rank, D rows a token instead of top_k
-    rows_per_choice = expected_ranks_per_token(model.experts, model.top_k, group) / model.top_k if per_rank else 1.0
-    a2a = (net.all_to_all_time(system, act_bytes * scale * rows_per_choice / t, group,
-                               1 if lay.fold_tp_into_ep else t) if moe and group > 1 else 0.0)
+    a2a = exchanges.tokens if exchanges else 0.0
+    unhidden = exchanges.tokens_exposed if exchanges else 0.0
+    metadata = exchanges.metadata if exchanges else (0.0, 0.0)
     # Weight-gradient GEMMs of the column-parallel linears (QKV, and a dense block's MLP-in), which
     # Megatron's asynchronous tensor-parallel backward runs while the input gradient's collective is in flight.
     wgrad = [weight_grad_time(dev, tokens, 3 * h / t, h, bytes_per_element=e)]
@@ -333,10 +336,128 @@ def _layer_times_uncached(system: System, model: GPT, lay: Layout, moe: bool) ->
                 (FUSED_ATTN_BWD_OVER_FWD if lay.fused_attention else BWD_OVER_FWD) * (attn + ew_attn))
     return {"gemm": dense, "gemm_bwd": dense_bwd, "attn": attn + ew_attn, "attn_bwd": attn_bwd, "ew": ew,
             "tp_fwd": tp_fwd, "tp_bwd": tp_bwd, "a2a": a2a, "expert_recompute": gelu_again,
-            "a2a_exposed": tuple(overlapped_exposed(dev, a2a, x) for x in hide), "counts": counts,
+            "a2a_exposed": tuple(overlapped_exposed(dev, a2a, x) + unhidden for x in hide), "counts": counts,
             "dispatch_metadata": metadata,
             "routing": routing[0], "routing_bwd": routing[1],
             "kernels": KERNELS_PER_LAYER * dev.kernel_overhead}
+
+
+@dataclass(frozen=True)
+class TokenExchanges:
+    """Seconds of one MoE layer's exchanges over its expert group for one micro-batch, as its dispatch runs them
+    (``Layout.expert_dispatch``; one small pricing function per dispatch: :data:`_DISPATCH_PRICES`).
+    ``_layer_times`` hides ``tokens`` under the own rows (``overlaps_exchange`` with ``segments``; the own rows
+    are 1/``own_share`` of a rank's expert work) and adds the rest exposed."""
+
+    tokens: float                 # one token all-to-all (a pass has two: dispatch and combine, or their gradients)
+                                  # that the own rows may run under
+    segments: float               # (source rank, local expert) segments a rank receives those rows in
+    own_share: int                # ranks that exchange spans, the own rank among them
+    counts: float                 # the count exchange before the tokens (run under the shared experts)
+    counts_exposed: float = 0.0   # count exchanges after it, exposed
+    tokens_exposed: float = 0.0   # per token all-to-all, seconds of exchanges nothing hides
+    metadata: tuple = (0.0, 0.0)  # the forward's / backward's extra all-to-alls, exposed
+
+
+@dataclass(frozen=True)
+class _Routed:
+    """What one rank of an MoE layer exchanges in one micro-batch: ``own`` tokens it routes (its 1/tp of the
+    samples), ``scale`` rows a token on the busiest rank (top_k x the expert load), ``act_bytes`` the micro-batch's
+    [s, b, h] activation, over an expert ``group`` of ranks ``stride`` apart (``Layout.expert_group_stride``)."""
+
+    own: float
+    scale: float
+    act_bytes: float
+    tp: int
+    group: int
+    stride: int
+
+    def rows_bytes(self, rows_per_choice: float) -> float:
+        """Bytes of a rank's token rows when a kept choice costs ``rows_per_choice`` rows (1 per choice)."""
+        return self.act_bytes * self.scale * rows_per_choice / self.tp
+
+    def choice_bytes(self, per_choice: float) -> float:
+        """Bytes of ``per_choice`` bytes for each of a rank's kept choices (metadata, gate gradients)."""
+        return per_choice * self.own * self.scale
+
+
+def _dispatch_exchanges(system: System, model: GPT, lay: Layout, own: float, scale: float,
+                        act_bytes: float) -> TokenExchanges:
+    """The token, count and metadata exchanges of one MoE layer over its expert group (> 1 rank) under the
+    layout's ``expert_dispatch``: a rank exchanges the rows of its own 1/tp of the samples over its ep group
+    (stride tp: the ranks of its tp index), or folded over its ep x tp group (stride 1)."""
+    routed = _Routed(own, scale, act_bytes, lay.tp, lay.expert_group, lay.expert_group_stride)
+    return _DISPATCH_PRICES[lay.expert_dispatch](system, model, routed)
+
+
+def _choice_exchanges(system: System, model: GPT, r: _Routed) -> TokenExchanges:
+    """Per choice (GShard's all-to-all): one row per kept choice each way, after a count exchange of E int64."""
+    return TokenExchanges(tokens=net.all_to_all_time(system, r.rows_bytes(1.0), r.group, r.stride),
+                          segments=model.experts, own_share=r.group,
+                          counts=net.all_to_all_time(system, 8 * model.experts, r.group, r.stride))
+
+
+def _rank_exchanges(system: System, model: GPT, r: _Routed) -> TokenExchanges:
+    """Per rank (DeepEP's dispatch and combine: DeepSeek-AI 2025, github.com/deepseek-ai/DeepEP): D rows a token
+    instead of top_k (:func:`expected_ranks_per_token`), over the whole expert group."""
+    rows_per_choice = expected_ranks_per_token(model.experts, model.top_k, r.group) / model.top_k
+    return _per_rank_stage(system, r, rows_per_choice, model.experts, r.group, r.stride)
+
+
+def _per_rank_stage(system: System, r: _Routed, rows_per_choice: float, held: int, members: int,
+                    stride: int) -> TokenExchanges:
+    """A per-rank exchange among ``members`` ranks ``stride`` apart holding ``held`` experts between them:
+    ``rows_per_choice`` rows a kept choice each way, a count exchange of members x (held/members + 1) int64 (8
+    (held + members) bytes a rank), and one more all-to-all a pass, the forward's metadata
+    (``DISPATCH_METADATA_BYTES`` a kept choice) and the backward's gate-value gradients (``GATE_GRAD_BYTES``)."""
+    def a2a(nbytes: float) -> float:
+        return net.all_to_all_time(system, nbytes, members, stride)
+    return TokenExchanges(tokens=a2a(r.rows_bytes(rows_per_choice)), segments=held, own_share=members,
+                          counts=a2a(8 * (held + members)),
+                          metadata=tuple(a2a(r.choice_bytes(x)) for x in (DISPATCH_METADATA_BYTES, GATE_GRAD_BYTES)))
+
+
+def _node_exchanges(system: System, model: GPT, r: _Routed) -> TokenExchanges:
+    """Per node (DeepEP's internode dispatch and combine: DeepSeek-AI 2025, github.com/deepseek-ai/DeepEP, RDMA
+    to the GPU of the same index on each destination node, then NVLink forwarding; DeepSeek-V3, Sec. 3.2.2), over
+    an expert group of n ranks on N nodes, L = n/N of them a node (``network.node_members``):
+
+    1. between nodes, a token goes once to each node holding any of its kept choices, to its peer there (the rank
+       of the same within-node index; on its own node, itself): D_node rows a token, D_node =
+       :func:`expected_ranks_per_token` (E, k, N), the same formula with nodes for ranks; priced as N-member
+       all-to-alls at stride L x the group's stride (inter-node links): the count exchange (2 int64 a
+       destination: rows, choices; run under the shared experts as any first count exchange), the rows out and
+       the combined rows back in the forward (the output and input gradients in the backward), and the kept
+       choices' metadata (``NODE_METADATA_BYTES``; the backward's ``NODE_METADATA_GRAD_BYTES``), all exposed;
+    2. inside the node, the peer dispatches the rows it received per rank over the node's L ranks (intra-node
+       links), priced as ``"rank"`` is (:func:`_per_rank_stage`: its own-row hiding with E/N experts in the node,
+       its exposed count exchange after stage 1's, its metadata and gate gradients). Its rows: a stage-1 row
+       reaches on average D / D_node ranks of its node (D = expected_ranks_per_token(E, k, n)), which is exact in
+       expectation under uniform routing and not an approximation: the ranks a token reaches are those it reaches
+       on each node it reaches, and a node it misses holds none of them, so E[ranks] = D_node x E[ranks on a
+       reached node]. A rank thus sends D rows a token inside its node, as many as ``"rank"`` sends over the group.
+
+    When the group lies in one node (N = 1, or a torus) the runtime runs ``"rank"``, and so is it priced."""
+    members = net.node_members(system, r.group, r.stride)
+    nodes = r.group // members
+    if nodes == 1:
+        return _rank_exchanges(system, model, r)
+    experts, k = model.experts, model.top_k
+    inside = _per_rank_stage(system, r, expected_ranks_per_token(experts, k, r.group) / k, experts // nodes,
+                             members, r.stride)
+
+    def across(nbytes: float) -> float:     # to the peers: one rank a node, L x the group's stride apart
+        return net.all_to_all_time(system, nbytes, nodes, members * r.stride)
+    meta = tuple(across(r.choice_bytes(x)) + m
+                 for x, m in zip((NODE_METADATA_BYTES, NODE_METADATA_GRAD_BYTES), inside.metadata))
+    return TokenExchanges(tokens=inside.tokens, segments=inside.segments, own_share=inside.own_share,
+                          counts=across(16 * nodes), counts_exposed=inside.counts,
+                          tokens_exposed=across(r.rows_bytes(expected_ranks_per_token(experts, k, nodes) / k)),
+                          metadata=meta)
+
+
+#: how each ``expert_dispatch`` (layout.EXPERT_DISPATCHES) is priced
+_DISPATCH_PRICES = {"choice": _choice_exchanges, "rank": _rank_exchanges, "node": _node_exchanges}
 
 
 def expected_ranks_per_token(experts: int, top_k: int, group: int) -> float:
@@ -351,7 +472,9 @@ def expected_ranks_per_token(experts: int, top_k: int, group: int) -> float:
     routing (Sec. 2.1.2; its all-to-all, Sec. 3.2.2) caps D by confining each token's choices to a few groups of
     experts (D <= min(k, groups x ranks per group) when a group is a set of ranks); the planner's GPT has no
     router groups (``models.GPT``: experts, top_k only), so this is the uniform value, an upper bound on D under
-    such routing. The product form below is C(E - E/n, k) / C(E, k) without the large binomials."""
+    such routing. Per-node dispatch (DeepEP's internode dispatch) reads it with nodes for ranks: D_node, the
+    distinct nodes among a token's choices (``_node_exchanges``). The product form below is C(E - E/n, k) / C(E, k)
+    without the large binomials."""
     if group <= 1 or top_k <= 1:
         return 1.0
     per_rank = experts / group

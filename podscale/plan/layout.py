@@ -44,8 +44,11 @@ class Layout:
                                   # = tp): each tp rank holds 1/tp of the hidden width of its ep rank's experts
                                   # and runs all the tp ranks' exchanged rows through it (all-gathered over tp,
                                   # partial outputs reduce-scattered back); exclusive with fold_tp_into_ep
-    expert_dispatch: Literal["choice", "rank"] = "choice"  # EXPERT_DISPATCHES: one row per kept choice ("choice"), or one per (token,
-                                  # expert-group rank), summed there (DeepEP's "rank"); not with expert_tensor_parallel
+    expert_dispatch: Literal["choice", "rank", "node"] = "choice"  # EXPERT_DISPATCHES: one row per kept choice
+                                  # ("choice"), one per (token, expert-group rank), summed there (DeepEP's
+                                  # "rank"), or one per (token, node) to the same-index rank there, then per rank
+                                  # inside the node (DeepEP's internode "node"); the last two not with
+                                  # expert_tensor_parallel
     zero_stage: int = 0
     offload_optimizer: str = "none"
     offload_param: str = "none"
@@ -97,10 +100,11 @@ class Layout:
                               "there is nothing to fold): set tp > 1 or fold_tp_into_ep false")
         if self.expert_dispatch not in EXPERT_DISPATCHES:
             raise LayoutError(f"expert_dispatch must be one of {EXPERT_DISPATCHES}, got {self.expert_dispatch!r}: "
-                              "set expert_dispatch to 'choice' (one row per kept choice) or 'rank' (one per rank)")
-        if self.expert_dispatch == "rank" and self.expert_tensor_parallel:
-            raise LayoutError("expert_dispatch 'rank' does not run with expert_tensor_parallel (the trainer refuses "
-                              "it too): set expert_dispatch 'choice' or expert_tensor_parallel false")
+                              "set expert_dispatch to 'choice' (one row per kept choice), 'rank' (one per rank) or "
+                              "'node' (one per node, then per rank inside it)")
+        if self.expert_dispatch != "choice" and self.expert_tensor_parallel:
+            raise LayoutError(f"expert_dispatch {self.expert_dispatch!r} does not run with expert_tensor_parallel (the "
+                              "trainer refuses it too): set expert_dispatch 'choice' or expert_tensor_parallel false")
 
     @property
     def devices(self) -> int:
@@ -119,6 +123,13 @@ class Layout:
         mesh axis, so the group is ep x tp consecutive ranks). Without folding every tp rank holds the same
         experts (replicated over tp)."""
         return self.ep * self.tp if self.fold_tp_into_ep else self.ep
+
+    @property
+    def expert_group_stride(self) -> int:
+        """Global ranks between consecutive members of :attr:`expert_group`: tp for an ep group (the ranks of one
+        tp index), 1 folded (ep x tp consecutive ranks). With the devices per node it says which members share a
+        node (``network.node_members``), what ``expert_dispatch`` "node" prices."""
+        return 1 if self.fold_tp_into_ep else self.tp
 
     @property
     def expert_tensor_parallel_size(self) -> int:
@@ -160,8 +171,8 @@ class Layout:
             s += " fold"
         if self.expert_tensor_parallel:
             s += " etp"
-        if self.expert_dispatch == "rank":
-            s += " per-rank"
+        if self.expert_dispatch != "choice":
+            s += f" per-{self.expert_dispatch}"
         if self.fused_attention:
             s += " flash"
         if self.parallel_block:

@@ -25,10 +25,20 @@ from .hardware import Link, System
 Level = tuple  # (members, bandwidth bytes/s, latency s)
 
 
+def node_members(system: System, n: int, stride: int = 1) -> int:
+    """Members of a group of ``n`` ranks ``stride`` apart that share one node (ranks fill a node before the next
+    one): on switched systems those behind one NVLink/NVSwitch domain, the rest reached over the NICs; n // this
+    is the number of nodes the group spans. A torus or a weight-streaming system has no such split: the whole
+    group counts as one node."""
+    if system.topology not in ("switch", "fat-tree", "host"):
+        return max(1, n)
+    per_node = system.devices_per_node
+    return max(1, min(n, per_node // stride)) if stride < per_node else 1
+
+
 def _switch_levels(system: System, n: int, stride: int, collective: str = "all_reduce") -> list[Level]:
     """Members per node first (NVLink/NVSwitch), then nodes over the per-device NIC share."""
-    per_node = system.devices_per_node
-    inside = max(1, min(n, per_node // stride)) if stride < per_node else 1
+    inside = node_members(system, n, stride)
     levels = []
     if inside > 1:
         levels.append((inside, system.intra.effective_for(collective), system.intra.latency))

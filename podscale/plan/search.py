@@ -1,6 +1,6 @@
 """Layout search: enumerate tp x pp x dp x ep x ZeRO stage x micro-batch x recompute x schedule x
-interleave (x sequence parallelism x MoE parallel folding or expert tensor parallelism x expert dispatch x
-optimizer offload),
+interleave (x sequence parallelism x MoE parallel folding or expert tensor parallelism x expert dispatch: per
+choice, per rank, and per node where the expert group spans nodes x optimizer offload),
 drop layouts that do not fit in device memory, rank the rest by predicted throughput (tokens/s; samples/s for DLRM).
 
 Tensor parallelism is limited to one node's fast domain on switched systems (tp <= devices per node),
@@ -14,6 +14,7 @@ import dataclasses
 import time
 from dataclasses import dataclass, field
 
+from . import network as net
 from .cost import predict
 from .hardware import System, as_system
 from .layout import Layout, LayoutError
@@ -78,6 +79,8 @@ def candidate_layouts(system: System, devices: int, model, batch: int, microbatc
                                         yield lay
                                         if _tries_per_rank_dispatch(model, lay):
                                             yield dataclasses.replace(lay, expert_dispatch="rank")
+                                        if _tries_per_node_dispatch(system, model, lay):
+                                            yield dataclasses.replace(lay, expert_dispatch="node")
 
 
 def _tp_options(model, tp: int, ep: int) -> list[tuple[bool, bool, bool]]:
@@ -107,6 +110,15 @@ def _tries_per_rank_dispatch(model, lay: Layout) -> bool:
     bytes than one row per choice, for one more all-to-all a pass: the cost model weighs it
     (gpt_cost.expected_ranks_per_token)."""
     return model.experts > 1 and model.top_k > 1 and lay.expert_group > 1 and not lay.expert_tensor_parallel
+
+
+def _tries_per_node_dispatch(system: System, model, lay: Layout) -> bool:
+    """Whether to try ``lay`` with per-node expert dispatch too (DeepEP's internode dispatch/combine, DeepSeek-AI
+    2025, github.com/deepseek-ai/DeepEP: once to the same-index GPU of each node over RDMA, then per rank over
+    NVLink; DeepSeek-V3, Sec. 3.2.2): where per rank is tried and the expert group spans more than one node
+    (``network.node_members`` of the group at its stride); within one node it is per rank (gpt_cost._node_exchanges)."""
+    return (_tries_per_rank_dispatch(model, lay)
+            and net.node_members(system, lay.expert_group, lay.expert_group_stride) < lay.expert_group)
 
 
 def search(system: System | str, devices: int, model, batch: int, top: int = 10,

@@ -631,8 +631,9 @@ class _ExpertParallelFFN(torch.autograd.Function):
 #: kept (token, expert) choice, the outputs combined on the token's rank (GShard, DeepSpeed-MoE, Megatron-core's
 #: alltoall dispatcher; :class:`ChoiceDispatch`); ``"rank"``, one row per (token, expert-parallel rank holding any
 #: of its kept choices), the choices' outputs combined on that rank (DeepEP's dispatch and combine;
-#: :class:`RankDispatch`); ``"node"``, one row per (token, node) between nodes, forwarded inside the node per rank
-#: (DeepEP's internode dispatch; :class:`NodeDispatch`)
+#: :class:`RankDispatch`); ``"node"``, one row per (token, node holding any of its kept choices) sent to the rank of
+#: the same within-node index there, which forwards it per rank inside its node (DeepEP's internode dispatch and
+#: combine, DeepSeek-V3 section 3.2.2; :class:`NodeDispatch`)
 EXPERT_DISPATCHES = ("choice", "rank", "node")
 
 
