@@ -39,7 +39,8 @@ SMALL = dict(n_layer=4, n_head=4, n_embd=128, block_size=128)
 MOE = dict(kind="'gpt-moe'", **SMALL, experts=8, top_k=2, moe_every=2, capacity_factor=1.25,
            random_routing="false")
 ISSUE = dict(n_layer=12, n_head=10, n_embd=640, block_size=128)     # issue 15's 12-layer 640-wide GPT
-# (label, model overrides, global batch, micro batch, layout {tp, pp, dp}, ZeRO stage)
+# (label, model overrides, global batch, micro batch, layout {tp, pp, dp[, ep, fold_tp_into_ep, expert_dispatch]},
+# ZeRO stage)
 CASES = [
     ("dp2 L4 h128 mb8", SMALL, 16, 8, dict(tp=1, pp=1, dp=2), 0),
     ("dp2 L4 h128 mb4 (accum 2)", SMALL, 16, 4, dict(tp=1, pp=1, dp=2), 0),
@@ -54,6 +55,7 @@ CASES = [
     ("tp2 L12 h640 mb4", ISSUE, 4, 4, dict(tp=2, pp=1, dp=1), 0),
     ("pp2 L12 h640 mb2 (m 4)", ISSUE, 8, 2, dict(tp=1, pp=2, dp=1), 0),
     ("moe ep2 L4 h128 E8 mb8", MOE, 16, 8, dict(tp=1, pp=1, dp=1, ep=2), 0),
+    ("moe ep2 L4 h128 E8 mb8 per rank", MOE, 16, 8, dict(tp=1, pp=1, dp=1, ep=2, expert_dispatch="rank"), 0),
     ("moe tp2 L4 h128 E8 mb8 (accum 2)", MOE, 16, 8, dict(tp=2, pp=1, dp=1), 0),
     ("moe tp2 folded L4 h128 E8 mb8 (accum 2)", MOE, 16, 8, dict(tp=2, pp=1, dp=1, fold_tp_into_ep=True), 0),
 ]
@@ -65,6 +67,7 @@ def run_train(overrides: dict, global_batch: int, micro_batch: int, layout: dict
     sets += [f"train.global_batch={global_batch}", f"train.micro_batch={micro_batch}",
              f"parallel.tp={layout['tp']}", f"parallel.pp={layout['pp']}", f"parallel.ep={layout.get('ep', 1)}",
              f"parallel.fold_tp_into_ep={'true' if layout.get('fold_tp_into_ep') else 'false'}", f"zero.stage={zero}",
+             f"parallel.expert_dispatch='{layout.get('expert_dispatch', 'choice')}'",
              "run.eval_every=0", "run.sample_tokens=0", "checkpoint.every=100000"]
     cmd = [sys.executable, "-m", "podscale.cli", "train", "--nproc", "2", "--steps", str(steps),
            "--out-dir", str(out), "--name", name, "--fresh"]
