@@ -699,9 +699,9 @@ def _dispatch_case(top_k: int, experts: int = 32, fold: bool = False):
 @pytest.mark.parametrize("fold", [False, True], ids=["ep", "folded"])
 def test_per_rank_dispatch_sends_d_over_k_of_the_token_bytes_and_pays_its_extra_all_to_alls(fold):
     """Per rank, each of the four token all-to-alls of an MoE layer and micro-batch carries D / k of the
-    per-choice bytes (D from the binomials), the count exchange n x (E/n + 1) int64, and each pass one more
-    all-to-all over the same group: 16 bytes a kept choice in the forward, 4 in the backward. Everything else
-    (GEMMs, routing, memory) is per-choice's."""
+    per-choice bytes (D from the binomials), the count exchange n x (E/n + 1) int64, and two of them carry more:
+    16 bytes a kept choice with the rows out in the forward, 4 with the input gradients back in the backward
+    (one collective each: bandwidth, no latency). Everything else (GEMMs, routing, memory) is per-choice's."""
     c = _dispatch_case(top_k=2, fold=fold)
     system, n, stride, rows, e = c["system"], c["group"], c["stride"], c["rows"], c["e"]
     a2a = lambda nbytes: net.all_to_all_time(system, nbytes, n, stride)     # noqa: E731
@@ -709,7 +709,9 @@ def test_per_rank_dispatch_sends_d_over_k_of_the_token_bytes_and_pays_its_extra_
     d = _ranks_per_token(e, n, 2)
     assert 1 < d < 2
     choice = 4 * a2a(sent) + a2a(8 * e)
-    rank = 4 * a2a(sent * d / 2) + a2a(8 * (e + n)) + a2a(16 * rows) + a2a(4 * rows)
+    tokens = sent * d / 2
+    meta = a2a(tokens + 16 * rows) - a2a(tokens) + a2a(tokens + 4 * rows) - a2a(tokens)
+    rank = 4 * a2a(tokens) + a2a(8 * (e + n)) + meta
     p_c, p_r = (c["preds"][x].time_breakdown_s for x in ("choice", "rank"))
     per = c["m"] * c["n_moe"]
     assert p_c["ep_communication"] == pytest.approx(per * choice, rel=1e-9)
@@ -718,18 +720,19 @@ def test_per_rank_dispatch_sends_d_over_k_of_the_token_bytes_and_pays_its_extra_
     # the collective's latency, scales by D / k exactly
     latency = a2a(0.0)
     token_c = (p_c["ep_communication"] / per - a2a(8 * e)) / 4 - latency
-    token_r = (p_r["ep_communication"] / per - a2a(8 * (e + n)) - a2a(16 * rows) - a2a(4 * rows)) / 4 - latency
+    token_r = (p_r["ep_communication"] / per - a2a(8 * (e + n)) - meta) / 4 - latency
     assert token_r / token_c == pytest.approx(d / 2, rel=1e-9)
     for key in p_c.keys() - {"ep_communication", "collective", "total"}:
         assert p_r[key] == pytest.approx(p_c[key], rel=1e-12, abs=1e-15), key
     assert c["preds"]["rank"].memory_breakdown_bytes == c["preds"]["choice"].memory_breakdown_bytes
 
 
-def test_per_rank_dispatch_at_top_1_sends_the_same_tokens_and_pays_only_the_extra_collectives():
+def test_per_rank_dispatch_at_top_1_sends_the_same_tokens_and_pays_only_the_choices_bytes():
     c = _dispatch_case(top_k=1)
     system, n, stride, rows, e = c["system"], c["group"], c["stride"], c["rows"], c["e"]
     a2a = lambda nbytes: net.all_to_all_time(system, nbytes, n, stride)     # noqa: E731
-    extra = a2a(8 * (e + n)) - a2a(8 * e) + a2a(16 * rows) + a2a(4 * rows)
+    tokens = system.device.dtype_bytes * rows * c["h"]
+    extra = a2a(8 * (e + n)) - a2a(8 * e) + a2a(tokens + 16 * rows) - a2a(tokens) + a2a(tokens + 4 * rows) - a2a(tokens)
     p_c, p_r = (c["preds"][x].time_breakdown_s for x in ("choice", "rank"))
     assert p_r["ep_communication"] - p_c["ep_communication"] == pytest.approx(c["m"] * c["n_moe"] * extra, rel=1e-9)
     assert c["preds"]["rank"].step_time_s > c["preds"]["choice"].step_time_s
@@ -738,7 +741,7 @@ def test_per_rank_dispatch_at_top_1_sends_the_same_tokens_and_pays_only_the_extr
 def test_both_dispatches_hide_the_token_exchanges_under_the_own_rows():
     """Long segments (8 experts): under either dispatch a rank's own rows (per rank: its own choices) run while
     the token exchanges are in flight, so part of those is hidden; the per-rank dispatch's count exchange and
-    its metadata and gate-gradient all-to-alls stay exposed."""
+    the bytes of its metadata and gate gradients stay exposed."""
     from podscale.parallel.moe.layer import overlaps_exchange
     system = as_system("dgx-a100-80g")
     model = planner_model(n_layer=8, n_embd=1024, n_head=16, experts=8, block_size=1024)
@@ -747,8 +750,9 @@ def test_both_dispatches_hide_the_token_exchanges_under_the_own_rows():
     assert overlaps_exchange(rows, 8)
     a2a = lambda nbytes: net.all_to_all_time(system, nbytes, ep, tp)     # noqa: E731
     d = _ranks_per_token(8, ep, 2)
-    exposed = a2a(8 * (8 + ep)) + a2a(16 * rows) + a2a(4 * rows)
-    full = 4 * a2a(system.device.dtype_bytes * rows * 1024 * d / 2) + exposed
+    tokens = system.device.dtype_bytes * rows * 1024 * d / 2
+    exposed = a2a(8 * (8 + ep)) + a2a(tokens + 16 * rows) - a2a(tokens) + a2a(tokens + 4 * rows) - a2a(tokens)
+    full = 4 * a2a(tokens) + exposed
     rank = predict(system, 16, model, Layout(tp=tp, dp=dp, ep=ep, microbatch=b, expert_dispatch="rank"), batch)
     assert m * n_moe * exposed <= rank.time_breakdown_s["ep_communication"] < m * n_moe * full
     choice = predict(system, 16, model, Layout(tp=tp, dp=dp, ep=ep, microbatch=b), batch)
@@ -866,10 +870,10 @@ def test_per_node_dispatch_within_one_node_is_per_rank(system, ep, tp, fold):
 def test_per_node_dispatch_sends_d_node_over_k_of_the_rows_between_nodes(ep, stride_tp, fold):
     """With nothing hidden, an MoE layer's ep communication per micro-batch is, by hand, stage 1 between the N nodes
     (one peer a node, L x the group's stride apart: 2 int64 of counts a destination, 4 all-to-alls of D_node / k of
-    the per-choice rows, 24 bytes a kept choice of metadata each way) plus stage 2, per rank over the L ranks of a
-    node (counts of L x (E/n + 1) int64, 4 all-to-alls of D / k of the rows, 16 and 4 bytes a kept choice), with
-    D_node and D from the binomials; and the stage-1 token exchange less its latency is D_node / k of the per-choice
-    rows' exactly."""
+    the per-choice rows, 24 bytes a kept choice of metadata each way in the same all-to-alls as the rows out and
+    the input gradients back) plus stage 2, per rank over the L ranks of a node (counts of L x (E/n + 1) int64, 4
+    all-to-alls of D / k of the rows, 16 and 4 bytes a kept choice likewise), with D_node and D from the
+    binomials; and the stage-1 token exchange less its latency is D_node / k of the per-choice rows' exactly."""
     system = as_system("dgx-a100-80g")
     tp = stride_tp
     n = ep * tp if fold else ep
@@ -890,8 +894,13 @@ def test_per_node_dispatch_sends_d_node_over_k_of_the_rows_between_nodes(ep, str
     def inside(nbytes):
         return net.all_to_all_time(system, nbytes, L, stride)
 
-    others = (across(16 * N) + inside(8 * (e // N + L)) + across(24 * choices) + inside(16 * choices)
-              + across(24 * choices) + inside(4 * choices))
+    rows_across, rows_inside = sent * d_node / k, sent * d / k
+
+    def riding(a2a, rows, nbytes):        # bytes that travel in the rows' all-to-all: bandwidth, no latency
+        return a2a(rows + nbytes) - a2a(rows)
+
+    others = (across(16 * N) + inside(8 * (e // N + L)) + 2 * riding(across, rows_across, 24 * choices)
+              + riding(inside, rows_inside, 16 * choices) + riding(inside, rows_inside, 4 * choices))
     by_hand = 4 * (across(sent * d_node / k) + inside(sent * d / k)) + others
     pred = _wide_ep("dgx-a100-80g", ep, "node", fold=fold, tp=tp, exposed=True)
     assert pred.time_breakdown_s["ep_communication"] == pytest.approx(by_hand, rel=1e-9)

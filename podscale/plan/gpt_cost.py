@@ -62,9 +62,9 @@ With ``expert_dispatch = "rank"`` (DeepEP's dispatch and combine: DeepSeek-AI 20
 as DeepSeek-V3 trains, Sec. 3.2.2 "Efficient Implementation of Cross-Node All-to-All Communication") a token
 travels once to each expert-group rank that holds at least one of its kept choices, that rank sums its chosen
 local experts' gated outputs, and one row per (token, rank) comes back: the token exchanges carry D rows a
-token instead of top_k (``expected_ranks_per_token``), at the price of one more all-to-all in each pass (the
-forward's metadata and the backward's gate-value gradients of every kept choice: ``DISPATCH_METADATA_BYTES``,
-``GATE_GRAD_BYTES``) and a larger count exchange (n x (E/n + 1) int64: 8 (E + n) bytes a rank); a rank's own
+token instead of top_k (``expected_ranks_per_token``), with the forward's metadata and the backward's
+gate-value gradients of every kept choice in the same all-to-alls as the rows (``DISPATCH_METADATA_BYTES``,
+``GATE_GRAD_BYTES``: bandwidth, no latency) and a larger count exchange (n x (E/n + 1) int64: 8 (E + n) bytes a rank); a rank's own
 choices run while the token exchanges are in flight under the same rule as ``"choice"``'s own rows (the
 metadata all-to-alls are priced exposed). The experts run the same rows,
 and the weighted sum moves from the token's rank to the expert's: compute, memory and routing bytes are
@@ -408,13 +408,15 @@ def _per_rank_stage(system: System, r: _Routed, rows_per_choice: float, held: in
                     stride: int) -> TokenExchanges:
     """A per-rank exchange among ``members`` ranks ``stride`` apart holding ``held`` experts between them:
     ``rows_per_choice`` rows a kept choice each way, a count exchange of members x (held/members + 1) int64 (8
-    (held + members) bytes a rank), and one more all-to-all a pass, the forward's metadata
-    (``DISPATCH_METADATA_BYTES`` a kept choice) and the backward's gate-value gradients (``GATE_GRAD_BYTES``)."""
+    (held + members) bytes a rank), and the forward's metadata (``DISPATCH_METADATA_BYTES`` a kept choice) and
+    the backward's gate-value gradients (``GATE_GRAD_BYTES``), which travel in the same all-to-all as the rows
+    out and the input gradients back (the runtime's ``_pair_all_to_all``): their bandwidth, no latency."""
     def a2a(nbytes: float) -> float:
         return net.all_to_all_time(system, nbytes, members, stride)
-    return TokenExchanges(tokens=a2a(r.rows_bytes(rows_per_choice)), segments=held, own_share=members,
-                          counts=a2a(8 * (held + members)),
-                          metadata=tuple(a2a(r.choice_bytes(x)) for x in (DISPATCH_METADATA_BYTES, GATE_GRAD_BYTES)))
+    rows = r.rows_bytes(rows_per_choice)
+    return TokenExchanges(tokens=a2a(rows), segments=held, own_share=members, counts=a2a(8 * (held + members)),
+                          metadata=tuple(a2a(rows + r.choice_bytes(x)) - a2a(rows)
+                                         for x in (DISPATCH_METADATA_BYTES, GATE_GRAD_BYTES)))
 
 
 def _node_exchanges(system: System, model: GPT, r: _Routed) -> TokenExchanges:
@@ -448,11 +450,12 @@ def _node_exchanges(system: System, model: GPT, r: _Routed) -> TokenExchanges:
 
     def across(nbytes: float) -> float:     # to the peers: one rank a node, L x the group's stride apart
         return net.all_to_all_time(system, nbytes, nodes, members * r.stride)
-    meta = tuple(across(r.choice_bytes(x)) + m
+    rows = r.rows_bytes(expected_ranks_per_token(experts, k, nodes) / k)
+    # the metadata with the rows out, its gradients with the input gradients back: bandwidth, no latency
+    meta = tuple(across(rows + r.choice_bytes(x)) - across(rows) + m
                  for x, m in zip((NODE_METADATA_BYTES, NODE_METADATA_GRAD_BYTES), inside.metadata))
     return TokenExchanges(tokens=inside.tokens, segments=inside.segments, own_share=inside.own_share,
-                          counts=across(16 * nodes), counts_exposed=inside.counts,
-                          tokens_exposed=across(r.rows_bytes(expected_ranks_per_token(experts, k, nodes) / k)),
+                          counts=across(16 * nodes), counts_exposed=inside.counts, tokens_exposed=across(rows),
                           metadata=meta)
 
 

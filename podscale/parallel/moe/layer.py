@@ -62,6 +62,7 @@ on two counts: it would broadcast rank 0's experts over ep and average different
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -459,6 +460,11 @@ class _OwnBlock:
             return torch.cat((t[:self.first], t[end:]))
         return t[:self.first] if self.first else t[end:]
 
+    def merge(self, own: torch.Tensor, others: torch.Tensor) -> torch.Tensor:
+        """All ``total`` rows in sorted order from the own block's ``own`` and the others' ``others`` (the
+        inverse of :meth:`others`)."""
+        return torch.cat((others[:self.first], own, others[self.first:])) if self.local else others
+
     def place(self, rows: torch.Tensor, arrive):
         """Receive the rows that come back from other ranks into ``rows`` (all ``total`` rows in sorted
         order): ``arrive(buffer)`` starts the exchange into ``buffer`` and returns its handle; returns a
@@ -508,6 +514,57 @@ class _AllToAll(torch.autograd.Function):
         gx = grad.new_empty((sum(ctx.in_splits),) + tuple(grad.shape[1:]))
         comm.all_to_all(gx, grad.contiguous(), ctx.mesh, ctx.axes, ctx.in_splits, ctx.out_splits)
         return gx, None, None, None, None
+
+
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """``t`` (rows, ...) as (rows, bytes a row) uint8, no copy when contiguous."""
+    return t.contiguous().view(t.shape[0], math.prod(t.shape[1:])).view(torch.uint8)
+
+
+def _pair_all_to_all(a: torch.Tensor, a_send: list[int], a_recv: list[int], b: torch.Tensor, b_send: list[int],
+                     b_recv: list[int], mesh, axes):
+    """Rows of ``a`` and rows of ``b`` (other widths, other dtypes) exchanged in one ``all_to_all_single``: one
+    collective's latency, not two.  Each destination's block of the bytes holds its ``a_send`` rows of ``a``,
+    then its ``b_send`` rows of ``b``; ``a_recv``, ``b_recv`` say what arrives from each source.  Returns a
+    ``finish()`` that waits and gives the received ``(a, b)``, so the caller can work while they travel."""
+    a_bytes, b_bytes = _as_bytes(a), _as_bytes(b)
+    ra, rb = a_bytes.shape[1], b_bytes.shape[1]
+    pieces, i, j = [], 0, 0
+    for na, nb in zip(a_send, b_send):
+        pieces += [a_bytes[i:i + na].reshape(-1), b_bytes[j:j + nb].reshape(-1)]
+        i, j = i + na, j + nb
+    got = a_bytes.new_empty(sum(ra * na + rb * nb for na, nb in zip(a_recv, b_recv)))
+    pending = comm.all_to_all(got, torch.cat(pieces), mesh, axes, [ra * na + rb * nb for na, nb in zip(a_recv, b_recv)],
+                              [ra * na + rb * nb for na, nb in zip(a_send, b_send)], async_op=True)
+
+    def finish() -> tuple[torch.Tensor, torch.Tensor]:
+        pending.wait()
+        got_a, got_b, k = [], [], 0
+        for na, nb in zip(a_recv, b_recv):
+            got_a.append(got[k:k + ra * na])
+            got_b.append(got[k + ra * na:k + ra * na + rb * nb])
+            k += ra * na + rb * nb
+        return (torch.cat(got_a).view(a.dtype).view((-1,) + tuple(a.shape[1:])),
+                torch.cat(got_b).view(b.dtype).view((-1,) + tuple(b.shape[1:])))
+    return finish
+
+
+class _PairAllToAll(torch.autograd.Function):
+    """:func:`_pair_all_to_all` with its reverse as backward: two row tensors out in one exchange, and their
+    gradients back in one (``a``'s only when it wants one: every rank's input does or none's does)."""
+
+    @staticmethod
+    def forward(ctx, a, b, mesh, axes, a_recv, a_send, b_recv, b_send):
+        ctx.mesh, ctx.axes, ctx.splits = mesh, axes, (a_recv, a_send, b_recv, b_send)
+        return _pair_all_to_all(a, a_send, a_recv, b, b_send, b_recv, mesh, axes)()
+
+    @staticmethod
+    def backward(ctx, g_a, g_b):
+        a_recv, a_send, b_recv, b_send = ctx.splits
+        if not ctx.needs_input_grad[0]:
+            a_recv, a_send, g_a = [0] * len(a_recv), [0] * len(a_send), g_a[:0]
+        back_a, back_b = _pair_all_to_all(g_a, a_recv, a_send, g_b, b_recv, b_send, ctx.mesh, ctx.axes)()
+        return (back_a if ctx.needs_input_grad[0] else None, back_b, None, None, None, None, None, None)
 
 
 class _PermuteRows(torch.autograd.Function):
@@ -717,11 +774,12 @@ class _RankDispatchFFN(torch.autograd.Function):
     one output row per row :class:`_RankExchange` sends: the sum, over the token's choices on that rank, of
     gate value x expert output, computed there (DeepEP's dispatch and combine; DeepSeek-V3 section 3.2.2 sends
     a token once per node and shares it among that node's experts).  Per forward, after the count exchange,
-    three ``all_to_all_single`` s: the rows, the choices (each its row index and gate value, two float64s:
-    exact for indices below 2^53 and for fp32 gates), the combined rows back; per backward the output
-    gradients out, the gate values' gradients back, and (when the input wants one) the input gradients back,
-    each a sum over the token's choices on that rank.  Every rank enters them in this order whatever the
-    routing, empty splits included.  A rank's own choices, when the exchange keeps them out
+    two ``all_to_all_single`` s: the rows with the choices in the same bytes (each choice its row index and gate
+    value, two float64s: exact for indices below 2^53 and for fp32 gates; :func:`_pair_all_to_all`), and the
+    combined rows back; per backward the output gradients out, and the gate values' gradients back with (when
+    the input wants one) the input gradients, each a sum over the token's choices on that rank: as many
+    collectives as the per-choice exchange's.  Every rank enters them in this order whatever the routing,
+    empty splits included.  A rank's own choices, when the exchange keeps them out
     (:attr:`_RankExchange.overlap`), run in two halves while the exchanges are in flight, as
     :class:`_ExpertParallelFFN` runs its own rows.
 
@@ -734,22 +792,17 @@ class _RankDispatchFFN(torch.autograd.Function):
         weights = cast_weights(params, flat.dtype)
         D = weights[El].shape[1]
         mesh, axes, own_rows, own_choices, h = ex.mesh, ex.axes, ex.rows_block, ex.choices_block, ex.half
-        got = flat.new_empty(sum(ex.recv_rows), flat.shape[1])
-        rows_pending = comm.all_to_all(got, flat.index_select(0, own_rows.others(ex.token)), mesh, axes, ex.recv_rows,
-                                       ex.send_rows, async_op=True)
         choices = torch.stack((ex.pair_row.to(torch.float64), w.detach().to(torch.float64)), 1)
-        got_choices = choices.new_empty(sum(ex.recv_pairs), 2)
-        choices_pending = comm.all_to_all(got_choices, own_choices.others(choices), mesh, axes, ex.recv_pairs,
-                                          ex.send_pairs, async_op=True)
+        arrive = _pair_all_to_all(flat.index_select(0, own_rows.others(ex.token)), ex.send_rows, ex.recv_rows,
+                                  own_choices.others(choices), ex.send_pairs, ex.recv_pairs, mesh, axes)
         x_own = flat.index_select(0, ex.own_token)
         e_own = flat.new_empty(x_own.shape[0], D)
         a = kernel.forward(x_own[:h], ex.part_a, weights, El, bias, e_own[:h]) if ex.overlap else ()
-        choices_pending.wait()
+        got, got_choices = arrive()
         row = got_choices[:, 0].long() + ex.source_start           # each received choice's received row
         gate = got_choices[:, 1]
         if ex.perm is not None:                                    # expert-major
             row, gate = row.index_select(0, ex.perm), gate.index_select(0, ex.perm)
-        rows_pending.wait()
         x = got.index_select(0, row)
         e = flat.new_empty(x.shape[0], D)
         r = kernel.forward(x, ex.bounds, weights, El, bias, e)
@@ -798,25 +851,22 @@ class _RankDispatchFFN(torch.autograd.Function):
         d_gate = (g * e).sum(1).to(ctx.w_dtype)
         if ex.perm is not None:                                    # back to the order the choices arrived in
             d_gate = d_gate.index_select(0, ex.inverse)
-        g_w = d_gate.new_empty(ex.pair_row.shape[0])
-        gates_done = own_choices.place(g_w, lambda buf: comm.all_to_all(buf, d_gate, mesh, axes, ex.send_pairs,
-                                                                        ex.recv_pairs, async_op=True))
         g_x = torch.empty_like(x) if want else None
         kernel.backward(g.mul_(gate.unsqueeze(1)), x, r, ex.bounds, weights, El, acc, g_x)
-        if want:
-            g_rows = g_x.new_zeros(ctx.n_got, x.shape[1]).index_add_(0, row, g_x)
-            g_back = g_x.new_empty(ex.token.shape[0] - own_rows.local, x.shape[1])
-            pending = comm.all_to_all(g_back, g_rows, mesh, axes, ex.send_rows, ex.recv_rows, async_op=True)
+        # the input gradients (when wanted: every rank's input does or none's does) and the gate gradients back
+        # in one exchange, while the own rows' first half runs its backward
+        g_rows = g_x.new_zeros(ctx.n_got, x.shape[1]).index_add_(0, row, g_x) if want else x.new_empty(0, x.shape[1])
+        none = [0] * len(ex.recv_rows)
+        arrive = _pair_all_to_all(g_rows, ex.recv_rows if want else none, ex.send_rows if want else none,
+                                  d_gate.unsqueeze(1), ex.recv_pairs, ex.send_pairs, mesh, axes)
         if ex.overlap:
             kernel.backward(g_own[:h], x_own[:h], a, ex.part_a, weights, El, acc, g_x_own[:h] if want else None)
-            g_w[own_choices.first:own_choices.first + own_choices.local] = d_gate_own
-        g_flat = None
+        g_flat = x.new_zeros(ctx.n, x.shape[1]).index_add_(0, ex.own_token, g_x_own) if want else None
+        g_back, d_gate_back = arrive()
         if want:
-            g_flat = x.new_zeros(ctx.n, x.shape[1]).index_add_(0, ex.own_token, g_x_own)
-            pending.wait()
             g_flat.index_add_(0, own_rows.others(ex.token), g_back)
-        gates_done()
-        return (g_flat, g_w, None, None, None, None, *acc.result(params, x))
+        return (g_flat, own_choices.merge(d_gate_own, d_gate_back.squeeze(1)), None, None, None, None,
+                *acc.result(params, x))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -1055,8 +1105,8 @@ class RankDispatch:
     combined there (DeepEP's dispatch and combine, DeepSeek-AI 2025; :class:`_RankDispatchFFN`): a token whose
     k choices fall on fewer than k ranks crosses the network fewer than k times each way, which is what
     node-limited routing (DeepSeek-V3 section 2.1.2, :class:`~podscale.parallel.moe.gate.Gating`'s groups laid
-    over the ranks) buys.  Four all-to-alls per forward (counts, rows, choices, outputs) and three per backward
-    (two when the input wants no gradient); a rank's own choices run while they are in flight, under the
+    over the ranks) buys.  Three all-to-alls per forward (counts, rows with their choices, outputs) and two per
+    backward, as the per-choice dispatch's; a rank's own choices run while they are in flight, under the
     per-choice dispatch's rule (:data:`MIN_SEGMENT_ROWS`).  Not with the experts' width split over tp."""
 
     def __call__(self, layer: "MoELayer", inp: torch.Tensor, r: Routing) -> tuple[torch.Tensor, int]:
@@ -1120,11 +1170,12 @@ class NodeDispatch:
     way.
 
     Stage 1, over the expert group with every split but the peers' empty: the counts (rows and choices a peer),
-    the rows, and each choice's row index, global expert id and gate value (three float64s, differentiable in
-    the gate); the peer then runs the rows through its node's experts with the per-rank dispatch
-    (:meth:`RankDispatch.run`, whose splits all stay inside the node), and stage 1's rows come back summed.
-    Eight all-to-alls per forward and six per backward (the per-rank dispatch's and stage 1's four and two),
-    every rank entering them in the same order whatever the routing."""
+    then the rows with, in the same bytes, each choice's row index, global expert id and gate value (three
+    float64s, differentiable in the gate; :class:`_PairAllToAll`); the peer then runs the rows through its
+    node's experts with the per-rank dispatch (:meth:`RankDispatch.run`, whose splits all stay inside the
+    node), and stage 1's rows come back summed.  Six all-to-alls per forward and four per backward (the
+    per-rank dispatch's three and two, stage 1's three and two), every rank entering them in the same order
+    whatever the routing."""
 
     def __init__(self, groups: NodeGroups):
         self.groups = groups
@@ -1148,9 +1199,9 @@ class NodeDispatch:
         shared = layer.shared_output(inp)                      # while the counts are in flight
         pending.wait()
         (send_rows, send_pairs), (recv_rows, recv_pairs) = send.t().tolist(), recv.t().tolist()
-        got = _AllToAll.apply(inp.index_select(0, uniq_token), mesh, axes, recv_rows, send_rows)
         choices = torch.stack((row.to(torch.float64), expert.to(torch.float64), w.to(torch.float64)), 1)
-        got_choices = _AllToAll.apply(choices, mesh, axes, recv_pairs, send_pairs)
+        got, got_choices = _PairAllToAll.apply(inp.index_select(0, uniq_token), choices, mesh, axes, recv_rows,
+                                               send_rows, recv_pairs, send_pairs)
         # the received choices (all for this node's experts), each source's by expert: sorted by expert
         starts = torch.tensor(recv_rows, dtype=torch.long).cumsum(0) - torch.tensor(recv_rows)
         source_start = torch.repeat_interleave(starts, torch.tensor(recv_pairs), output_size=sum(recv_pairs))
