@@ -128,13 +128,15 @@ def main(argv=None) -> list[dict]:
     print(f"ep={a.nproc}{nodes} d_model={a.d_model} d_hidden={a.d_hidden}"
           f"{' group-limited' if a.group_limited else ''}: each dispatch against per-choice (bytes: every rank's to "
           "other ranks and to other nodes, forward + backward)")
-    print("| experts | tokens/rank | k | dispatch | ms | time ratio | MB to other ranks | ratio | MB to other nodes "
-          "| ratio | all-to-alls | max output diff |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    node_cols = " MB to other nodes | ratio |" if a.ranks_per_node else ""
+    print(f"| experts | tokens/rank | k | dispatch | ms | time ratio | MB to other ranks | ratio |{node_cols} "
+          "all-to-alls | max output diff |")
+    print("|---" * (10 + 2 * bool(a.ranks_per_node)) + "|")
     for r in rows:
+        node = f" {r['node_mb']:.2f} | {r['node_bytes_ratio']:.2f} |" if a.ranks_per_node else ""
         print(f"| {r['experts']} | {r['tokens']} | {r['top_k']} | {r['dispatch']} | {r['ms']:.1f} | "
-              f"{r['time_ratio']:.2f} | {r['mb']:.2f} | {r['bytes_ratio']:.2f} | {r['node_mb']:.2f} | "
-              f"{r['node_bytes_ratio']:.2f} | {r['calls']} | {r['max_diff']:.1e} |")
+              f"{r['time_ratio']:.2f} | {r['mb']:.2f} | {r['bytes_ratio']:.2f} |{node} {r['calls']} | "
+              f"{r['max_diff']:.1e} |")
     return rows
 
 
