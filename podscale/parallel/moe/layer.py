@@ -761,12 +761,17 @@ class _RankExchange:
         self.part_a, self.part_b = (_split_bounds(segment_bounds(enumerate(send[me][:El])), self.half) if overlap
                                     else ([], []))
         dev = self.token.device
-        # where each received choice's source block of rows starts in the received rows
-        starts = torch.tensor(recv_rows, dtype=torch.long).cumsum(0) - torch.tensor(recv_rows)
-        self.source_start = torch.repeat_interleave(starts, torch.tensor(recv_pairs), output_size=sum(recv_pairs)).to(dev)
+        self.source_start = _source_starts(recv_rows, recv_pairs, dev)
         sources = [r[:El] for i, r in enumerate(recv) if i != me or not overlap]
         self.perm, self.inverse, segments = _expert_major(sources, dev)
         self.bounds = segment_bounds(segments)
+
+
+def _source_starts(rows: list[int], choices: list[int], device) -> torch.Tensor:
+    """For received choices laid out by source (``choices[s]`` from source ``s``), where their source's block of
+    received rows (``rows[s]`` rows each) starts: a choice's row index in its block plus this is its row."""
+    starts = torch.tensor(rows, dtype=torch.long).cumsum(0) - torch.tensor(rows, dtype=torch.long)
+    return torch.repeat_interleave(starts, torch.tensor(choices, dtype=torch.long), output_size=sum(choices)).to(device)
 
 
 class _RankDispatchFFN(torch.autograd.Function):
@@ -1203,11 +1208,10 @@ class NodeDispatch:
         got, got_choices = _PairAllToAll.apply(inp.index_select(0, uniq_token), choices, mesh, axes, recv_rows,
                                                send_rows, recv_pairs, send_pairs)
         # the received choices (all for this node's experts), each source's by expert: sorted by expert
-        starts = torch.tensor(recv_rows, dtype=torch.long).cumsum(0) - torch.tensor(recv_rows)
-        source_start = torch.repeat_interleave(starts, torch.tensor(recv_pairs), output_size=sum(recv_pairs))
         got_expert = got_choices[:, 1].detach().long()
         by_expert = torch.sort(got_expert, stable=True).indices
-        got_row = (got_choices[:, 0].detach().long() + source_start.to(got.device)).index_select(0, by_expert)
+        got_row = (got_choices[:, 0].detach().long() + _source_starts(recv_rows, recv_pairs, got.device)
+                   ).index_select(0, by_expert)
         got_expert = got_expert.index_select(0, by_expert)
         exchange = RankDispatch.start(layer, got_row, got_expert, torch.bincount(got_expert, minlength=layer.num_experts),
                                       got.shape[0])
