@@ -600,7 +600,7 @@ class ParallelSection(_Section):
         "choice", description="mixture-of-experts models under ep > 1: 'choice' exchanges one row per kept "
         "(token, expert) choice and combines the outputs on the token's rank; 'rank' sends a token once to each "
         "rank holding any of its choices and combines its choices' outputs there (DeepEP's dispatch and "
-        "combine: fewer bytes for top_k > 1, one more all-to-all per pass); 'node' sends it once to each node, "
+        "combine: fewer bytes for top_k > 1, plus 16 bytes a choice); 'node' sends it once to each node, "
         "to the rank with the sender's index there, which forwards it per rank inside the node (DeepEP's "
         "internode dispatch; 'rank' when the expert group is inside one node); not with expert_tensor_parallel")
     schedule: Literal["gpipe", "1f1b", "interleaved"] = "1f1b"

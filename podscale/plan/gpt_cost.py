@@ -137,7 +137,7 @@ GRAD_PASS_BYTES_ZERO = 8
 # each gradient, scaled, into the reduce-scatter's staging buffer (8).
 GRAD_ACCUMULATE_BYTES = 12
 GRAD_SCALE_BYTES = 8
-# Per-rank dispatch's extra all-to-all in each pass, bytes per kept (token, expert) choice (after DeepEP's
+# Per-rank dispatch's bytes per kept (token, expert) choice beside the rows in each pass (after DeepEP's
 # dispatch/combine, DeepSeek-AI 2025, github.com/deepseek-ai/DeepEP): the forward's metadata, the choice's row
 # index and gate value as two float64; the backward's gate-value gradient, in the fp32 router's precision.
 DISPATCH_METADATA_BYTES = 16
@@ -356,7 +356,7 @@ class TokenExchanges:
     counts: float                 # the count exchange before the tokens (run under the shared experts)
     counts_exposed: float = 0.0   # count exchanges after it, exposed
     tokens_exposed: float = 0.0   # per token all-to-all, seconds of exchanges nothing hides
-    metadata: tuple = (0.0, 0.0)  # the forward's / backward's extra all-to-alls, exposed
+    metadata: tuple = (0.0, 0.0)  # the forward's / backward's choice bytes riding in the rows' exchanges, exposed
 
 
 @dataclass(frozen=True)

@@ -107,7 +107,7 @@ def _tries_per_rank_dispatch(model, lay: Layout) -> bool:
     DeepSeek-AI 2025, github.com/deepseek-ai/DeepEP; DeepSeek-V3, Sec. 3.2.2): where the two can differ, for an
     MoE model with top_k > 1 exchanging tokens over an expert group > 1, and not with expert tensor parallelism
     (which the trainer does not run per rank). Per rank sends a token once to each rank of its choices, fewer
-    bytes than one row per choice, for one more all-to-all a pass: the cost model weighs it
+    bytes than one row per choice, plus each choice's metadata: the cost model weighs it
     (gpt_cost.expected_ranks_per_token)."""
     return model.experts > 1 and model.top_k > 1 and lay.expert_group > 1 and not lay.expert_tensor_parallel
 
