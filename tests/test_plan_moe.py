@@ -701,7 +701,8 @@ def test_per_rank_dispatch_sends_d_over_k_of_the_token_bytes_and_pays_its_extra_
     """Per rank, each of the four token all-to-alls of an MoE layer and micro-batch carries D / k of the
     per-choice bytes (D from the binomials), the count exchange n x (E/n + 1) int64, and two of them carry more:
     16 bytes a kept choice with the rows out in the forward, 4 with the input gradients back in the backward
-    (one collective each: bandwidth, no latency). Everything else (GEMMs, routing, memory) is per-choice's."""
+    (one collective each: bandwidth, no latency). Its routing moves more bytes (the unique (token, rank) rows,
+    the choices' metadata: ``moe_routing_bytes``); everything else (GEMMs, memory) is per-choice's."""
     c = _dispatch_case(top_k=2, fold=fold)
     system, n, stride, rows, e = c["system"], c["group"], c["stride"], c["rows"], c["e"]
     a2a = lambda nbytes: net.all_to_all_time(system, nbytes, n, stride)     # noqa: E731
@@ -722,8 +723,11 @@ def test_per_rank_dispatch_sends_d_over_k_of_the_token_bytes_and_pays_its_extra_
     token_c = (p_c["ep_communication"] / per - a2a(8 * e)) / 4 - latency
     token_r = (p_r["ep_communication"] / per - a2a(8 * (e + n)) - meta) / 4 - latency
     assert token_r / token_c == pytest.approx(d / 2, rel=1e-9)
-    for key in p_c.keys() - {"ep_communication", "collective", "total"}:
+    # (the routing's extra work lengthens the backward, under which the dp gradient reduction runs)
+    for key in p_c.keys() - {"ep_communication", "collective", "total", "forward", "backward", "dp_communication"}:
         assert p_r[key] == pytest.approx(p_c[key], rel=1e-12, abs=1e-15), key
+    assert p_r["forward"] > p_c["forward"] and p_r["backward"] > p_c["backward"]
+    assert p_r["dp_communication"] <= p_c["dp_communication"]
     assert c["preds"]["rank"].memory_breakdown_bytes == c["preds"]["choice"].memory_breakdown_bytes
 
 
@@ -846,13 +850,15 @@ def _wide_ep(system: str, ep: int, dispatch: str, fold: bool = False, tp: int = 
 def test_per_node_dispatch_prices_below_per_rank_below_per_choice_across_nodes(ep):
     """An expert group of 16 or 32 ranks on 2 or 4 nodes of 8 A100s: per node sends a token's row between nodes
     once per node of its 8 choices (D_node ~ 1.99 or 3.6), per rank once per rank (~ 6.5 or 7.3), per choice 8
-    times, so their ep communication is in that order; nothing else changes."""
+    times, so their ep communication is in that order; besides it only the routing's work changes (per node
+    it runs two stages' index and row work: ``moe_routing_bytes``)."""
     p = {d: _wide_ep("dgx-a100-80g", ep, d) for d in ("choice", "rank", "node")}
     ep_comm = {d: x.time_breakdown_s["ep_communication"] for d, x in p.items()}
     assert ep_comm["node"] < ep_comm["rank"] < ep_comm["choice"]
     assert p["node"].step_time_s < p["rank"].step_time_s < p["choice"].step_time_s
-    for key in p["choice"].time_breakdown_s.keys() - {"ep_communication"}:
+    for key in p["choice"].time_breakdown_s.keys() - {"ep_communication", "forward", "backward", "total"}:
         assert p["node"].time_breakdown_s[key] == pytest.approx(p["rank"].time_breakdown_s[key], rel=1e-12, abs=1e-15)
+    assert p["node"].time_breakdown_s["forward"] > p["rank"].time_breakdown_s["forward"]
     assert p["node"].memory_breakdown_bytes == p["rank"].memory_breakdown_bytes
 
 

@@ -255,7 +255,10 @@ def _layer_times_uncached(system: System, model: GPT, lay: Layout, moe: bool) ->
             # the layer runs a rank's own rows (1/own_share of its experts' work) in two halves while the two
             # exchanges of each pass are in flight (podscale.parallel.moe.layer._ExpertParallelFFN)
             hide = tuple(sum(x[i] for x in experts) / (2 * exchanges.own_share) for i in (0, 1))
-        route_bytes = moe_routing_bytes(own, model.experts, model.top_k, h, e)
+        # (a dispatch that sends a token once a destination adds its own index and row work: moe_routing_bytes)
+        route_bytes = moe_routing_bytes(own, model.experts, model.top_k, h, e,
+                                        own * model.top_k * exchanges.rows_per_choice if exchanges else None,
+                                        exchanges.stages if exchanges else 0)
         routing = tuple(routing_time(dev, x, sum(route_bytes)) for x in route_bytes)
         if exchanges:
             # the count exchange before the tokens, while the shared experts run (MoELayer._forward_local), and
@@ -357,6 +360,8 @@ class TokenExchanges:
     counts_exposed: float = 0.0   # count exchanges after it, exposed
     tokens_exposed: float = 0.0   # per token all-to-all, seconds of exchanges nothing hides
     metadata: tuple = (0.0, 0.0)  # the forward's / backward's choice bytes riding in the rows' exchanges, exposed
+    stages: int = 0               # dispatch stages that send a token once a destination (moe_routing_bytes)
+    rows_per_choice: float = 1.0  # rows those stages send per kept choice, on average over the stages
 
 
 @dataclass(frozen=True)
@@ -416,7 +421,8 @@ def _per_rank_stage(system: System, r: _Routed, rows_per_choice: float, held: in
     rows = r.rows_bytes(rows_per_choice)
     return TokenExchanges(tokens=a2a(rows), segments=held, own_share=members, counts=a2a(8 * (held + members)),
                           metadata=tuple(a2a(rows + r.choice_bytes(x)) - a2a(rows)
-                                         for x in (DISPATCH_METADATA_BYTES, GATE_GRAD_BYTES)))
+                                         for x in (DISPATCH_METADATA_BYTES, GATE_GRAD_BYTES)),
+                          stages=1, rows_per_choice=rows_per_choice)
 
 
 def _node_exchanges(system: System, model: GPT, r: _Routed) -> TokenExchanges:
@@ -456,7 +462,9 @@ def _node_exchanges(system: System, model: GPT, r: _Routed) -> TokenExchanges:
                  for x, m in zip((NODE_METADATA_BYTES, NODE_METADATA_GRAD_BYTES), inside.metadata))
     return TokenExchanges(tokens=inside.tokens, segments=inside.segments, own_share=inside.own_share,
                           counts=across(16 * nodes), counts_exposed=inside.counts, tokens_exposed=across(rows),
-                          metadata=meta)
+                          metadata=meta, stages=2,
+                          rows_per_choice=(expected_ranks_per_token(experts, k, nodes) + inside.rows_per_choice * k)
+                          / (2 * k))
 
 
 #: how each ``expert_dispatch`` (layout.EXPERT_DISPATCHES) is priced
@@ -626,7 +634,8 @@ def layer_elementwise_bytes(tokens: float, hidden: float, ffn: float, tp: int = 
     return (replicated + sharded) * dtype_bytes / 2
 
 
-def moe_routing_bytes(tokens: float, experts: int, top_k: int, hidden: int, dtype_bytes: int) -> tuple[float, float]:
+def moe_routing_bytes(tokens: float, experts: int, top_k: int, hidden: int, dtype_bytes: int,
+                      rows_sent: float | None = None, stages: int = 0) -> tuple[float, float]:
     """(forward, backward) bytes an MoE layer's routing, dispatch and combine move on a rank routing ``tokens``
     tokens, counted kernel by kernel as podscale runs them (podscale.parallel.moe.gate.route, the aux and z
     losses, MoELayer._forward_local), with every choice kept (C = tokens x top_k choices and rows, the planner's
@@ -643,11 +652,29 @@ def moe_routing_bytes(tokens: float, experts: int, top_k: int, hidden: int, dtyp
               row gradients gathered (2 C), both gradients of the scaling (4 C), the dispatch's index_add into
               zeroed token gradients (C + 3 N): 7 C + 3 N rows
 
+    With ``stages`` > 0 the layer dispatches a token once a rank (``"rank"``: 1 stage; ``"node"``: 2, once a node
+    and then once a rank inside it), ``rows_sent`` rows (U, one per token and destination) in place of C, and each
+    stage adds (podscale.parallel.moe.layer._RankExchange, _RankDispatchFFN, NodeDispatch):
+
+    forward   the choices' experts and gate values gathered, their destinations, keys, ``unique`` with its
+              inverse, the rows' tokens and counts, each choice's row in its block, the choices' float64
+              metadata packed and unpacked beside the rows, their rows and gates regrouped expert-major (the
+              per-node dispatch's second stage: its sort of the received choices by expert too): 55 int64 passes
+              over C; the U rows gathered instead of C (2 U - 2 C), packed and unpacked (4 U), the received rows
+              gathered per choice (2 C), the choices combined into zeroed rows there (3 U) and the U rows added
+              onto the tokens (U): 9 U rows
+    backward  the gate gradients regrouped back (2 passes over C) and packed (2); the choices' input gradients
+              added into zeroed rows (3 U), packed and unpacked (4 U), the U rows onto the tokens (U): 8 U rows
+
     These counts are fixed, not fitted; a calibrated CPU measures the rate of these kernels in these bytes
     (``plan calibrate``: ``compute.routing_time``)."""
     n, c, row = tokens, tokens * top_k, dtype_bytes * hidden
     forward = 4 * (top_k + 7) * n * experts + 8 * 34 * c + row * (5 * c + 3 * n)
     backward = 4 * 8 * n * experts + row * (7 * c + 3 * n)
+    if stages:
+        u = c if rows_sent is None else rows_sent
+        forward += stages * (8 * 55 * c + row * 9 * u)
+        backward += stages * (8 * 4 * c + row * 8 * u)
     return forward, backward
 
 
