@@ -364,7 +364,8 @@ def test_podscale_train_resumes_and_exports_experts_folded_or_split_over_tp(tmp_
 def test_podscale_train_with_the_rank_dispatch_trains_as_the_choice_dispatch(tmp_path, capfd):
     """``parallel.expert_dispatch = "rank"`` at ep = 2, top-2 with capacity: the trainer builds the MoE layers
     with the per-rank dispatch (its description says so) and the losses are the per-choice dispatch's (the same
-    routing; a token's outputs summed in the same order)."""
+    routing; a token's outputs summed in the same order).  The dispatch is no part of a checkpoint: each run
+    resumes under the other dispatch, and their next steps' losses agree."""
     model = "top_k = 2\nrandom_routing = false"
     losses = {}
     for dispatch in ("choice", "rank"):
@@ -377,6 +378,15 @@ def test_podscale_train_with_the_rank_dispatch_trains_as_the_choice_dispatch(tmp
         rows = (tmp_path / "runs" / dispatch / "metrics.jsonl").read_text().splitlines()
         losses[dispatch] = [json.loads(line)["loss"] for line in rows]
     assert len(losses["rank"]) == 3 and losses["rank"] == pytest.approx(losses["choice"], rel=1e-6)
+    for run, other in (("choice", "rank"), ("rank", "choice")):
+        cfg = tmp_path / f"{run}.toml"
+        cfg.write_text(_train_toml(tmp_path, run, 4, model, f"ep = 2\nexpert_dispatch = '{other}'"))
+        capfd.readouterr()
+        assert main(["train", str(cfg), "--resume"]) == 0
+        assert "resumed from step_00000003" in capfd.readouterr().out
+        rows = (tmp_path / "runs" / run / "metrics.jsonl").read_text().splitlines()
+        losses[run] = [json.loads(line)["loss"] for line in rows]
+    assert len(losses["rank"]) == 4 and losses["rank"][-1] == pytest.approx(losses["choice"][-1], rel=1e-6)
 
 
 def _first_loss(run: Path) -> float:

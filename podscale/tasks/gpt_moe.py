@@ -185,8 +185,8 @@ class GPTMoETask(GPTTask):
         p = self.cfg.parallel
         where = ", sharded over ep x tp" if p.fold_tp_into_ep else \
             ", each split over tp (expert tensor parallelism)" if p.expert_tensor_parallel else ""
-        if p.expert_dispatch == "rank" and p.ep > 1:
-            where += ", tokens sent once a rank"
+        if p.expert_dispatch != "choice" and p.ep > 1:
+            where += f", tokens sent once a {p.expert_dispatch}"
         return (f"{g.experts} experts x {sum(g.is_moe(i) for i in range(g.n_layer))} MoE layers (top-{g.top_k}"
                 f"{shared}{where}), {m.active_params_per_token() / 1e6:.2f}M active params per token, global "
                 f"batch {self.cfg.train.global_batch} x {g.block_size} tokens")
