@@ -843,11 +843,13 @@ def test_lopsided_routing_finishes_with_the_right_gradients(no_hang):
                         assert (kept[e] == 0) == bool((g == 0).all()), (label, name)
             # (the per-rank dispatch's choices travel with its rows, their gate gradients with the input
             # gradients; the per-node one's first stage runs around it)
-            exchanges = {"choice": 5, "rank": 5, "node": 10}[dispatch]
+            # (a top-1 layer's per-rank dispatch is the per-choice one: make_dispatch)
+            runs = "choice" if dispatch == "rank" and top_k == 1 else dispatch
+            exchanges = {"choice": 5, "rank": 5, "node": 10}[runs]
             assert ours["calls"]["ep/all_to_all"] == exchanges, label
             # an input without a gradient: the same parameter gradients; per choice one exchange less in the
             # backward (the per-rank dispatch still returns the gate gradients)
-            assert ours["no_input_grad"]["calls"] == exchanges - (dispatch == "choice"), label
+            assert ours["no_input_grad"]["calls"] == exchanges - (runs == "choice"), label
             for name, g in ours["no_input_grad"]["grads"].items():
                 torch.testing.assert_close(g, ours["grads"][name], rtol=1e-12, atol=1e-14, msg=f"{label} {name}")
         # the rows each rank's experts ran (its own and the other's for them), the busiest over the mean
@@ -890,7 +892,8 @@ def test_the_rank_dispatch_sends_a_token_once_to_the_rank_of_both_its_choices(no
 def test_the_node_dispatch_groups_the_expert_ranks_by_node():
     """Ranks numbered node by node (torchrun's order): ep = 4 on nodes of 2 ranks is 2 nodes, rank 3 the second
     of its node; under tp = 2 the ep group's ranks are 2 apart, so nodes of 4 ranks hold 2 of them each.  An
-    uneven split is one line naming the key; a group inside one node takes the per-rank dispatch."""
+    uneven split is one line naming the key; a group inside one node takes the per-rank dispatch, and a top-1
+    layer's per-rank dispatch is the per-choice one (a token's one choice is on one rank)."""
     from podscale.parallel.moe.layer import NodeDispatch, NodeGroups, RankDispatch, make_dispatch
     sizes = {"pp": 1, "dp": 1, "ep": 4, "tp": 1}
     assert NodeGroups.of(Mesh(sizes=sizes, rank=3), ("ep",), 2) == NodeGroups(nodes=2, per_node=2, index=1)
@@ -902,6 +905,8 @@ def test_the_node_dispatch_groups_the_expert_ranks_by_node():
     assert isinstance(make_dispatch("node", Mesh(sizes=sizes, rank=0), ("ep",), 2), NodeDispatch)
     assert isinstance(make_dispatch("node", Mesh(sizes=sizes, rank=0), ("ep",), 8), RankDispatch)
     assert isinstance(make_dispatch("node", None, ("ep",)), RankDispatch)
+    from podscale.parallel.moe.layer import ChoiceDispatch
+    assert isinstance(make_dispatch("rank", Mesh(sizes=sizes, rank=0), ("ep",), top_k=1), ChoiceDispatch)
 
 
 # ---------------------------------------------------------------------------------------------------

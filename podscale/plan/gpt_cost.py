@@ -405,6 +405,8 @@ def _choice_exchanges(system: System, model: GPT, r: _Routed) -> TokenExchanges:
 def _rank_exchanges(system: System, model: GPT, r: _Routed) -> TokenExchanges:
     """Per rank (DeepEP's dispatch and combine: DeepSeek-AI 2025, github.com/deepseek-ai/DeepEP): D rows a token
     instead of top_k (:func:`expected_ranks_per_token`), over the whole expert group."""
+    if model.top_k == 1:        # one choice is on one rank: the runtime sends per choice (layer.make_dispatch)
+        return _choice_exchanges(system, model, r)
     rows_per_choice = expected_ranks_per_token(model.experts, model.top_k, r.group) / model.top_k
     return _per_rank_stage(system, r, rows_per_choice, model.experts, r.group, r.stride)
 

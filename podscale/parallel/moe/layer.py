@@ -1223,11 +1223,14 @@ class NodeDispatch:
         return y.index_add_(0, uniq_token, back), exchange.rows_in
 
 
-def make_dispatch(name: str, mesh, axes: tuple[str, ...], ranks_per_node: int | None = None) -> ExpertDispatch:
+def make_dispatch(name: str, mesh, axes: tuple[str, ...], ranks_per_node: int | None = None,
+                  top_k: int = 2) -> ExpertDispatch:
     """The dispatcher ``parallel.expert_dispatch = name`` names (:data:`EXPERT_DISPATCHES`) for the expert group
-    over ``mesh``'s ``axes``; ``"node"`` on a group inside one node (or without a mesh) is ``"rank"``.
-    ``ranks_per_node``: global ranks a node (default: the launcher's local world size)."""
-    if name == "choice":
+    over ``mesh``'s ``axes``; ``"node"`` on a group inside one node (or without a mesh) is ``"rank"``, and
+    ``"rank"`` at ``top_k = 1`` is ``"choice"`` (a token's one choice is on one rank: the same rows, without the
+    choices' metadata and the search for unique rows).  ``ranks_per_node``: global ranks a node (default: the
+    launcher's local world size)."""
+    if name == "choice" or (name == "rank" and top_k == 1):
         return ChoiceDispatch()
     if name == "node" and mesh is not None:
         groups = NodeGroups.of(mesh, axes, ranks_per_node or local_slot()[1])
@@ -1330,7 +1333,7 @@ class MoELayer(nn.Module, StepState):
         #: how the choices reach their experts under expert parallelism (``"choice"`` or ``"rank"``,
         #: :data:`EXPERT_DISPATCHES`)
         self.expert_dispatch = expert_dispatch
-        self.dispatch: ExpertDispatch = make_dispatch(expert_dispatch, mesh, self.expert_axes, ranks_per_node)
+        self.dispatch: ExpertDispatch = make_dispatch(expert_dispatch, mesh, self.expert_axes, ranks_per_node, top_k)
         #: how the router's logits become choices and gate values (softmax / sigmoid scores, group limit)
         self.gating = gating
         ep = mesh.size(*self.expert_axes) if mesh is not None else 1
