@@ -31,7 +31,10 @@ A rank's own rows (those for its own experts) stay out of the exchanges and run 
 Every rank issues exactly these three collectives per layer and forward and two per backward (one when the
 layer's input wants no gradient: the input gradients are not sent back), in the same order, whatever the
 routing: an empty split (no token for an expert, a rank or every remote rank) is still a collective that
-every rank enters.
+every rank enters.  That is the default dispatch, a row per kept choice (:class:`ChoiceDispatch`); behind the
+same :class:`ExpertDispatch` seam a token can instead go once to each rank holding any of its choices, its
+choices combined there (:class:`RankDispatch`, DeepEP's dispatch and combine: as many collectives), or once to
+each node and then per rank inside it (:class:`NodeDispatch`, DeepEP's internode dispatch): ``expert_dispatch``.
 
 Gradients (see :func:`reduce_gradients`): the loss is the mean over all dp·ep ranks of their local losses.
 A dense parameter is replicated on every rank, so its gradient is averaged over dp×ep.  An expert's
