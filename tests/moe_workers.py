@@ -264,22 +264,23 @@ def split_rows_input(sizes: tuple[int, int], rank: int) -> torch.Tensor:
 def autocast_worker(_) -> dict:
     """One MoE layer at ep = 2, fp32 and under bf16 autocast (the fp32 weights of :func:`build_layer`, the
     ``one_expert`` inputs), with the CPU's kernel and the grouped-GEMM kernel, each with every row
-    exchanged and with the own rows overlapped (``MIN_SEGMENT_ROWS`` 10**9 and 0): outputs, input and
-    expert gradients, and the bytes the ep exchanges carried."""
+    exchanged and with the own rows overlapped (``MIN_SEGMENT_ROWS`` 10**9 and 0), under each expert dispatch
+    (per node: each rank a node): outputs, input and expert gradients, and the bytes the ep exchanges carried."""
     info = init_process(timeout_s=120)
     torch.set_num_threads(1)
     mesh = Mesh.build(info.device, ep=2)
     out = {}
-    for kernel, rows in itertools.product(("cpu", "grouped"), (10**9, 0)):
+    for kernel, rows, dispatch in itertools.product(("cpu", "grouped"), (10**9, 0), ("choice", "rank", "node")):
         moe_layer.MIN_SEGMENT_ROWS = rows
         for name, ctx in (("fp32", contextlib.nullcontext), ("bf16", lambda: torch.autocast("cpu", torch.bfloat16))):
-            layer = build_layer(2, False, mesh, GroupedGemmKernel() if kernel == "grouped" else None).float()
+            layer = build_layer(2, False, mesh, GroupedGemmKernel() if kernel == "grouped" else None,
+                                expert_dispatch=dispatch).float()
             x = layer_inputs("one_expert", info.rank).float().requires_grad_(True)
             with ctx():
                 y, o = layer(x)
             (y.float() * torch.linspace(-1, 1, D)).sum().backward()
             reduce_gradients(layer, mesh)
-            out[kernel, rows, name] = {
+            out[kernel, rows, dispatch, name] = {
                 "y": y.detach(), "x_grad": x.grad,
                 "grads": {n: p.grad.clone() for n, p in layer.experts.named_parameters()},
                 "bytes": mesh.stats.snapshot()["ep/all_to_all"]["bytes"]}
