@@ -286,3 +286,24 @@ def autocast_worker(_) -> dict:
                 "bytes": mesh.stats.snapshot()["ep/all_to_all"]["bytes"]}
             mesh.stats.reset()
     return out
+
+
+def dispatch_under_tp_worker(_) -> list[dict]:
+    """One top-2 MoE layer on tp = 2 x ep = 2, its experts held per tp rank or folded over ep x tp, with nodes of
+    2 ranks (torchrun's numbering: ranks 0, 1 and 2, 3), under each expert dispatch: outputs and gradients (the
+    parameters' before any reduction) for the test to compare across dispatches."""
+    info = init_process(timeout_s=120)
+    torch.set_num_threads(1)
+    mesh = Mesh.build(info.device, ep=2, tp=2)
+    out = []
+    for fold, dispatch in itertools.product((False, True), ("choice", "rank", "node")):
+        torch.manual_seed(5)
+        layer = MoELayer(D, 16, 8, top_k=2, capacity_factor=1.0, mesh=mesh, fold_tp=fold, expert_dispatch=dispatch,
+                         ranks_per_node=2).double()
+        g = torch.Generator().manual_seed(100 + mesh.local_rank("ep"))
+        x = torch.randn(4, S, D, generator=g, dtype=torch.float64).requires_grad_(True)
+        y, o = layer(x)
+        ((y * torch.linspace(-1, 1, D, dtype=torch.float64)).sum() + o.loss).backward()
+        out.append({"fold": fold, "dispatch": dispatch, "kind": type(layer.dispatch).__name__, "y": y.detach(),
+                    "x_grad": x.grad, "grads": {n: p.grad.clone() for n, p in layer.named_parameters()}})
+    return out

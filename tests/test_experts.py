@@ -913,6 +913,24 @@ def test_the_node_dispatch_groups_the_expert_ranks_by_node():
     assert isinstance(make_dispatch("rank", Mesh(sizes=sizes, rank=0), ("ep",), top_k=1), ChoiceDispatch)
 
 
+def test_the_dispatches_agree_under_tensor_parallelism_folded_or_not():
+    """tp = 2 x ep = 2 on nodes of 2 ranks: unfolded, each tp rank's ep group is one rank on each node (the
+    per-node dispatch's stage 2 stays on the rank); folded, the expert group is all 4 ranks, 2 a node.  Every
+    dispatch gives the per-choice one's outputs and gradients (fp64, to rounding)."""
+    res = launch(W.dispatch_under_tp_worker, (None,), nproc=4)
+    for rank, runs in res.items():
+        for fold in (False, True):
+            by = {r["dispatch"]: r for r in runs if r["fold"] == fold}
+            assert (by["rank"]["kind"], by["node"]["kind"]) == ("RankDispatch", "NodeDispatch")
+            for dispatch in ("rank", "node"):
+                label = f"rank {rank}, {'folded' if fold else 'tp'}, {dispatch}"
+                torch.testing.assert_close(by[dispatch]["y"], by["choice"]["y"], rtol=1e-12, atol=1e-14, msg=label)
+                torch.testing.assert_close(by[dispatch]["x_grad"], by["choice"]["x_grad"], rtol=1e-12, atol=1e-14,
+                                           msg=label)
+                for n, g in by[dispatch]["grads"].items():
+                    torch.testing.assert_close(g, by["choice"]["grads"][n], rtol=1e-12, atol=1e-14, msg=f"{label} {n}")
+
+
 # ---------------------------------------------------------------------------------------------------
 # global-batch load balancing (model.aux_loss_scope; Qiu et al. 2025; Megatron-core's "global_aux_loss")
 
