@@ -313,8 +313,8 @@ def main(argv=None) -> list[dict]:
                     help="podscale's experts keep only their pre-activation and evaluate the GELU again in the "
                          "backward (model.expert_recompute)")
     ap.add_argument("--expert-dispatch", choices=EXPERT_DISPATCHES, default="choice",
-                    help="podscale's exchange: a row per kept choice, or a token once a rank with its choices "
-                         "combined there (parallel.expert_dispatch)")
+                    help="podscale's exchange: a row per kept choice, a token once a rank with its choices "
+                         "combined there, or once a node (parallel.expert_dispatch)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="with --kernels")
     ap.add_argument("--dtype", nargs="+", choices=["fp32", "bf16"], default=["fp32"], help="with --kernels")
     ap.add_argument("--threads", type=int, default=None, help="with --kernels: torch's CPU threads")

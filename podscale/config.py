@@ -83,6 +83,17 @@ def expert_width_split_problem(hidden: int, tp: int) -> str | None:
     return None
 
 
+def expert_dispatch_problem(dispatch: str, width_split: bool) -> str | None:
+    """Why a mixture-of-experts layer cannot exchange its tokens by ``dispatch`` (``parallel.expert_dispatch``)
+    when ``width_split`` (``parallel.expert_tensor_parallel`` under tp > 1), as one line naming the fix; None
+    when it can.  The config check and :func:`podscale.parallel.moe.layer.check_expert_dispatch` both ask this."""
+    if dispatch != "choice" and width_split:
+        return (f"parallel.expert_dispatch = {dispatch!r} combines a token's choices on the rank of its experts, "
+                "which parallel.expert_tensor_parallel splits over tp: set expert_dispatch = 'choice' or "
+                "expert_tensor_parallel = false")
+    return None
+
+
 class GPTModelSection(_Section):
     """``[model] kind = "gpt"`` (the default): the byte-level GPT of :mod:`podscale.tasks.gpt`."""
 
@@ -783,10 +794,9 @@ class Config(_Section):
             if on and not self.model.task_class().supports_expert_parallel:
                 raise ConfigError(f"parallel.{key} {what} a mixture-of-experts model's experts, and "
                                   f"model.kind={self.model.kind!r} has none: set {key} = false")
-        if p.expert_dispatch != "choice" and p.expert_tensor_parallel and p.tp > 1:
-            raise ConfigError(f"parallel.expert_dispatch = {p.expert_dispatch!r} combines a token's choices on the "
-                              "rank of its experts, which parallel.expert_tensor_parallel splits over tp: set "
-                              "expert_dispatch = 'choice' or expert_tensor_parallel = false")
+        problem = expert_dispatch_problem(p.expert_dispatch, p.expert_tensor_parallel and p.tp > 1)
+        if problem:
+            raise ConfigError(problem)
         if p.expert_tensor_parallel and p.fold_tp_into_ep:
             raise ConfigError("parallel.expert_tensor_parallel and parallel.fold_tp_into_ep both use the tp "
                               "ranks for the experts (splitting each expert, or sharding whole experts over "

@@ -668,7 +668,6 @@ def _ranks_per_token(e: int, n: int, k: int) -> float:
 def test_expected_ranks_per_token_hand_cases():
     assert gpt_cost.expected_ranks_per_token(64, 1, 8) == 1.0                   # one choice, one rank
     assert gpt_cost.expected_ranks_per_token(64, 8, 1) == 1.0                   # one rank holds them all
-    assert gpt_cost.expected_ranks_per_token(4, 2, 2) == pytest.approx(2 * (1 - 1 / 6), rel=1e-12)    # 5/3
     assert gpt_cost.expected_ranks_per_token(4, 2, 2) == pytest.approx(5 / 3, rel=1e-12)
     assert gpt_cost.expected_ranks_per_token(8, 8, 2) == 2.0                    # every choice taken: both ranks
     assert gpt_cost.expected_ranks_per_token(8, 4, 8) == 4.0                    # one expert a rank, 4 distinct
@@ -708,7 +707,6 @@ def test_per_rank_dispatch_sends_d_over_k_of_the_token_bytes_and_pays_its_extra_
     a2a = lambda nbytes: net.all_to_all_time(system, nbytes, n, stride)     # noqa: E731
     sent = system.device.dtype_bytes * rows * c["h"]
     d = _ranks_per_token(e, n, 2)
-    assert 1 < d < 2
     choice = 4 * a2a(sent) + a2a(8 * e)
     tokens = sent * d / 2
     meta = a2a(tokens + 16 * rows) - a2a(tokens) + a2a(tokens + 4 * rows) - a2a(tokens)
@@ -909,7 +907,6 @@ def test_per_node_dispatch_sends_d_node_over_k_of_the_rows_between_nodes(ep, str
     assert pred.time_breakdown_s["ep_communication"] == pytest.approx(by_hand, rel=1e-9)
     stage1 = (pred.time_breakdown_s["ep_communication"] - others) / 4 - inside(sent * d / k) - across(0.0)
     assert stage1 / (across(sent) - across(0.0)) == pytest.approx(d_node / k, rel=1e-9)
-    assert d_node < d < k
 
 
 def test_every_expert_dispatch_the_runtime_names_is_priced():

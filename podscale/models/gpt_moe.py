@@ -124,7 +124,7 @@ class GPTMoE(GPT):
     are sharded over ep x tp (MoE parallel folding) instead of held by every tp rank;
     ``expert_tensor_parallel``: each expert's hidden width is split over tp instead (Megatron-core's expert
     tensor parallelism, :class:`~podscale.parallel.moe.WidthSplit`); ``expert_dispatch``: how their tokens are
-    exchanged under expert parallelism (``"choice"`` or ``"rank"``, :class:`~podscale.parallel.moe.MoELayer`)."""
+    exchanged under expert parallelism (``"choice"``, ``"rank"`` or ``"node"``: :class:`~podscale.parallel.moe.MoELayer`)."""
 
     def __init__(self, cfg: GPTMoEConfig, mesh=None, sequence_parallel: bool = False, fold_tp: bool = False,
                  expert_tensor_parallel: bool = False, expert_dispatch: str = "choice"):

@@ -458,15 +458,15 @@ def _node_exchanges(system: System, model: GPT, r: _Routed) -> TokenExchanges:
 
     def across(nbytes: float) -> float:     # to the peers: one rank a node, L x the group's stride apart
         return net.all_to_all_time(system, nbytes, nodes, members * r.stride)
-    rows = r.rows_bytes(expected_ranks_per_token(experts, k, nodes) / k)
+    d_node = expected_ranks_per_token(experts, k, nodes)
+    rows = r.rows_bytes(d_node / k)
     # the metadata with the rows out, its gradients with the input gradients back: bandwidth, no latency
     meta = tuple(across(rows + r.choice_bytes(x)) - across(rows) + m
                  for x, m in zip((NODE_METADATA_BYTES, NODE_METADATA_GRAD_BYTES), inside.metadata))
     return TokenExchanges(tokens=inside.tokens, segments=inside.segments, own_share=inside.own_share,
                           counts=across(16 * nodes), counts_exposed=inside.counts, tokens_exposed=across(rows),
                           metadata=meta, stages=2,
-                          rows_per_choice=(expected_ranks_per_token(experts, k, nodes) + inside.rows_per_choice * k)
-                          / (2 * k))
+                          rows_per_choice=(d_node / k + inside.rows_per_choice) / 2)
 
 
 #: how each ``expert_dispatch`` (layout.EXPERT_DISPATCHES) is priced

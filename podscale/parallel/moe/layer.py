@@ -77,7 +77,7 @@ from podscale.parallel.moe.gate import Gating, MoEStats, Router, Routing, StepCo
     check_drop_policy, \
     expert_capacity, first_choice_counts, load_balancing_loss, route, routing_uniform, router_z_loss
 from podscale.parallel.model_protocols import StepState, recomputing
-from podscale.config import expert_width_split_problem
+from podscale.config import expert_dispatch_problem, expert_width_split_problem
 from podscale.parallel.param_tags import tag, tags
 from podscale.parallel.sharded_state import global_shape
 from podscale.parallel.tensor import GatherBatchFromTP, ReduceFromTP, SplitBatchToTP, global_grad_norm, shard
@@ -246,7 +246,8 @@ class Experts(nn.ModuleDict):
         """Rows of ``x`` in consecutive segments, ``segments[i] = (local expert, rows)`` (a local expert may
         own several segments; zero rows allowed: an expert without rows gets a zero gradient, never a
         missing one).  Returns the experts' outputs, row for row."""
-        return _GroupedFFN.apply(x, segments, self.kernel_for_rows(x), self.num_local, self.bias, *self.kernel_weights())
+        return _GroupedFFN.apply(x, segments, self.kernel_for_rows(x), self.num_local, self.bias,
+                                 *self.kernel_weights())
 
     def forward_exchanged(self, flat: torch.Tensor, exchange: "_Exchange") -> torch.Tensor:
         """Expert parallelism: the rows of ``flat`` that ``exchange`` names (sorted by global expert) through
@@ -421,6 +422,7 @@ class _Exchange:
         self.overlap = overlap = may_overlap and overlaps_exchange(self.rows_in, ep * El)
         self.total = sum(out_rows)
         self.first, self.local = (sum(out_rows[:me]), out_rows[me]) if overlap else (0, 0)
+        self.own_block = _OwnBlock(self.first, self.local, self.total)
         #: rows per rank of what I send (and get back), and of what I receive (and send back)
         self.send_splits = [0 if r == me and overlap else n for r, n in enumerate(out_rows)]
         self.recv_splits = [0 if r == me and overlap else n for r, n in enumerate(in_rows)]
@@ -437,11 +439,11 @@ class _Exchange:
 
     def others(self, t: torch.Tensor) -> torch.Tensor:
         """The rows of ``t`` (all ``total`` rows in sorted order) that go to other ranks (:meth:`_OwnBlock.others`)."""
-        return _OwnBlock(self.first, self.local, self.total).others(t)
+        return self.own_block.others(t)
 
     def place(self, rows: torch.Tensor, arrive):
         """Receive the rows that come back from other ranks into ``rows`` (:meth:`_OwnBlock.place`)."""
-        return _OwnBlock(self.first, self.local, self.total).place(rows, arrive)
+        return self.own_block.place(rows, arrive)
 
 
 @dataclass(frozen=True)
@@ -536,17 +538,18 @@ def _pair_all_to_all(a: torch.Tensor, a_send: list[int], a_recv: list[int], b: t
     for na, nb in zip(a_send, b_send):
         pieces += [a_bytes[i:i + na].reshape(-1), b_bytes[j:j + nb].reshape(-1)]
         i, j = i + na, j + nb
-    got = a_bytes.new_empty(sum(ra * na + rb * nb for na, nb in zip(a_recv, b_recv)))
-    pending = comm.all_to_all(got, torch.cat(pieces), mesh, axes, [ra * na + rb * nb for na, nb in zip(a_recv, b_recv)],
+    recv = [ra * na + rb * nb for na, nb in zip(a_recv, b_recv)]
+    got = a_bytes.new_empty(sum(recv))
+    pending = comm.all_to_all(got, torch.cat(pieces), mesh, axes, recv,
                               [ra * na + rb * nb for na, nb in zip(a_send, b_send)], async_op=True)
 
     def finish() -> tuple[torch.Tensor, torch.Tensor]:
         pending.wait()
         got_a, got_b, k = [], [], 0
-        for na, nb in zip(a_recv, b_recv):
+        for na, size in zip(a_recv, recv):
             got_a.append(got[k:k + ra * na])
-            got_b.append(got[k + ra * na:k + ra * na + rb * nb])
-            k += ra * na + rb * nb
+            got_b.append(got[k + ra * na:k + size])
+            k += size
         return (torch.cat(got_a).view(a.dtype).view((-1,) + tuple(a.shape[1:])),
                 torch.cat(got_b).view(b.dtype).view((-1,) + tuple(b.shape[1:])))
     return finish
@@ -701,10 +704,9 @@ def check_expert_dispatch(dispatch: str, width_split: bool = False) -> None:
     """One-line ValueErrors naming the key and the fix."""
     if dispatch not in EXPERT_DISPATCHES:
         raise ValueError(f"parallel.expert_dispatch={dispatch!r} is not one of {', '.join(EXPERT_DISPATCHES)}")
-    if dispatch != "choice" and width_split:
-        raise ValueError(f"parallel.expert_dispatch = {dispatch!r} combines a token's choices on the rank of its "
-                         "experts, which parallel.expert_tensor_parallel splits over tp: set expert_dispatch = "
-                         "'choice' or expert_tensor_parallel = false")
+    problem = expert_dispatch_problem(dispatch, width_split)
+    if problem:
+        raise ValueError(problem)
 
 
 class _RankExchange:
@@ -726,13 +728,10 @@ class _RankExchange:
         self.mesh, self.axes, self.El = mesh, axes, El
         n = mesh.size(*axes)
         self.choice_token = token
-        dest = torch.div(expert, El, rounding_mode="floor")
-        uniq, inverse = torch.unique(dest * n_tokens + token, sorted=True, return_inverse=True)
-        #: the token of each row sent, by destination rank then token
-        self.token = uniq.remainder(n_tokens)
-        rows = torch.bincount(torch.div(uniq, n_tokens, rounding_mode="floor"), minlength=n)
-        #: each kept choice's row in the block of rows sent to its destination rank
-        self.pair_row = inverse - (torch.cumsum(rows, 0) - rows).index_select(0, dest)
+        #: the token of each row sent (by destination rank, then token), the rows a rank, and each kept choice's
+        #: row in the block of rows sent to its destination rank
+        self.token, rows, self.pair_row = _rows_once_a_destination(torch.div(expert, El, rounding_mode="floor"),
+                                                                   token, n, n_tokens)
         self._send = torch.cat((counts.view(n, El), rows.view(n, 1)), 1)
         self._recv = torch.empty_like(self._send)
         self._pending = comm.all_to_all(self._recv.view(-1), self._send.reshape(-1).contiguous(), mesh, axes,
@@ -752,10 +751,13 @@ class _RankExchange:
         #: the own rows among the rows sent (and their outputs back), the own choices among the choices
         self.rows_block = _OwnBlock(sum(send_rows[:me]), send_rows[me] if overlap else 0, sum(send_rows))
         self.choices_block = _OwnBlock(sum(send_pairs[:me]), send_pairs[me] if overlap else 0, sum(send_pairs))
-        for split in (send_rows, recv_rows, send_pairs, recv_pairs):
-            split[me] = 0 if overlap else split[me]
+        if overlap:
+            for split in (send_rows, recv_rows, send_pairs, recv_pairs):
+                split[me] = 0
         #: rows (unique tokens) and choices sent to / received from each rank
         self.send_rows, self.recv_rows, self.send_pairs, self.recv_pairs = send_rows, recv_rows, send_pairs, recv_pairs
+        #: the tokens of the rows that travel (all but the own block's)
+        self.token_remote = self.rows_block.others(self.token)
         c = self.choices_block
         #: the own choices' tokens, rows in the own block, and their two halves' segments
         self.own_token = self.choice_token[c.first:c.first + c.local]
@@ -768,6 +770,15 @@ class _RankExchange:
         sources = [r[:El] for i, r in enumerate(recv) if i != me or not overlap]
         self.perm, self.inverse, segments = _expert_major(sources, dev)
         self.bounds = segment_bounds(segments)
+
+
+def _rows_once_a_destination(dest: torch.Tensor, token: torch.Tensor, n_dest: int, n_tokens: int):
+    """Kept choices (sorted by ``dest``, their destination, with their ``token`` s) -> one row per (destination,
+    token): (the rows' tokens, sorted by destination then token; the rows each of ``n_dest`` destinations gets;
+    each choice's row in its destination's block).  One ``unique`` over the pairs."""
+    uniq, inverse = torch.unique(dest * n_tokens + token, sorted=True, return_inverse=True)
+    rows = torch.bincount(torch.div(uniq, n_tokens, rounding_mode="floor"), minlength=n_dest)
+    return uniq.remainder(n_tokens), rows, inverse - (torch.cumsum(rows, 0) - rows).index_select(0, dest)
 
 
 def _source_starts(rows: list[int], choices: list[int], device) -> torch.Tensor:
@@ -801,7 +812,7 @@ class _RankDispatchFFN(torch.autograd.Function):
         D = weights[El].shape[1]
         mesh, axes, own_rows, own_choices, h = ex.mesh, ex.axes, ex.rows_block, ex.choices_block, ex.half
         choices = torch.stack((ex.pair_row.to(torch.float64), w.detach().to(torch.float64)), 1)
-        arrive = _pair_all_to_all(flat.index_select(0, own_rows.others(ex.token)), ex.send_rows, ex.recv_rows,
+        arrive = _pair_all_to_all(flat.index_select(0, ex.token_remote), ex.send_rows, ex.recv_rows,
                                   own_choices.others(choices), ex.send_pairs, ex.recv_pairs, mesh, axes)
         x_own = flat.index_select(0, ex.own_token)
         e_own = flat.new_empty(x_own.shape[0], D)
@@ -872,7 +883,7 @@ class _RankDispatchFFN(torch.autograd.Function):
         g_flat = x.new_zeros(ctx.n, x.shape[1]).index_add_(0, ex.own_token, g_x_own) if want else None
         g_back, d_gate_back = arrive()
         if want:
-            g_flat.index_add_(0, own_rows.others(ex.token), g_back)
+            g_flat.index_add_(0, ex.token_remote, g_back)
         return (g_flat, own_choices.merge(d_gate_own, d_gate_back.squeeze(1)), None, None, None, None,
                 *acc.result(params, x))
 
@@ -1078,6 +1089,12 @@ def _combine(r: Routing, token: torch.Tensor, rows: torch.Tensor, shared: torch.
     return y.index_add_(0, token, rows * w.unsqueeze(1))
 
 
+def _kept_choices(r: Routing) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The kept choices, sorted by global expert: (their tokens, experts, gate values)."""
+    return (r.order // r.expert.shape[1], r.expert.reshape(-1).index_select(0, r.order),
+            r.weight.reshape(-1).index_select(0, r.order))
+
+
 class ExpertDispatch(Protocol):
     """How an expert-parallel MoE layer (ep > 1) sends its kept choices to their experts' ranks and gets their
     outputs back (Megatron-core's token dispatchers are such a seam)."""
@@ -1118,9 +1135,8 @@ class RankDispatch:
     per-choice dispatch's rule (:data:`MIN_SEGMENT_ROWS`).  Not with the experts' width split over tp."""
 
     def __call__(self, layer: "MoELayer", inp: torch.Tensor, r: Routing) -> tuple[torch.Tensor, int]:
-        k = r.expert.shape[1]
-        expert, w = r.expert.reshape(-1).index_select(0, r.order), r.weight.reshape(-1).index_select(0, r.order)
-        exchange = self.start(layer, r.order // k, expert, r.counts, inp.shape[0])
+        token, expert, w = _kept_choices(r)
+        exchange = self.start(layer, token, expert, r.counts, inp.shape[0])
         shared = layer.shared_output(inp)                      # while the counts are in flight
         exchange.wait()
         return self.run(layer, inp, w, exchange, shared), exchange.rows_in
@@ -1191,15 +1207,10 @@ class NodeDispatch:
     def __call__(self, layer: "MoELayer", inp: torch.Tensor, r: Routing) -> tuple[torch.Tensor, int]:
         g, mesh, axes, El = self.groups, layer.mesh, layer.expert_axes, layer.experts.num_local
         n, N = layer.ep, inp.shape[0]
-        k = r.expert.shape[1]
-        token = r.order // k                                   # the kept choices, sorted by global expert
-        expert, w = r.expert.reshape(-1).index_select(0, r.order), r.weight.reshape(-1).index_select(0, r.order)
+        token, expert, w = _kept_choices(r)
         node = torch.div(expert, El * g.per_node, rounding_mode="floor")
-        uniq, inverse = torch.unique(node * N + token, sorted=True, return_inverse=True)
-        uniq_token = uniq.remainder(N)
-        rows = torch.bincount(torch.div(uniq, N, rounding_mode="floor"), minlength=g.nodes)
+        uniq_token, rows, row = _rows_once_a_destination(node, token, g.nodes, N)
         pairs = torch.bincount(node, minlength=g.nodes)
-        row = inverse - (torch.cumsum(rows, 0) - rows).index_select(0, node)   # a choice's row in its node's block
         peers = torch.arange(g.nodes, device=rows.device) * g.per_node + g.index
         send = rows.new_zeros(n, 2).index_copy_(0, peers, torch.stack((rows, pairs), 1))
         recv = torch.empty_like(send)
@@ -1216,8 +1227,8 @@ class NodeDispatch:
         got_row = (got_choices[:, 0].detach().long() + _source_starts(recv_rows, recv_pairs, got.device)
                    ).index_select(0, by_expert)
         got_expert = got_expert.index_select(0, by_expert)
-        exchange = RankDispatch.start(layer, got_row, got_expert, torch.bincount(got_expert, minlength=layer.num_experts),
-                                      got.shape[0])
+        counts = torch.bincount(got_expert, minlength=layer.num_experts)
+        exchange = RankDispatch.start(layer, got_row, got_expert, counts, got.shape[0])
         exchange.wait()
         gate = got_choices[:, 2].index_select(0, by_expert).to(w.dtype)
         out = RankDispatch.run(layer, got, gate, exchange, None)
