@@ -31,25 +31,30 @@ top-2 renormalises the gate values after dropping where GShard normalises before
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
 import logging
 import os
 import statistics
+import sys
 import time
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from podscale.parallel.moe import EXPERT_DISPATCHES, MoELayer
-from podscale.parallel.moe import layer as moe_layer
-from podscale.parallel.moe import kernels
-from podscale.parallel.moe.kernels import CacheTiledKernel
-from podscale.runtime import hostmem
-from podscale.runtime.launcher import launch
-from podscale.runtime.mesh import Mesh
-from podscale.runtime.process import bind_local_cores, init_process
+sys.path.insert(0, os.path.dirname(__file__))
+from emulated_nodes import add_link_argument, nodes_for  # noqa: E402
+
+from podscale.parallel.moe import EXPERT_DISPATCHES, MoELayer  # noqa: E402
+from podscale.parallel.moe import layer as moe_layer  # noqa: E402
+from podscale.parallel.moe import kernels  # noqa: E402
+from podscale.parallel.moe.kernels import CacheTiledKernel  # noqa: E402
+from podscale.runtime import hostmem  # noqa: E402
+from podscale.runtime.launcher import launch  # noqa: E402
+from podscale.runtime.mesh import Mesh  # noqa: E402
+from podscale.runtime.process import bind_local_cores, init_process  # noqa: E402
 
 
 class _SavedBytes:
@@ -120,14 +125,14 @@ def _without_overlap(layer: MoELayer, x: torch.Tensor) -> torch.Tensor:
         moe_layer.MIN_SEGMENT_ROWS = rule
 
 
-def _worker(args) -> list[dict]:
+def _worker(args, net=None) -> list[dict]:
     logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
     if args.keep_heap:
         # both layers alike: freed memory stays in the process, so a step's activations reuse resident
         # pages instead of faulting fresh ones in (one fault per 4 KiB page)
         hostmem.mallopt(_M_MMAP_MAX, 0)
         hostmem.mallopt(hostmem.M_TRIM_THRESHOLD, 2**30)
-    info = init_process()
+    info = net.init_process(ranks_per_node=1) if net else init_process()
     cores = bind_local_cores(info.local_rank, info.world_size) if args.bind_cores else None
     torch.set_num_threads(len(cores) if cores else max(1, (os.cpu_count() or 1) // info.world_size))
     import deepspeed
@@ -319,6 +324,7 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--dtype", nargs="+", choices=["fp32", "bf16"], default=["fp32"], help="with --kernels")
     ap.add_argument("--threads", type=int, default=None, help="with --kernels: torch's CPU threads")
     ap.add_argument("--json", help="write the rows here")
+    add_link_argument(ap)
     args = ap.parse_args(argv)
     if args.quick:
         args.experts, args.tokens, args.rounds = [4, 64], [1024, 4096], 3
@@ -328,7 +334,11 @@ def main(argv=None) -> list[dict]:
             with open(args.json, "w") as f:
                 json.dump(rows, f, indent=1)
         return rows
-    rows = launch(_worker, (args,), nproc=args.nproc)[0]
+    net = nodes_for(args.link_mbit, args.nproc, 1)
+    with net or contextlib.nullcontext():
+        if net:
+            print(f"each rank a node of its own, linked at {net.measure_mbit():.0f} Mbit/s (measured)")
+        rows = launch(_worker, (args, net), nproc=args.nproc)[0]
     worst = max(r["ratio"] for r in rows)
     print(f"ratio (podscale / DeepSpeed): worst {worst:.2f}, median {statistics.median(r['ratio'] for r in rows):.2f}; "
           f"CPU-time ratio: worst {max(r['cpu_ratio'] for r in rows):.2f}, median "

@@ -26,13 +26,20 @@ import argparse
 import statistics
 import time
 
+import contextlib
+import os
+import sys
+
 import torch
 import torch.distributed as dist
 
-from podscale.parallel.moe import Gating, MoELayer
-from podscale.runtime.launcher import launch
-from podscale.runtime.mesh import Mesh
-from podscale.runtime.process import init_process
+sys.path.insert(0, os.path.dirname(__file__))
+from emulated_nodes import add_link_argument, nodes_for  # noqa: E402
+
+from podscale.parallel.moe import Gating, MoELayer  # noqa: E402
+from podscale.runtime.launcher import launch  # noqa: E402
+from podscale.runtime.mesh import Mesh  # noqa: E402
+from podscale.runtime.process import init_process  # noqa: E402
 
 #: bytes sent to other ranks and to other nodes, and all-to-alls issued, in the step in progress (this rank)
 SENT = {"bytes": 0, "node_bytes": 0, "calls": 0}
@@ -51,13 +58,13 @@ def _counting(raw, rank: int, world: int, per_node: int):
     return call
 
 
-def _worker(a) -> list[dict]:
-    info = init_process()
+def _worker(a, net) -> list[dict]:
+    per_node = a.ranks_per_node or (1 if net else int(os.environ["WORLD_SIZE"]))
+    info = net.init_process(per_node) if net else init_process()
     torch.set_num_threads(1)
     mesh = Mesh.build(info.device, ep=info.world_size)
-    per_node = a.ranks_per_node or info.world_size
     dist.all_to_all_single = _counting(dist.all_to_all_single, info.rank, info.world_size, per_node)
-    dispatches = ("choice", "rank", "node") if per_node < info.world_size else ("choice", "rank")
+    dispatches = ("choice", "rank", "node") if 1 < per_node < info.world_size else ("choice", "rank")
     rows = []
     for E in a.experts:
         for T in a.tokens:
@@ -122,9 +129,14 @@ def main(argv=None) -> list[dict]:
     ap.add_argument("--group-limited", action="store_true",
                     help="one router group per node (per rank without --ranks-per-node), one group per token")
     ap.add_argument("--rounds", type=int, default=7)
+    add_link_argument(ap)
     a = ap.parse_args(argv)
-    rows = launch(_worker, (a,), nproc=a.nproc)[0]
+    net = nodes_for(a.link_mbit, a.nproc, a.ranks_per_node or 1)
+    with net or contextlib.nullcontext():
+        link = f", nodes linked at {net.measure_mbit():.0f} Mbit/s (measured)" if net else ""
+        rows = launch(_worker, (a, net), nproc=a.nproc)[0]
     nodes = f", nodes of {a.ranks_per_node} ranks" if a.ranks_per_node else ""
+    nodes += link
     print(f"ep={a.nproc}{nodes} d_model={a.d_model} d_hidden={a.d_hidden}"
           f"{' group-limited' if a.group_limited else ''}: each dispatch against per-choice (bytes: every rank's to "
           "other ranks and to other nodes, forward + backward)")

@@ -61,22 +61,43 @@ CASES = [
 ]
 
 
-def run_train(overrides: dict, global_batch: int, micro_batch: int, layout: dict, zero: int, steps: int,
-              out: Path, name: str) -> float:
+def train_args(overrides: dict, global_batch: int, micro_batch: int, layout: dict, zero: int, steps: int,
+               out: Path, name: str) -> list[str]:
+    """The arguments of ``podscale train`` (after ``python -m podscale.cli``) for one case, 2 ranks."""
     sets = [f"model.{k}={v}" for k, v in overrides.items()]
     sets += [f"train.global_batch={global_batch}", f"train.micro_batch={micro_batch}",
              f"parallel.tp={layout['tp']}", f"parallel.pp={layout['pp']}", f"parallel.ep={layout.get('ep', 1)}",
              f"parallel.fold_tp_into_ep={'true' if layout.get('fold_tp_into_ep') else 'false'}", f"zero.stage={zero}",
              f"parallel.expert_dispatch='{layout.get('expert_dispatch', 'choice')}'",
              "run.eval_every=0", "run.sample_tokens=0", "checkpoint.every=100000"]
-    cmd = [sys.executable, "-m", "podscale.cli", "train", "--nproc", "2", "--steps", str(steps),
-           "--out-dir", str(out), "--name", name, "--fresh"]
+    args = ["train", "--nproc", "2", "--steps", str(steps), "--out-dir", str(out), "--name", name]
     for s in sets:
-        cmd += ["--set", s]
-    subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=1800)
+        args += ["--set", s]
+    return args
+
+
+def measured_step(out: Path, name: str) -> float:
+    """A finished run's step time: the low percentile of its steps after warm-up (calibration's statistic)."""
     rows = [json.loads(line) for line in (out / name / "metrics.jsonl").read_text().splitlines() if line.strip()]
     times = [r["step_time_s"] for r in rows if "step_time_s" in r][len(rows) // 4:]     # drop warm-up
-    return low_percentile(times)                                    # same statistic as calibration
+    return low_percentile(times)
+
+
+def model_of(overrides: dict) -> dict:
+    """The planner's model JSON for a case's model overrides."""
+    model = {"layers": overrides["n_layer"], "hidden": overrides["n_embd"], "heads": overrides["n_head"],
+             "seq": overrides["block_size"], "vocab": 256}
+    if "experts" in overrides:  # a GPT-MoE
+        model.update({k: overrides[k] for k in ("experts", "top_k", "moe_every", "capacity_factor")})
+    return model
+
+
+def run_train(overrides: dict, global_batch: int, micro_batch: int, layout: dict, zero: int, steps: int,
+              out: Path, name: str) -> float:
+    cmd = [sys.executable, "-m", "podscale.cli",
+           *train_args(overrides, global_batch, micro_batch, layout, zero, steps, out, name), "--fresh"]
+    subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=1800)
+    return measured_step(out, name)
 
 
 def main(argv=None) -> int:
@@ -101,11 +122,7 @@ def main(argv=None) -> int:
                 continue
             measured = min(run_train(ov, gb, mb, lay, zero, args.steps, Path(tmp), f"case{i}")
                            for _ in range(args.repeat))
-            model = {"layers": ov["n_layer"], "hidden": ov["n_embd"], "heads": ov["n_head"],
-                     "seq": ov["block_size"], "vocab": 256}
-            if "experts" in ov:  # a GPT-MoE
-                model.update({k: ov[k] for k in ("experts", "top_k", "moe_every", "capacity_factor")})
-            pred = predict(system, 2, model, as_trained(Layout(**lay, microbatch=mb, zero_stage=zero)), gb)
+            pred = predict(system, 2, model_of(ov), as_trained(Layout(**lay, microbatch=mb, zero_stage=zero)), gb)
             ratio = pred.step_time_s / measured
             ratios.append(ratio)
             print(f"{label:<40}{measured:>12.4f}{pred.step_time_s:>13.4f}{ratio:>11.2f}", flush=True)

@@ -9,7 +9,10 @@ from podscale.parallel.pipeline.partition import stage_layers
 from podscale.plan import Layout, predict
 from podscale.plan.cli import main
 from podscale.plan.models import GPT
-from podscale.plan.stages import pipeline_chunks
+from podscale.parallel.pipeline.schedule import schedule_actions, simulate
+from podscale.plan import network as net
+from podscale.plan.hardware import load_system
+from podscale.plan.stages import pipeline_chunks, pipeline_message_time
 
 
 @pytest.mark.parametrize("layers,chunks", [(70, 12), (24, 5), (30, 4), (13, 6), (24, 4)])
@@ -43,10 +46,41 @@ def test_uneven_stage_bubble_reduces_to_the_even_formula():
                                                      pipeline_layers=(6, 6, 6, 6)), 32)
     t = even.time_breakdown_s
     per_mb = (sum(v for k, v in t.items() if k not in ("pipeline_bubble", "dp_communication", "optimizer",
-                                                      "grad_passes", "offload")) / 32)
+                                                      "grad_passes", "offload", "pp_p2p")) / 32)
     head = t["output_layer"] / 32
     # fill and drain: the three other ranks' micro-batch time, which lacks the output layer
     assert t["pipeline_bubble"] == pytest.approx(3 * (per_mb - head), rel=1e-9)
+
+
+@pytest.mark.parametrize("p", [2, 3, 4, 8, 16])
+def test_pipeline_messages_are_priced_as_the_schedule_simulator_runs_them(p):
+    # equal stages, every message msg seconds, sent asynchronously: the planner's fill, drain and messages
+    # against the runtime's schedule simulator, for every micro-batch count up to 3p + 1
+    for m in range(1, 3 * p + 2):
+        for t_f, t_b in ((1.0, 2.0), (1.0, 1.0), (2.0, 3.0)):
+            for msg in (0.05, 0.7, 3.0, 10.0):
+                for schedule in ("gpipe", "1f1b"):
+                    sim = simulate(schedule_actions(schedule, p, m), 1, t_f, t_b, t_msg=msg)["makespan"]
+                    priced = (m + p - 1) * (t_f + t_b) + pipeline_message_time(schedule, p, m, 1, msg)
+                    assert priced == pytest.approx(sim, rel=1e-12), (schedule, m, t_f, t_b, msg)
+                if m % p == 0:   # interleaved: an upper bound
+                    v = 2
+                    sim = simulate(schedule_actions("interleaved", p, m, v), v, t_f / v, t_b / v, t_msg=msg)
+                    bound = (m * v + p - 1) * (t_f + t_b) / v + pipeline_message_time("interleaved", p, m, v, msg)
+                    assert sim["makespan"] <= bound + 1e-9
+
+
+def test_the_planner_adds_a_pipelines_messages_as_its_schedule_exposes_them():
+    model = GPT(layers=24, hidden=2048, heads=16, seq=2048, vocab=51200)
+    # pp across nodes (tp fills a node), 16 micro-batches
+    for schedule in ("gpipe", "1f1b"):
+        lay = Layout(tp=8, pp=4, dp=1, microbatch=1, schedule=schedule)
+        pred = predict("dgx-a100-80g", 32, model, lay, 16)
+        system = load_system("dgx-a100-80g")
+        msg = net.p2p_time(system, 2 * 2048 * 2048 / 8, 8)   # bf16, Megatron's scatter-gather: 1/tp a rank
+        assert pred.time_breakdown_s["pp_p2p"] == pytest.approx(pipeline_message_time(schedule, 4, 16, 1, msg))
+    # 1F1B: 2 msg (m + p - 3 - floor((m - 2) / p)) = 2 msg x 14, not both sends of every micro-batch (2 msg x 19)
+    assert pipeline_message_time("1f1b", 4, 16, 1, 1.0) == 28.0
 
 
 def test_plan_predict_accepts_pipeline_layers(capsys):

@@ -119,7 +119,7 @@ from .memory import (activation_bytes_per_layer, pipeline_inflight_layers, preci
                      zero_model_state_bytes)
 from .models import GPT
 from .prediction import Prediction
-from .stages import pipeline_chunks, pipeline_rank_layers
+from .stages import pipeline_chunks, pipeline_message_time, pipeline_rank_layers
 from podscale.parallel.moe.layer import overlaps_exchange
 
 ADAM_BYTES_PER_PARAM = 30      # fp32 master r/w, m r/w, v r/w, grad read, fp16 param write
@@ -787,18 +787,19 @@ def predict_gpt(system: System, devices: int, model: GPT, lay: Layout, batch: in
     # (Narayanan et al. SC'21, Sec. 4.1); DeepSpeed's pipeline engine sends the whole tensor from every rank.
     act_msg = dev.dtype_bytes * b * s * h / (t if lay.pp_scatter_gather else 1)
     stride_pp = lay.dp * lay.ep * t
-    p2p = 2 * v * net.p2p_time(system, act_msg, stride_pp) if p > 1 else 0.0
+    # the step's messages between stages, as the schedule exposes them (the executor sends asynchronously)
+    p2p = pipeline_message_time(lay.schedule, p, m, v, net.p2p_time(system, act_msg, stride_pp) if p > 1 else 0.0)
 
     per_layer_mb = fwd + bwd + recompute + tp_comm + ep_comm
-    # Per-micro-batch time of each rank: its layers, the output layer on the last, the stage sends.
+    # Per-micro-batch time of each rank: its layers, the output layer on the last.
     n_max, n_last = max(rank_layers), rank_layers[-1]
-    t_last = n_last * per_layer_mb + head + p2p
-    t_other = max((n for n in rank_layers[:-1]), default=0) * per_layer_mb + p2p
+    t_last = n_last * per_layer_mb + head
+    t_other = max((n for n in rank_layers[:-1]), default=0) * per_layer_mb
     slow_last = p == 1 or t_last >= t_other
     n_slow = n_last if slow_last else n_max
     t_slow = t_last if slow_last else t_other
     comp_fwd, comp_bwd, comp_rec = n_slow * fwd, n_slow * bwd, n_slow * recompute
-    bubble = (L * per_layer_mb + head + p * p2p - t_slow) / v
+    bubble = (L * per_layer_mb + head - t_slow) / v
 
     # Ranks that can hold the most (parameters or activations): the two ends (embedding, head, logits)
     # and, per distinct layer count, the earliest rank with it (the most micro-batches in flight).
@@ -878,7 +879,7 @@ def predict_gpt(system: System, devices: int, model: GPT, lay: Layout, batch: in
     breakdown = {
         "forward": m * comp_fwd, "backward": m * comp_bwd, "recompute": m * comp_rec,
         "tp_communication": m * n_slow * tp_comm + tp_grad_sum, "ep_communication": m * n_slow * ep_comm,
-        "output_layer": m * head if slow_last else 0.0, "pp_p2p": m * p2p, "pipeline_bubble": bubble,
+        "output_layer": m * head if slow_last else 0.0, "pp_p2p": p2p, "pipeline_bubble": bubble,
         "dp_communication": dp_exposed, "optimizer": optimizer, "grad_passes": grad_passes, "offload": offload,
     }
     step = sum(breakdown.values())

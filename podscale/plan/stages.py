@@ -60,3 +60,30 @@ def pipeline_rank_layers(model: GPT, lay: Layout) -> list[int]:
 @lru_cache(maxsize=4096)
 def _rank_layers(sizes: tuple, pp: int) -> tuple:
     return tuple(sum(sizes[r::pp]) for r in range(pp))
+
+
+def pipeline_message_time(schedule: str, p: int, m: int, v: int, msg: float) -> float:
+    """Seconds a step's point-to-point messages add to a pipeline of ``p`` ranks running ``m`` micro-batches,
+    each message (one micro-batch boundary, one way) taking ``msg`` seconds.
+
+    The executor sends asynchronously (``podscale.parallel.pipeline.schedule``): a rank goes on computing while
+    its message travels, and waits only for the messages its next action needs. On equal stages of ``t_f + t_b``
+    per micro-batch the schedule simulator (``schedule.simulate`` with ``t_msg``) then gives a makespan of
+    ``(m + p - 1)(t_f + t_b)`` plus exactly (checked against it for p up to 16, m up to 5p, any t_f, t_b, msg:
+    ``tests/test_plan_pipeline.py``):
+
+    * GPipe: ``2 (p - 1) msg``: the fill and the drain each cross p - 1 boundaries; in between a rank's
+      messages travel while it runs its next micro-batch.
+    * 1F1B: ``2 msg (m + p - 3 - floor((m - 2) / p))``: rank 0 has only p micro-batches in flight, so each
+      round trip of a micro-batch (2 (p - 1) messages) stalls it; on average ``2 (p - 1) / p`` msg a
+      micro-batch, not the 2 msg of both sends.
+    * Interleaved 1F1B: ``2 msg (m v + p - 1)``, every message on the critical path (an upper bound: its
+      messages hide under the other chunks' work up to a size that depends on the stage times, piecewise).
+    """
+    if p == 1:
+        return 0.0
+    if schedule == "gpipe":
+        return 2 * (p - 1) * msg
+    if schedule == "1f1b":
+        return 2 * msg * (m + p - 3 - (m - 2) // p)
+    return 2 * msg * (m * v + p - 1)

@@ -88,8 +88,10 @@ def schedule_actions(schedule: str, p: int, m: int, v: int = 1) -> list[list[tup
     return out
 
 
-def simulate(actions: list[list[tuple[str, int, int]]], v: int, t_f: float = 1.0, t_b: float = 2.0) -> dict:
-    """Run the schedule on an ideal machine (blocking receives, free messages); raises on a deadlock.
+def simulate(actions: list[list[tuple[str, int, int]]], v: int, t_f: float = 1.0, t_b: float = 2.0,
+             t_msg: float = 0.0) -> dict:
+    """Run the schedule on an ideal machine (blocking receives; each message arrives ``t_msg`` after the action
+    that sends it ends, while its sender goes on: the executor's asynchronous sends); raises on a deadlock.
 
     Returns the makespan, the bubble ``(makespan - m (t_f + t_b) v) / (m (t_f + t_b) v)`` and the largest
     number of micro-batches in flight on each rank.
@@ -110,7 +112,7 @@ def simulate(actions: list[list[tuple[str, int, int]]], v: int, t_f: float = 1.0
                     ("B", s + 1, mb) if kind == "B" and s < stages - 1 else None
                 if dep is not None and dep not in done:
                     break
-                start = max(clock[r], done.get(dep, 0.0))
+                start = max(clock[r], done[dep] + t_msg if dep is not None else 0.0)
                 clock[r] = start + (t_f if kind == "F" else t_b)
                 done[(kind, s, mb)] = clock[r]
                 live[r] += 1 if kind == "F" else -1
