@@ -23,6 +23,8 @@ top-2 renormalises the gate values after dropping where GShard normalises before
                         [--bind-cores]   # each rank pinned to its own share of the cores (both layers)
                         [--keep-heap]    # freed memory stays resident (no page faults on new activations)
                         [--recompute-activation]   # podscale keeps only the experts' pre-activation
+                        [--link-mbit M]  # root only: each rank a node of its own, the two joined by an M Mbit/s
+                                         # link (network namespaces: emulated_nodes.py)
     python bench/moe.py --kernels [NAME ...] [--device cpu|cuda] [--dtype fp32 bf16] [--threads N] ...
                         # one process, ep = 1: podscale's expert kernels (tiled, segment, grouped, and each
                         # -recompute; default the first two) on the same layer and input, taking

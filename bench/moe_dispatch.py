@@ -19,16 +19,17 @@ dispatch that sends a token once a node (rank).
 
     python bench/moe_dispatch.py [--experts 16 64] [--tokens 1024 4096] [--top-k 1 2 4] [--d-model 128]
                                  [--d-hidden 512] [--nproc 2] [--ranks-per-node R] [--group-limited] [--rounds 7]
+                                 [--link-mbit M]   # root only: the nodes (each rank without --ranks-per-node) in
+                                                   # network namespaces joined by M Mbit/s links (emulated_nodes.py)
 """
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
-
 import contextlib
 import os
+import statistics
 import sys
+import time
 
 import torch
 import torch.distributed as dist
