@@ -28,6 +28,7 @@ import uuid
 from dataclasses import dataclass, field
 from datetime import timedelta
 
+import torch
 import torch.distributed as dist
 
 from podscale.runtime.process import ProcessInfo
@@ -85,6 +86,10 @@ class EmulatedNodes:
         if self.nodes < 2 or self.nodes > 200 or self.mbit <= 0:
             raise SystemExit(f"--link-mbit: {self.nodes} nodes at {self.mbit} Mbit/s: want 2-200 nodes and a "
                              "positive rate")
+        taken = subprocess.run(["ip", "-4", "-o", "addr"], capture_output=True, text=True).stdout
+        if f" {_SUBNET}." in taken:
+            raise SystemExit(f"--link-mbit: {_SUBNET}.0/24 is in use (another bench's emulated nodes?): wait for it to "
+                             "end, or remove that network")
         try:
             self._build()
         except Exception:
@@ -155,7 +160,6 @@ class EmulatedNodes:
         os.environ["GLOO_SOCKET_IFNAME"] = self.interface(node)
         dist.init_process_group("gloo", store=dist.PrefixStore(f"emulated-{self.tag}", store), rank=rank,
                                 world_size=world, timeout=timedelta(seconds=timeout_s))
-        import torch
         return ProcessInfo(rank, world, int(os.environ.get("LOCAL_RANK", "0")), torch.device("cpu"), 0)
 
     # -- checking the link -----------------------------------------------------------------------------------
