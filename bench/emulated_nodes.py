@@ -144,9 +144,12 @@ class EmulatedNodes:
         """Enter this worker's node (``RANK // ranks_per_node``) and point gloo at its interface: for a worker whose
         launcher's store listens on :attr:`host_address` (``launch(..., host=nodes.host_address)``), which it
         reaches over its node's link, before it starts its process group."""
-        node = int(os.environ["RANK"]) // ranks_per_node
+        rank = int(os.environ["RANK"])
+        node = rank // ranks_per_node
         self.enter(node)
         os.environ["GLOO_SOCKET_IFNAME"] = self.interface(node)
+        # what torchrun would tell a worker of a node of ranks_per_node (the per-node dispatch reads it)
+        os.environ.update(LOCAL_RANK=str(rank % ranks_per_node), LOCAL_WORLD_SIZE=str(ranks_per_node))
 
     def init_process(self, ranks_per_node: int, timeout_s: float = 600.0) -> ProcessInfo:
         """The gloo process group of a worker started by podscale's launcher, its sockets on its node's link:

@@ -62,15 +62,15 @@ CASES = [
 
 
 def train_args(overrides: dict, global_batch: int, micro_batch: int, layout: dict, zero: int, steps: int,
-               out: Path, name: str) -> list[str]:
-    """The arguments of ``podscale train`` (after ``python -m podscale.cli``) for one case, 2 ranks."""
+               out: Path, name: str, nproc: int = 2) -> list[str]:
+    """The arguments of ``podscale train`` (after ``python -m podscale.cli``) for one case on ``nproc`` ranks."""
     sets = [f"model.{k}={v}" for k, v in overrides.items()]
     sets += [f"train.global_batch={global_batch}", f"train.micro_batch={micro_batch}",
              f"parallel.tp={layout['tp']}", f"parallel.pp={layout['pp']}", f"parallel.ep={layout.get('ep', 1)}",
              f"parallel.fold_tp_into_ep={'true' if layout.get('fold_tp_into_ep') else 'false'}", f"zero.stage={zero}",
              f"parallel.expert_dispatch='{layout.get('expert_dispatch', 'choice')}'",
              "run.eval_every=0", "run.sample_tokens=0", "checkpoint.every=100000"]
-    args = ["train", "--nproc", "2", "--steps", str(steps), "--out-dir", str(out), "--name", name]
+    args = ["train", "--nproc", str(nproc), "--steps", str(steps), "--out-dir", str(out), "--name", name]
     for s in sets:
         args += ["--set", s]
     return args
