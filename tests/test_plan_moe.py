@@ -947,3 +947,69 @@ def test_plan_predict_says_per_node_dispatch(capsys):
                  "--layout", '{"tp": 2, "pp": 1, "dp": 4, "ep": 2, "microbatch": 2, "expert_dispatch": "node"}']) == 0
     assert capsys.readouterr().out.splitlines()[0] == ("custom (experts 8 top2, per-node dispatch) on 16 x dgx-a100-80g, "
                                                        "batch 64, tp2 pp1 dp4 ep2 mb2 per-node")
+
+
+# model.drop_policy (podscale.parallel.moe.gate.DROP_POLICIES): "priority" and "probs" sort the choices before the
+# slots are handed out; the planner prices those sorts as routing bytes, "position" as before.
+
+def test_a_stable_sort_makes_one_insertion_pass_and_a_merge_pass_per_doubling_of_runs_of_7():
+    """libstdc++'s std::stable_sort (torch's CPU sort of float keys): runs of 7 insertion-sorted, then merged
+    pairwise. Hand counts: 7 keys one run, 8 keys two runs (one merge), 128 keys 19 runs (5 merges), 2,048 keys
+    293 runs (9 merges)."""
+    assert [gpt_cost.merge_sort_passes(n) for n in (1, 7, 8, 14, 15, 128, 2048)] == [0, 1, 2, 2, 3, 6, 10]
+
+
+def test_the_drop_policies_sorts_are_counted_beyond_the_position_listing():
+    """Hand counts at 1,024 tokens a rank, groups of 128, top-2 (C = 2,048): ``"priority"`` sorts each group's
+    top scores (6 passes of 24 bytes over 1,024 tokens: 147,456) and gathers the ids by that order (3 int64
+    passes over C: 49,152); ``"probs"`` sorts all C gate values (10 passes of 24 bytes over C: 491,520) and skips
+    position's arange and transposed copy (3 int64 passes over C: -49,152). At top-1 position has no listing, so
+    both also pay the gathers through theirs."""
+    assert gpt_cost.drop_policy_bytes(1024, 2, 128, "position") == 0
+    assert gpt_cost.drop_policy_bytes(1024, 2, 128, "priority") == 196_608
+    assert gpt_cost.drop_policy_bytes(1024, 2, 128, "probs") == 442_368
+    # top-1 (C = 1,024): priority 147,456 + 8 x 1,024 x (3 + 7); probs 9 passes over C + 6 int64 passes
+    assert gpt_cost.drop_policy_bytes(1024, 1, 128, "priority") == 229_376
+    assert gpt_cost.drop_policy_bytes(1024, 1, 128, "probs") == 270_336
+    # the forward of moe_routing_bytes carries them, the backward does not
+    pos = gpt_cost.moe_routing_bytes(1024, 8, 2, 128, 4)
+    assert gpt_cost.moe_routing_bytes(1024, 8, 2, 128, 4, drop_policy="position", group_size=128) == pos
+    assert gpt_cost.moe_routing_bytes(1024, 8, 2, 128, 4, drop_policy="probs", group_size=128) == (
+        pos[0] + 442_368, pos[1])
+
+
+@pytest.mark.parametrize("policy,extra", [("priority", 196_608), ("probs", 442_368)])
+def test_a_sorting_drop_policy_adds_its_sort_to_every_moe_layers_forward_and_position_stays_as_it_was(policy, extra):
+    """On a GPU (routing at the memory bandwidth) the step grows by exactly the sort's bytes in every MoE layer's
+    forward of every micro-batch: 1,024 tokens a rank (micro-batch 2 of 1,024 over tp 2), groups of 1,024 tokens
+    (the sequence). Nothing else changes; the default policy predicts what the model without the key does."""
+    system = as_system("dgx-a100-80g")
+    dev = system.device
+    base = planner_model(n_layer=8, n_embd=1024, n_head=16, experts=8, block_size=1024)
+    lay, batch = Layout(tp=2, dp=4, ep=2, microbatch=2), 64
+    m, n_moe = batch // (4 * 2 * 2), 4
+    pos = predict(system, 16, GPT(**{**base.to_dict(), "drop_policy": "position"}), lay, batch)
+    assert pos.step_time_s == predict(system, 16, base, lay, batch).step_time_s
+    other = predict(system, 16, GPT(**{**base.to_dict(), "drop_policy": policy}), lay, batch)
+    # groups of 1,024 tokens: priority's sort is 1 + ceil(log2(1024 / 7)) = 9 passes, not 6; probs' over C = 2,048
+    # is the 10 of the hand count above
+    extra = {"priority": 24 * 9 * 1024 + 8 * 2048 * 3, "probs": extra}[policy]
+    assert other.components_s["routing"] - pos.components_s["routing"] == pytest.approx(
+        m * n_moe * extra / (dev.memory_bw * dev.memory_efficiency), rel=1e-9)
+    for key in pos.components_s.keys() - {"routing"}:
+        assert other.components_s[key] == pytest.approx(pos.components_s[key], rel=1e-12, abs=1e-15), key
+
+
+def test_gpt_of_passes_the_drop_policy_through_and_the_planner_refuses_an_unknown_one():
+    from podscale.config import parse_config
+    from podscale.plan.auto import gpt_of
+    from podscale.plan.models import ModelError, get_model
+    section = {"kind": "gpt-moe", "n_layer": 4, "n_head": 2, "n_embd": 32, "block_size": 32, "experts": 8}
+    assert gpt_of(parse_config({"run": {"name": "moe"}, "model": section})).drop_policy == "position"
+    for policy in ("priority", "probs"):
+        cfg = parse_config({"run": {"name": "moe"}, "model": {**section, "drop_policy": policy}})
+        assert gpt_of(cfg).drop_policy == policy
+    assert get_model('{"layers": 2, "hidden": 64, "heads": 2, "seq": 64, "vocab": 128, "experts": 4, '
+                     '"top_k": 2, "drop_policy": "probs"}').drop_policy == "probs"
+    with pytest.raises(ModelError, match=r"^drop_policy 'tokens' must be one of position, priority, probs$"):
+        GPT(**{**planner_model().to_dict(), "drop_policy": "tokens"})
