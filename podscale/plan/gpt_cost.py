@@ -638,14 +638,21 @@ def layer_elementwise_bytes(tokens: float, hidden: float, ffn: float, tp: int = 
     return (replicated + sharded) * dtype_bytes / 2
 
 
-def merge_sort_passes(n: float) -> int:
-    """Passes a stable comparison sort of ``n`` keys makes over its (key, index) pairs, each reading and writing
-    them: torch's CPU sort of floating keys (aten/src/ATen/native/cpu/SortingKernel.cpp) is ``std::stable_sort``
-    on the keys zipped with their int64 indices, which in libstdc++ (``__merge_sort_with_buffer``) insertion-sorts
-    runs of 7 (``_S_chunk_size``) in one pass and then merges them pairwise, ceil(log2(n / 7)) passes. (An int64
-    key of one dimension, like the route's sort by expert, takes the radix sort instead, a fixed number of passes:
-    counted in ``moe_routing_bytes``'s 34.)"""
-    return 1 + max(0, math.ceil(math.log2(n / 7))) if n > 1 else 0
+def stable_sort_bytes(n: int) -> float:
+    """Bytes a stable sort of ``n`` fp32 keys with their int64 indices moves on a CPU, counted pass by pass as
+    the kernel runs: torch's CPU sort (aten/src/ATen/native/cpu/SortingKernel.cpp: a float key takes neither the
+    radix nor the unstable x86-simd sort) copies the keys into its output and fills the indices (16 bytes a
+    key), then runs ``std::stable_sort`` on the keys zipped with the indices, which in libstdc++
+    (``__stable_sort_adaptive``) sorts each half with ``__merge_sort_with_buffer`` (runs of 7 insertion-sorted in
+    one pass, then merge passes in pairs, array to buffer and back, while the run is shorter than the half) and
+    merges the halves (the first moved to the buffer, then merged: 1.5 passes). A pass reads and writes each
+    (key, index) pair: 24 bytes a key (the buffer's padded tuples are not counted apart)."""
+    if n < 2:
+        return 0.0
+    half, run, merges = (n + 1) // 2, 7, 0
+    while run < half:
+        merges, run = merges + 2, run * 4
+    return n * (16 + 24 * (1 + merges + 1.5))
 
 
 def drop_policy_bytes(tokens: float, top_k: int, group_size: int, drop_policy: str) -> float:
@@ -655,22 +662,24 @@ def drop_policy_bytes(tokens: float, top_k: int, group_size: int, drop_policy: s
     listing (for top_k > 1: an arange of C int64 and its transposed copy, 3 passes; the key and the ids gathered
     through it, 6 passes) is in ``moe_routing_bytes``'s 34 passes already:
 
-    ``"priority"``  (V-MoE's batch-prioritized routing) each group's top scores sorted (fp32 keys, int64 indices:
-                    :func:`merge_sort_passes` of ``group_size`` over the tokens, read + write 24 bytes a token a
-                    pass), the ids gathered by that order (3 int64 passes over C); at top_k = 1, where position
-                    has no listing, also its arange (1) and the two gathers through it (6)
+    ``"priority"``  (V-MoE's batch-prioritized routing) each group's top scores sorted
+                    (:func:`stable_sort_bytes` of ``group_size``, once a group), the ids gathered by that order (3
+                    int64 passes over C); at top_k = 1, where position has no listing, also its arange (1) and the
+                    two gathers through it (6)
     ``"probs"``     (Megatron-core's ``moe_token_drop_policy = "probs"``) one sort of all C gate values
-                    (:func:`merge_sort_passes` of C, 24 bytes a choice a pass) in place of position's arange and
-                    transposed copy (- 3 passes); at top_k = 1 also the two gathers through it (6)
+                    (:func:`stable_sort_bytes` of C) in place of position's arange and transposed copy (- 3
+                    passes); at top_k = 1 also the two gathers through it (6)
 
     Fixed counts, not fitted; priced at the routing rate ``plan calibrate`` measures (``compute.routing_time``)."""
     c = tokens * top_k
     if drop_policy == "position":
         return 0.0
     if drop_policy == "priority":
-        return 24 * merge_sort_passes(group_size) * tokens + 8 * c * (3 + (7 if top_k == 1 else 0))
+        if group_size < 1:
+            raise ValueError("drop_policy 'priority' sorts each routing group: give its group_size (tokens, >= 1)")
+        return stable_sort_bytes(group_size) * tokens / group_size + 8 * c * (3 + (7 if top_k == 1 else 0))
     if drop_policy == "probs":
-        return 24 * merge_sort_passes(c) * c + 8 * c * (6 if top_k == 1 else -3)
+        return stable_sort_bytes(round(c)) + 8 * c * (6 if top_k == 1 else -3)
     raise ValueError(f"drop_policy {drop_policy!r} is not one of {', '.join(DROP_POLICIES)}")
 
 
