@@ -24,7 +24,6 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-sys.path.insert(0, os.path.dirname(__file__))
 
 SMALL = dict(n_layer=4, n_head=4, n_embd=128, block_size=128, vocab_size=256)
 MOE = dict(experts=8, top_k=2, moe_every=2, capacity_factor=1.25, random_routing=False)
@@ -76,7 +75,7 @@ def _time(model, reps: int) -> list[float]:
 
 
 def _priced(moe: bool, tp: int) -> float:
-    from plan_local_vs_train import as_trained
+    from podscale.plan.auto import as_trained
     from podscale.plan.cost import predict
     from podscale.plan.layout import Layout
     from podscale.plan.models import model_from_dict
