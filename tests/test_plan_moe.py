@@ -947,3 +947,71 @@ def test_plan_predict_says_per_node_dispatch(capsys):
                  "--layout", '{"tp": 2, "pp": 1, "dp": 4, "ep": 2, "microbatch": 2, "expert_dispatch": "node"}']) == 0
     assert capsys.readouterr().out.splitlines()[0] == ("custom (experts 8 top2, per-node dispatch) on 16 x dgx-a100-80g, "
                                                        "batch 64, tp2 pp1 dp4 ep2 mb2 per-node")
+
+
+# model.drop_policy (podscale.parallel.moe.gate.DROP_POLICIES): "priority" and "probs" sort the choices before the
+# slots are handed out; the planner prices those sorts as routing bytes, "position" as before.
+
+def test_a_stable_sort_is_counted_as_libstdcxx_runs_it():
+    """Hand counts of torch's CPU stable sort of fp32 keys (16 bytes a key to copy them and fill the indices, then
+    24 a key a pass): 1 key none; 7 keys (halves of 4: insertion only) 1 + 1.5 passes; 128 keys (halves of 64:
+    runs of 7 and 28 shorter, two pairs of merge passes) 1 + 4 + 1.5; 2,048 keys (halves of 1,024: runs of 7, 28,
+    112 and 448 shorter) 1 + 8 + 1.5."""
+    assert gpt_cost.stable_sort_bytes(1) == 0
+    assert gpt_cost.stable_sort_bytes(7) == 7 * (16 + 24 * 2.5)
+    assert gpt_cost.stable_sort_bytes(128) == 128 * (16 + 24 * 6.5)
+    assert gpt_cost.stable_sort_bytes(2048) == 2048 * (16 + 24 * 10.5)
+
+
+def test_the_drop_policies_sorts_are_counted_beyond_the_position_listing():
+    """Hand counts at 1,024 tokens a rank, groups of 128, top-2 (C = 2,048): ``"priority"`` sorts each group's
+    top scores (8 groups of 128: 1,024 x 172 = 176,128 bytes) and gathers the ids by that order (3 int64 passes
+    over C: 49,152); ``"probs"`` sorts all C gate values (2,048 x 268 = 548,864) and skips position's arange and
+    transposed copy (3 int64 passes over C: -49,152). At top-1 position has no listing, so both also pay the
+    gathers through theirs."""
+    assert gpt_cost.drop_policy_bytes(1024, 2, 128, "position") == 0
+    assert gpt_cost.drop_policy_bytes(1024, 2, 128, "priority") == 225_280
+    assert gpt_cost.drop_policy_bytes(1024, 2, 128, "probs") == 499_712
+    # top-1 (C = 1,024): priority 176,128 + 8 x 1,024 x (3 + 7); probs 1,024 x 268 + 6 int64 passes over C
+    assert gpt_cost.drop_policy_bytes(1024, 1, 128, "priority") == 258_048
+    assert gpt_cost.drop_policy_bytes(1024, 1, 128, "probs") == 323_584
+    # the forward of moe_routing_bytes carries them, the backward does not
+    pos = gpt_cost.moe_routing_bytes(1024, 8, 2, 128, 4)
+    assert gpt_cost.moe_routing_bytes(1024, 8, 2, 128, 4, drop_policy="position", group_size=128) == pos
+    assert gpt_cost.moe_routing_bytes(1024, 8, 2, 128, 4, drop_policy="probs", group_size=128) == (
+        pos[0] + 499_712, pos[1])
+
+
+@pytest.mark.parametrize("policy,extra", [("priority", 323_584), ("probs", 499_712)])
+def test_a_sorting_drop_policy_adds_its_sort_to_every_moe_layers_forward_and_position_stays_as_it_was(policy, extra):
+    """On a GPU (routing at the memory bandwidth) the step grows by exactly the sort's bytes in every MoE layer's
+    forward of every micro-batch: 1,024 tokens a rank (micro-batch 2 of 1,024 over tp 2), groups of 1,024 tokens
+    (the sequence). Nothing else changes; the default policy predicts what the model without the key does."""
+    system = as_system("dgx-a100-80g")
+    dev = system.device
+    base = planner_model(n_layer=8, n_embd=1024, n_head=16, experts=8, block_size=1024)
+    lay, batch = Layout(tp=2, dp=4, ep=2, microbatch=2), 64
+    m, n_moe = batch // (4 * 2 * 2), 4
+    pos = predict(system, 16, GPT(**{**base.to_dict(), "drop_policy": "position"}), lay, batch)
+    assert pos.step_time_s == predict(system, 16, base, lay, batch).step_time_s
+    other = predict(system, 16, GPT(**{**base.to_dict(), "drop_policy": policy}), lay, batch)
+    # (priority: one group of 1,024 tokens, 1,024 x 268 + 3 int64 passes over C = 2,048; probs: as at 128 a group)
+    assert other.components_s["routing"] - pos.components_s["routing"] == pytest.approx(
+        m * n_moe * extra / (dev.memory_bw * dev.memory_efficiency), rel=1e-9)
+    for key in pos.components_s.keys() - {"routing"}:
+        assert other.components_s[key] == pytest.approx(pos.components_s[key], rel=1e-12, abs=1e-15), key
+
+
+def test_gpt_of_passes_the_drop_policy_through_and_the_planner_refuses_an_unknown_one():
+    from podscale.config import parse_config
+    from podscale.plan.auto import gpt_of
+    from podscale.plan.models import ModelError, get_model
+    section = {"kind": "gpt-moe", "n_layer": 4, "n_head": 2, "n_embd": 32, "block_size": 32, "experts": 8}
+    assert gpt_of(parse_config({"run": {"name": "moe"}, "model": section})).drop_policy == "position"
+    for policy in ("priority", "probs"):
+        cfg = parse_config({"run": {"name": "moe"}, "model": {**section, "drop_policy": policy}})
+        assert gpt_of(cfg).drop_policy == policy
+    assert get_model('{"layers": 2, "hidden": 64, "heads": 2, "seq": 64, "vocab": 128, "experts": 4, '
+                     '"top_k": 2, "drop_policy": "probs"}').drop_policy == "probs"
+    with pytest.raises(ModelError, match=r"^drop_policy 'tokens' must be one of position, priority, probs$"):
+        GPT(**{**planner_model().to_dict(), "drop_policy": "tokens"})

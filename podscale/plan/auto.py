@@ -60,7 +60,7 @@ def gpt_of(cfg: Config) -> GPT:
         moe = dict(experts=m.experts, top_k=m.top_k, moe_every=m.moe_every, capacity_factor=m.capacity_factor,
                    dropless=m.dropless, dropless_peak_load=m.dropless_peak_load,
                    expert_recompute=m.expert_recompute, shared_experts=m.shared_experts,
-                   aux_loss_scope=m.aux_loss_scope)
+                   aux_loss_scope=m.aux_loss_scope, drop_policy=m.drop_policy)
     return GPT(layers=m.n_layer, hidden=m.n_embd, heads=m.n_head, seq=m.block_size, vocab=m.vocab_size,
                name=cfg.run.name, **moe)
 

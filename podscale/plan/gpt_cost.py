@@ -108,6 +108,7 @@ gradients (``gradient_bookkeeping_bytes``).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from . import network as net
@@ -120,6 +121,7 @@ from .memory import (activation_bytes_per_layer, pipeline_inflight_layers, preci
 from .models import GPT
 from .prediction import Prediction
 from .stages import pipeline_chunks, pipeline_message_time, pipeline_rank_layers
+from podscale.parallel.moe.gate import DROP_POLICIES
 from podscale.parallel.moe.layer import overlaps_exchange
 
 ADAM_BYTES_PER_PARAM = 30      # fp32 master r/w, m r/w, v r/w, grad read, fp16 param write
@@ -258,7 +260,7 @@ def _layer_times_uncached(system: System, model: GPT, lay: Layout, moe: bool) ->
         # (a dispatch that sends a token once a destination adds its own index and row work: moe_routing_bytes)
         route_bytes = moe_routing_bytes(own, model.experts, model.top_k, h, e,
                                         own * model.top_k * exchanges.rows_per_choice if exchanges else None,
-                                        exchanges.stages if exchanges else 0)
+                                        exchanges.stages if exchanges else 0, model.drop_policy, s)
         routing = tuple(routing_time(dev, x, sum(route_bytes)) for x in route_bytes)
         if exchanges:
             # the count exchange before the tokens, while the shared experts run (MoELayer._forward_local), and
@@ -636,8 +638,54 @@ def layer_elementwise_bytes(tokens: float, hidden: float, ffn: float, tp: int = 
     return (replicated + sharded) * dtype_bytes / 2
 
 
+def stable_sort_bytes(n: int) -> float:
+    """Bytes a stable sort of ``n`` fp32 keys with their int64 indices moves on a CPU, counted pass by pass as
+    the kernel runs: torch's CPU sort (aten/src/ATen/native/cpu/SortingKernel.cpp: a float key takes neither the
+    radix nor the unstable x86-simd sort) copies the keys into its output and fills the indices (16 bytes a
+    key), then runs ``std::stable_sort`` on the keys zipped with the indices, which in libstdc++
+    (``__stable_sort_adaptive``) sorts each half with ``__merge_sort_with_buffer`` (runs of 7 insertion-sorted in
+    one pass, then merge passes in pairs, array to buffer and back, while the run is shorter than the half) and
+    merges the halves (the first moved to the buffer, then merged: 1.5 passes). A pass reads and writes each
+    (key, index) pair: 24 bytes a key (the buffer's padded tuples are not counted apart)."""
+    if n < 2:
+        return 0.0
+    half, run, merges = (n + 1) // 2, 7, 0
+    while run < half:
+        merges, run = merges + 2, run * 4
+    return n * (16 + 24 * (1 + merges + 1.5))
+
+
+def drop_policy_bytes(tokens: float, top_k: int, group_size: int, drop_policy: str) -> float:
+    """Forward bytes ``gate._listing`` (the order the choices claim capacity slots in, ``model.drop_policy``)
+    and the two gathers through its listing in ``gate.route`` move beyond the default ``"position"``'s, on a rank
+    routing ``tokens`` tokens in groups of ``group_size`` (a sequence), C = tokens x top_k choices; the position
+    listing (for top_k > 1: an arange of C int64 and its transposed copy, 3 passes; the key and the ids gathered
+    through it, 6 passes) is in ``moe_routing_bytes``'s 34 passes already:
+
+    ``"priority"``  (V-MoE's batch-prioritized routing) each group's top scores sorted
+                    (:func:`stable_sort_bytes` of ``group_size``, once a group), the ids gathered by that order (3
+                    int64 passes over C); at top_k = 1, where position has no listing, also its arange (1) and the
+                    two gathers through it (6)
+    ``"probs"``     (Megatron-core's ``moe_token_drop_policy = "probs"``) one sort of all C gate values
+                    (:func:`stable_sort_bytes` of C) in place of position's arange and transposed copy (- 3
+                    passes); at top_k = 1 also the two gathers through it (6)
+
+    Fixed counts, not fitted; priced at the routing rate ``plan calibrate`` measures (``compute.routing_time``)."""
+    c = tokens * top_k
+    if drop_policy == "position":
+        return 0.0
+    if drop_policy == "priority":
+        if group_size < 1:
+            raise ValueError("drop_policy 'priority' sorts each routing group: give its group_size (tokens, >= 1)")
+        return stable_sort_bytes(group_size) * tokens / group_size + 8 * c * (3 + (7 if top_k == 1 else 0))
+    if drop_policy == "probs":
+        return stable_sort_bytes(round(c)) + 8 * c * (6 if top_k == 1 else -3)
+    raise ValueError(f"drop_policy {drop_policy!r} is not one of {', '.join(DROP_POLICIES)}")
+
+
 def moe_routing_bytes(tokens: float, experts: int, top_k: int, hidden: int, dtype_bytes: int,
-                      rows_sent: float | None = None, stages: int = 0) -> tuple[float, float]:
+                      rows_sent: float | None = None, stages: int = 0, drop_policy: str = "position",
+                      group_size: int = 0) -> tuple[float, float]:
     """(forward, backward) bytes an MoE layer's routing, dispatch and combine move on a rank routing ``tokens``
     tokens, counted kernel by kernel as podscale runs them (podscale.parallel.moe.gate.route, the aux and z
     losses, MoELayer._forward_local), with every choice kept (C = tokens x top_k choices and rows, the planner's
@@ -668,10 +716,15 @@ def moe_routing_bytes(tokens: float, experts: int, top_k: int, hidden: int, dtyp
     backward  the gate gradients regrouped back (2 passes over C) and packed (2); the choices' input gradients
               added into zeroed rows (3 U), packed and unpacked (4 U), the U rows onto the tokens (U): 8 U rows
 
+    A ``drop_policy`` other than ``"position"`` adds its listing's sort (:func:`drop_policy_bytes`, groups of
+    ``group_size`` tokens) to the forward.
+
     These counts are fixed, not fitted; a calibrated CPU measures the rate of these kernels in these bytes
     (``plan calibrate``: ``compute.routing_time``)."""
     n, c, row = tokens, tokens * top_k, dtype_bytes * hidden
     forward = 4 * (top_k + 7) * n * experts + 8 * 34 * c + row * (5 * c + 3 * n)
+    if drop_policy != "position":
+        forward += drop_policy_bytes(tokens, top_k, group_size, drop_policy)
     backward = 4 * 8 * n * experts + row * (7 * c + 3 * n)
     if stages:
         u = c if rows_sent is None else rows_sent

@@ -12,7 +12,7 @@ import tomllib
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
-from podscale.parallel.moe.gate import AUX_LOSS_SCOPES
+from podscale.parallel.moe.gate import AUX_LOSS_SCOPES, DROP_POLICIES
 
 
 class ModelError(ValueError):
@@ -31,7 +31,9 @@ class GPT:
     ``aux_loss_scope``: ``"global"`` (Qiu et al. 2025; Megatron-core's ``global_aux_loss``; podscale's
     ``model.aux_loss_scope``) and ``"global_step"`` (the same counts added up over the step's micro-batches)
     add to every MoE layer's forward an all-reduce of its experts + 1 first-choice counts over the ranks that
-    route other tokens (dp x ep, then tp); ``"group"`` needs none."""
+    route other tokens (dp x ep, then tp); ``"group"`` needs none. ``drop_policy`` (podscale's
+    ``model.drop_policy``: which choices keep an over-full expert's slots) ``"priority"`` and ``"probs"`` add their
+    listing's sort to the routing (``gpt_cost.drop_policy_bytes``); ``"position"`` sorts nothing more."""
 
     layers: int
     hidden: int
@@ -48,6 +50,7 @@ class GPT:
     moe_every: int = 1
     expert_recompute: bool = False
     aux_loss_scope: str = "group"
+    drop_policy: str = "position"
     name: str = "custom"
     kind: str = "gpt"
 
@@ -70,6 +73,8 @@ class GPT:
             raise ModelError(f"capacity_factor must be > 0, got {self.capacity_factor!r} (or dropless: true)")
         if self.aux_loss_scope not in AUX_LOSS_SCOPES:
             raise ModelError(f"aux_loss_scope {self.aux_loss_scope!r} must be one of {', '.join(AUX_LOSS_SCOPES)}")
+        if self.drop_policy not in DROP_POLICIES:
+            raise ModelError(f"drop_policy {self.drop_policy!r} must be one of {', '.join(DROP_POLICIES)}")
         if not self.dropless_peak_load >= 1:
             raise ModelError(f"dropless_peak_load must be >= 1 (the busiest rank's rows over its even share), got "
                              f"{self.dropless_peak_load!r}")
