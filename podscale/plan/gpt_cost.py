@@ -108,7 +108,6 @@ gradients (``gradient_bookkeeping_bytes``).
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from . import network as net

@@ -69,8 +69,8 @@ def pipeline_message_time(schedule: str, p: int, m: int, v: int, msg: float) -> 
     The executor sends asynchronously (``podscale.parallel.pipeline.schedule``): a rank goes on computing while
     its message travels, and waits only for the messages its next action needs. On equal stages of ``t_f + t_b``
     per micro-batch the schedule simulator (``schedule.simulate`` with ``t_msg``) then gives a makespan of
-    ``(m + p - 1)(t_f + t_b)`` plus exactly (checked against it for p up to 16, m up to 5p, any t_f, t_b, msg:
-    ``tests/test_plan_pipeline.py``):
+    ``(m + p - 1)(t_f + t_b)`` plus exactly (``tests/test_plan_pipeline.py`` checks it against the simulator for p up
+    to 16, m up to 3p + 1, several t_f, t_b and msg):
 
     * GPipe: ``2 (p - 1) msg``: the fill and the drain each cross p - 1 boundaries; in between a rank's
       messages travel while it runs its next micro-batch.
