@@ -639,17 +639,24 @@ def test_the_global_aux_loss_on_one_rank_costs_nothing():
     assert predict(system, 1, glob, lay, 8).step_time_s == predict(system, 1, group, lay, 8).step_time_s
 
 
-def test_gpt_of_passes_the_aux_loss_scope_through_and_the_planner_refuses_an_unknown_one():
+@pytest.mark.parametrize("key,default,others,bad,known", [
+    ("aux_loss_scope", "group", ("global", "global_step"), "batch", "group, global, global_step"),
+    ("drop_policy", "position", ("priority", "probs"), "tokens", "position, priority, probs"),
+])
+def test_gpt_of_passes_the_routing_keys_through_and_the_planner_refuses_an_unknown_one(key, default, others, bad,
+                                                                                       known):
     from podscale.config import parse_config
     from podscale.plan.auto import gpt_of
-    from podscale.plan.models import ModelError
+    from podscale.plan.models import ModelError, get_model
     section = {"kind": "gpt-moe", "n_layer": 4, "n_head": 2, "n_embd": 32, "block_size": 32, "experts": 8}
-    assert gpt_of(parse_config({"run": {"name": "moe"}, "model": section})).aux_loss_scope == "group"
-    for scope in ("global", "global_step"):
-        cfg = parse_config({"run": {"name": "moe"}, "model": {**section, "aux_loss_scope": scope}})
-        assert gpt_of(cfg).aux_loss_scope == scope
-    with pytest.raises(ModelError, match=r"^aux_loss_scope 'batch' must be one of group, global, global_step$"):
-        GPT(**{**planner_model().to_dict(), "aux_loss_scope": "batch"})
+    assert getattr(gpt_of(parse_config({"run": {"name": "moe"}, "model": section})), key) == default
+    for value in others:
+        cfg = parse_config({"run": {"name": "moe"}, "model": {**section, key: value}})
+        assert getattr(gpt_of(cfg), key) == value
+        assert getattr(get_model('{"layers": 2, "hidden": 64, "heads": 2, "seq": 64, "vocab": 128, "experts": 4, '
+                                 f'"top_k": 2, "{key}": "{value}"}}'), key) == value
+    with pytest.raises(ModelError, match=rf"^{key} '{bad}' must be one of {known}$"):
+        GPT(**{**planner_model().to_dict(), key: bad})
 
 
 # Per-rank expert dispatch (DeepEP's dispatch/combine, DeepSeek-AI 2025, github.com/deepseek-ai/DeepEP; DeepSeek-V3,
@@ -1000,18 +1007,3 @@ def test_a_sorting_drop_policy_adds_its_sort_to_every_moe_layers_forward_and_pos
         m * n_moe * extra / (dev.memory_bw * dev.memory_efficiency), rel=1e-9)
     for key in pos.components_s.keys() - {"routing"}:
         assert other.components_s[key] == pytest.approx(pos.components_s[key], rel=1e-12, abs=1e-15), key
-
-
-def test_gpt_of_passes_the_drop_policy_through_and_the_planner_refuses_an_unknown_one():
-    from podscale.config import parse_config
-    from podscale.plan.auto import gpt_of
-    from podscale.plan.models import ModelError, get_model
-    section = {"kind": "gpt-moe", "n_layer": 4, "n_head": 2, "n_embd": 32, "block_size": 32, "experts": 8}
-    assert gpt_of(parse_config({"run": {"name": "moe"}, "model": section})).drop_policy == "position"
-    for policy in ("priority", "probs"):
-        cfg = parse_config({"run": {"name": "moe"}, "model": {**section, "drop_policy": policy}})
-        assert gpt_of(cfg).drop_policy == policy
-    assert get_model('{"layers": 2, "hidden": 64, "heads": 2, "seq": 64, "vocab": 128, "experts": 4, '
-                     '"top_k": 2, "drop_policy": "probs"}').drop_policy == "probs"
-    with pytest.raises(ModelError, match=r"^drop_policy 'tokens' must be one of position, priority, probs$"):
-        GPT(**{**planner_model().to_dict(), "drop_policy": "tokens"})
