@@ -5,8 +5,9 @@ On loopback, gloo moves a megabyte in well under a millisecond, so bytes saved b
 cluster's inter-node links are far slower against its compute. This builds, for one bench run, one Linux network
 namespace per node, each joined to one bridge by a veth pair whose two ends are each rate-limited by a token
 bucket (`tc ... tbf`): a node's link carries at most `mbit` Mbit/s each way, like a full-duplex NIC. A worker
-enters its node's namespace after it has connected to the launcher's store (which stays on the host's loopback)
-and before gloo opens its sockets, so its traffic to a rank of another node crosses that node's link and the
+enters its node's namespace after it has connected to the launcher's store (on the host's loopback; a launched
+program instead reaches a store on the bridge, :attr:`EmulatedNodes.host_address`) and before gloo opens its
+sockets, so its traffic to a rank of another node crosses that node's link and the
 bridge, and its traffic to a rank of its own node stays inside the namespace (the kernel's loopback: not
 limited, as the GPUs of one node are joined by NVLink).
 
@@ -16,7 +17,9 @@ Only what this creates is removed: every name carries a tag of this run. It need
 How fast to make the link: what matters is the work a rank does per byte the link carries. `balanced_mbit` gives
 a link on which this machine's ranks have the same flops per element sent as GPUs of a given speed and network
 have per element they send (an A100 at 312 TFLOP/s dense bf16 with one 200 Gbit/s HDR InfiniBand port a GPU, as
-in a DGX A100 cluster, or an H100 at 989 TFLOP/s with one 400 Gbit/s NDR port), both at the same share of peak.
+in a DGX A100 cluster, or an H100 at 989 TFLOP/s with one 400 Gbit/s NDR port): the GPUs' data-sheet peak against
+the ranks' measured best matmul rate (GPUs reach 80-90 % of theirs on large GEMMs, so the balance holds to about
+20 %).
 """
 from __future__ import annotations
 
@@ -40,9 +43,10 @@ GPU_CLUSTERS = {"dgx-a100": (312.0, 200.0), "dgx-h100": (989.0, 400.0)}
 
 
 def balanced_mbit(cluster: str, rank_gflops: float, ranks_per_node: int, element_bytes: int = 4) -> float:
-    """A node link's Mbit/s that gives ranks of ``rank_gflops`` sending ``element_bytes`` elements the flops per
-    element sent that ``cluster``'s GPUs have sending 16-bit elements: ``link = ranks x rank_flops x 8
-    element_bytes / (gpu_flops x 8 x 2 / gpu_link)``."""
+    """A node link's Mbit/s that gives ``ranks_per_node`` ranks of ``rank_gflops`` each, sending ``element_bytes``
+    elements, the flops per element sent that ``cluster``'s GPUs have sending 16-bit elements over their links:
+    ``F = gpu_flops / (gpu_link_bits / 16)`` flops an element, then ``link_bits = ranks x rank_flops / F x 8
+    element_bytes``."""
     tflops, gbit = GPU_CLUSTERS[cluster]
     flops_per_element = tflops * 1e12 / (gbit * 1e9 / 8 / 2)
     return ranks_per_node * rank_gflops * 1e9 / flops_per_element * element_bytes * 8 / 1e6
