@@ -11,8 +11,8 @@ how an MoE layer's tokens travel to the expert group's ranks and back (:data:`EX
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Literal
 
+from podscale.config import expert_dispatch_problem
 # how an MoE layer exchanges its tokens over the expert group, the trainer's ``parallel.expert_dispatch`` (priced
 # in gpt_cost: ``expected_ranks_per_token``)
 from podscale.parallel.moe.layer import EXPERT_DISPATCHES
@@ -44,7 +44,7 @@ class Layout:
                                   # = tp): each tp rank holds 1/tp of the hidden width of its ep rank's experts
                                   # and runs all the tp ranks' exchanged rows through it (all-gathered over tp,
                                   # partial outputs reduce-scattered back); exclusive with fold_tp_into_ep
-    expert_dispatch: Literal["choice", "rank", "node"] = "choice"  # EXPERT_DISPATCHES: one row per kept choice
+    expert_dispatch: str = "choice"  # one of EXPERT_DISPATCHES: one row per kept choice
                                   # ("choice"), one per (token, expert-group rank), summed there (DeepEP's
                                   # "rank"), or one per (token, node) to the same-index rank there, then per rank
                                   # inside the node (DeepEP's internode "node"); the last two not with
@@ -102,7 +102,7 @@ class Layout:
             raise LayoutError(f"expert_dispatch must be one of {EXPERT_DISPATCHES}, got {self.expert_dispatch!r}: "
                               "set expert_dispatch to 'choice' (one row per kept choice), 'rank' (one per rank) or "
                               "'node' (one per node, then per rank inside it)")
-        if self.expert_dispatch != "choice" and self.expert_tensor_parallel:
+        if expert_dispatch_problem(self.expert_dispatch, self.expert_tensor_parallel):
             raise LayoutError(f"expert_dispatch {self.expert_dispatch!r} does not run with expert_tensor_parallel (the "
                               "trainer refuses it too): set expert_dispatch 'choice' or expert_tensor_parallel false")
 

@@ -19,6 +19,7 @@ from .cost import predict
 from .hardware import System, as_system
 from .layout import Layout, LayoutError
 from .models import DLRM, as_model
+from podscale.config import expert_dispatch_problem
 
 
 def _divisors(n: int) -> list[int]:
@@ -109,7 +110,8 @@ def _tries_per_rank_dispatch(model, lay: Layout) -> bool:
     (which the trainer does not run per rank). Per rank sends a token once to each rank of its choices, fewer
     bytes than one row per choice, plus each choice's metadata: the cost model weighs it
     (gpt_cost.expected_ranks_per_token)."""
-    return model.experts > 1 and model.top_k > 1 and lay.expert_group > 1 and not lay.expert_tensor_parallel
+    return (model.experts > 1 and model.top_k > 1 and lay.expert_group > 1
+            and expert_dispatch_problem("rank", lay.expert_tensor_parallel) is None)
 
 
 def _tries_per_node_dispatch(system: System, model, lay: Layout) -> bool:

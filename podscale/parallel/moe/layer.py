@@ -426,7 +426,7 @@ class _Exchange:
         #: rows per rank of what I send (and get back), and of what I receive (and send back)
         self.send_splits = [0 if r == me and overlap else n for r, n in enumerate(out_rows)]
         self.recv_splits = [0 if r == me and overlap else n for r, n in enumerate(in_rows)]
-        self.token_local, self.token_remote = token[self.first:self.first + self.local], self.others(token)
+        self.token_local, self.token_remote = self.own_block.own(token), self.own_block.others(token)
         self.half = self.local // 2
         self.part_a, self.part_b = (_split_bounds(segment_bounds(enumerate(send[me])), self.half) if overlap
                                     else ([], []))
@@ -437,14 +437,6 @@ class _Exchange:
             else (None, None, [])
         self.remote = segment_bounds(segments)
 
-    def others(self, t: torch.Tensor) -> torch.Tensor:
-        """The rows of ``t`` (all ``total`` rows in sorted order) that go to other ranks (:meth:`_OwnBlock.others`)."""
-        return self.own_block.others(t)
-
-    def place(self, rows: torch.Tensor, arrive):
-        """Receive the rows that come back from other ranks into ``rows`` (:meth:`_OwnBlock.place`)."""
-        return self.own_block.place(rows, arrive)
-
 
 @dataclass(frozen=True)
 class _OwnBlock:
@@ -454,6 +446,10 @@ class _OwnBlock:
     first: int
     local: int
     total: int
+
+    def own(self, t: torch.Tensor) -> torch.Tensor:
+        """The own block's rows of ``t`` (all ``total`` rows in sorted order), a view."""
+        return t[self.first:self.first + self.local]
 
     def others(self, t: torch.Tensor) -> torch.Tensor:
         """The rows of ``t`` (all ``total`` rows in sorted order) that go to other ranks, contiguous (a view
@@ -626,7 +622,7 @@ class _ExpertParallelFFN(torch.autograd.Function):
         del send
         x_own = flat.index_select(0, ex.token_local)
         rows = flat.new_empty(ex.total, D)
-        own = rows[ex.first:ex.first + ex.local]
+        own = ex.own_block.own(rows)
         a = kernel.forward(x_own[:ex.half], ex.part_a, weights, El, bias, own[:ex.half])
         pending.wait()
         x_got = got if ex.perm is None else got.index_select(0, ex.perm)
@@ -635,7 +631,7 @@ class _ExpertParallelFFN(torch.autograd.Function):
         r = kernel.forward(x_got, ex.remote, weights, El, bias, y_got)
         if ex.perm is not None:
             y_got = y_got.index_select(0, ex.inverse)
-        finish = ex.place(rows, lambda buf: comm.all_to_all(buf, y_got, ex.mesh, ex.axes, ex.send_splits,
+        finish = ex.own_block.place(rows, lambda buf: comm.all_to_all(buf, y_got, ex.mesh, ex.axes, ex.send_splits,
                                                             ex.recv_splits, async_op=True))
         b = kernel.forward(x_own[ex.half:], ex.part_b, weights, El, bias, own[ex.half:])
         finish()
@@ -655,15 +651,14 @@ class _ExpertParallelFFN(torch.autograd.Function):
         weights = cast_weights(params[:2 * El], x_own.dtype)
         grad = grad.contiguous()
         acc = WeightGrads(El, ctx.bias)
-        end = ex.first + ex.local
         g_got = grad.new_empty(x_got.shape[0], grad.shape[1])
-        pending = comm.all_to_all(g_got, ex.others(grad), ex.mesh, ex.axes, ex.recv_splits, ex.send_splits,
+        pending = comm.all_to_all(g_got, ex.own_block.others(grad), ex.mesh, ex.axes, ex.recv_splits, ex.send_splits,
                                   async_op=True)
         # the input's gradient (the own rows' here, the others' computed on their experts' ranks and sent
         # back) only when it wants one: every rank's input does or none's does, so all skip the second
         # exchange together
         want = ctx.needs_input_grad[0]
-        g_own_out, g_own = grad[ex.first:end], torch.empty_like(x_own) if want else None
+        g_own_out, g_own = ex.own_block.own(grad), torch.empty_like(x_own) if want else None
         h = ex.half
         kernel.backward(g_own_out[h:], x_own[h:], b_saved, ex.part_b, weights, El, acc,
                         g_own[h:] if want else None)
@@ -760,8 +755,7 @@ class _RankExchange:
         self.token_remote = self.rows_block.others(self.token)
         c = self.choices_block
         #: the own choices' tokens, rows in the own block, and their two halves' segments
-        self.own_token = self.choice_token[c.first:c.first + c.local]
-        self.own_row = self.pair_row[c.first:c.first + c.local]
+        self.own_token, self.own_row = c.own(self.choice_token), c.own(self.pair_row)
         self.half = c.local // 2
         self.part_a, self.part_b = (_split_bounds(segment_bounds(enumerate(send[me][:El])), self.half) if overlap
                                     else ([], []))
@@ -830,11 +824,11 @@ class _RankDispatchFFN(torch.autograd.Function):
         back = flat.new_empty(ex.token.shape[0], D)
         finish = own_rows.place(back, lambda buf: comm.all_to_all(buf, combined, mesh, axes, ex.send_rows,
                                                                   ex.recv_rows, async_op=True))
-        gate_own = w.detach()[own_choices.first:own_choices.first + own_choices.local].to(e.dtype)
+        gate_own = own_choices.own(w.detach()).to(e.dtype)
         b = ()
         if ex.overlap:
             b = kernel.forward(x_own[h:], ex.part_b, weights, El, bias, e_own[h:])
-            mine = back[own_rows.first:own_rows.first + own_rows.local]
+            mine = own_rows.own(back)
             mine.zero_().index_add_(0, ex.own_row, e_own * gate_own.unsqueeze(1))
         finish()
         ctx.ex, ctx.kernel, ctx.El, ctx.bias, ctx.consumed = ex, kernel, El, bias, False
@@ -860,7 +854,7 @@ class _RankDispatchFFN(torch.autograd.Function):
         acc = WeightGrads(El, ctx.bias)
         g_x_own = torch.empty_like(x_own) if want else None
         # the own choices' gradients (the second half's backward while the output gradients travel)
-        g_own = grad[own_rows.first:own_rows.first + own_rows.local].index_select(0, ex.own_row)
+        g_own = own_rows.own(grad).index_select(0, ex.own_row)
         d_gate_own = (g_own * e_own).sum(1).to(ctx.w_dtype)
         g_own.mul_(gate_own.unsqueeze(1))
         if ex.overlap:
@@ -1314,7 +1308,9 @@ class MoELayer(nn.Module, StepState):
     micro-batch's global counts, as ``"global"``.  ``expert_dispatch``: under expert parallelism, ``"choice"``
     exchanges a row per kept (token, expert) choice and combines the outputs on the token's rank
     (:class:`ChoiceDispatch`), ``"rank"`` a row per (token, rank holding any of its choices), combined on that
-    rank (DeepEP's dispatch and combine, :class:`RankDispatch`); the same outputs either way.  ``drop_policy``:
+    rank (DeepEP's dispatch and combine, :class:`RankDispatch`), ``"node"`` a row per (token, node holding any of
+    its choices), forwarded per rank inside the node (:class:`NodeDispatch`, ``ranks_per_node`` global ranks a
+    node); the same outputs every way.  ``drop_policy``:
     which choices keep an over-full expert's slots, GShard's ``"position"`` (first choices first, in token order),
     V-MoE's Batch Prioritized Routing ``"priority"`` (first choices first, the tokens by their top score) or
     Megatron-core's ``"probs"`` (each expert its highest-scoring choices):
@@ -1344,7 +1340,7 @@ class MoELayer(nn.Module, StepState):
         check_drop_policy(drop_policy)
         #: which choices keep an over-full expert's slots (:data:`~podscale.parallel.moe.gate.DROP_POLICIES`)
         self.drop_policy = drop_policy
-        #: how the choices reach their experts under expert parallelism (``"choice"`` or ``"rank"``,
+        #: how the choices reach their experts under expert parallelism (``"choice"``, ``"rank"`` or ``"node"``,
         #: :data:`EXPERT_DISPATCHES`)
         self.expert_dispatch = expert_dispatch
         self.dispatch: ExpertDispatch = make_dispatch(expert_dispatch, mesh, self.expert_axes, ranks_per_node, top_k)
