@@ -34,7 +34,9 @@ class RunSection(_Section):
     seed: int = Field(1337, ge=0)
     log_every: int = Field(10, ge=1)
     eval_every: int = Field(0, ge=0, description="0 disables periodic validation")
-    eval_batches: int = Field(4, ge=1)
+    eval_batches: int = Field(4, ge=1, description="validation batches: for the GPT tasks this many global "
+                              "batches of windows (the same set at every layout, each rank its share in "
+                              "micro-batches); the DLRM task splits its validation samples into this many")
     sample_tokens: int = Field(0, ge=0, description="bytes of text the GPT samples at the end of the run")
     tensorboard: bool = Field(False, description="also write the metrics as TensorBoard event files "
                                                  "(runs/NAME/tensorboard; needs the tensorboard package)")

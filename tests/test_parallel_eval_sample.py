@@ -55,3 +55,22 @@ def test_eval_and_sample_pp2_tp2_match_one_process():
         assert ours["sample"] == ref["sample"], f"{label}: sampled {ours['sample']} vs {ref['sample']}"
     # the model learned something: the samples are not the untrained model's
     assert ref["val_loss"] < math.log(256) - 0.5
+
+
+def test_the_validation_set_is_the_same_windows_at_every_data_parallel_layout():
+    # run.eval_batches global batches of windows, cut into each data rank's micro-batches: the union over the
+    # ranks, in rank order, is one process's set whatever dp and micro_batch are
+    from podscale.tasks.gpt import GPTTask
+
+    def windows(nproc, micro):
+        cfg = parse_config(_cfg(nproc, micro))
+        task, n = GPTTask(cfg), cfg.run.eval_batches
+        per_rank = [task.eval_data(r, nproc) for r in range(nproc)]
+        assert all(x.shape[0] == micro for batches in per_rank for x, _ in batches)
+        shares = len(per_rank[0]) // n            # eval batch b is every rank's b-th share, in rank order
+        return torch.cat([x for b in range(n) for batches in per_rank for x, _ in batches[b * shares:(b + 1) * shares]])
+
+    one = windows(1, GLOBAL_BATCH)
+    assert one.shape[0] == parse_config(_cfg(1, GLOBAL_BATCH)).run.eval_batches * GLOBAL_BATCH
+    for nproc, micro in ((1, 2), (2, 4), (2, 1), (4, 2)):
+        assert torch.equal(windows(nproc, micro), one), (nproc, micro)

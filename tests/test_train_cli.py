@@ -175,6 +175,6 @@ def test_export_consolidates_the_model(runs, tmp_path, fmt, capsys):
     from podscale.train.data import eval_batches, load_tokens, split_tokens
     _, val = split_tokens(load_tokens(shakespeare()), 0.1)
     with torch.no_grad():
-        losses = [model(x, y)[1].item() for x, y in eval_batches(val, 64, 4, 2, 0, 1)]
+        losses = [model(x, y)[1].item() for x, y in eval_batches(val, 64, 8, 2, 0, 1)]   # global_batch 8
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert sum(losses) / len(losses) == pytest.approx(rows[-1]["val_loss"], abs=1e-4)

@@ -101,8 +101,12 @@ class GPTTask(Task):
                              seed=self.cfg.run.seed)
 
     def eval_data(self, dp_rank: int, dp_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        return eval_batches(self._tokens[1], self.gpt.block_size, dp_size * self.cfg.train.micro_batch,
-                            self.cfg.run.eval_batches, dp_rank, dp_size)
+        """``run.eval_batches`` global batches of validation windows, this rank's share of each in micro-batches: the
+        same windows at every layout (as Megatron-LM evaluates ``eval_iters`` global batches), so runs at different
+        dp, ep and micro-batch sizes report the validation loss of one set."""
+        t = self.cfg.train
+        return eval_batches(self._tokens[1], self.gpt.block_size, t.global_batch, self.cfg.run.eval_batches, dp_rank,
+                            dp_size, t.micro_batch)
 
     def to_device(self, batch: tuple[torch.Tensor, torch.Tensor], device: torch.device):
         return batch_to(batch, device)

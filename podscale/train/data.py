@@ -125,15 +125,21 @@ class ShardedLoader:
 
 
 def eval_batches(tokens: torch.Tensor, block_size: int, batch: int, n_batches: int, dp_rank: int,
-                 dp_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """A fixed validation set (evenly spaced windows) with this rank's share of each batch."""
+                 dp_size: int, micro_batch: int | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """A fixed validation set of ``n_batches`` batches of ``batch`` evenly spaced windows, with this rank's share
+    of each (``batch / dp_size`` windows), cut into pieces of ``micro_batch`` windows when given (the pieces a
+    rank's forward runs at a time, as its training micro-batches).  The set depends only on ``batch`` and
+    ``n_batches``, so a run evaluates the same windows at every layout when ``batch`` is its global batch."""
     n_windows = (len(tokens) - 1) // block_size
     total = batch * n_batches
     idx = torch.linspace(0, n_windows - 1, total).long()
     out = []
     per = batch // dp_size
+    piece = micro_batch or per
     for b in range(n_batches):
-        sel = idx[b * batch + dp_rank * per: b * batch + (dp_rank + 1) * per]
-        rows = torch.stack([tokens[int(i) * block_size: int(i) * block_size + block_size + 1] for i in sel]).long()
-        out.append((rows[:, :-1].contiguous(), rows[:, 1:].contiguous()))
+        first = b * batch + dp_rank * per
+        for start in range(first, first + per, piece):
+            sel = idx[start:min(start + piece, first + per)]
+            rows = torch.stack([tokens[int(i) * block_size: int(i) * block_size + block_size + 1] for i in sel]).long()
+            out.append((rows[:, :-1].contiguous(), rows[:, 1:].contiguous()))
     return out
