@@ -8,8 +8,9 @@ and GPT-MoE (8 experts, top-2, every other block, capacity 1.25, no random routi
 as one rank of tp 1 or tp 2 builds them (``apply_tensor_parallel`` on a mesh without a process group), with
 ``podscale.runtime.comm``'s collectives replaced by no-ops for this process only (shapes stay right: every
 output buffer is allocated by the caller), forward + backward of one micro-batch of 8 samples, A/B alternated;
-and prints the planner's compute for the same layouts (its step less its ``collective`` component, as
-``bench/plan_local_vs_train.py`` predicts: ``as_trained``) per micro-batch.
+and prints the planner's forward and backward for the same layouts (its step's components less the collectives,
+the optimizer and the gradient passes, which this does not time; the layouts as ``bench/plan_local_vs_train.py``
+predicts them: ``as_trained``) per micro-batch.
 
     python bench/tp_rank_compute.py [--reps 40] [--rounds 2]
 """
@@ -27,6 +28,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 SMALL = dict(n_layer=4, n_head=4, n_embd=128, block_size=128, vocab_size=256)
 MOE = dict(experts=8, top_k=2, moe_every=2, capacity_factor=1.25, random_routing=False)
+#: the planner's step components (``Prediction.components_s``) that a micro-batch's forward and backward run
+FORWARD_BACKWARD = ("gemm", "attention", "elementwise", "host", "routing", "loss")
 
 
 class _Done:
@@ -83,7 +86,9 @@ def _priced(moe: bool, tp: int) -> float:
     if moe:
         m.update(experts=8, top_k=2, moe_every=2, capacity_factor=1.25)
     p = predict("local", 2, model_from_dict(m), as_trained(Layout(tp=tp, pp=1, dp=2 // tp, microbatch=8)), 16)
-    return (p.step_time_s - p.components_s["collective"]) / (tp)      # micro-batches a step: tp (global batch 16)
+    # the forward and backward alone, what this bench times: the step's components less its collectives and its
+    # once-a-step work on parameters (optimizer, gradient passes), per micro-batch (tp of them: global batch 16)
+    return sum(p.components_s[k] for k in FORWARD_BACKWARD) / tp
 
 
 def main() -> None:
@@ -103,7 +108,7 @@ def main() -> None:
         med, p20 = statistics.median(ts), sorted(ts)[len(ts) // 5]
         priced = _priced(moe, tp)
         print(f"{'GPT-MoE' if moe else 'GPT':8} tp{tp}: median {med * 1e3:6.2f} ms, p20 {p20 * 1e3:6.2f} ms; planner "
-              f"{priced * 1e3:6.2f} ms a micro-batch (step less collectives) = {priced / med:.2f} of the median")
+              f"{priced * 1e3:6.2f} ms a micro-batch (forward + backward) = {priced / med:.2f} of the median")
 
 
 if __name__ == "__main__":
