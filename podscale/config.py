@@ -24,7 +24,9 @@ class ConfigError(ValueError):
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # no inf or nan in any float: TOML spells them, but the config reaches the workers as JSON, which writes
+    # them as null, so an infinite value passed here would fail in every worker instead
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
 class RunSection(_Section):

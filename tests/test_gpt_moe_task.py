@@ -45,6 +45,8 @@ def _moe_cfg(**over):
     (dict(model__top_k=5), 2, ["model.top_k=5", "model.experts=4"]),
     (dict(model__capacity_factor=0.0), 2, ["model.capacity_factor=0.0", "> 0"]),
     (dict(model__eval_capacity_factor=-1.0), 2, ["model.eval_capacity_factor", "> 0"]),
+    (dict(model__capacity_factor=float("inf")), 2, ["model.capacity_factor", "finite"]),
+    (dict(model__eval_capacity_factor=float("nan")), 2, ["model.eval_capacity_factor", "finite"]),
     (dict(model__dropless=True, model__dropless_peak_load=0.5), 2, ["model.dropless_peak_load", "1"]),
     (dict(model__shared_experts=-1), 2, ["model.shared_experts", "0"]),
     (dict(model__bias_update_rate=0.0), 2, ["model.bias_update_rate", "0"]),
