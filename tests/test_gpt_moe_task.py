@@ -43,6 +43,7 @@ def _moe_cfg(**over):
 @pytest.mark.parametrize("over,world,words", [
     (dict(model__experts=6, parallel__ep=4, parallel__nproc=4), 4, ["model.experts=6", "parallel.ep=4"]),
     (dict(model__top_k=5), 2, ["model.top_k=5", "model.experts=4"]),
+    (dict(model__moe_every=3), 2, ["model.moe_every=3", "model.n_layer=2", "at most 2"]),
     (dict(model__capacity_factor=0.0), 2, ["model.capacity_factor=0.0", "> 0"]),
     (dict(model__eval_capacity_factor=-1.0), 2, ["model.eval_capacity_factor", "> 0"]),
     (dict(model__capacity_factor=float("inf")), 2, ["model.capacity_factor", "finite"]),
