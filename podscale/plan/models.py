@@ -72,6 +72,9 @@ class GPT:
             if not isinstance(v, int) or isinstance(v, bool) or v < low:
                 raise ModelError(f"model field {f!r} must be an integer >= {low}"
                                  f"{' (0: 4 x hidden)' if f == 'ffn' else ''}, got {v!r}")
+        for f in fields(self):   # JSON's "false" or 0 would otherwise switch a bool key by its truth
+            if f.type == "bool" and not isinstance(getattr(self, f.name), bool):
+                raise ModelError(f"model field {f.name!r} must be true or false, got {getattr(self, f.name)!r}")
         if self.experts > 1 and self.top_k > self.experts:  # a dense model (experts 1) reads neither key
             raise ModelError(f"top_k {self.top_k} exceeds experts {self.experts}: lower top_k or add experts")
         if self.experts > 1 and self.moe_every > self.layers:  # layer i is MoE when (i + 1) % moe_every == 0
