@@ -24,7 +24,9 @@ class ConfigError(ValueError):
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # no inf or nan in any float: TOML spells them, but the config reaches the workers as JSON, which writes
+    # them as null, so an infinite value passed here would fail in every worker instead
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
 class RunSection(_Section):
@@ -239,6 +241,9 @@ class GPTMoEModelSection(GPTModelSection):
 
     @model_validator(mode="after")
     def _moe_args(self):
+        if self.moe_every > self.n_layer:  # block i is an MoE block when (i + 1) % moe_every == 0
+            raise ValueError(f"model.moe_every={self.moe_every} exceeds model.n_layer={self.n_layer}, which leaves "
+                             f"no MoE block: use a moe_every of at most {self.n_layer} (1: every block)")
         if self.top_k > self.experts:
             raise ValueError(f"model.top_k={self.top_k} exceeds model.experts={self.experts}: lower top_k "
                              "or add experts")

@@ -52,6 +52,17 @@ def test_a_podscale_checkpoint_still_loads_and_exports(tmp_path):
     assert torch.equal(blob["model"]["w"], saved["model"]["w"]) and blob["step"] == 3
 
 
+def test_export_reads_the_weights_without_torch_warning_of_a_missing_process_group(tmp_path):
+    """``podscale export`` (and ``train.init_from``) read the weights in one process on purpose: DCP's
+    "torch.distributed is disabled, ... assuming the intent is to load in a single process" is not the
+    user's business."""
+    ckpt = tmp_path / "run" / "checkpoints" / "step_00000003"
+    _write_checkpoint(ckpt)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        checkpoint.export(ckpt, tmp_path / "model.pt")
+
+
 @pytest.mark.parametrize("what", ["code", "torch.load", "bytes entry", "not metadata", "truncated", "path"])
 def test_crafted_metadata_is_refused_and_runs_nothing(tmp_path, capsys, what):
     ckpt = tmp_path / "run" / "checkpoints" / "step_00000003"

@@ -33,6 +33,7 @@ CASES = [
     ("dropout out of range", ("model", "dropout", 1.5), ["model.dropout"]),
     ("unknown zero stage", ("zero", "stage", 4), ["zero.stage"]),
     ("unknown device", ("run", "device", "tpu"), ["run.device", "cuda"]),
+    ("infinite float", ("train", "grad_clip", float("inf")), ["train.grad_clip", "finite number"]),
 ]
 if not torch.cuda.is_available():
     CASES.append(("cuda without a gpu", ("run", "device", "cuda"), ["run.device='cuda'", "run.device = 'cpu'"]))
@@ -43,6 +44,8 @@ elif torch.cuda.device_count() < GOOD["parallel"]["nproc"]:  # NCCL cannot put t
 def _toml(value) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
+    if value == float("inf"):
+        return "inf"  # JSON has no spelling for it
     return json.dumps(value)  # numbers and simple strings are spelled the same in JSON and TOML
 
 

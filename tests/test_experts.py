@@ -629,8 +629,10 @@ def test_gating_names_match_the_config_and_bad_gating_is_one_line():
 @pytest.mark.parametrize("kwargs,match", [
     (dict(experts=6, ep=4), r"model.experts=6 is not divisible by parallel.ep=4: make model.experts a multiple"),
     (dict(top_k=5, experts=4), r"model.top_k=5 must be between 1 and model.experts=4"),
-    (dict(capacity_factor=0.0), r"model.capacity_factor=0.0 must be > 0"),
-    (dict(eval_capacity_factor=-1.0), r"model.eval_capacity_factor=-1.0 must be > 0"),
+    (dict(capacity_factor=0.0), r"model.capacity_factor=0.0 must be a finite number > 0"),
+    (dict(eval_capacity_factor=-1.0), r"model.eval_capacity_factor=-1.0 must be a finite number > 0"),
+    (dict(capacity_factor=float("inf")), r"model.capacity_factor=inf must be a finite number > 0"),
+    (dict(eval_capacity_factor=float("nan")), r"model.eval_capacity_factor=nan must be a finite number > 0"),
     (dict(shared_hidden=-8), r"shared_hidden=-8 must be >= 0"),
     (dict(shared_hidden=10, tp=4, etp=True), r"shared_hidden=10 is not divisible by tp=4 \(expert_tensor_parallel "
                                              r"splits the shared expert's width over tp too\): make it a multiple"),

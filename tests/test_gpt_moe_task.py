@@ -43,8 +43,11 @@ def _moe_cfg(**over):
 @pytest.mark.parametrize("over,world,words", [
     (dict(model__experts=6, parallel__ep=4, parallel__nproc=4), 4, ["model.experts=6", "parallel.ep=4"]),
     (dict(model__top_k=5), 2, ["model.top_k=5", "model.experts=4"]),
+    (dict(model__moe_every=3), 2, ["model.moe_every=3", "model.n_layer=2", "at most 2"]),
     (dict(model__capacity_factor=0.0), 2, ["model.capacity_factor=0.0", "> 0"]),
     (dict(model__eval_capacity_factor=-1.0), 2, ["model.eval_capacity_factor", "> 0"]),
+    (dict(model__capacity_factor=float("inf")), 2, ["model.capacity_factor", "finite"]),
+    (dict(model__eval_capacity_factor=float("nan")), 2, ["model.eval_capacity_factor", "finite"]),
     (dict(model__dropless=True, model__dropless_peak_load=0.5), 2, ["model.dropless_peak_load", "1"]),
     (dict(model__shared_experts=-1), 2, ["model.shared_experts", "0"]),
     (dict(model__bias_update_rate=0.0), 2, ["model.bias_update_rate", "0"]),

@@ -72,6 +72,9 @@ class Layout:
             v = getattr(self, f)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise LayoutError(f"layout {f!r} must be a positive integer, got {v!r}")
+        for f in fields(self):   # JSON's "false" or 0 would otherwise switch a bool key by its truth
+            if f.type == "bool" and not isinstance(getattr(self, f.name), bool):
+                raise LayoutError(f"layout {f.name!r} must be true or false, got {getattr(self, f.name)!r}")
         sched = self.schedule or ("interleaved" if self.interleave > 1 else "1f1b")
         object.__setattr__(self, "schedule", sched)
         if sched not in SCHEDULES:

@@ -8,6 +8,7 @@ layer norms, 9h + ffn).
 from __future__ import annotations
 
 import json
+import math
 import tomllib
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
@@ -17,6 +18,11 @@ from podscale.parallel.moe.gate import AUX_LOSS_SCOPES, DROP_POLICIES
 
 class ModelError(ValueError):
     pass
+
+
+def _finite(x) -> bool:
+    """``x`` is a finite real number (a JSON model's "1.5" string or 1e400, read as inf, is not)."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
 @dataclass(frozen=True)
@@ -61,6 +67,19 @@ class GPT:
                 raise ModelError(f"model field {f!r} must be a positive integer, got {v!r}")
         if self.hidden % self.heads:
             raise ModelError(f"hidden {self.hidden} is not divisible by heads {self.heads}")
+        for f, low in (("ffn", 0), ("experts", 1), ("top_k", 1), ("moe_every", 1)):
+            v = getattr(self, f)
+            if not isinstance(v, int) or isinstance(v, bool) or v < low:
+                raise ModelError(f"model field {f!r} must be an integer >= {low}"
+                                 f"{' (0: 4 x hidden)' if f == 'ffn' else ''}, got {v!r}")
+        for f in fields(self):   # JSON's "false" or 0 would otherwise switch a bool key by its truth
+            if f.type == "bool" and not isinstance(getattr(self, f.name), bool):
+                raise ModelError(f"model field {f.name!r} must be true or false, got {getattr(self, f.name)!r}")
+        if self.experts > 1 and self.top_k > self.experts:  # a dense model (experts 1) reads neither key
+            raise ModelError(f"top_k {self.top_k} exceeds experts {self.experts}: lower top_k or add experts")
+        if self.experts > 1 and self.moe_every > self.layers:  # layer i is MoE when (i + 1) % moe_every == 0
+            raise ModelError(f"moe_every {self.moe_every} exceeds layers {self.layers}, which leaves no MoE layer: "
+                             f"use a moe_every of at most {self.layers}")
         if self.ffn == 0:
             object.__setattr__(self, "ffn", 4 * self.hidden)
         if not isinstance(self.shared_experts, int) or isinstance(self.shared_experts, bool) or self.shared_experts < 0:
@@ -69,15 +88,16 @@ class GPT:
         if self.shared_experts and self.experts < 2:
             raise ModelError(f"model field 'shared_experts'={self.shared_experts} needs an MoE model: set experts "
                              f"> 1, or shared_experts: 0")
-        if not self.capacity_factor > 0:
-            raise ModelError(f"capacity_factor must be > 0, got {self.capacity_factor!r} (or dropless: true)")
+        if not _finite(self.capacity_factor) or not self.capacity_factor > 0:
+            raise ModelError(f"capacity_factor must be a finite number > 0, got {self.capacity_factor!r} (or "
+                             "dropless: true)")
         if self.aux_loss_scope not in AUX_LOSS_SCOPES:
             raise ModelError(f"aux_loss_scope {self.aux_loss_scope!r} must be one of {', '.join(AUX_LOSS_SCOPES)}")
         if self.drop_policy not in DROP_POLICIES:
             raise ModelError(f"drop_policy {self.drop_policy!r} must be one of {', '.join(DROP_POLICIES)}")
-        if not self.dropless_peak_load >= 1:
-            raise ModelError(f"dropless_peak_load must be >= 1 (the busiest rank's rows over its even share), got "
-                             f"{self.dropless_peak_load!r}")
+        if not _finite(self.dropless_peak_load) or not self.dropless_peak_load >= 1:
+            raise ModelError(f"dropless_peak_load must be a finite number >= 1 (the busiest rank's rows over its even "
+                             f"share), got {self.dropless_peak_load!r}")
 
     def expert_load(self, ep: int) -> float:
         """Rows the busiest of ``ep`` ranks' experts run in a forward per routed choice of a rank (``top_k``

@@ -17,6 +17,7 @@ import os
 import re
 import shutil
 import tempfile
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -286,7 +287,9 @@ class ModelWeights:
         reader that never unpickles."""
         state = {"model": {n: torch.empty(self.shapes[n], dtype=self.dtypes[n]) for n in names}}
         if state["model"]:
-            dcp.load(state, storage_reader=SafeFileSystemReader(str(self.path)), no_dist=True)
+            with warnings.catch_warnings():  # DCP warns that it loads in a single process even when asked to
+                warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+                dcp.load(state, storage_reader=SafeFileSystemReader(str(self.path)), no_dist=True)
         return state["model"]
 
     def require_same_model(self, task: str, shapes: dict[str, tuple[int, ...]]) -> None:

@@ -111,9 +111,9 @@ def check_moe_args(experts: int, top_k: int, capacity_factor: float, eval_capaci
         raise ValueError(f"model.top_k={top_k} must be between 1 and model.experts={experts}: "
                          f"lower model.top_k or add experts")
     for key, cf in (("capacity_factor", capacity_factor), ("eval_capacity_factor", eval_capacity_factor)):
-        if not cf > 0:
-            raise ValueError(f"model.{key}={cf} must be > 0: use e.g. 1.25 (or model.dropless = true "
-                             f"for no capacity)")
+        if not 0 < cf < math.inf:   # inf: no capacity has a number of slots (ceil(inf) raises OverflowError)
+            raise ValueError(f"model.{key}={cf} must be a finite number > 0: use e.g. 1.25 (or model.dropless = "
+                             f"true for no capacity)")
 
 
 # ---------------------------------------------------------------------------------------------------
