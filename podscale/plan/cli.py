@@ -74,7 +74,7 @@ def cmd_search(args) -> int:
     from .models import get_model
     from .search import search
     if not (args.model and args.system and args.devices and args.batch):
-        raise PlanUsageError("plan search needs --model, --system, --devices and --batch "
+        raise PlanUsageError("podscale plan needs --model, --system, --devices and --batch "
                              "(e.g. podscale plan --model gpt-175b --system dgx-a100-superpod "
                              "--devices 1024 --batch 1536)")
     _check_target_args(args, ("json", "chart"))
