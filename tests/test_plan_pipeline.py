@@ -9,6 +9,7 @@ from podscale.parallel.pipeline.partition import stage_layers
 from podscale.plan import Layout, predict
 from podscale.plan.cli import main
 from podscale.plan.models import GPT
+from podscale.parallel.pipeline import schedule as schedule_module
 from podscale.parallel.pipeline.schedule import schedule_actions, simulate
 from podscale.plan import network as net
 from podscale.plan.hardware import load_system
@@ -75,6 +76,9 @@ def test_interleaved_messages_are_priced_as_the_schedule_simulator_runs_them(p):
     for v in (2, 3, 4):
         for m in range(p, 4 * p + 1, p):
             for t_f, t_b in ((0.5, 1.0), (1.0, 1.0), (0.25, 1.0), (0.3, 0.9)):
+                # without messages: (m v + p - 1)(t_f + t_b), which the no-stall answers rest on
+                ideal = simulate(schedule_actions("interleaved", p, m, v), v, t_f, t_b)["makespan"]
+                assert ideal == pytest.approx((m * v + p - 1) * (t_f + t_b), rel=1e-12)
                 for msg in (10.0, 3.0, 1.0, 0.4, 0.1, 0.02):
                     sim = simulate(schedule_actions("interleaved", p, m, v), v, t_f, t_b, t_msg=msg)["makespan"]
                     exposed = pipeline_message_time("interleaved", p, m, v, msg, t_f=t_f, t_b=t_b)
@@ -94,6 +98,21 @@ def test_interleaved_messages_hide_under_the_other_chunks_work():
     assert pipeline_message_time("interleaved", 4, 16, 2, 1.0, t_f=0.5, t_b=1.0) == pytest.approx(23.0)
     with pytest.raises(ValueError, match="chunk times"):
         pipeline_message_time("interleaved", 4, 16, 2, 1.0)
+
+
+def test_interleaved_ratios_between_two_without_stalls_are_answered_without_simulating(monkeypatch):
+    # the chunk / message ratios that stall nothing form a convex region closed upwards (stages._hidden):
+    # a point above the segment between two such, dominating neither, is answered without simulating
+    p, m, v = 3, 6, 2
+    fill_drain = 2 * (p * v - 1)
+    for t_f, t_b in ((4.0, 16.0), (16.0, 4.0)):
+        assert pipeline_message_time("interleaved", p, m, v, 1.0, t_f=t_f, t_b=t_b) == pytest.approx(fill_drain)
+    calls = []
+    monkeypatch.setattr(schedule_module, "simulate_schedule", lambda *a, **k: calls.append(a))
+    exposed = pipeline_message_time("interleaved", p, m, v, 1.0, t_f=10.5, t_b=10.0)
+    assert not calls and exposed == fill_drain
+    sim = simulate(schedule_actions("interleaved", p, m, v), v, 10.5, 10.0, t_msg=1.0)["makespan"]
+    assert (m * v + p - 1) * 20.5 + exposed == pytest.approx(sim, rel=1e-12)
 
 
 @pytest.mark.parametrize("p", [2, 4, 8])
