@@ -839,8 +839,6 @@ def predict_gpt(system: System, devices: int, model: GPT, lay: Layout, batch: in
     # (Narayanan et al. SC'21, Sec. 4.1); DeepSpeed's pipeline engine sends the whole tensor from every rank.
     act_msg = dev.dtype_bytes * b * s * h / (t if lay.pp_scatter_gather else 1)
     stride_pp = lay.dp * lay.ep * t
-    # the step's messages between stages, as the schedule exposes them (the executor sends asynchronously)
-    p2p = pipeline_message_time(lay.schedule, p, m, v, net.p2p_time(system, act_msg, stride_pp) if p > 1 else 0.0)
 
     per_layer_mb = fwd + bwd + recompute + tp_comm + ep_comm
     # Per-micro-batch time of each rank: its layers, the output layer on the last.
@@ -852,6 +850,12 @@ def predict_gpt(system: System, devices: int, model: GPT, lay: Layout, batch: in
     t_slow = t_last if slow_last else t_other
     comp_fwd, comp_bwd, comp_rec = n_slow * fwd, n_slow * bwd, n_slow * recompute
     bubble = (L * per_layer_mb + head - t_slow) / v
+    # the step's messages between stages, as the schedule exposes them (the executor sends asynchronously);
+    # an interleaved schedule hides them under the slowest rank's chunks: its per-micro-batch time over v, the
+    # recompute counted with the backward and the rest split between forward and backward as their compute is
+    t_fwd = (t_slow - comp_rec) * comp_fwd / (comp_fwd + comp_bwd)
+    p2p = pipeline_message_time(lay.schedule, p, m, v, net.p2p_time(system, act_msg, stride_pp) if p > 1 else 0.0,
+                                t_f=t_fwd / v, t_b=(t_slow - t_fwd) / v)
 
     # Ranks that can hold the most (parameters or activations): the two ends (embedding, head, logits)
     # and, per distinct layer count, the earliest rank with it (the most micro-batches in flight).

@@ -21,6 +21,7 @@ sends and receives between two ranks pair up whatever order two schedules issue 
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -96,34 +97,76 @@ def simulate(actions: list[list[tuple[str, int, int]]], v: int, t_f: float = 1.0
     Returns the makespan, the bubble ``(makespan - m (t_f + t_b) v) / (m (t_f + t_b) v)`` and the largest
     number of micro-batches in flight on each rank.
     """
+    return _run(_compile(actions, v), t_f, t_b, t_msg)
+
+
+def simulate_schedule(schedule: str, p: int, m: int, v: int = 1, t_f: float = 1.0, t_b: float = 2.0,
+                      t_msg: float = 0.0) -> dict:
+    """:func:`simulate` of ``schedule_actions(schedule, p, m, v)``, the schedule compiled once for all the
+    stage and message times it is run with (the planner runs one schedule with many)."""
+    return _run(_compiled_schedule(schedule, p, m, v), t_f, t_b, t_msg)
+
+
+@functools.lru_cache(maxsize=256)
+def _compiled_schedule(schedule: str, p: int, m: int, v: int) -> tuple:
+    return _compile(schedule_actions(schedule, p, m, v), v)
+
+
+def _compile(actions: list[list[tuple[str, int, int]]], v: int) -> tuple:
+    """The actions as (event it finishes, event it waits for or -1, +1 forward / -1 backward), an event of
+    (kind, stage, micro-batch) numbered ``(2 stage + backward) mbs + micro-batch``, so that :func:`_run` does
+    no hashing."""
     p = len(actions)
-    stages = p * v
-    done: dict[tuple[str, int, int], float] = {}  # (kind, stage, mb) -> finish time
+    last = p * v - 1
+    mbs = 1 + max((a[2] for acts in actions for a in acts), default=0)
+    plans = []
+    for r, acts in enumerate(actions):
+        plan = []
+        for kind, c, mb in acts:
+            s = c * p + r
+            if kind == "F":
+                plan.append((2 * s * mbs + mb, (2 * s - 2) * mbs + mb if s > 0 else -1, 1))
+            else:
+                plan.append(((2 * s + 1) * mbs + mb, (2 * s + 3) * mbs + mb if s < last else -1, -1))
+        plans.append(plan)
+    m = sum(1 for a in actions[0] if a[0] == "F") // v
+    return actions, plans, 2 * (last + 1) * mbs, m * v
+
+
+def _run(compiled: tuple, t_f: float, t_b: float, t_msg: float) -> dict:
+    actions, plans, events, work = compiled
+    p = len(plans)
+    done: list = [None] * events  # event -> finish time
     pos, clock = [0] * p, [0.0] * p
     live, peak = [0] * p, [0] * p
-    remaining = sum(len(a) for a in actions)
+    remaining = sum(len(a) for a in plans)
     while remaining:
         progressed = False
         for r in range(p):
-            while pos[r] < len(actions[r]):
-                kind, c, mb = actions[r][pos[r]]
-                s = c * p + r
-                dep = ("F", s - 1, mb) if kind == "F" and s > 0 else \
-                    ("B", s + 1, mb) if kind == "B" and s < stages - 1 else None
-                if dep is not None and dep not in done:
-                    break
-                start = max(clock[r], done[dep] + t_msg if dep is not None else 0.0)
-                clock[r] = start + (t_f if kind == "F" else t_b)
-                done[(kind, s, mb)] = clock[r]
-                live[r] += 1 if kind == "F" else -1
-                peak[r] = max(peak[r], live[r])
-                pos[r] += 1
-                remaining -= 1
+            plan, i, t, n_live, n_peak = plans[r], pos[r], clock[r], live[r], peak[r]
+            n = len(plan)
+            while i < n:
+                ev, dep, sign = plan[i]
+                if dep >= 0:
+                    arrive = done[dep]
+                    if arrive is None:
+                        break
+                    arrive += t_msg
+                    if arrive > t:
+                        t = arrive
+                t += t_f if sign > 0 else t_b
+                done[ev] = t
+                n_live += sign
+                if n_live > n_peak:
+                    n_peak = n_live
+                i += 1
+            if i != pos[r]:
+                remaining -= i - pos[r]
+                pos[r], clock[r], live[r], peak[r] = i, t, n_live, n_peak
                 progressed = True
         if not progressed:
             raise PipelineError(f"pipeline schedule deadlocks at {[a[i] if i < len(a) else None for a, i in zip(actions, pos)]}")
-    m = sum(1 for a in actions[0] if a[0] == "F") // v
-    ideal = m * v * (t_f + t_b)
+    ideal = work * (t_f + t_b)
     makespan = max(clock)
     return {"makespan": makespan, "bubble": (makespan - ideal) / ideal, "peak_in_flight": peak}
 
