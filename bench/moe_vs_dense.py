@@ -62,9 +62,8 @@ SCOPE_WORDS = {"group": "sequence", "global": "batch (global)", "global_step": "
 
 def train(model_section: dict, args) -> dict:
     cfg = parse_config({
-        # (the GPT task's validation batches hold micro_batch sequences: as many more of them, the same windows)
-        "run": {"name": "moe-vs-dense", "steps": args.steps, "seed": args.seed,
-                "eval_batches": args.eval_batches * args.micro_batches},
+        # (the GPT task's validation set is eval_batches global batches, in micro-batches: the same windows)
+        "run": {"name": "moe-vs-dense", "steps": args.steps, "seed": args.seed, "eval_batches": args.eval_batches},
         "model": model_section,
         "data": {"path": args.data} if args.data else {},
         "parallel": {"nproc": 1},
