@@ -587,9 +587,9 @@ def test_the_token_exchange_under_its_own_rows_pays_the_measured_exposed_share()
 
 
 def test_calibration_measures_the_routing_rate_in_the_planners_bytes():
-    """``plan calibrate``'s microbenchmark of the routing, dispatch and combine (forward and backward through
-    autograd): one [bytes, bytes/s] row per size, the bytes the planner's count; and its line in the system
-    file's [device] section."""
+    """``plan calibrate``'s measurement of an MoE layer's work beyond its GEMMs (the layer forward and backward
+    less its experts and router alone): one [bytes, bytes/s] row per size, the bytes the planner's count of the
+    routing, dispatch and combine; and its line in the system file's [device] section."""
     import torch
     from podscale.plan.calibrate import moe_routing_table, routing_line
     from podscale.plan.hardware import GB

@@ -318,41 +318,61 @@ def _layer_elementwise_and_host(torch, budget: float, sizes=ELEMENTWISE_SIZES) -
     return rows, host / (KERNELS_PER_LAYER * (1 + BWD_OVER_FWD))
 
 
-# (tokens, experts, hidden) at which an MoE layer's routing, dispatch and combine are timed (top-2, capacity 1.25,
+# (tokens, experts, hidden) at which an MoE layer's work beyond its GEMMs is timed (top-2, capacity 1.25,
 # groups of 128 tokens): none of the benchmarks' models (bench/plan_local_vs_train.py's GPT-MoE routes 1,024 or
 # 512 tokens a rank over 8 experts, 128 wide), so that those measure the interpolation, not a calibrated point.
 ROUTING_SIZES = ((256, 16, 256), (2048, 16, 256), (8192, 32, 384))
 
 
 def moe_routing_table(torch, budget: float, sizes=ROUTING_SIZES) -> list:
-    """[[bytes, bytes/s], ...]: an MoE layer's routing, dispatch and combine as podscale's layer runs them
-    (``gate.route`` with top-2 and capacity 1.25 over groups of 128 tokens, the aux and z losses, the kept
-    choices' rows gathered with ``index_select``, scaled by their gate values and added back with
-    ``index_add_``), forward and backward through autograd, on fp32 router logits and rows that are leaves (the
-    router's and experts' GEMMs are priced as GEMMs), at each of ``sizes``; the bytes are the planner's count of
-    those kernels (``gpt_cost.moe_routing_bytes``, forward + backward). On a CPU these many small sorting,
-    counting and indexing kernels run far below the element-wise rate, and faster per byte the larger they
-    are, so the rate is a table by size."""
-    from podscale.parallel.moe.gate import expert_capacity, load_balancing_loss, route, router_z_loss
+    """[[bytes, bytes/s], ...]: an MoE layer's work beyond its GEMMs, at each of ``sizes``: podscale's layer itself
+    (``MoELayer`` on one rank, top-2, capacity 1.25, groups of 128 tokens, experts as wide as the model), forward
+    and backward of its output and losses, less its experts run alone on the rows it dispatched (``Experts``, as
+    the layer calls them) and its router's linear alone: the routing, the aux and z losses, the dispatch and
+    combine, and the layer's own bookkeeping and autograd nodes between them, which a copy of the routing kernels
+    alone missed (BENCHMARKS.md, the GPT-MoE's price taken apart). The bytes are the planner's count of the
+    routing, dispatch and combine kernels (``gpt_cost.moe_routing_bytes``, forward + backward), so the planner
+    prices that work at the rate measured here (the experts and the router are priced as GEMMs). On a CPU these
+    many small sorting, counting and indexing kernels run far below the element-wise rate, and faster per byte
+    the larger they are, so the rate is a table by size."""
+    from podscale.parallel.moe import MoELayer
     from .gpt_cost import moe_routing_bytes
     rows, k, seq = [], 2, 128
     for tokens, experts, hidden in sizes:
-        logits = torch.randn(tokens // seq, seq, experts, requires_grad=True)
-        x = torch.randn(tokens, hidden, requires_grad=True)
-        gy = torch.randn(tokens, hidden)
-        cap = expert_capacity(1.25, k, seq, experts)
+        torch.manual_seed(0)
+        layer = MoELayer(hidden, hidden, experts, top_k=k, capacity_factor=1.25, random_routing=False)
+        x = torch.randn(tokens // seq, seq, hidden, requires_grad=True)
+        gy, one = torch.randn(tokens // seq, seq, hidden), torch.ones(())
+        _, out = layer(x, None)
+        segments = list(enumerate(out.routing.counts.tolist()))
+        dispatched = torch.randn(sum(n for _, n in segments), hidden, requires_grad=True)
+        g_rows = torch.randn(dispatched.shape)
+        flat = x.detach().reshape(tokens, hidden).requires_grad_()
 
-        def step():
-            r, probs = route(logits, k, cap)
-            loss = load_balancing_loss(probs, r.expert[:, 0]) + router_z_loss(logits)
-            token = r.order // k
-            picked = x.index_select(0, token)
-            w = r.weight.reshape(-1).index_select(0, r.order).to(picked.dtype)
-            y = picked.new_zeros(tokens, hidden).index_add_(0, token, picked * w.unsqueeze(1))
-            torch.autograd.backward([y, loss], [gy, torch.ones(())])
-            logits.grad = x.grad = None
+        def whole():
+            y, o = layer(x, None)
+            torch.autograd.backward([y, o.loss], [gy, one])
+
+        def experts_alone():
+            layer.experts(dispatched, segments).backward(g_rows)
+
+        def router_alone():
+            layer.router(flat).sum().backward()
+
+        def timed(fn):
+            def step():
+                layer.zero_grad(set_to_none=True)
+                x.grad = dispatched.grad = flat.grad = None
+                fn()
+            return _timeit(step, budget)
+        total = timed(whole)
+        rest = total - timed(experts_alone) - timed(router_alone)
+        if rest <= 0:
+            raise RuntimeError(f"MoE routing calibration at {tokens} tokens: the layer ({total * 1e3:.2f} ms) timed no "
+                               "slower than its experts and router alone; the machine is busy: calibrate again "
+                               "when it is idle")
         nbytes = sum(moe_routing_bytes(tokens, experts, k, hidden, 4))
-        rows.append([nbytes, nbytes / _timeit(step, budget)])
+        rows.append([nbytes, nbytes / rest])
     return rows
 
 
@@ -631,8 +651,8 @@ def routing_line(rows) -> str:
     if not rows:
         return "# moe_routing_table: not measured"
     table = ", ".join(f"[{b:.0f}, {r / GB:.6g}]" for b, r in rows)
-    return (f"moe_routing_table = [{table}]      # [bytes, GB/s]: an MoE layer's routing, dispatch and combine, "
-            "fwd + bwd, planner's bytes")
+    return (f"moe_routing_table = [{table}]      # [bytes, GB/s]: an MoE layer less its experts and router "
+            "(routing, dispatch, combine, bookkeeping), fwd + bwd, planner's bytes")
 
 
 def _routing_worker(barrier, queue, quick: bool) -> None:

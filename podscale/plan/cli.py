@@ -305,8 +305,8 @@ def add_plan_parser(subparsers) -> None:
                                       "system's nvme_gbps (default: the temporary directory's disk)")
     p.add_argument("--table-only", action="store_true", help="measure only the sharded-table rates (seconds) and "
                                                               "write them into the existing system file")
-    p.add_argument("--moe-routing-only", action="store_true", help="measure only an MoE layer's routing, dispatch "
-                   "and combine rates and write them into the existing system file")
+    p.add_argument("--moe-routing-only", action="store_true", help="measure only the rates of an MoE layer's work "
+                   "beyond its GEMMs (routing, dispatch, combine) and write them into the existing system file")
     p.set_defaults(plan_func=_guarded(cmd_calibrate))
 
     p = sub.add_parser("systems", help="list the hardware catalog")

@@ -133,9 +133,10 @@ def elementwise_time(device: Device, nbytes: float, activation_bytes: float) -> 
 def routing_time(device: Device, nbytes: float, size_bytes: float) -> float:
     """Seconds of an MoE layer's routing, dispatch and combine kernels moving ``nbytes`` (a pass of them; the
     layer's forward and backward together move ``size_bytes``, the size the rate is read at): at the rate
-    ``plan calibrate`` measured for those kernels (``routing_table``, log-log linear between the measured
-    sizes, the end rates beyond them), else :func:`stream_time`. On a CPU they are many small sorting,
-    counting and indexing kernels whose cost per byte falls with their size."""
+    ``plan calibrate`` measured for them in the layer itself, its bookkeeping between them included
+    (``routing_table``, log-log linear between the measured sizes, the end rates beyond them), else
+    :func:`stream_time`. On a CPU they are many small sorting, counting and indexing kernels whose cost per
+    byte falls with their size."""
     if not device.routing_table:
         return stream_time(device, nbytes)
     return nbytes / _rate_at(device.routing_table, size_bytes)

@@ -718,8 +718,9 @@ def moe_routing_bytes(tokens: float, experts: int, top_k: int, hidden: int, dtyp
     A ``drop_policy`` other than ``"position"`` adds its listing's sort (:func:`drop_policy_bytes`, groups of
     ``group_size`` tokens) to the forward.
 
-    These counts are fixed, not fitted; a calibrated CPU measures the rate of these kernels in these bytes
-    (``plan calibrate``: ``compute.routing_time``)."""
+    These counts are fixed, not fitted; a calibrated CPU measures the rate of the layer's work beyond its GEMMs
+    (these kernels and the layer's bookkeeping between them) in these bytes (``plan calibrate``:
+    ``compute.routing_time``)."""
     n, c, row = tokens, tokens * top_k, dtype_bytes * hidden
     forward = 4 * (top_k + 7) * n * experts + 8 * 34 * c + row * (5 * c + 3 * n)
     if drop_policy != "position":
