@@ -451,6 +451,37 @@ def test_init_from_fine_tunes_at_another_layout_and_upcycles_a_dense_gpt(tmp_pat
     assert "\n" not in err and not (tmp_path / "runs" / "eight").exists()
 
 
+def test_init_from_switches_bias_balancing_on_with_the_biases_from_zero(tmp_path, capfd):
+    """``train.init_from`` a GPT-MoE trained without ``model.bias_balancing`` into the same model with it: the
+    checkpoint lacks the routers' selection biases, which start at zero, so the first step routes as the
+    checkpoint's model does: its first loss is that of the same init_from without bias balancing.  Another
+    model's checkpoint is still one line before any worker starts."""
+    cfg = tmp_path / "moe.toml"
+    text = _train_toml(tmp_path, "source", 2, "", "ep = 2") + "warmup_steps = 0\nlr = 0.01\n"
+    cfg.write_text(text)
+    assert main(["train", str(cfg)]) == 0
+    source = tmp_path / "runs" / "source"
+    firsts = {}
+    for name, model in (("same", ""), ("balanced", "bias_balancing = true")):
+        cfg.write_text(_train_toml(tmp_path, name, 1, model, f"ep = 2\n[train]\ninit_from = '{source}'").replace(
+            "[train]\nglobal_batch", "global_batch"))
+        capfd.readouterr()
+        assert main(["train", str(cfg)]) == 0
+        out = capfd.readouterr().out
+        assert ("balance biases from zero" in out) == (name == "balanced"), out
+        firsts[name] = _first_loss(tmp_path / "runs" / name)
+    assert firsts["balanced"] == pytest.approx(firsts["same"], rel=1e-6)
+    assert firsts["same"] < _first_loss(source) - 0.05      # the trained weights, not a fresh start
+    cfg.write_text(_train_toml(tmp_path, "eight", 1, "bias_balancing = true", f"ep = 2\n[train]\ninit_from = "
+                               f"'{source}'").replace("[train]\nglobal_batch", "global_batch")
+                   .replace("experts = 4", "experts = 8"))
+    capfd.readouterr()
+    assert main(["train", str(cfg)]) == 2
+    err = capfd.readouterr().err.strip()
+    assert err.startswith("podscale: error: train.init_from: ") and "blocks.1.moe.experts.4" in err, err
+    assert "\n" not in err and not (tmp_path / "runs" / "eight").exists()
+
+
 def test_layout_auto_plans_the_gpt_moe_with_expert_parallel_layouts():
     """``--layout auto`` describes the GPT-MoE to the planner (experts, top_k, moe_every, capacity) and
     searches ep too; every layout it returns is one the trainer accepts."""

@@ -54,7 +54,7 @@ from podscale.parallel.moe import MoEStats, expert_parameters, token_axis_groups
 from podscale.runtime import comm
 from podscale.tasks.base import WeightConversion
 from podscale.tasks.gpt import GPTTask
-from podscale.train.checkpoint import ModelWeights, task_class_name
+from podscale.train.checkpoint import ModelWeights, task_class_name, task_name
 
 
 def gpt_moe_config(cfg) -> GPTMoEConfig:
@@ -133,6 +133,30 @@ class Upcycling(WeightConversion):
         return f"upcycled from the dense GPT {self.source.path}"
 
 
+class BalanceBiasesAdded(WeightConversion):
+    """A GPT-MoE's checkpoint trained without ``model.bias_balancing``, into the same model with it (DeepSeek-V3's
+    auxiliary-loss-free balancing switched on for fine-tuning): every tensor is the checkpoint's, and the routers'
+    selection biases, which the checkpoint lacks, start at zero as in a fresh model, so the first step routes as
+    the checkpoint's model does. Every other tensor must be there with this model's shape (one line naming the
+    first that is not, before any is read)."""
+
+    #: the tensors bias balancing adds to a GPT-MoE (:class:`~podscale.parallel.moe.gate.Router`'s buffer)
+    _ADDED = re.compile(r"^blocks\.\d+\.moe\.router\.selection_bias$")
+
+    def __init__(self, source: ModelWeights, task: "GPTMoETask"):
+        shapes = {n: tuple(t.shape) for n, t in task.build_model().state_dict().items()}
+        source.require_same_model(task_name(task), {n: s for n, s in shapes.items()
+                                                    if not (self._ADDED.match(n) and n not in source.shapes)})
+        self.source = source
+
+    def tensors(self, names: list[str]) -> dict[str, torch.Tensor]:
+        return self.source.read([n for n in names if n in self.source.shapes])
+
+    def describe(self) -> str:
+        return (f"the weights of {self.source.path}, the routers' balance biases from zero (it was trained without "
+                "model.bias_balancing)")
+
+
 def _moe_modules(model: nn.Module) -> list[GPTMoE]:
     """The GPTMoE ``model`` is, or under a pipeline the chunks of this rank (each a GPTMoE)."""
     return [m for m in model.modules() if isinstance(m, GPTMoE)]
@@ -176,8 +200,13 @@ class GPTMoETask(GPTTask):
         return asdict(self.gpt)
 
     def convert_weights(self, source: ModelWeights) -> WeightConversion | None:
-        """A dense GPT's checkpoint is upcycled (:class:`Upcycling`); a GPT-MoE's is this model's own."""
-        return Upcycling(source, self.gpt) if source.task == task_class_name(GPTTask) else None
+        """A dense GPT's checkpoint is upcycled (:class:`Upcycling`); a GPT-MoE's trained without bias balancing
+        starts this model's balance biases at zero (:class:`BalanceBiasesAdded`); any other is this model's own."""
+        if source.task == task_class_name(GPTTask):
+            return Upcycling(source, self.gpt)
+        if self.gpt.bias_balancing and not source.model_config.get("bias_balancing", False):
+            return BalanceBiasesAdded(source, self)
+        return None
 
     def describe(self, model: nn.Module) -> str:
         m, g = _gpt_moe(model), self.gpt
