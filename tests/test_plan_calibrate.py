@@ -51,19 +51,40 @@ def test_quick_calibration_writes_a_local_system(tmp_path, monkeypatch, capsys):
     assert 1e-4 < p.step_time_s < 10 and q.time_breakdown_s["tp_communication"] > 0
 
 
-def test_the_wait_of_a_collective_between_kernels_is_added_to_the_latency():
+def test_the_wait_of_a_collective_between_kernels_is_paid_once_by_every_collective():
     """A collective issued after a multiply costs the pair's time less the multiply's: its excess over the
-    ring model's time for its size (fitted to back-to-back samples) is spread over the ring's 2(n-1)
-    latencies; none measured, none added."""
+    ring model's time for its size (fitted to back-to-back samples) is the links' ``sync_wait_us``, beside the
+    ring's per-step latency; none measured, none added.  Every collective and message pays it once, whatever
+    its kind: an all-gather's or all-to-all's ranks wait for the last one as an all-reduce's do.  A file written
+    when the wait was spread over an all-reduce's 2 (n - 1) latencies is read the same."""
+    from podscale.plan import network as net
+    from podscale.plan.hardware import system_from_dict
     alpha, bw, n = 50e-6, 2e9, 2
     samples = [(s, 2 * (n - 1) * alpha + 2 * (n - 1) / n * s / bw) for s in (1 << 12, 1 << 16, 1 << 20, 1 << 24)]
     data = {"matmul": [[64, 64, 64, 1e10]], "memory_bw": 1e10, "elementwise_bw": 5e9, "kernel_overhead": 5e-6,
             "allreduce": samples, "threads": 1, "nvme_bw": 1e9,
             "sync": {"bytes": 1 << 19, "pair_s": 3.0e-3, "mm_s": 2.0e-3, "allreduce_s": 0.4e-3}}
     ring = 2 * alpha + (1 << 19) / bw                 # t(512 KiB) on 2 ranks: 0.362 ms
-    assert sync_wait(data, n) == pytest.approx(1.0e-3 - ring)
-    lat = tomllib.loads(system_toml(data, n, quick=True))["intra_node"]["latency_us"]
-    assert lat == pytest.approx((alpha + (1.0e-3 - ring) / 2) * 1e6, rel=1e-3)
+    wait = 1.0e-3 - ring
+    assert sync_wait(data, n) == pytest.approx(wait)
+    text = system_toml(data, n, quick=True)
+    link = tomllib.loads(text)["intra_node"]
+    assert link["latency_us"] == pytest.approx(alpha * 1e6, rel=1e-3)
+    assert link["sync_wait_us"] == pytest.approx(wait * 1e6, rel=1e-3)
+    system = system_from_dict(tomllib.loads(text))
+    assert system.collective_wait == pytest.approx(wait, rel=1e-3)
+    lat = system.intra.latency
+    assert net.all_reduce_time(system, 0, 2) == pytest.approx(2 * lat + wait, rel=1e-3)
+    assert net.all_gather_time(system, 0, 2) == pytest.approx(lat + wait, rel=1e-3)
+    assert net.all_to_all_time(system, 0, 2) == pytest.approx(lat + wait, rel=1e-3)
+    assert net.all_reduce_time(system, 1 << 20, 1) == 0.0          # a group of one waits for nobody
+    # the earlier format: latency_us = alpha + wait / (2 (n - 1)), the wait in [calibration] alone
+    old = tomllib.loads(text)
+    for key in ("intra_node", "inter_node"):
+        old[key]["latency_us"] = (alpha + wait / 2) * 1e6
+        del old[key]["sync_wait_us"]
+    before = system_from_dict(old)
+    assert before.intra.latency == pytest.approx(lat, rel=1e-3) and before.collective_wait == pytest.approx(wait, rel=1e-3)
     data["sync"]["pair_s"] = 2.3e-3                    # faster than its parts: noise, no negative wait
     assert sync_wait(data, n) == 0.0
     del data["sync"]                                   # files calibrated before this measurement existed

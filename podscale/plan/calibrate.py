@@ -21,8 +21,8 @@ runs them, so they share cores, caches and memory bandwidth), each with cores/ra
     gloo a collective's time is two-valued (:func:`expected_time`: its thread hand-offs now and then wait for
     a scheduler tick), so a step with tens of collectives pays their *mean*, which low percentiles of
     back-to-back timings after a barrier never see. The mean pair less the mean multiply, beyond the ring
-    model's t(S), is added to the latency the planner uses (``sync_wait_us`` below), so every collective of
-    a step pays it; and the same all-reduce issued
+    model's t(S), is each link's ``sync_wait_us``, which every collective and message of a step pays once
+    (``System.collective_wait``); and the same all-reduce issued
     asynchronously under a matmul, as the tensor-parallel backward overlaps the input gradient's
     all-reduce with the weight gradient: what it costs beyond the longer of the two is the device's
     ``overlap_penalty_us`` (the collective's thread competes with the compute threads for the cores);
@@ -693,9 +693,8 @@ def _rate_line(key: str, value, what: str) -> str:
 
 def system_toml(data: dict, ranks: int, quick: bool) -> str:
     """Render the measured numbers in the catalog's TOML schema; one 'device' is one rank."""
-    alpha0, bw = fit_ring(data["allreduce"], ranks)
+    alpha, bw = fit_ring(data["allreduce"], ranks)
     wait = sync_wait(data, ranks)
-    alpha = alpha0 + wait / (2 * (ranks - 1))         # t(S) pays 2(n-1) latencies: spread the wait over them
     peak = max(f for *_, f in data["matmul"])
     cores = os.cpu_count() or 1
     when = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
@@ -748,18 +747,20 @@ attention_table = [
 ]
 
 [intra_node]
-# gloo all-reduce over loopback, least-squares fit of the ring model to the samples below (latency
-# {alpha0 * 1e6:.4g} us back to back), plus the measured wait of a collective between compute kernels
-# ({wait * 1e6:.4g} us per collective, spread over its 2(n-1) steps). ZeRO's reduce-scatter and all-gather
-# as podscale issues them on gloo (a reduce / broadcast per rank), fitted to half the ring model.
+# gloo all-reduce over loopback, least-squares fit of the ring model to the samples below (latency per
+# ring step, back to back), and the measured wait of a collective between compute kernels, which every
+# collective and message pays once. ZeRO's reduce-scatter and all-gather as podscale issues them on gloo
+# (a reduce / broadcast per rank), fitted to half the ring model.
 bandwidth_gbps = {bw / GB:.6g}
 efficiency = 1.0
 latency_us = {alpha * 1e6:.4g}
+sync_wait_us = {wait * 1e6:.4g}
 {sharded}
 [inter_node]
 bandwidth_gbps = {bw / GB:.6g}
 efficiency = 1.0
 latency_us = {alpha * 1e6:.4g}
+sync_wait_us = {wait * 1e6:.4g}
 {sharded}
 [host]
 memory_gib = {mem / GiB:.4g}

@@ -128,6 +128,10 @@ class Link:
     # rank); 0 -> the ring's, ``bandwidth``.
     reduce_scatter_bandwidth: float = 0.0
     all_gather_bandwidth: float = 0.0
+    # Measured (local only): seconds every collective or message issued between compute kernels pays once
+    # beyond its ring-model time, whatever its kind and size (the ranks reach it at different moments, and a
+    # gloo thread hand-off now and then waits for a scheduler tick: ``plan calibrate``'s sync_wait_us).
+    sync_wait: float = 0.0
 
     @property
     def effective(self) -> float:
@@ -176,6 +180,14 @@ class System:
         return self.topology == "host"
 
     @property
+    def collective_wait(self) -> float:
+        """Seconds every collective or point-to-point message pays once beyond its size's time: the measured
+        wait of one issued between compute kernels on a calibrated CPU (``Link.sync_wait``), 0 on the catalog's
+        systems, whose per-step latencies are all their links have."""
+        return max((link.sync_wait for link in (self.intra, self.inter, self.ici, self.stream) if link is not None),
+                   default=0.0)
+
+    @property
     def data_parallel_only(self) -> bool:
         return self.topology == "weight-streaming"
 
@@ -194,11 +206,17 @@ class System:
                 f"nodes; use a multiple of {self.devices_per_node}")
 
 
-def _link(table: dict, key: str = "bandwidth_gbps") -> Link:
+def _link(table: dict, key: str = "bandwidth_gbps", calibration: dict | None = None) -> Link:
+    """A link table of a system file.  ``calibration``: the file's ``[calibration]`` section, for a local file
+    written before links carried their own ``sync_wait_us``: its latency then holds the wait spread over an
+    all-reduce's 2 (ranks - 1) steps, which is taken back out into the link's per-collective wait."""
+    latency, wait = float(table.get("latency_us", 0.0)) * 1e-6, float(table.get("sync_wait_us", 0.0)) * 1e-6
+    if "sync_wait_us" not in table and calibration and "sync_wait_us" in calibration:
+        wait = float(calibration["sync_wait_us"]) * 1e-6
+        latency = max(0.0, latency - wait / (2 * (int(calibration.get("ranks", 2)) - 1)))
     return Link(bandwidth=float(table[key]) * GB, efficiency=float(table.get("efficiency", 1.0)),
-                latency=float(table.get("latency_us", 0.0)) * 1e-6,
-                reduce_scatter_bandwidth=float(table.get("reduce_scatter_gbps", 0.0)) * GB,
-                all_gather_bandwidth=float(table.get("all_gather_gbps", 0.0)) * GB)
+                latency=latency, reduce_scatter_bandwidth=float(table.get("reduce_scatter_gbps", 0.0)) * GB,
+                all_gather_bandwidth=float(table.get("all_gather_gbps", 0.0)) * GB, sync_wait=wait)
 
 
 def system_from_dict(data: dict, source: str = "") -> System:
@@ -246,8 +264,8 @@ def system_from_dict(data: dict, source: str = "") -> System:
             name=str(data["name"]), description=str(data.get("description", "")), topology=topology,
             device=device, devices_per_node=int(data.get("devices_per_node", 1)),
             max_devices=int(data.get("max_devices", 0)), host=host,
-            intra=_link(data["intra_node"]) if "intra_node" in data else None,
-            inter=_link(data["inter_node"]) if "inter_node" in data else None,
+            intra=_link(data["intra_node"], calibration=data.get("calibration")) if "intra_node" in data else None,
+            inter=_link(data["inter_node"], calibration=data.get("calibration")) if "inter_node" in data else None,
             torus=tuple(int(x) for x in data.get("torus", ())),
             ici=_link(data["ici"], "link_gbps") if "ici" in data else None,
             stream=_link(data["stream"], "io_gbps") if "stream" in data else None,

@@ -17,6 +17,9 @@ all-gathers back, so (Thakur et al., "Optimization of collective communication o
 reduce-scatter and all-gather are half of it each (at a link's own measured bandwidth for them where it
 has one: ``plan calibrate`` on gloo, whose podscale reduce-scatter is one reduce per rank). All-to-all
 sends (n-1)/n of the buffer, and the bottleneck is the slowest level it crosses. Point-to-point is S / B + alpha.
+On a calibrated CPU every collective and message also pays, once, the measured wait of one issued between
+compute kernels (``System.collective_wait``: the ranks' late arrivals and gloo's thread hand-offs), whatever its
+kind: an all-gather or an all-to-all waits for the last rank as an all-reduce does.
 """
 from __future__ import annotations
 
@@ -103,7 +106,12 @@ def all_reduce_time(system: System, nbytes: float, n: int, stride: int = 1) -> f
     for k, bw, lat in levels(system, n, stride):
         t += 2 * (k - 1) / k * shard / bw + 2 * (k - 1) * lat
         shard /= k
-    return t
+    return t + _wait(system, n)
+
+
+def _wait(system: System, n: int) -> float:
+    """The once-per-collective wait (module docstring) of a group of ``n`` ranks: none alone."""
+    return system.collective_wait if n > 1 else 0.0
 
 
 def _half_ring(system: System, nbytes: float, n: int, stride: int, collective: str) -> float:
@@ -111,7 +119,7 @@ def _half_ring(system: System, nbytes: float, n: int, stride: int, collective: s
     for k, bw, lat in levels(system, n, stride, collective):
         t += (k - 1) / k * shard / bw + (k - 1) * lat
         shard /= k
-    return t
+    return t + _wait(system, n)
 
 
 def reduce_scatter_time(system: System, nbytes: float, n: int, stride: int = 1) -> float:
@@ -137,7 +145,7 @@ def all_to_all_time(system: System, nbytes: float, n: int, stride: int = 1) -> f
         frac = (inner_new - inner) / n
         t = max(t, frac * nbytes / bw)
         inner = inner_new
-    return t + sum((k - 1) * lat for k, _, lat in lv)
+    return t + sum((k - 1) * lat for k, _, lat in lv) + _wait(system, n)
 
 
 def p2p_time(system: System, nbytes: float, stride: int) -> float:
@@ -151,4 +159,4 @@ def p2p_time(system: System, nbytes: float, stride: int) -> float:
     if system.topology == "weight-streaming":
         return nbytes / system.stream.effective + system.stream.latency
     link = system.intra if stride < system.devices_per_node else system.inter
-    return nbytes / link.effective + link.latency
+    return nbytes / link.effective + link.latency + system.collective_wait
