@@ -119,7 +119,8 @@ def test_an_moe_blocks_tp_collectives_are_the_attentions_and_the_gather_of_its_s
     (Megatron's), the MoE layer's all-gather over tp of its samples' outputs (forward) and of their
     input gradients (backward), and the forward's all-reduce of its aux and z loss over tp (one float); no
     MLP all-reduce. Every block MoE, no overlap, one micro-batch: the tp
-    communication of a step is these and the one gradient sum (the loss's are the output layer's)."""
+    communication of a step is these, the vocabulary-parallel embedding's all-reduce and the one gradient sum
+    (the head's and the loss's are the output layer's)."""
     system = as_system("dgx-a100-80g")
     model = planner_model(n_layer=4, n_embd=1024, n_head=16, experts=8, block_size=1024, moe_every=1)
     lay = Layout(tp=2, dp=8, microbatch=2)
@@ -128,7 +129,8 @@ def test_an_moe_blocks_tp_collectives_are_the_attentions_and_the_gather_of_its_s
     per_block = (2 * (net.all_reduce_time(system, act, 2, 1) + net.all_gather_time(system, act, 2, 1))
                  + net.all_reduce_time(system, 4, 2, 1))
     grads = net.all_reduce_time(system, system.device.dtype_bytes * gpt_cost.rank_params(model, lay).tp_summed, 2, 1)
-    assert pred.time_breakdown_s["tp_communication"] == pytest.approx(model.layers * per_block + grads,
+    embedding = net.all_reduce_time(system, act, 2, 1)
+    assert pred.time_breakdown_s["tp_communication"] == pytest.approx(model.layers * per_block + grads + embedding,
                                                                       rel=1e-9)
 
 

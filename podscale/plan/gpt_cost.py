@@ -834,7 +834,25 @@ def predict_gpt(system: System, devices: int, model: GPT, lay: Layout, batch: in
     logits_elems = b * s * V / t
     head_gemm = 3 * gemm_time(dev, b * s, V / t, h, bytes_per_element=dev.dtype_bytes)
     head_loss = stream_time(dev, CROSS_ENTROPY_BYTES * logits_elems)
-    head_tp = 2 * net.all_reduce_time(system, 4 * b * s, t, 1) if t > 1 else 0.0   # vocab-parallel CE
+    # The vocabulary-parallel embedding's and output layer's own tp collectives (Shoeybi et al. 2019, Sec. 3;
+    # podscale.parallel.tensor.VocabParallelEmbedding, the head's ColumnParallelLinear): the embedding's partial
+    # lookups summed in the forward (g: an all-reduce; under sequence parallelism a reduce-scatter, all-gathered
+    # in the backward), on the first stage; the head's input through f (its gradient all-reduced in the
+    # backward, under the head's weight gradient with tp_overlap; under sequence parallelism all-gathered in the
+    # forward and its gradient reduce-scattered), on the last; and the vocab-parallel cross-entropy's two small
+    # all-reduces there.
+    embed_tp = head_tp = 0.0
+    if t > 1:
+        act_full = dev.dtype_bytes * b * s * h
+        ar_full = net.all_reduce_time(system, act_full, t, 1)
+        head_wgrad = weight_grad_time(dev, b * s, V / t, h, bytes_per_element=dev.dtype_bytes)
+        head_tp = 2 * net.all_reduce_time(system, 4 * b * s, t, 1) + _tp_backward(lay, ar_full, [head_wgrad], dev,
+                                                                                   collectives=1)
+        if lay.sequence_parallel:
+            embed_tp = net.reduce_scatter_time(system, act_full, t, 1) + net.all_gather_time(system, act_full, t, 1)
+            head_tp += net.all_gather_time(system, act_full, t, 1)
+        else:
+            embed_tp = ar_full
     head = head_gemm + head_loss + head_tp
     # One micro-batch boundary between stages: Megatron's scatter-gather sends 1/t of it per tp rank
     # (Narayanan et al. SC'21, Sec. 4.1); DeepSpeed's pipeline engine sends the whole tensor from every rank.
@@ -842,15 +860,16 @@ def predict_gpt(system: System, devices: int, model: GPT, lay: Layout, batch: in
     stride_pp = lay.dp * lay.ep * t
 
     per_layer_mb = fwd + bwd + recompute + tp_comm + ep_comm
-    # Per-micro-batch time of each rank: its layers, the output layer on the last.
-    n_max, n_last = max(rank_layers), rank_layers[-1]
-    t_last = n_last * per_layer_mb + head
-    t_other = max((n for n in rank_layers[:-1]), default=0) * per_layer_mb
-    slow_last = p == 1 or t_last >= t_other
-    n_slow = n_last if slow_last else n_max
-    t_slow = t_last if slow_last else t_other
+    # Per-micro-batch time of each rank: its layers, the embedding's collectives on the first, the output layer
+    # on the last; the slowest sets the step (on a tie the last, which holds the output layer).
+    t_ranks = [n * per_layer_mb for n in rank_layers]
+    t_ranks[0] += embed_tp
+    t_ranks[-1] += head
+    slow = max(range(p), key=lambda r: (t_ranks[r], r))
+    slow_last, embed_slow = slow == p - 1, slow == 0
+    n_slow, t_slow = rank_layers[slow], t_ranks[slow]
     comp_fwd, comp_bwd, comp_rec = n_slow * fwd, n_slow * bwd, n_slow * recompute
-    bubble = (L * per_layer_mb + head - t_slow) / v
+    bubble = (sum(t_ranks) - t_slow) / v
     # the step's messages between stages, as the schedule exposes them (the executor sends asynchronously);
     # an interleaved schedule hides them under the slowest rank's chunks: its per-micro-batch time over v, the
     # recompute counted with the backward and the rest split between forward and backward as their compute is
@@ -935,7 +954,8 @@ def predict_gpt(system: System, devices: int, model: GPT, lay: Layout, batch: in
 
     breakdown = {
         "forward": m * comp_fwd, "backward": m * comp_bwd, "recompute": m * comp_rec,
-        "tp_communication": m * n_slow * tp_comm + tp_grad_sum, "ep_communication": m * n_slow * ep_comm,
+        "tp_communication": m * n_slow * tp_comm + tp_grad_sum + (m * embed_tp if embed_slow else 0.0),
+        "ep_communication": m * n_slow * ep_comm,
         "output_layer": m * head if slow_last else 0.0, "pp_p2p": p2p, "pipeline_bubble": bubble,
         "dp_communication": dp_exposed, "optimizer": optimizer, "grad_passes": grad_passes, "offload": offload,
     }
