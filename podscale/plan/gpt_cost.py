@@ -722,9 +722,8 @@ def moe_routing_bytes(tokens: float, experts: int, top_k: int, hidden: int, dtyp
     (these kernels and the layer's bookkeeping between them) in these bytes (``plan calibrate``:
     ``compute.routing_time``)."""
     n, c, row = tokens, tokens * top_k, dtype_bytes * hidden
-    forward = 4 * (top_k + 7) * n * experts + 8 * 34 * c + row * (5 * c + 3 * n)
-    if drop_policy != "position":
-        forward += drop_policy_bytes(tokens, top_k, group_size, drop_policy)
+    forward = (4 * (top_k + 7) * n * experts + 8 * 34 * c + row * (5 * c + 3 * n)
+               + drop_policy_bytes(tokens, top_k, group_size, drop_policy))
     backward = 4 * 8 * n * experts + row * (7 * c + 3 * n)
     if stages:
         u = c if rows_sent is None else rows_sent
@@ -841,9 +840,9 @@ def predict_gpt(system: System, devices: int, model: GPT, lay: Layout, batch: in
     # backward, under the head's weight gradient with tp_overlap; under sequence parallelism all-gathered in the
     # forward and its gradient reduce-scattered), on the last; and the vocab-parallel cross-entropy's two small
     # all-reduces there.
+    act_full = dev.dtype_bytes * b * s * h              # one micro-batch's [s, b, h] activation
     embed_tp = head_tp = 0.0
     if t > 1:
-        act_full = dev.dtype_bytes * b * s * h
         ar_full = net.all_reduce_time(system, act_full, t, 1)
         head_wgrad = weight_grad_time(dev, b * s, V / t, h, bytes_per_element=dev.dtype_bytes)
         head_tp = 2 * net.all_reduce_time(system, 4 * b * s, t, 1) + _tp_backward(lay, ar_full, [head_wgrad], dev,
@@ -856,7 +855,7 @@ def predict_gpt(system: System, devices: int, model: GPT, lay: Layout, batch: in
     head = head_gemm + head_loss + head_tp
     # One micro-batch boundary between stages: Megatron's scatter-gather sends 1/t of it per tp rank
     # (Narayanan et al. SC'21, Sec. 4.1); DeepSpeed's pipeline engine sends the whole tensor from every rank.
-    act_msg = dev.dtype_bytes * b * s * h / (t if lay.pp_scatter_gather else 1)
+    act_msg = act_full / (t if lay.pp_scatter_gather else 1)
     stride_pp = lay.dp * lay.ep * t
 
     per_layer_mb = fwd + bwd + recompute + tp_comm + ep_comm

@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 
 from podscale.config import expert_dispatch_problem
+from podscale.plan.models import non_bool_field
 # how an MoE layer exchanges its tokens over the expert group, the trainer's ``parallel.expert_dispatch`` (priced
 # in gpt_cost: ``expected_ranks_per_token``)
 from podscale.parallel.moe.layer import EXPERT_DISPATCHES
@@ -72,9 +73,8 @@ class Layout:
             v = getattr(self, f)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise LayoutError(f"layout {f!r} must be a positive integer, got {v!r}")
-        for f in fields(self):   # JSON's "false" or 0 would otherwise switch a bool key by its truth
-            if f.type == "bool" and not isinstance(getattr(self, f.name), bool):
-                raise LayoutError(f"layout {f.name!r} must be true or false, got {getattr(self, f.name)!r}")
+        if (name := non_bool_field(self)) is not None:
+            raise LayoutError(f"layout {name!r} must be true or false, got {getattr(self, name)!r}")
         sched = self.schedule or ("interleaved" if self.interleave > 1 else "1f1b")
         object.__setattr__(self, "schedule", sched)
         if sched not in SCHEDULES:

@@ -20,6 +20,13 @@ class ModelError(ValueError):
     pass
 
 
+def non_bool_field(obj) -> str | None:
+    """The first ``bool`` field of dataclass ``obj`` that does not hold a bool (JSON's "false" or 0 would
+    otherwise switch it by its truth), or None: the planner's models and layouts both check theirs."""
+    return next((f.name for f in fields(obj) if f.type == "bool" and not isinstance(getattr(obj, f.name), bool)),
+                None)
+
+
 def _finite(x) -> bool:
     """``x`` is a finite real number (a JSON model's "1.5" string or 1e400, read as inf, is not)."""
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
@@ -72,9 +79,8 @@ class GPT:
             if not isinstance(v, int) or isinstance(v, bool) or v < low:
                 raise ModelError(f"model field {f!r} must be an integer >= {low}"
                                  f"{' (0: 4 x hidden)' if f == 'ffn' else ''}, got {v!r}")
-        for f in fields(self):   # JSON's "false" or 0 would otherwise switch a bool key by its truth
-            if f.type == "bool" and not isinstance(getattr(self, f.name), bool):
-                raise ModelError(f"model field {f.name!r} must be true or false, got {getattr(self, f.name)!r}")
+        if (name := non_bool_field(self)) is not None:
+            raise ModelError(f"model field {name!r} must be true or false, got {getattr(self, name)!r}")
         if self.experts > 1 and self.top_k > self.experts:  # a dense model (experts 1) reads neither key
             raise ModelError(f"top_k {self.top_k} exceeds experts {self.experts}: lower top_k or add experts")
         if self.experts > 1 and self.moe_every > self.layers:  # layer i is MoE when (i + 1) % moe_every == 0
